@@ -1,0 +1,394 @@
+"""Apply a recompute :class:`~remat.policy.Policy` to a PyTorch layer stack.
+
+``apply(model, policy)`` turns runs of modules into *checkpoint regions*, with Megatron-LM's semantics:
+
+* ``full/uniform/k``: consecutive groups of k layers (the last one shorter when k does not divide the depth).
+  A group's forward runs without keeping activations; only the group's input tensors (hidden states, attention
+  mask, rotary tables, ...) are kept. In backward the whole group is recomputed, then backpropagated, so while a
+  group's backward runs all k layers' activations exist at once.
+* ``full/block/k``: the first k layers, each its own region; the other layers keep all activations.
+* ``selective/<modules>``: the named submodules of every layer (attention core, MLP, norms, MLP activation).
+
+Regions need no change to the model's code. The first module of a region runs the whole region under one
+checkpoint; the later modules of a multi-layer region, when the model's own loop calls them, hand back the
+region's output (they check that they were given the previous layer's output, i.e. that the loop is a plain
+chain ``h = layer(h, ...)``). Forwards are replaced on the instances, so parameter names, ``state_dict`` keys
+and module hooks are those of the plain model.
+
+Engines: ``reentrant`` mirrors Megatron's ``CheckpointFunction`` (forward under ``no_grad``; backward restores
+the RNG state, recomputes the region with grad enabled and backpropagates through it); ``non-reentrant`` uses
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with early stop. Both restore the RNG state so
+dropout masks are the same in the recomputation, and gradients equal the plain model's bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from remat.policy import Policy
+
+# Where common model families keep their decoder layers, most specific first.
+LAYER_STACK_PATHS = (
+    "layers",                 # remat's reference GPT, torchtitan (ModuleDict)
+    "model.layers",           # Llama, Mistral, Qwen2, Gemma (Hugging Face)
+    "transformer.h",          # GPT-2, nanoGPT, Falcon
+    "model.decoder.layers",   # OPT
+    "gpt_neox.layers",        # GPT-NeoX, Pythia
+    "transformer.blocks",     # MPT
+    "decoder.layers",
+    "encoder.layers",
+    "h",
+    "blocks",
+)
+
+# Selective module name -> candidate submodule paths inside one layer; every candidate present is recomputed.
+SELECTIVE_TARGETS: dict[str, tuple[str, ...]] = {
+    "core_attn": ("self_attention.core_attention", "attn.core_attention", "self_attn.core_attention"),
+    "mlp": ("mlp", "feed_forward", "ffn"),
+    "layernorm": ("input_layernorm", "pre_mlp_layernorm", "post_attention_layernorm", "ln_1", "ln_2",
+                  "attention_norm", "ffn_norm"),
+    "act": ("mlp.activation", "mlp.act_fn", "mlp.act", "feed_forward.act_fn"),
+}
+
+
+class ApplyError(ValueError):
+    """The policy cannot be applied to this model; the message says what to change."""
+
+
+class CheckpointObserver(Protocol):
+    """What a region reports while it runs (used by measurement to tag bytes)."""
+
+    def on_checkpoint_inputs(self, region: Region, tensors: Sequence[torch.Tensor]) -> None: ...
+
+    def on_recompute(self, region: Region, begin: bool) -> None: ...
+
+
+_observers: list[CheckpointObserver] = []
+
+
+def add_observer(observer: CheckpointObserver) -> None:
+    _observers.append(observer)
+
+
+def remove_observer(observer: CheckpointObserver) -> None:
+    _observers.remove(observer)
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _first_tensor_index(leaves: list[Any]) -> int | None:
+    return next((i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)), None)
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    leaves = tree_flatten(value)[0]
+    i = _first_tensor_index(leaves)
+    return None if i is None else leaves[i]
+
+
+class _RngState:
+    """CPU and (where used) CUDA generator states, captured before a region's forward."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.cpu = torch.get_rng_state()
+        self.cuda_devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+        self.cuda = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+
+    def run_restored(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with torch.random.fork_rng(devices=self.cuda_devices):
+            torch.set_rng_state(self.cpu)
+            for device, state in zip(self.cuda_devices, self.cuda):
+                torch.cuda.set_rng_state(state, device)
+            return fn(*args)
+
+
+class _OutputSpec:
+    """Carries the pytree structure of a region's output out of ``autograd.Function.forward``."""
+
+    spec: Any = None
+    leaves: list[Any] = []
+
+
+class _ReentrantCheckpoint(torch.autograd.Function):
+    """Megatron's ``CheckpointFunction``: keep the inputs and RNG state, recompute the region in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[..., Any], out: _OutputSpec, *inputs: torch.Tensor) -> Any:
+        ctx.run = run
+        ctx.rng = _RngState(inputs)
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            result = run(*inputs)
+        out.leaves, out.spec = tree_flatten(result)
+        return tuple(leaf for leaf in out.leaves if isinstance(leaf, torch.Tensor))
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            result = ctx.rng.run_restored(ctx.run, *inputs)
+        outputs = [leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
+        del result, outputs
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        del pairs
+        return (None, None, *(t.grad if t.requires_grad else None for t in inputs))
+
+
+@dataclass(eq=False)
+class Region:
+    """A run of modules that is checkpointed as one unit (a layer group, or one submodule)."""
+
+    index: int
+    kind: str                       # "layers" or "selective:<module>"
+    modules: list[nn.Module]
+    names: list[str]
+    engine: str
+    layer_indices: tuple[int, ...] = ()
+    _originals: list[Any] = field(default_factory=list, repr=False)
+    _running: bool = field(default=False, repr=False)
+    _pending: Any = field(default=None, repr=False)
+    _next_member: int = field(default=0, repr=False)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "layers":
+            first, last = self.layer_indices[0], self.layer_indices[-1]
+            return f"group {self.index} (layer{'s' if last > first else ''} {first}"\
+                   f"{'-' + str(last) if last > first else ''})"
+        return f"{self.kind.split(':', 1)[1]} in {self.names[0]}"
+
+    # -- installation -------------------------------------------------------------------------------------
+    def install(self) -> None:
+        for position, module in enumerate(self.modules):
+            if "_remat_region" in module.__dict__:
+                raise ApplyError(f"module {self.names[position]} is already in a recompute region: "
+                                 "nested regions are not supported; use one policy")
+            self._originals.append(module.__dict__.get("forward"))
+            module.__dict__["forward"] = functools.partial(self._forward, position)
+            module.__dict__["_remat_region"] = self
+
+    def uninstall(self) -> None:
+        for module, original in zip(self.modules, self._originals):
+            del module.__dict__["_remat_region"]
+            if original is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = original
+        self._originals.clear()
+
+    def _original_forward(self, position: int) -> Callable[..., Any]:
+        original = self._originals[position]
+        module = self.modules[position]
+        return original if original is not None else type(module).forward.__get__(module)
+
+    # -- running ------------------------------------------------------------------------------------------
+    def _forward(self, position: int, *args: Any, **kwargs: Any) -> Any:
+        if self._running:  # inside this region's own computation or recomputation
+            return self._original_forward(position)(*args, **kwargs)
+        if position == 0:
+            output = self._run_checkpointed(args, kwargs) if torch.is_grad_enabled() else self._run(args, kwargs)
+            if len(self.modules) > 1:
+                self._pending, self._next_member = output, 1
+            return output
+        return self._pass_through(position, args, kwargs)
+
+    def _pass_through(self, position: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        output = self._pending
+        if output is None or position != self._next_member:
+            raise ApplyError(f"{self.names[position]} was called before the first module of its group "
+                             f"({self.names[0]}): the model does not run its layers in order; use "
+                             "full/uniform/1 or full/block")
+        if _first_tensor((args, kwargs)) is not _first_tensor(output):
+            raise ApplyError(f"{self.names[position]} was not given the output of {self.names[position - 1]}: "
+                             "the model's loop does work between layers, so a multi-layer group cannot "
+                             "be recomputed as one; use full/uniform/1 or full/block")
+        self._next_member += 1
+        if self._next_member == len(self.modules):
+            self._pending = None
+        return output
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        recompute = in_backward()
+        if recompute:
+            for observer in _observers:
+                observer.on_recompute(self, True)
+        self._running = True
+        try:
+            output = self.modules[0](*args, **kwargs)
+            for module in self.modules[1:]:
+                leaves, spec = tree_flatten((args, kwargs))
+                leaves[_first_tensor_index(leaves)] = _first_tensor(output)
+                args, kwargs = tree_unflatten(leaves, spec)
+                output = module(*args, **kwargs)
+        finally:
+            self._running = False
+            if recompute:
+                for observer in _observers:
+                    observer.on_recompute(self, False)
+        return output
+
+    def _run_checkpointed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        leaves, spec = tree_flatten((args, kwargs))
+        tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        tensors = [leaves[i] for i in tensor_positions]
+        if not tensors:
+            raise ApplyError(f"{self.label} has no tensor inputs to checkpoint")
+        template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        for observer in _observers:
+            observer.on_checkpoint_inputs(self, tensors)
+
+        def run(*inputs: torch.Tensor) -> Any:
+            filled = list(template)
+            for i, tensor in zip(tensor_positions, inputs):
+                filled[i] = tensor
+            call_args, call_kwargs = tree_unflatten(filled, spec)
+            return self._run(call_args, call_kwargs)
+
+        if self.engine == "non-reentrant":
+            return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False,
+                                                     preserve_rng_state=True)
+        out = _OutputSpec()
+        outputs = iter(_ReentrantCheckpoint.apply(run, out, *tensors))
+        leaves_out = [next(outputs) if isinstance(leaf, torch.Tensor) else leaf for leaf in out.leaves]
+        return tree_unflatten(leaves_out, out.spec)
+
+
+@dataclass
+class AppliedPolicy:
+    """What :func:`apply` did: the policy, where the layer stack is, and the checkpoint regions."""
+
+    policy: Policy
+    stack_path: str
+    layers: list[nn.Module]
+    regions: list[Region]
+
+    @property
+    def depth(self) -> int:
+        return len(self.layers)
+
+
+def find_layer_stack(model: nn.Module, layers: str | Sequence[nn.Module] | nn.Module | None = None,
+                     ) -> tuple[str, list[nn.Module]]:
+    """Return ``(path, layers)`` of the model's decoder layer stack.
+
+    ``layers`` may name the container (``"model.layers"``), or be the container or a list of the layers.
+    Without it, the common layouts (:data:`LAYER_STACK_PATHS`) are tried, then the one largest
+    ``nn.ModuleList``/``nn.ModuleDict`` of same-typed modules.
+    """
+    if layers is not None:
+        if isinstance(layers, str):
+            try:
+                container = model.get_submodule(layers)
+            except AttributeError as err:
+                raise ApplyError(f"layers={layers!r}: the model has no submodule at that path") from err
+            return layers, _stack_members(container, layers)
+        if isinstance(layers, nn.Module):
+            path = next((n for n, m in model.named_modules() if m is layers), "<layers>")
+            return path, _stack_members(layers, path)
+        members = list(layers)
+        if not members or not all(isinstance(m, nn.Module) for m in members):
+            raise ApplyError("layers= must be a path, a ModuleList/ModuleDict, or a non-empty list of modules")
+        return "<layers>", members
+    for path in LAYER_STACK_PATHS:
+        try:
+            container = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(container, (nn.ModuleList, nn.ModuleDict)) and len(container) > 0:
+            return path, _stack_members(container, path)
+    candidates = [(n, m) for n, m in model.named_modules()
+                  if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) > 1
+                  and len({type(c) for c in m.children()}) == 1]
+    if candidates:
+        path, container = max(candidates, key=lambda c: len(c[1]))
+        return path, _stack_members(container, path)
+    raise ApplyError(f"could not find the layer stack of {type(model).__name__}: none of the usual paths "
+                     f"({', '.join(LAYER_STACK_PATHS[:5])}, ...) holds an nn.ModuleList; pass "
+                     "layers='path.to.the.ModuleList' (or the layers themselves)")
+
+
+def _stack_members(container: nn.Module, path: str) -> list[nn.Module]:
+    if isinstance(container, nn.ModuleDict):
+        return list(container.values())
+    if isinstance(container, nn.ModuleList):
+        return list(container)
+    raise ApplyError(f"layers={path!r} is a {type(container).__name__}, not an nn.ModuleList or "
+                     "nn.ModuleDict: name the container that holds the layers")
+
+
+def _selective_targets(layer: nn.Module, layer_name: str, module: str) -> list[tuple[str, nn.Module]]:
+    found = []
+    for rel in SELECTIVE_TARGETS[module]:
+        try:
+            found.append((f"{layer_name}.{rel}", layer.get_submodule(rel)))
+        except AttributeError:
+            continue
+    if not found:
+        children = ", ".join(n for n, _ in layer.named_modules() if n) or "none"
+        raise ApplyError(f"selective module {module!r}: {layer_name} ({type(layer).__name__}) has none of "
+                         f"{', '.join(SELECTIVE_TARGETS[module])}; its submodules are: {children}")
+    return found
+
+
+def applied(model: nn.Module) -> AppliedPolicy | None:
+    """The policy currently applied to ``model`` by :func:`apply`, or None."""
+    return model.__dict__.get("_remat_applied")
+
+
+def remove(model: nn.Module) -> None:
+    """Undo :func:`apply`: every module runs its own forward again."""
+    state = model.__dict__.pop("_remat_applied", None)
+    if state is not None:
+        for region in state.regions:
+            region.uninstall()
+
+
+def apply(model: nn.Module, policy: Policy | str,
+          layers: str | Sequence[nn.Module] | nn.Module | None = None) -> AppliedPolicy:
+    """Apply ``policy`` to ``model``'s layer stack, replacing any policy applied before.
+
+    ``policy`` may be a :class:`Policy` or its string form (``"full/uniform/4"``). ``layers`` names the stack
+    when it is not found automatically (see :func:`find_layer_stack`). ``Policy.parse("none")`` restores the
+    plain model. Returns what was applied; the same object is available later through :func:`applied`.
+    """
+    if isinstance(policy, str):
+        policy = Policy.parse(policy)
+    if getattr(model, "is_gradient_checkpointing", False):
+        raise ApplyError(f"{type(model).__name__} has Hugging Face gradient checkpointing enabled: call "
+                         "model.gradient_checkpointing_disable() first so that recompute is not stacked")
+    stack_path, stack = find_layer_stack(model, layers)
+    names = _layer_names(model, stack, stack_path)
+    regions: list[Region] = []
+    if policy.granularity == "full":
+        for group in policy.layer_groups(len(stack)):
+            regions.append(Region(len(regions), "layers", [stack[i] for i in group], [names[i] for i in group],
+                                  policy.engine, layer_indices=tuple(group)))
+    elif policy.granularity == "selective":
+        for i, layer in enumerate(stack):
+            for module in policy.modules:
+                for name, target in _selective_targets(layer, names[i], module):
+                    regions.append(Region(len(regions), f"selective:{module}", [target], [name], policy.engine,
+                                          layer_indices=(i,)))
+    remove(model)
+    for region in regions:
+        region.install()
+    state = AppliedPolicy(policy, stack_path, stack, regions)
+    model.__dict__["_remat_applied"] = state
+    return state
+
+
+def _layer_names(model: nn.Module, stack: list[nn.Module], stack_path: str) -> list[str]:
+    by_module = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    return [by_module.get(id(layer), f"{stack_path}.{i}") for i, layer in enumerate(stack)]

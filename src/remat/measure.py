@@ -1,0 +1,320 @@
+"""Record one training step's memory timeline: every storage allocated and freed, tagged with its phase.
+
+The recorder is a ``TorchDispatchMode``: every operator's output storages are seen once, when first made, and
+a ``weakref.finalize`` on the storage records its free when its last reference goes. A storage counts once
+however many views share it. Phases come from module hooks: a layer's forward, the same layer run again by a
+checkpoint in backward (recompute), and gradient hooks on layer outputs for backward.
+
+The same recorder runs on real CPU tensors (exact bytes), on CUDA tensors (storage bytes rounded up to the
+caching allocator's 512-byte blocks, with ``torch.cuda.max_memory_allocated`` kept beside them), and under
+``FakeTensorMode``, where nothing is allocated at all (that is how :mod:`remat.predict` works).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
+
+from remat.apply import Region, add_observer, applied, find_layer_stack, in_backward, remove_observer
+from remat.timeline import Phase, Timeline
+
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
+
+Batch = Sequence[Any] | dict[str, Any]
+
+
+def _ceil_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The scalar loss in a model's output: a tensor, or an object/dict with ``loss`` (Hugging Face)."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", output)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError("the model's output is not a scalar loss: return the loss from forward, or pass "
+                        "loss_fn=lambda output, batch: ... to measure/predict")
+    return loss
+
+
+def run_model(model: nn.Module, batch: Batch) -> Any:
+    return model(**batch) if isinstance(batch, dict) else model(*batch)
+
+
+class StepRecorder(TorchDispatchMode):
+    """Records allocations, frees, phases and FLOPs while one training step runs inside it."""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module], *, block_bytes: int = 1):
+        super().__init__()
+        self.model = model
+        self.layers = layers
+        self.layer_index = {id(layer): i for i, layer in enumerate(layers)}
+        self.module_names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        self.block_bytes = block_bytes
+        self.timeline = Timeline()
+        self.rows: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> allocation row
+        self.active = False
+        self.group_input_rows: set[int] = set()
+        self.flops: dict[str, int] = {}
+        self.module_stack: list[str] = []
+        self.recomputing: list[tuple[Region, Phase, int]] = []
+        self._phase: Phase | None = None
+        self._handles: list[Any] = []
+        self.set_phase("setup", "")
+
+    # -- events -------------------------------------------------------------------------------------------
+    def set_phase(self, kind: str, region: str, detail: str = "") -> None:
+        phase = Phase(self.timeline.num_events, kind, region, detail)
+        if self._phase is not None and (phase.kind, phase.region, phase.detail) == (
+                self._phase.kind, self._phase.region, self._phase.detail):
+            return
+        if self.timeline.phases and self.timeline.phases[-1].start == phase.start:
+            self.timeline.phases[-1] = phase  # the previous phase made no event: replace it
+        else:
+            self.timeline.phases.append(phase)
+        self._phase = phase
+
+    def track(self, tensor: torch.Tensor) -> int | None:
+        """Record ``tensor``'s storage as allocated now if it is new; return its row."""
+        storage = tensor.untyped_storage()
+        row = self.rows.get(storage)
+        if row is not None:
+            return row
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return None
+        tl = self.timeline
+        row = len(tl.nbytes)
+        tl.nbytes.append(_ceil_to(nbytes, self.block_bytes))
+        tl.alloc_at.append(tl.num_events)
+        tl.num_events += 1
+        tl.free_at.append(-1)
+        tl.phase_index.append(len(tl.phases) - 1)
+        tl.module.append(self.module_stack[-1] if self.module_stack else self._default_module())
+        tl.category.append("other")
+        self.rows[storage] = row
+        weakref.finalize(storage, self._on_free, row)
+        return row
+
+    def _default_module(self) -> str:
+        region = self._phase.region if self._phase else ""
+        if region.startswith("layer "):
+            return self.module_names.get(id(self.layers[int(region[6:])]), region)
+        return region
+
+    def _on_free(self, row: int) -> None:
+        if self.active:
+            self.timeline.free_at[row] = self.timeline.num_events
+            self.timeline.num_events += 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        for leaf in tree_flatten((args, kwargs))[0]:
+            if isinstance(leaf, torch.Tensor):  # storages made outside any operator (RNG states, ...)
+                self.track(leaf)
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if packet in flop_registry:
+            kind = self._phase.kind if self._phase else "setup"
+            self.flops[kind] = self.flops.get(kind, 0) + int(flop_registry[packet](*args, **kwargs, out_val=out))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self.track(leaf)
+        return out
+
+    # -- phases from hooks --------------------------------------------------------------------------------
+    def _is_outer_call(self, module: nn.Module) -> bool:
+        """A multi-layer region's member called by the model's loop (not inside the region's own run)."""
+        region = module.__dict__.get("_remat_region")
+        return region is not None and region.kind == "layers" and not region._running
+
+    def _pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.module_stack.append(self.module_names.get(id(module), type(module).__name__))
+        i = self.layer_index.get(id(module))
+        if i is None or self._is_outer_call(module):
+            return
+        if in_backward():
+            detail = self.recomputing[-1][0].label if self.recomputing else ""
+            self.set_phase("recompute", f"layer {i}", detail)
+        else:
+            self.set_phase("forward", f"layer {i}")
+            first = next((a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)), None)
+            if i == 0 and first is not None and first.requires_grad:
+                self._grad_hook(first, "embedding")
+
+    def _post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self.module_stack:
+            self.module_stack.pop()
+        i = self.layer_index.get(id(module))
+        if i is None or self._is_outer_call(module):
+            return
+        first = next((o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor)), None)
+        if first is not None and first.requires_grad:
+            self._grad_hook(first, f"layer {i}")
+        if i == len(self.layers) - 1 and not in_backward():
+            self.set_phase("forward", "head")
+
+    def _grad_hook(self, tensor: torch.Tensor, region: str) -> None:
+        def hook(grad: torch.Tensor) -> None:
+            if self.active:
+                self.set_phase("backward", region)
+        tensor.register_hook(hook)
+
+    def on_checkpoint_inputs(self, region: Region, tensors: Sequence[torch.Tensor]) -> None:
+        for t in tensors:
+            row = self.track(t)
+            if row is not None:
+                self.group_input_rows.add(row)
+
+    def on_recompute(self, region: Region, begin: bool) -> None:
+        if begin:
+            self.recomputing.append((region, self._phase, len(self.module_stack)))
+            where = self._phase.region if region.kind != "layers" else f"layer {region.layer_indices[0]}"
+            self.set_phase("recompute", where, region.label)
+        else:
+            _, before, depth = self.recomputing.pop()
+            del self.module_stack[depth:]
+            self.set_phase(before.kind, before.region, before.detail)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    def __enter__(self) -> StepRecorder:
+        super().__enter__()
+        self.active = True
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
+            nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True),
+        ]
+        add_observer(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.active = False
+        remove_observer(self)
+        for handle in self._handles:
+            handle.remove()
+        super().__exit__(*exc)
+
+    def categorize(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Give every allocation its category (see remat.timeline.CATEGORIES)."""
+        tl = self.timeline
+        params = set()
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            row = self.rows.get(t.untyped_storage())
+            if row is not None:
+                params.add(row)
+        grads = set()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                row = self.rows.get(p.grad.untyped_storage())
+                if row is not None:
+                    grads.add(row)
+        for row in range(len(tl.nbytes)):
+            phase = tl.phases[tl.phase_index[row]]
+            if row in params:
+                category = "parameters"
+            elif row in grads:
+                category = "gradients"
+            elif phase.kind == "optimizer":
+                category = "optimizer_state"
+            elif row in self.group_input_rows:
+                category = "group_inputs"
+            elif phase.region == "head":
+                category = "head_loss"
+            elif phase.kind == "recompute":
+                category = "recompute"
+            elif phase.kind == "forward":
+                category = "saved_activations"
+            else:
+                category = "other"
+            tl.category[row] = category
+        if optimizer is not None:  # states that existed before this step (a second step) are optimizer states
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        row = self.rows.get(value.untyped_storage())
+                        if row is not None and row not in params:
+                            tl.category[row] = "optimizer_state"
+
+
+def record_step(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimizer | None = None,
+                loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
+                layers: str | Sequence[nn.Module] | nn.Module | None = None, block_bytes: int = 1,
+                ) -> tuple[Timeline, torch.Tensor]:
+    """Run forward, loss, backward (and ``optimizer.step()``) once under a :class:`StepRecorder`."""
+    state = applied(model)
+    if state is not None and layers is None:
+        stack = state.layers
+    else:
+        stack = find_layer_stack(model, layers)[1]
+    model.zero_grad(set_to_none=True)
+    recorder = StepRecorder(model, stack, block_bytes=block_bytes)
+    with recorder:
+        for t in list(model.parameters()) + list(model.buffers()):
+            recorder.track(t)
+        if optimizer is not None:
+            for st in optimizer.state.values():
+                for value in st.values():
+                    if isinstance(value, torch.Tensor):
+                        recorder.track(value)
+        for leaf in tree_flatten(batch)[0]:
+            if isinstance(leaf, torch.Tensor):
+                recorder.track(leaf)
+        recorder.set_phase("forward", "embedding")
+        output = run_model(model, batch)
+        loss = loss_fn(output, batch) if loss_fn is not None else loss_of(output)
+        del output
+        recorder.set_phase("backward", "head")
+        loss.backward()
+        if optimizer is not None:
+            recorder.set_phase("optimizer", "")
+            optimizer.step()
+        recorder.set_phase("setup", "end")
+    recorder.categorize(optimizer)
+    tl = recorder.timeline
+    tl.meta["flops"] = recorder.flops
+    if state is not None:
+        tl.meta.setdefault("policy", str(state.policy))
+        tl.meta["regions"] = [r.label for r in state.regions]
+    else:
+        tl.meta.setdefault("policy", "none")
+    tl.meta["num_layers"] = len(stack)
+    return tl, loss.detach()
+
+
+def measure(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimizer | None = None,
+            loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
+            layers: str | Sequence[nn.Module] | nn.Module | None = None) -> Timeline:
+    """Measure one training step of ``model`` on ``batch`` and return its memory :class:`Timeline`.
+
+    The step is forward (``model(*batch)`` or ``model(**batch)``), the loss (the output itself, its ``.loss``,
+    or ``loss_fn(output, batch)``), ``backward()`` and, when ``optimizer`` is given, ``optimizer.step()``.
+    Gradients are reset to None first. The backend follows the parameters' device: on CPU the bytes are the
+    exact storage sizes; on CUDA they are rounded to the caching allocator's blocks and the allocator's own
+    peak (``torch.cuda.max_memory_allocated`` over the step) is kept in ``meta['cuda_max_memory_allocated']``.
+    """
+    device = next(model.parameters()).device
+    meta: dict[str, Any] = {"backend": device.type, "device": str(device)}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    tl, loss = record_step(model, batch, optimizer=optimizer, loss_fn=loss_fn, layers=layers,
+                           block_bytes=CUDA_BLOCK if device.type == "cuda" else 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        meta["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+        meta["cuda_allocated_before_step"] = base
+    meta["record_seconds"] = time.perf_counter() - start
+    meta["loss"] = float(loss)
+    tl.meta.update(meta)
+    return tl

@@ -1,0 +1,372 @@
+"""Recompute policies with Megatron-LM's semantics.
+
+A :class:`Policy` says which activations of a stack of ``depth`` transformer layers are kept
+for backward and which are dropped and recomputed. The granularities and methods are
+Megatron-LM's (``--recompute-granularity``, ``--recompute-method``, ``--recompute-num-layers``,
+``--recompute-modules``, ``--distribute-saved-activations``):
+
+* ``none``: nothing is recomputed; every layer keeps all activations its backward needs.
+* ``full/uniform/K``: the layers are split into consecutive groups of ``K`` (the last group is
+  shorter when ``K`` does not divide ``depth``: ``end = min(start + K, depth)``). Each group is
+  one checkpoint: its forward runs without saving activations and only the group's input tensors
+  (hidden states and side inputs such as the attention mask and rotary tensors) are kept. In
+  backward the group's forward is re-run with the forward's RNG state restored, so all
+  activations of its ``K`` layers exist at once, and are freed layer by layer as backward moves
+  down the group.
+* ``full/block/K``: the first ``K`` layers of the stack (of each pipeline stage, or model chunk
+  under virtual pipelining, in Megatron) are checkpointed one layer at a time; the remaining
+  ``depth - K`` layers keep all activations. ``K = 0`` checkpoints nothing.
+* ``selective/M1+M2...``: in every layer, only the listed submodules are checkpointed; the rest
+  of the layer keeps its activations. ``core_attn`` (Megatron's default) drops the attention
+  scores, softmax and attention dropout (the terms quadratic in sequence length) and recomputes
+  them from Q, K, V; ``mlp`` checkpoints the whole dense MLP; ``layernorm`` discards the norms'
+  outputs once consumed and rematerialises them in backward (Megatron's output-discarding
+  ``CheckpointWithoutOutput``); ``act`` discards the MLP activation function's output the same
+  way. ``act`` is remat's own: Megatron only offers it for MoE experts (``moe_act``), so a
+  policy using it has no Megatron flags.
+
+``engine`` picks the checkpoint implementation: ``reentrant`` is Megatron's
+``CheckpointFunction`` (forward under ``no_grad`` keeping only inputs and RNG states, the whole
+segment re-run in backward); ``non-reentrant`` is ``torch.utils.checkpoint(use_reentrant=False)``
+(saved-tensor hooks, recomputation triggered when backward first needs a dropped tensor).
+Megatron is always reentrant, so the engine is not a Megatron flag.
+
+``distribute_saved_activations`` (full only) splits each checkpoint's saved input across the
+tensor-parallel ranks and all-gathers it before recompute; Megatron also requires TP > 1 and
+refuses it with sequence parallelism, which a policy alone cannot check.
+
+remat refuses, with the fix in the message, some inputs Megatron silently accepts or ignores:
+method/num_layers without a granularity, modules with full granularity, an empty module list,
+``--recompute-activations`` together with ``--recompute-granularity full`` (Megatron overrides it
+to selective) and, in :meth:`Policy.layer_groups`, ``num_layers`` above the stack's depth.
+
+Short form (``str(policy)`` / :meth:`Policy.parse`)::
+
+    none | full/uniform/K | full/block/K | selective | selective/M1+M2+...
+    followed optionally by ",distribute" (full only) and then "@reentrant" or "@non-reentrant"
+
+e.g. ``full/uniform/2``, ``full/block/4,distribute@non-reentrant``, ``selective/core_attn+mlp``.
+Flags: ``full/uniform/2`` is ``--recompute-granularity full --recompute-method uniform
+--recompute-num-layers 2``; ``selective/core_attn+mlp`` is ``--recompute-granularity selective
+--recompute-modules core_attn mlp``; ``,distribute`` is ``--distribute-saved-activations``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+GRANULARITIES = ("none", "full", "selective")
+METHODS = ("uniform", "block")
+SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm", "act")  # act = the MLP activation function
+ENGINES = ("reentrant", "non-reentrant")
+DEFAULT_SELECTIVE_MODULES = ("core_attn",)
+
+# Megatron recompute modules for parts remat's reference (dense GPT) model does not have.
+_MEGATRON_ONLY_MODULES = {
+    "moe_act": "MoE", "moe": "MoE", "shared_experts": "MoE", "mla_up_proj": "MLA",
+    "mhc": "hyper-connection", "gdn": "GatedDeltaNet", "gdn_norm_out": "GatedDeltaNet",
+}
+_FLAG_PREFIXES = ("--recompute", "--distribute-saved-activations")
+_EXAMPLES = {"--recompute-granularity": "full", "--recompute-method": "uniform",
+             "--recompute-num-layers": "1"}
+
+GRAMMAR = """\
+expected one of:
+  none
+  full/uniform/K        checkpoint groups of K >= 1 consecutive layers, e.g. full/uniform/1
+  full/block/K          checkpoint the first K >= 0 layers one by one, e.g. full/block/4
+  selective             the same as selective/core_attn
+  selective/M1+M2+...   M from core_attn, mlp, layernorm, act, e.g. selective/core_attn+mlp
+optionally followed by ',distribute' (full only), then '@reentrant' or '@non-reentrant',
+e.g. full/block/4,distribute@non-reentrant"""
+
+
+class PolicyError(ValueError):
+    """A recompute policy Megatron-LM (or remat) refuses; the message says how to fix it."""
+
+
+def _choice(kind: str, value: object, valid: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in valid:
+        raise PolicyError(f"unknown {kind} {value!r}: valid values are {', '.join(valid)}")
+    return value.strip().lower()
+
+
+def _module_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise PolicyError(f"recompute module names must be strings, got {name!r}")
+    key = name.strip().lower()
+    if key in SELECTIVE_MODULES:
+        return key
+    valid = f"valid modules are {', '.join(SELECTIVE_MODULES)}"
+    if key in _MEGATRON_ONLY_MODULES:
+        kind = _MEGATRON_ONLY_MODULES[key]
+        raise PolicyError(f"recompute module {key!r} is for Megatron's {kind} layers, but remat's "
+                          f"reference model is a dense GPT with no MoE/MLA: {valid}")
+    hint = " (separate modules with spaces in Megatron flags, '+' in remat)" if "," in key else ""
+    raise PolicyError(f"unknown recompute module {name!r}{hint}: {valid}")
+
+
+def _modules(value: object) -> tuple[str, ...]:
+    if isinstance(value, (str, bytes, bool)) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise PolicyError(f"modules must be a list or tuple of names such as ('core_attn', 'mlp'), "
+                          f"got {value!r}")
+    names = {_module_name(m) for m in value}
+    return tuple(m for m in SELECTIVE_MODULES if m in names)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One recompute policy; see the module docstring for what each field means."""
+
+    granularity: str = "none"
+    method: str | None = None  # full only
+    num_layers: int | None = None  # full only: uniform group size K >= 1; block: first K >= 0
+    modules: tuple[str, ...] = ()  # selective only; sorted in SELECTIVE_MODULES order, deduplicated
+    engine: str = "reentrant"
+    distribute_saved_activations: bool = False  # full only
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        g = "none" if self.granularity is None else self.granularity
+        g = _choice("recompute granularity", g, GRANULARITIES)
+        set_(self, "granularity", g)
+        if self.method is not None:
+            set_(self, "method", _choice("recompute method", self.method, METHODS))
+        k = self.num_layers
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+                raise PolicyError(f"recompute num_layers must be an integer, got {k!r}")
+            set_(self, "num_layers", k := int(k))
+        set_(self, "modules", _modules(self.modules))
+        set_(self, "engine", _choice("recompute engine", self.engine, ENGINES))
+        if not isinstance(self.distribute_saved_activations, bool):
+            raise PolicyError("distribute_saved_activations must be True or False, "
+                              f"got {self.distribute_saved_activations!r}")
+
+        if g != "full" and self.distribute_saved_activations:
+            raise PolicyError("--distribute-saved-activations only applies to full granularity: "
+                              "drop it, or use --recompute-granularity full (in remat: "
+                              "'full/uniform/K,distribute')")
+        if g != "selective" and self.modules:
+            raise PolicyError(f"recompute modules only apply to selective granularity, not {g}: "
+                              "drop --recompute-modules, or use --recompute-granularity selective "
+                              "(in remat: 'selective/" + "+".join(self.modules) + "')")
+        if g == "none":
+            if self.method is not None or k is not None:
+                raise PolicyError("granularity none recomputes nothing, so --recompute-method/"
+                                  "--recompute-num-layers have no effect: drop them, or add "
+                                  "--recompute-granularity full (in remat: 'full/uniform/K')")
+        elif g == "selective":
+            if self.method is not None or k is not None:
+                raise PolicyError("selective recomputes submodules of every layer; drop "
+                                  "--recompute-method/--recompute-num-layers (in remat: "
+                                  "'selective/core_attn+...')")
+            if not self.modules:
+                raise PolicyError("selective granularity needs at least one module: add "
+                                  "--recompute-modules core_attn (Megatron's default; in remat: "
+                                  "'selective' or modules=('core_attn',))")
+        else:
+            if self.method is None:
+                raise PolicyError("full granularity needs a method: add --recompute-method "
+                                  "uniform or block (in remat: 'full/uniform/K')")
+            if k is None:
+                raise PolicyError("full granularity needs a layer count: add "
+                                  f"--recompute-num-layers K (in remat: 'full/{self.method}/K')")
+            if self.method == "uniform" and k < 1:
+                raise PolicyError(f"uniform recompute needs --recompute-num-layers >= 1 (layers per "
+                                  f"checkpoint), got {k}: use e.g. 'full/uniform/1'")
+            if self.method == "block" and k < 0:
+                raise PolicyError(f"block recompute needs --recompute-num-layers >= 0 (layers to "
+                                  f"checkpoint), got {k}: use e.g. 'full/block/0'")
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def is_none(self) -> bool:
+        """True when nothing is recomputed by granularity (``none``)."""
+        return self.granularity == "none"
+
+    @property
+    def recomputes_layers(self) -> bool:
+        """True for full granularity: whole layers are checkpointed."""
+        return self.granularity == "full"
+
+    @property
+    def is_selective(self) -> bool:
+        """True for selective granularity: submodules of every layer are checkpointed."""
+        return self.granularity == "selective"
+
+    # ----------------------------------------------------------------- short form
+    def __str__(self) -> str:
+        if self.granularity == "full":
+            text = f"full/{self.method}/{self.num_layers}"
+        elif self.granularity == "selective":
+            text = "selective/" + "+".join(self.modules)
+        else:
+            text = "none"
+        if self.distribute_saved_activations:
+            text += ",distribute"
+        return text if self.engine == "reentrant" else f"{text}@{self.engine}"
+
+    @classmethod
+    def parse(cls, text: str) -> Policy:
+        """Parse the short form (see the module docstring); ``Policy.parse(str(p)) == p``."""
+        if not isinstance(text, str):
+            raise PolicyError(f"a recompute policy string is expected, got {text!r}\n{GRAMMAR}")
+        norm = re.sub(r"\s*([/@+,])\s*", r"\1", text.strip().lower())
+
+        def bad(reason: str) -> PolicyError:
+            return PolicyError(f"cannot parse recompute policy {text!r}: {reason}\n{GRAMMAR}")
+
+        if not norm or re.search(r"\s", norm):
+            raise bad("empty text" if not norm else "unexpected whitespace")
+        body, at, engine = norm.partition("@")
+        if "@" in engine:
+            raise bad("more than one '@engine' suffix")
+        body, _, opts = body.partition(",")
+        distribute = False
+        if opts:
+            if opts != "distribute":
+                raise bad(f"unknown option {opts!r} after ',' (only 'distribute')")
+            distribute = True
+        fields: dict = {}
+        parts = body.split("/")
+        if parts == ["none"]:
+            fields["granularity"] = "none"
+        elif parts[0] == "full":
+            if len(parts) != 3 or parts[1] not in METHODS:
+                raise bad("full needs a method and a layer count, e.g. full/uniform/1")
+            if not re.fullmatch(r"[+-]?\d+", parts[2]):
+                raise bad(f"layer count {parts[2]!r} is not an integer")
+            fields.update(granularity="full", method=parts[1], num_layers=int(parts[2]))
+        elif parts[0] == "selective" and len(parts) <= 2:
+            mods = parts[1].split("+") if len(parts) == 2 else list(DEFAULT_SELECTIVE_MODULES)
+            if "" in mods:
+                raise bad("empty module name")
+            fields.update(granularity="selective", modules=tuple(mods))
+        else:
+            raise bad(f"unknown granularity {parts[0]!r}" if len(parts) == 1 or parts[0] not in
+                      GRANULARITIES else "too many '/' parts")
+        if at:
+            fields["engine"] = engine
+        try:
+            return cls(distribute_saved_activations=distribute, **fields)
+        except PolicyError as err:
+            raise PolicyError(f"invalid recompute policy {text!r}: {err}") from None
+
+    # ----------------------------------------------------------------- Megatron flags
+    @classmethod
+    def from_megatron_args(cls, argv: Sequence[str] | str) -> Policy:
+        """The policy a Megatron-LM command line asks for (a list of tokens or one string).
+
+        Flags not starting with ``--recompute`` or ``--distribute-saved-activations`` are
+        ignored, so a whole pasted command line works; an unknown ``--recompute-*`` flag is an
+        error. The result's engine is ``reentrant`` (Megatron's only engine).
+        """
+        tokens = shlex.split(argv) if isinstance(argv, str) else list(argv)
+        opts: dict = {}
+        activations = False
+        i = 0
+        while i < len(tokens):
+            tok = tokens[i]
+            i += 1
+            if tok == "--checkpoint-activations":
+                raise PolicyError("--checkpoint-activations was removed from Megatron: use "
+                                  "--recompute-granularity full --recompute-method uniform "
+                                  "--recompute-num-layers 1, or --recompute-activations")
+            if tok == "--moe-layer-recompute":
+                raise PolicyError("--moe-layer-recompute recomputes MoE layers, but remat's "
+                                  "reference model has no MoE/MLA: drop it")
+            if not tok.startswith(_FLAG_PREFIXES):
+                continue
+            name, eq, inline = tok.partition("=")
+            if name in ("--recompute-activations", "--distribute-saved-activations"):
+                if eq:
+                    raise PolicyError(f"{name} takes no value, got {tok!r}: write just {name}")
+                if name == "--recompute-activations":
+                    activations = True
+                else:
+                    opts["distribute_saved_activations"] = True
+            elif name == "--recompute-modules":
+                if eq:
+                    opts["modules"] = [inline]
+                else:
+                    values = []
+                    while i < len(tokens) and not tokens[i].startswith("-"):
+                        values.append(tokens[i])
+                        i += 1
+                    opts["modules"] = values
+            elif name in ("--recompute-granularity", "--recompute-method", "--recompute-num-layers"):
+                if not eq:
+                    if i >= len(tokens) or tokens[i].startswith("--"):
+                        raise PolicyError(f"{name} needs a value, e.g. {name} {_EXAMPLES[name]}")
+                    inline = tokens[i]
+                    i += 1
+                key = name[len("--recompute-"):].replace("-", "_")
+                opts[key] = inline
+            else:
+                raise PolicyError(f"unknown Megatron recompute flag {name!r}: remat understands "
+                                  "--recompute-granularity, --recompute-method, "
+                                  "--recompute-num-layers, --recompute-modules, "
+                                  "--recompute-activations, --distribute-saved-activations")
+
+        granularity = opts.pop("granularity", None)
+        if granularity is not None:
+            granularity = _choice("--recompute-granularity value", granularity, ("full", "selective"))
+        if activations:
+            if granularity == "full":
+                raise PolicyError("--recompute-activations means selective granularity, but "
+                                  "--recompute-granularity full was also given: drop one of them")
+            granularity = "selective"
+        if "num_layers" in opts:
+            raw = opts["num_layers"]
+            if not re.fullmatch(r"\s*[+-]?\d+\s*", raw):
+                raise PolicyError(f"--recompute-num-layers needs an integer, got {raw!r}")
+            opts["num_layers"] = int(raw)
+        if granularity == "selective" and "modules" not in opts:
+            opts["modules"] = DEFAULT_SELECTIVE_MODULES
+        return cls(granularity=granularity or "none", **opts)
+
+    def to_megatron_args(self) -> list[str]:
+        """Megatron-LM flags reproducing this policy ([] for none).
+
+        The engine is not a Megatron flag (Megatron is reentrant): a non-reentrant policy gets the
+        flags of its reentrant twin. Raises :class:`PolicyError` for the ``act`` module, which
+        Megatron has only for MoE experts.
+        """
+        if self.granularity == "none":
+            return []
+        if self.granularity == "full":
+            args = ["--recompute-granularity", "full", "--recompute-method", str(self.method),
+                    "--recompute-num-layers", str(self.num_layers)]
+            if self.distribute_saved_activations:
+                args.append("--distribute-saved-activations")
+            return args
+        if "act" in self.modules:
+            raise PolicyError("recompute module 'act' has no Megatron equivalent for dense MLPs "
+                              "(Megatron's moe_act is for MoE experts only): use 'mlp' to "
+                              "recompute the whole MLP instead")
+        return ["--recompute-granularity", "selective", "--recompute-modules", *self.modules]
+
+    # ----------------------------------------------------------------- layer layout
+    def layer_groups(self, depth: int) -> list[tuple[int, ...]]:
+        """The consecutive layer indices each whole-layer checkpoint covers in a ``depth`` stack.
+
+        uniform K: ``(0..K-1), (K..2K-1), ...`` with a shorter last group; block K: ``(0,), (1,),
+        ..., (K-1,)``; none and selective checkpoint no whole layers and give ``[]``.
+        """
+        if isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or depth < 1:
+            raise PolicyError(f"the layer stack needs depth >= 1 layers, got {depth!r}")
+        depth = int(depth)
+        if self.granularity != "full":
+            return []
+        k = int(self.num_layers)  # type: ignore[arg-type]
+        if k > depth:
+            raise PolicyError(f"recompute num_layers={k} but the layer stack has {depth} layers: "
+                              f"use k <= {depth}")
+        if self.method == "block":
+            return [(i,) for i in range(k)]
+        return [tuple(range(s, min(s + k, depth))) for s in range(0, depth, k)]

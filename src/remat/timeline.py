@@ -1,0 +1,237 @@
+"""The memory timeline of one training step: the data model that measure and predict both return.
+
+A :class:`Timeline` is a table of *allocations* (one row per storage: its bytes, the event at which it was
+allocated and the one at which it was freed, the phase and module that made it, and its category) plus the list
+of *phases* (forward of layer i, head, backward of layer i, recompute of a group, ...). Events are numbered
+0, 1, 2, ...: every allocation and every free is one event. Bytes live after event t are those of the rows with
+``alloc_at <= t < free_at`` (``free_at == -1``: still alive when the step ended). Everything else - the live
+curve, the peak, what is alive at the peak, per-phase peaks - is derived from that table, so the parts always
+add up to the total.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# What the bytes alive at a moment are, in the order reports list them.
+CATEGORIES = (
+    "parameters",         # parameters and buffers
+    "gradients",          # parameter gradients (.grad)
+    "optimizer_state",    # made by optimizer.step()
+    "group_inputs",       # tensors kept by checkpoints: a recomputed region's inputs
+    "saved_activations",  # made in forward and kept for backward (regions not recomputed)
+    "recompute",          # made while a region is recomputed in backward
+    "head_loss",          # made by the final norm, output layer and loss, forward or backward (logits, their grads)
+    "other",              # activation gradients and temporaries of backward, the batch, ...
+)
+PHASE_KINDS = ("setup", "forward", "backward", "recompute", "optimizer")
+FORMAT_VERSION = 1
+
+
+class TimelineError(ValueError):
+    """A timeline file that cannot be read; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A span of events: from ``start`` until the next phase's start."""
+
+    start: int
+    kind: str       # one of PHASE_KINDS
+    region: str     # "embedding", "layer 3", "head", "" (model code outside those)
+    detail: str = ""  # e.g. the checkpoint group being recomputed
+
+    @property
+    def label(self) -> str:
+        text = f"{self.kind} {self.region}".strip()
+        return f"{text} [{self.detail}]" if self.detail else text
+
+
+@dataclass
+class Timeline:
+    """Allocations of one training step, and the phases they happened in. See the module docstring."""
+
+    nbytes: list[int] = field(default_factory=list)
+    alloc_at: list[int] = field(default_factory=list)
+    free_at: list[int] = field(default_factory=list)
+    phase_index: list[int] = field(default_factory=list)
+    module: list[str] = field(default_factory=list)
+    category: list[str] = field(default_factory=list)
+    phases: list[Phase] = field(default_factory=list)
+    num_events: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # -- derived views ------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    def live_bytes(self) -> np.ndarray:
+        """Bytes alive after each event (length ``num_events``)."""
+        delta = np.zeros(self.num_events + 1, dtype=np.int64)
+        nbytes = np.asarray(self.nbytes, dtype=np.int64)
+        np.add.at(delta, np.asarray(self.alloc_at, dtype=np.int64), nbytes)
+        free = np.asarray(self.free_at, dtype=np.int64)
+        freed = free >= 0
+        np.add.at(delta, free[freed], -nbytes[freed])
+        return np.cumsum(delta[:-1])
+
+    @property
+    def peak_event(self) -> int:
+        """The first event after which live bytes are highest."""
+        return int(np.argmax(self.live_bytes())) if self.num_events else 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self.live_bytes().max()) if self.num_events else 0
+
+    def alive_at(self, event: int) -> np.ndarray:
+        """Row indices of the allocations alive after ``event``."""
+        alloc = np.asarray(self.alloc_at, dtype=np.int64)
+        free = np.asarray(self.free_at, dtype=np.int64)
+        return np.nonzero((alloc <= event) & ((free < 0) | (free > event)))[0]
+
+    def breakdown(self, event: int) -> dict[str, int]:
+        """Bytes alive after ``event`` by category; the values add up to the live bytes exactly."""
+        parts = dict.fromkeys(CATEGORIES, 0)
+        for row in self.alive_at(event):
+            parts[self.category[row]] += self.nbytes[row]
+        return parts
+
+    @property
+    def at_peak(self) -> dict[str, int]:
+        return self.breakdown(self.peak_event)
+
+    def phase_at(self, event: int) -> Phase:
+        starts = [p.start for p in self.phases]
+        return self.phases[max(0, int(np.searchsorted(starts, event, side="right")) - 1)]
+
+    @property
+    def peak_phase(self) -> Phase:
+        return self.phase_at(self.peak_event)
+
+    def phase_spans(self) -> list[tuple[Phase, int, int]]:
+        """(phase, first event, one past the last event) for every non-empty phase."""
+        spans = []
+        for i, phase in enumerate(self.phases):
+            end = self.phases[i + 1].start if i + 1 < len(self.phases) else self.num_events
+            if end > phase.start:
+                spans.append((phase, phase.start, end))
+        return spans
+
+    def peak_in(self, kinds: tuple[str, ...] | str) -> tuple[int, int] | None:
+        """(event, bytes) of the highest live point inside phases of the given kind(s); None if there is none."""
+        kinds = (kinds,) if isinstance(kinds, str) else kinds
+        live = self.live_bytes()
+        best: tuple[int, int] | None = None
+        for phase, start, end in self.phase_spans():
+            if phase.kind in kinds:
+                i = start + int(np.argmax(live[start:end]))
+                if best is None or live[i] > best[1]:
+                    best = (i, int(live[i]))
+        return best
+
+    def top_allocations(self, event: int, n: int = 10) -> list[dict[str, Any]]:
+        """The ``n`` largest allocations alive after ``event``, with where they were made."""
+        rows = sorted(self.alive_at(event), key=lambda r: -self.nbytes[r])[:n]
+        return [{"nbytes": self.nbytes[r], "category": self.category[r], "module": self.module[r],
+                 "phase": self.phases[self.phase_index[r]].label} for r in rows]
+
+    # -- JSON ---------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        modules = sorted(set(self.module))
+        module_id = {m: i for i, m in enumerate(modules)}
+        return {
+            "format": "remat.timeline",
+            "version": FORMAT_VERSION,
+            "meta": self.meta,
+            "num_events": self.num_events,
+            "peak_bytes": self.peak_bytes,
+            "phases": [[p.start, p.kind, p.region, p.detail] for p in self.phases],
+            "modules": modules,
+            "categories": list(CATEGORIES),
+            "allocations": {
+                "nbytes": self.nbytes,
+                "alloc_at": self.alloc_at,
+                "free_at": self.free_at,
+                "phase": self.phase_index,
+                "module": [module_id[m] for m in self.module],
+                "category": [CATEGORIES.index(c) for c in self.category],
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Timeline:
+        if not isinstance(data, dict) or data.get("format") != "remat.timeline":
+            raise TimelineError("not a remat timeline: the field 'format' must be 'remat.timeline'")
+        if data.get("version") != FORMAT_VERSION:
+            raise TimelineError(f"timeline 'version' {data.get('version')!r} is not supported; this remat "
+                                f"reads version {FORMAT_VERSION}")
+        try:
+            rows = data["allocations"]
+            modules, categories = data["modules"], data["categories"]
+            phases = [Phase(int(s), str(k), str(r), str(d)) for s, k, r, d in data["phases"]]
+            timeline = cls(
+                nbytes=[int(x) for x in rows["nbytes"]],
+                alloc_at=[int(x) for x in rows["alloc_at"]],
+                free_at=[int(x) for x in rows["free_at"]],
+                phase_index=[int(x) for x in rows["phase"]],
+                module=[str(modules[i]) for i in rows["module"]],
+                category=[str(categories[i]) for i in rows["category"]],
+                phases=phases,
+                num_events=int(data["num_events"]),
+                meta=dict(data.get("meta", {})),
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            raise TimelineError(f"malformed timeline: {type(err).__name__}: {err}") from err
+        timeline.validate()
+        return timeline
+
+    def validate(self) -> None:
+        n = len(self.nbytes)
+        for name in ("alloc_at", "free_at", "phase_index", "module", "category"):
+            if len(getattr(self, name)) != n:
+                raise TimelineError(f"timeline field {name!r} has {len(getattr(self, name))} rows, expected {n}")
+        for row in range(n):
+            if self.category[row] not in CATEGORIES:
+                raise TimelineError(f"allocation {row}: unknown category {self.category[row]!r}")
+            if not 0 <= self.alloc_at[row] < max(self.num_events, 1):
+                raise TimelineError(f"allocation {row}: alloc_at {self.alloc_at[row]} outside the step")
+            if self.free_at[row] != -1 and not self.alloc_at[row] < self.free_at[row] < self.num_events:
+                raise TimelineError(f"allocation {row}: free_at {self.free_at[row]} is not after alloc_at")
+            if not 0 <= self.phase_index[row] < len(self.phases):
+                raise TimelineError(f"allocation {row}: phase {self.phase_index[row]} does not exist")
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        return write_atomic(path, json.dumps(self.to_dict(), separators=(",", ":")))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Timeline:
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as err:
+                raise TimelineError(f"{path}: not valid JSON ({err})") from err
+        return cls.from_dict(data)
+
+
+def write_atomic(path: str | os.PathLike[str], content: str | bytes) -> Path:
+    """Write ``content`` to ``path`` through a temporary file in the same folder, so no half-file is left."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = "wb" if isinstance(content, bytes) else "w"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
+            f.write(content)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
