@@ -1,6 +1,6 @@
 """remat: see, predict and plan activation recomputation for PyTorch transformer training."""
 
-from remat.apply import ApplyError, AppliedPolicy, applied, apply, find_layer_stack, remove
+from remat.apply import AppliedPolicy, ApplyError, applied, apply, find_layer_stack, remove
 from remat.config import ConfigError, ModelConfig
 from remat.measure import measure
 from remat.model import GPT, build_model, sample_batch
