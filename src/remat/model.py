@@ -178,7 +178,14 @@ def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: i
     """Build the reference GPT with random weights in ``config.dtype`` on ``device`` (training mode)."""
     if seed is not None:
         torch.manual_seed(seed)
-    return GPT(config).to(device=device, dtype=config.torch_dtype).train()
+    # Parameters are created in place (no .to() afterwards), which also works under FakeTensorMode.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(config.torch_dtype)
+    try:
+        with torch.device(device):
+            return GPT(config).train()
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def sample_batch(config: ModelConfig, device: torch.device | str = "cpu",
