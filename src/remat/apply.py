@@ -146,6 +146,12 @@ class _ReentrantCheckpoint(torch.autograd.Function):
         return (None, None, *(t.grad if t.requires_grad else None for t in inputs))
 
 
+def group_label(index: int, layers: Sequence[int]) -> str:
+    """How reports name a full-recompute group: 'group 1 (layers 4-7)', 'group 0 (layer 0)'."""
+    first, last = layers[0], layers[-1]
+    return f"group {index} (layers {first}-{last})" if last > first else f"group {index} (layer {first})"
+
+
 @dataclass(eq=False)
 class Region:
     """A run of modules that is checkpointed as one unit (a layer group, or one submodule)."""
@@ -164,9 +170,7 @@ class Region:
     @property
     def label(self) -> str:
         if self.kind == "layers":
-            first, last = self.layer_indices[0], self.layer_indices[-1]
-            return f"group {self.index} (layer{'s' if last > first else ''} {first}"\
-                   f"{'-' + str(last) if last > first else ''})"
+            return group_label(self.index, self.layer_indices)
         return f"{self.kind.split(':', 1)[1]} in {self.names[0]}"
 
     # -- installation -------------------------------------------------------------------------------------

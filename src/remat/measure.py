@@ -63,7 +63,7 @@ class StepRecorder(TorchDispatchMode):
         self.rows: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> allocation row
         self.active = False
         self.group_input_rows: set[int] = set()
-        self.flops: dict[str, int] = {}
+        self.phase_flops: list[int] = []  # FLOPs counted in each phase (torch.utils.flop_counter formulas)
         self.module_stack: list[str] = []
         self.recomputing: list[tuple[Region, Phase, int]] = []
         self._phase: Phase | None = None
@@ -80,6 +80,7 @@ class StepRecorder(TorchDispatchMode):
             self.timeline.phases[-1] = phase  # the previous phase made no event: replace it
         else:
             self.timeline.phases.append(phase)
+            self.phase_flops.append(0)
         self._phase = phase
 
     def track(self, tensor: torch.Tensor) -> int | None:
@@ -124,8 +125,7 @@ class StepRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         packet = func.overloadpacket
         if packet in flop_registry:
-            kind = self._phase.kind if self._phase else "setup"
-            self.flops[kind] = self.flops.get(kind, 0) + int(flop_registry[packet](*args, **kwargs, out_val=out))
+            self.phase_flops[-1] += int(flop_registry[packet](*args, **kwargs, out_val=out))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)
@@ -183,7 +183,10 @@ class StepRecorder(TorchDispatchMode):
         else:
             _, before, depth = self.recomputing.pop()
             del self.module_stack[depth:]
-            self.set_phase(before.kind, before.region, before.detail)
+            if region.kind == "layers":  # what follows a group's recomputation is its last layer's backward
+                self.set_phase("backward", f"layer {region.layer_indices[-1]}")
+            else:
+                self.set_phase(before.kind, before.region, before.detail)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def __enter__(self) -> StepRecorder:
@@ -258,8 +261,11 @@ def record_step(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimi
     model.zero_grad(set_to_none=True)
     recorder = StepRecorder(model, stack, block_bytes=block_bytes)
     with recorder:
-        for t in list(model.parameters()) + list(model.buffers()):
-            recorder.track(t)
+        for name, module in model.named_modules():
+            recorder.module_stack.append(name)  # so each parameter's row names the module that owns it
+            for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+                recorder.track(t)
+            recorder.module_stack.pop()
         if optimizer is not None:
             for st in optimizer.state.values():
                 for value in st.values():
@@ -280,7 +286,11 @@ def record_step(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimi
         recorder.set_phase("setup", "end")
     recorder.categorize(optimizer)
     tl = recorder.timeline
-    tl.meta["flops"] = recorder.flops
+    tl.meta["phase_flops"] = recorder.phase_flops
+    flops: dict[str, int] = {}
+    for phase, amount in zip(tl.phases, recorder.phase_flops):
+        flops[phase.kind] = flops.get(phase.kind, 0) + amount
+    tl.meta["flops"] = flops
     if state is not None:
         tl.meta.setdefault("policy", str(state.policy))
         tl.meta["regions"] = [r.label for r in state.regions]
