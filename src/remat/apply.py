@@ -96,6 +96,25 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return None if i is None else leaves[i]
 
 
+def _side_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    """A call's inputs other than the hidden states (its first tensor), with their structure."""
+    leaves, spec = tree_flatten((args, kwargs))
+    first = _first_tensor_index(leaves)
+    return [leaf for i, leaf in enumerate(leaves) if i != first], spec
+
+
+def _same_side_inputs(a: tuple[list[Any], Any], b: tuple[list[Any], Any]) -> bool:
+    if a[1] != b[1] or len(a[0]) != len(b[0]):
+        return False
+    for x, y in zip(a[0], b[0]):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if x is not y:
+                return False
+        elif x is not y and x != y:
+            return False
+    return True
+
+
 class _RngState:
     """CPU and (where used) CUDA generator states, captured before a region's forward."""
 
@@ -166,6 +185,7 @@ class Region:
     _running: bool = field(default=False, repr=False)
     _pending: Any = field(default=None, repr=False)
     _next_member: int = field(default=0, repr=False)
+    _side_inputs: Any = field(default=None, repr=False)
 
     @property
     def label(self) -> str:
@@ -205,6 +225,7 @@ class Region:
             output = self._run_checkpointed(args, kwargs) if torch.is_grad_enabled() else self._run(args, kwargs)
             if len(self.modules) > 1:
                 self._pending, self._next_member = output, 1
+                self._side_inputs = _side_inputs(args, kwargs)
             return output
         return self._pass_through(position, args, kwargs)
 
@@ -218,9 +239,14 @@ class Region:
             raise ApplyError(f"{self.names[position]} was not given the output of {self.names[position - 1]}: "
                              "the model's loop does work between layers, so a multi-layer group cannot "
                              "be recomputed as one; use full/uniform/1 or full/block")
+        if not _same_side_inputs(_side_inputs(args, kwargs), self._side_inputs):
+            self._pending = None
+            raise ApplyError(f"{self.names[position]} was given other inputs besides the hidden states (e.g. its "
+                             f"own attention mask) than {self.names[0]}, but its group ran every layer with the "
+                             "first layer's inputs; use full/uniform/1 or full/block for this model")
         self._next_member += 1
         if self._next_member == len(self.modules):
-            self._pending = None
+            self._pending = self._side_inputs = None
         return output
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -263,6 +289,11 @@ class Region:
         if self.engine == "non-reentrant":
             return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False,
                                                      preserve_rng_state=True)
+        if not any(t.requires_grad for t in tensors) and any(
+                p.requires_grad for m in self.modules for p in m.parameters()):
+            raise ApplyError(f"{self.label}: no input requires grad, so a reentrant checkpoint would give its "
+                             "parameters no gradient (as Megatron's and torch's reentrant checkpoints do); use "
+                             "the non-reentrant engine ('@non-reentrant') or make the inputs require grad")
         out = _OutputSpec()
         outputs = iter(_ReentrantCheckpoint.apply(run, out, *tensors))
         leaves_out = [next(outputs) if isinstance(leaf, torch.Tensor) else leaf for leaf in out.leaves]
@@ -385,9 +416,24 @@ def apply(model: nn.Module, policy: Policy | str,
                 for name, target in _selective_targets(layer, names[i], module):
                     regions.append(Region(len(regions), f"selective:{module}", [target], [name], policy.engine,
                                           layer_indices=(i,)))
-    remove(model)
+    seen: dict[int, str] = {}
     for region in regions:
-        region.install()
+        for module, name in zip(region.modules, region.names):
+            if id(module) in seen:
+                raise ApplyError(f"{name} and {seen[id(module)]} are the same module instance: a stack that "
+                                 "repeats one layer object cannot be checkpointed region by region; build "
+                                 "distinct layers (e.g. copy.deepcopy)")
+            seen[id(module)] = name
+    remove(model)
+    installed: list[Region] = []
+    try:
+        for region in regions:
+            region.install()
+            installed.append(region)
+    except BaseException:
+        for region in installed:
+            region.uninstall()
+        raise
     state = AppliedPolicy(policy, stack_path, stack, regions)
     model.__dict__["_remat_applied"] = state
     return state

@@ -5,11 +5,16 @@ are fake tensors that carry shapes, dtypes and storages but own no memory, so a 
 a laptop. The step is recorded by the same :class:`~remat.measure.StepRecorder` that :func:`remat.measure`
 uses on real tensors, so the result is the same :class:`~remat.timeline.Timeline`, phase for phase and byte for
 byte: prediction is a measurement of a fake run.
+
+For the reference model, a deep stack is not traced layer by layer: :mod:`remat.compose` lays out the step from
+the trace of a shallow stack that has every layer role of the deep one (a few layers), and each shallow trace is
+cached, so a sweep over every Megatron policy of an 80-layer model costs a handful of shallow traces.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from remat.apply import apply
+from remat.compose import CompositionError, compose, shallow_stand_in
 from remat.config import ModelConfig
 from remat.measure import CUDA_BLOCK, Batch, record_step
 from remat.model import build_model, sample_batch
@@ -47,6 +53,52 @@ def predict(model: ModelSource, policy: Policy | str = "none", *, batch: Batch |
     (e.g. ``torch.optim.Adam``) whose ``step()`` becomes part of the step. ``device='cuda'`` rounds every
     storage to the CUDA caching allocator's 512-byte blocks. Nothing is allocated for real.
     """
+    if isinstance(policy, str):
+        policy = Policy.parse(policy)
+    if isinstance(model, ModelConfig) and batch is None and optimizer is None and loss_fn is None and layers is None:
+        return predict_config(model, policy, device=device)
+    return _trace(model, policy, batch=batch, optimizer=optimizer, loss_fn=loss_fn, layers=layers, device=device)
+
+
+def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "cpu",
+                   compose_layers: bool = True) -> Timeline:
+    """Predict the reference model of ``config`` under ``policy``, composing deep stacks from shallow traces.
+
+    With ``compose_layers=False`` (or when composition is refused) the whole stack is traced.
+    """
+    if isinstance(policy, str):
+        policy = Policy.parse(policy)
+    policy.layer_groups(config.num_layers)  # refuses k > depth, naming the depth
+    if compose_layers:
+        shallow_policy, shallow_depth = shallow_stand_in(policy, config.num_layers)
+        if shallow_depth < config.num_layers:
+            shallow = _shallow_trace(config.replace(num_layers=shallow_depth), shallow_policy, device)
+            try:
+                timeline = compose(shallow, shallow_policy, policy, config.num_layers)
+            except CompositionError as err:
+                timeline = _trace(config, policy, device=device)
+                timeline.meta["composition_refused"] = str(err)
+            else:
+                timeline.meta["config"] = config.to_dict()
+            return timeline
+    return _trace(config, policy, device=device)
+
+
+def predict_many(config: ModelConfig, policies: Iterable[Policy | str], *, device: str = "cpu",
+                 ) -> list[Timeline]:
+    """:func:`predict_config` for each policy; shallow traces are shared between policies."""
+    return [predict_config(config, policy, device=device) for policy in policies]
+
+
+@functools.lru_cache(maxsize=32)
+def _shallow_trace(config: ModelConfig, policy: Policy, device: str) -> Timeline:
+    return _trace(config, policy, device=device)
+
+
+def _trace(model: ModelSource, policy: Policy | str, *, batch: Batch | Callable[[], Batch] | None = None,
+           optimizer: OptimizerFactory | None = None, loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
+           layers: str | Sequence[nn.Module] | None = None, device: str = "cpu") -> Timeline:
+    """Trace the whole step under FakeTensorMode (see :func:`predict`)."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: predict models 'cpu' (exact bytes) or 'cuda' (512-byte blocks)")
     if isinstance(model, ModelConfig):

@@ -176,6 +176,11 @@ class Timeline:
         try:
             rows = data["allocations"]
             modules, categories = data["modules"], data["categories"]
+            for field_name, table in (("module", modules), ("category", categories)):
+                bad = [i for i in rows[field_name] if not isinstance(i, int) or not 0 <= i < len(table)]
+                if bad:
+                    raise TimelineError(f"allocations.{field_name}: index {bad[0]!r} is not in the "
+                                        f"{len(table)}-entry '{field_name}s' table")
             phases = [Phase(int(s), str(k), str(r), str(d)) for s, k, r, d in data["phases"]]
             timeline = cls(
                 nbytes=[int(x) for x in rows["nbytes"]],
@@ -199,6 +204,8 @@ class Timeline:
             if len(getattr(self, name)) != n:
                 raise TimelineError(f"timeline field {name!r} has {len(getattr(self, name))} rows, expected {n}")
         for row in range(n):
+            if self.nbytes[row] < 0:
+                raise TimelineError(f"allocation {row}: nbytes {self.nbytes[row]} is negative")
             if self.category[row] not in CATEGORIES:
                 raise TimelineError(f"allocation {row}: unknown category {self.category[row]!r}")
             if not 0 <= self.alloc_at[row] < max(self.num_events, 1):
