@@ -23,7 +23,8 @@ reproduced exactly when the layers are homogeneous (the tests check this against
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from remat.apply import group_label
 from remat.policy import Policy
@@ -47,6 +48,8 @@ class Role:
     same_region_as_next: bool
     mode_below_region: str | None
     mode_above_region: str | None
+    # 1, 2 or 3+: in a region of two the first and last layers are neighbours, in a longer one they are not
+    region_size: int = 1
 
 
 def layer_regions(policy: Policy, depth: int) -> list[tuple[str, int]]:
@@ -65,13 +68,17 @@ def layer_roles(policy: Policy, depth: int) -> list[Role]:
     regions = layer_regions(policy, depth)
     roles = []
     for i, ((mode, _), (first, last)) in enumerate(zip(regions, _region_bounds(policy, depth))):
+        if first < i < last:  # inside a group, a layer only deals with its two neighbours
+            roles.append(Role(mode, True, True, None, None, 3))
+            continue
         roles.append(Role(mode, first < i, last > i, regions[first - 1][0] if first > 0 else None,
-                          regions[last + 1][0] if last + 1 < depth else None))
+                          regions[last + 1][0] if last + 1 < depth else None, min(last - first + 1, 3)))
     return roles
 
 
-def shallow_stand_in(policy: Policy, depth: int, max_depth: int = 12) -> tuple[Policy, int]:
-    """The shallowest (policy, depth) of the same kind whose layers have every role of ``(policy, depth)``."""
+def shallow_stand_ins(policy: Policy, depth: int, max_depth: int = 12) -> Iterator[tuple[Policy, int]]:
+    """Every (policy, depth) of the same kind, shallowest first, whose layers have every role of
+    ``(policy, depth)`` (so its trace can be composed into the deep one)."""
     need = set(layer_roles(policy, depth))
     for small_depth in range(1, min(depth, max_depth) + 1):
         if policy.granularity == "full":
@@ -82,34 +89,59 @@ def shallow_stand_in(policy: Policy, depth: int, max_depth: int = 12) -> tuple[P
             candidates = [policy]
         for candidate in candidates:
             if need <= set(layer_roles(candidate, small_depth)):
-                return candidate, small_depth
+                yield candidate, small_depth
+
+
+def shallow_stand_in(policy: Policy, depth: int, max_depth: int = 12) -> tuple[Policy, int]:
+    """The shallowest stand-in (see :func:`shallow_stand_ins`)."""
+    for found in shallow_stand_ins(policy, depth, max_depth):
+        return found
     raise CompositionError(f"no stack of at most {max_depth} layers has every layer role of {policy} on {depth}")
 
 
 @dataclass
-class _Run:
-    layer: int          # OUTER for phases outside the stack
+class _Block:
+    """The events of one shallow phase (or one layer's share of setup), ready to be copied for a deep layer."""
+
+    layer: int                 # shallow layer, OUTER for phases outside the stack
+    kind: str
+    occurrence: int            # how many phases of this (layer, kind) came before
     phase: Phase
     phase_index: int
-    events: list[tuple[bool, int]]  # (is_alloc, row)
+    num_events: int = 0
+    rows: list[int] = field(default_factory=list)           # shallow rows allocated here; ordinal = position
+    alloc_offsets: list[int] = field(default_factory=list)
+    # (event offset, shallow layer, kind, occurrence, ordinal, shallow row) of each free
+    frees: list[tuple[int, int, str, int, int, int]] = field(default_factory=list)
+    # filled by ShallowTrace.finish(): the rows' columns, and the frees grouped by the block that allocated them
+    nbytes: list[int] = field(default_factory=list)
+    category: list[str] = field(default_factory=list)
+    module_suffix: list[str | None] = field(default_factory=list)  # after "layers.<j>", or None: not a layer's
+    module: list[str] = field(default_factory=list)
+    free_groups: list[tuple[int, str, int, list[int], list[int], list[int]]] = field(default_factory=list)
+
+    def finish(self, tl: Timeline) -> None:
+        self.nbytes = [tl.nbytes[r] for r in self.rows]
+        self.category = [tl.category[r] for r in self.rows]
+        self.module = [tl.module[r] for r in self.rows]
+        prefix = f"layers.{self.layer}"
+        self.module_suffix = [m[len(prefix):] if self.layer != OUTER and _LAYER_NAME.match(m)
+                              and m.startswith(prefix) else None for m in self.module]
+        groups: dict[tuple[int, str, int], tuple[list[int], list[int], list[int]]] = {}
+        for offset, j, kind, occurrence, ordinal, row in self.frees:
+            ordinals, offsets, rows = groups.setdefault((j, kind, occurrence), ([], [], []))
+            ordinals.append(ordinal)
+            offsets.append(offset)
+            rows.append(row)
+        self.free_groups = [(*key, *lists) for key, lists in groups.items()]
+
+    @property
+    def key(self) -> tuple[int, str, int]:
+        return (self.layer, self.kind, self.occurrence)
 
 
 def _layer_of(phase: Phase) -> int:
     return int(phase.region[6:]) if phase.region.startswith("layer ") else OUTER
-
-
-def _runs(tl: Timeline) -> list[_Run]:
-    kind_of_event: list[tuple[bool, int]] = [(False, -1)] * tl.num_events
-    for row in range(len(tl)):
-        kind_of_event[tl.alloc_at[row]] = (True, row)
-        if tl.free_at[row] >= 0:
-            kind_of_event[tl.free_at[row]] = (False, row)
-    spans = []
-    for index, phase in enumerate(tl.phases):
-        end = tl.phases[index + 1].start if index + 1 < len(tl.phases) else tl.num_events
-        if end > phase.start:
-            spans.append(_Run(_layer_of(phase), phase, index, kind_of_event[phase.start:end]))
-    return spans
 
 
 _LAYER_NAME = re.compile(r"^layers\.(\d+)(?=\.|$)")
@@ -120,101 +152,131 @@ def _setup_layer(module: str) -> int:
     return int(match.group(1)) if match else OUTER
 
 
-def compose(shallow: Timeline, shallow_policy: Policy, policy: Policy, depth: int) -> Timeline:
+class ShallowTrace:
+    """A shallow stack's fake trace, cut into blocks whose events can be copied for deep layers.
+
+    The analysis is done once per shallow trace; :func:`compose` reuses it for every deep policy it stands in for.
+    """
+
+    def __init__(self, timeline: Timeline, policy: Policy):
+        self.timeline, self.policy = timeline, policy
+        self.depth = int(timeline.meta["num_layers"])
+        self.roles = layer_roles(policy, self.depth)
+        self.bounds = _region_bounds(policy, self.depth)
+        tl = timeline
+        event_row: list[tuple[bool, int]] = [(False, -1)] * tl.num_events
+        for row in range(len(tl)):
+            event_row[tl.alloc_at[row]] = (True, row)
+            if tl.free_at[row] >= 0:
+                event_row[tl.free_at[row]] = (False, row)
+        spans = []
+        for index, phase in enumerate(tl.phases):
+            end = tl.phases[index + 1].start if index + 1 < len(tl.phases) else tl.num_events
+            if end > phase.start:
+                spans.append((index, phase, event_row[phase.start:end]))
+        if not spans or spans[0][1].kind != "setup" or _layer_of(spans[0][1]) != OUTER:
+            raise CompositionError("the shallow trace does not start with setup")
+
+        # Setup holds every layer's parameters: one block for what is outside the stack, one per layer.
+        setup_index, setup_phase, setup_events = spans[0]
+        if any(not is_alloc for is_alloc, _ in setup_events):
+            raise CompositionError("the shallow trace frees memory during setup")
+        self.setup_layers = {j: _Block(j, "setup", 0, setup_phase, setup_index) for j in range(self.depth)}
+        # outside the stack: what precedes the layers' parameters (embedding) and what follows (head, batch)
+        self.setup_outer = (_Block(OUTER, "setup", 0, setup_phase, setup_index),
+                            _Block(OUTER, "setup", 1, setup_phase, setup_index))
+        self.row_key: dict[int, tuple[int, str, int, int]] = {}
+        after_layers = False
+        for _, row in setup_events:
+            j = _setup_layer(tl.module[row])
+            if j != OUTER and j not in self.setup_layers:
+                raise CompositionError(f"setup row of unknown layer {j}")
+            after_layers = after_layers or j != OUTER
+            block = self.setup_outer[after_layers] if j == OUTER else self.setup_layers[j]
+            self.row_key[row] = (*block.key, len(block.rows))
+            block.rows.append(row)
+
+        self.blocks: list[_Block] = []
+        counts: dict[tuple[int, str], int] = {}
+        for index, phase, events in spans[1:]:
+            layer = _layer_of(phase)
+            occurrence = counts.get((layer, phase.kind), 0)
+            counts[(layer, phase.kind)] = occurrence + 1
+            block = _Block(layer, phase.kind, occurrence, phase, index, len(events))
+            for offset, (is_alloc, row) in enumerate(events):
+                if is_alloc:
+                    self.row_key[row] = (*block.key, len(block.rows))
+                    block.rows.append(row)
+                    block.alloc_offsets.append(offset)
+                else:
+                    block.frees.append((offset, *self.row_key[row], row))
+            self.blocks.append(block)
+        for block in [*self.setup_outer, *self.setup_layers.values(), *self.blocks]:
+            block.finish(tl)
+        self.by_key = {b.key: b for b in self.blocks}
+        self.template_of_role: dict[Role, int] = {}
+        for j, role in enumerate(self.roles):
+            self.template_of_role.setdefault(role, j)
+
+        layer_blocks = [i for i, b in enumerate(self.blocks) if b.layer != OUTER]
+        if not layer_blocks:
+            raise CompositionError("the shallow trace has no layer phases")
+        self.first_layer_block, self.last_layer_block = layer_blocks[0], layer_blocks[-1]
+        self.forward_end = self.first_layer_block + self.depth
+        forward = self.blocks[self.first_layer_block:self.forward_end]
+        if [b.layer for b in forward] != list(range(self.depth)) or any(b.kind != "forward" for b in forward):
+            raise CompositionError("the shallow trace's forward is not one phase per layer in order")
+        self.backward_start = next(i for i in range(self.forward_end, len(self.blocks))
+                                   if self.blocks[i].layer != OUTER)
+        backward = self.blocks[self.backward_start:self.last_layer_block + 1]
+        if any(b.layer == OUTER for b in backward):
+            raise CompositionError("the shallow trace's backward has phases outside the stack between layers")
+        if [b.key for b in backward] != self.backward_order(policy, self.depth, list(range(self.depth))):
+            raise CompositionError("the shallow trace's backward phases are not in the order the policy implies")
+
+    def backward_order(self, policy: Policy, depth: int, template: list[int]) -> list[tuple[int, str, int]]:
+        """(layer, kind, occurrence) of every backward phase of ``policy`` on ``depth`` layers, top down.
+
+        A full-recompute group recomputes its layers in order, then backpropagates them in reverse; any other
+        layer repeats the phases of its template layer's backward (which hold its selective recomputations).
+        """
+        regions = layer_regions(policy, depth)
+        order: list[tuple[int, str, int]] = []
+        i = depth - 1
+        while i >= 0:
+            first = i
+            while first > 0 and regions[first - 1][1] == regions[i][1]:
+                first -= 1
+            if regions[i][0] == "full":
+                order += [(j, "recompute", 0) for j in range(first, i + 1)]
+                order += [(j, "backward", 0) for j in range(i, first - 1, -1)]
+            else:
+                order += [(i, b.kind, b.occurrence) for b in self.blocks[self.backward_start:self.last_layer_block + 1]
+                          if b.layer == template[i]]
+            i = first - 1
+        return order
+
+
+def compose(shallow: Timeline | ShallowTrace, shallow_policy: Policy, policy: Policy, depth: int) -> Timeline:
     """Lay out ``shallow`` (the trace of ``shallow_policy`` on a shallow reference stack) for ``depth`` layers.
 
     See the module docstring. Raises :class:`CompositionError` when the shallow trace is not laid out as the
     policy's semantics say, or a copied free does not find the same tensor in the deep stack.
     """
-    small_depth = int(shallow.meta["num_layers"])
-    small_roles = layer_roles(shallow_policy, small_depth)
+    trace = shallow if isinstance(shallow, ShallowTrace) else ShallowTrace(shallow, shallow_policy)
+    small = trace.timeline
+    small_depth = trace.depth
     roles = layer_roles(policy, depth)
-    template_of_role: dict[Role, int] = {}
-    for j, role in enumerate(small_roles):
-        template_of_role.setdefault(role, j)
     try:
-        template = [template_of_role[role] for role in roles]
+        template = [trace.template_of_role[role] for role in roles]
     except KeyError as err:
         raise CompositionError(f"the shallow trace has no layer with role {err.args[0]}") from None
+    deep_bounds = _region_bounds(policy, depth)
+    small_flops = small.meta.get("phase_flops", [0] * len(small.phases))
 
-    runs = _runs(shallow)
-    run_index: dict[tuple[int, str, int], int] = {}
-    occurrence: dict[tuple[int, str], int] = {}
-    for i, run in enumerate(runs):
-        key = (run.layer, run.phase.kind)
-        run_index[(run.layer, run.phase.kind, occurrence.get(key, 0))] = i
-        occurrence[key] = occurrence.get(key, 0) + 1
-    layer_runs = [i for i, run in enumerate(runs) if run.layer != OUTER]
-    if not layer_runs:
-        raise CompositionError("the shallow trace has no layer phases")
-    first_layer_run, last_layer_run = layer_runs[0], layer_runs[-1]
-    forward_end = first_layer_run + small_depth
-    if [runs[i].layer for i in range(first_layer_run, forward_end)] != list(range(small_depth)) or any(
-            runs[i].phase.kind != "forward" for i in range(first_layer_run, forward_end)):
-        raise CompositionError("the shallow trace's forward is not one phase per layer in order")
-    backward_start = next(i for i in range(forward_end, len(runs)) if runs[i].layer != OUTER)
-    if any(runs[i].layer == OUTER for i in range(backward_start, last_layer_run + 1)):
-        raise CompositionError("the shallow trace's backward has phases outside the stack between layers")
-
-    # Row identity in the shallow trace: (layer, kind, occurrence, ordinal) of the phase that allocated it.
-    row_key: dict[int, tuple[int, str, int, int]] = {}
-    seen: dict[tuple[int, str], int] = {}
-    for run in runs:
-        key = (run.layer, run.phase.kind)
-        occ = seen.get(key, 0)
-        seen[key] = occ + 1
-        ordinal = 0
-        for is_alloc, row in run.events:
-            if is_alloc:
-                if run.phase.kind == "setup" and run.layer == OUTER:
-                    layer = _setup_layer(shallow.module[row])
-                    row_key[row] = (layer, "setup", 0, ordinal) if layer != OUTER else (OUTER, "setup", occ, ordinal)
-                else:
-                    row_key[row] = (run.layer, run.phase.kind, occ, ordinal)
-                ordinal += 1
-
-    def backward_block(layers: list[int], modes: list[str], templates: list[int]) -> list[tuple[int, str, int]]:
-        """Run keys (layer, kind, occurrence) of a region's backward, from its top layer down."""
-        if modes[0] == "full":
-            return [(j, "recompute", 0) for j in layers] + [(j, "backward", 0) for j in reversed(layers)]
-        j, t = layers[0], templates[0]
-        pattern = []
-        counts: dict[str, int] = {}
-        for k in range(backward_start, last_layer_run + 1):
-            if runs[k].layer == t and runs[k].phase.kind != "forward":
-                kind = runs[k].phase.kind
-                pattern.append((j, kind, counts.get(kind, 0)))
-                counts[kind] = counts.get(kind, 0) + 1
-        return pattern
-
-    def backward_order(pol: Policy, n: int, templates: list[int]) -> list[tuple[int, str, int]]:
-        regions = layer_regions(pol, n)
-        order: list[tuple[int, str, int]] = []
-        i = n - 1
-        while i >= 0:
-            first = i
-            while first > 0 and regions[first - 1][1] == regions[i][1]:
-                first -= 1
-            members = list(range(first, i + 1))
-            order += backward_block(members, [regions[m][0] for m in members], [templates[m] for m in members])
-            i = first - 1
-        return order
-
-    observed = []
-    counts2: dict[tuple[int, str], int] = {}
-    for k in range(backward_start, last_layer_run + 1):
-        key = (runs[k].layer, runs[k].phase.kind)
-        observed.append((runs[k].layer, runs[k].phase.kind, counts2.get(key, 0)))
-        counts2[key] = counts2.get(key, 0) + 1
-    if observed != backward_order(shallow_policy, small_depth, list(range(small_depth))):
-        raise CompositionError("the shallow trace's backward phases are not in the order the policy implies")
-
-    # -- lay out the deep step -------------------------------------------------------------------------------
-    out = Timeline(meta=dict(shallow.meta))
-    big_row: dict[tuple[int, str, int, int], int] = {}
-    small_of_big: list[int] = []
-
-    small_bounds, deep_bounds = _region_bounds(shallow_policy, small_depth), _region_bounds(policy, depth)
+    out = Timeline(meta=dict(small.meta))
+    phase_flops: list[int] = []
+    block_start: dict[tuple[int, str, int], tuple[int, _Block]] = {}
 
     def deep_layer(j: int, other: int, big: int) -> int:
         """The deep layer that plays shallow layer ``other``'s part for deep layer ``big`` (which copies ``j``).
@@ -222,10 +284,10 @@ def compose(shallow: Timeline, shallow_policy: Policy, policy: Policy, depth: in
         A neighbour stays a neighbour. A farther layer of the same region is that region's first or last layer
         (e.g. a group's recomputed output, released when the group's backward ends); a layer outside the
         region is counted from the region's edge (e.g. the gradient that the region above produced)."""
-        first, last = small_bounds[j]
-        deep_first, deep_last = deep_bounds[big]
         if abs(other - j) <= 1:
             return big + other - j
+        first, last = trace.bounds[j]
+        deep_first, deep_last = deep_bounds[big]
         if other > last:
             return deep_last + other - last
         if other < first:
@@ -239,95 +301,100 @@ def compose(shallow: Timeline, shallow_policy: Policy, policy: Policy, depth: in
     def anchor(j: int, from_top: bool) -> int:
         """A shallow layer referenced from outside the stack, in the deep stack: the head's phases sit on top of
         the stack and count from its top; the phases before and after the stack count from its bottom."""
-        big = depth - (small_depth - j) if from_top else j
-        if small_roles[j] != roles[big]:
-            raise CompositionError(f"shallow layer {j} and deep layer {big} differ in role")
-        return big
+        return depth - (small_depth - j) if from_top else j
 
-    phase_flops: list[int] = []
-    small_flops = shallow.meta.get("phase_flops", [0] * len(shallow.phases))
+    def new_phase(block: _Block, layer: int, detail: str, flops: int) -> None:
+        region = f"layer {layer}" if layer != OUTER else block.phase.region
+        out.phases.append(Phase(out.num_events, block.kind, region, detail))
+        phase_flops.append(flops)
 
-    def emit(run: _Run, layer: int, occ: int, detail: str, events: list[tuple[bool, int]] | None = None,
-             new_phase: bool = True, head_side: bool = False) -> None:
-        if new_phase:
-            out.phases.append(Phase(out.num_events, run.phase.kind, f"layer {layer}" if layer != OUTER
-                                    else run.phase.region, detail))
-            phase_flops.append(small_flops[run.phase_index] if events is None else 0)
-        phase_index = len(out.phases) - 1
-        events = run.events if events is None else events
-        ordinal_base = 0
-        for is_alloc, row in events:
-            if is_alloc:
-                key = row_key[row]
-                if key[0] == OUTER:
-                    big_key = key
-                elif run.layer == OUTER and key[1] == "setup":
-                    big_key = (layer, "setup", 0, key[3]) if layer != OUTER else key
-                else:
-                    big_key = (layer, key[1], occ, key[3])
-                big_row[big_key] = len(out.nbytes)
-                small_of_big.append(row)
-                out.nbytes.append(shallow.nbytes[row])
-                out.alloc_at.append(out.num_events)
-                out.free_at.append(-1)
-                out.phase_index.append(phase_index)
-                out.module.append(_rename(shallow.module[row], key[0], layer if big_key[0] != OUTER else OUTER))
-                out.category.append(shallow.category[row])
-                ordinal_base += 1
+    def allocate(block: _Block, layer: int, offsets: list[int] | None) -> None:
+        """Append the block's rows as deep rows of ``layer``; record where they start."""
+        base = len(out.nbytes)
+        block_start[(layer, block.kind, block.occurrence)] = (base, block)
+        n0 = out.num_events
+        n = len(block.rows)
+        out.nbytes.extend(block.nbytes)
+        out.category.extend(block.category)
+        out.phase_index.extend([len(out.phases) - 1] * n)
+        out.free_at.extend([-1] * n)
+        if offsets is None:  # setup: allocations one after the other
+            out.alloc_at.extend(range(n0, n0 + n))
+            out.num_events += n
+        else:
+            out.alloc_at.extend([n0 + o for o in offsets])
+        if layer == OUTER or block.layer == layer:
+            out.module.extend(block.module)
+        else:
+            renamed = f"layers.{layer}"
+            out.module.extend([m if suffix is None else renamed + suffix
+                               for m, suffix in zip(block.module, block.module_suffix)])
+
+    checked: set[tuple[int, int, int]] = set()  # (free group, source block) pairs already found to match
+
+    def release(block: _Block, layer: int, head_side: bool) -> None:
+        n0 = out.num_events
+        free_at = out.free_at
+        for j, kind, occurrence, ordinals, offsets, rows in block.free_groups:
+            if j == OUTER:
+                deep = OUTER
+            elif block.layer == OUTER:
+                deep = anchor(j, head_side)
             else:
-                key = row_key[row]
-                if key[0] == OUTER:
-                    target = key
-                elif run.layer == OUTER:
-                    target = (anchor(key[0], from_top=head_side), *key[1:])
-                else:
-                    target = (deep_layer(run.layer, key[0], layer), *key[1:])
-                big = big_row.get(target)
-                if big is None or small_of_big[big] != row and (
-                        shallow.nbytes[small_of_big[big]] != shallow.nbytes[row]
-                        or shallow.category[small_of_big[big]] != shallow.category[row]):
-                    raise CompositionError(f"a free in {run.phase.label} does not find its tensor {target} "
-                                           "in the deep stack")
-                out.free_at[big] = out.num_events
-            out.num_events += 1
+                deep = deep_layer(block.layer, j, layer)
+            found = block_start.get((deep, kind, occurrence))
+            if found is None:
+                raise CompositionError(f"a free in {block.phase.label} does not find its tensor in deep layer {deep}")
+            base, source = found
+            check = (id(block), id(ordinals), id(source))
+            if check not in checked:
+                for ordinal, row in zip(ordinals, rows):
+                    twin = source.rows[ordinal] if ordinal < len(source.rows) else None
+                    if twin is None or twin != row and (small.nbytes[twin] != small.nbytes[row]
+                                                        or small.category[twin] != small.category[row]):
+                        raise CompositionError(f"a free in {block.phase.label} finds another tensor in deep "
+                                               f"layer {deep}")
+                checked.add(check)
+            for ordinal, offset in zip(ordinals, offsets):
+                free_at[base + ordinal] = n0 + offset
 
-    # setup: outer rows once, then each deep layer's parameters from its template layer
-    setup = runs[0]
-    if setup.phase.kind != "setup" or setup.layer != OUTER:
-        raise CompositionError("the shallow trace does not start with setup")
-    # in module order: what precedes the stack (embedding), every deep layer's parameters, what follows (head)
-    first_layer_event = next((n for n, (a, r) in enumerate(setup.events) if a and row_key[r][0] != OUTER),
-                             len(setup.events))
-    outer_events = [(a, r) for a, r in setup.events if not a or row_key[r][0] == OUTER]
-    before = [e for e in outer_events if setup.events.index(e) < first_layer_event]
-    emit(setup, OUTER, 0, setup.phase.detail, before)
+    def emit(block: _Block, layer: int, detail: str, head_side: bool = False) -> None:
+        new_phase(block, layer, detail, small_flops[block.phase_index])
+        allocate(block, layer, block.alloc_offsets)
+        release(block, layer, head_side)
+        out.num_events += block.num_events
+
+    # setup in module order: what precedes the stack (embedding), each deep layer's parameters, what follows
+    before, after = trace.setup_outer
+    new_phase(before, OUTER, before.phase.detail, small_flops[before.phase_index])
+    allocate(before, OUTER, None)
     for big_layer, j in enumerate(template):
-        layer_events = [(a, r) for a, r in setup.events if a and row_key[r][0] == j]
-        emit(setup, big_layer, 0, setup.phase.detail, layer_events, new_phase=False)
-    emit(setup, OUTER, 0, setup.phase.detail, outer_events[len(before):], new_phase=False)
-    phase_flops[-1] = small_flops[setup.phase_index]
-    for k in range(1, first_layer_run):
-        emit(runs[k], OUTER, 0, runs[k].phase.detail)
+        allocate(trace.setup_layers[j], big_layer, None)
+    allocate(after, OUTER, None)
+
+    for k in range(trace.first_layer_block):
+        emit(trace.blocks[k], OUTER, trace.blocks[k].phase.detail)
     for big_layer, j in enumerate(template):
-        emit(runs[run_index[(j, "forward", 0)]], big_layer, 0, "")
-    for k in range(forward_end, backward_start):
-        emit(runs[k], OUTER, 0, runs[k].phase.detail, head_side=True)
+        emit(trace.by_key[(j, "forward", 0)], big_layer, "")
+    for k in range(trace.forward_end, trace.backward_start):
+        emit(trace.blocks[k], OUTER, trace.blocks[k].phase.detail, head_side=True)
     labels = _group_labels(policy, depth)
-    for big_layer, kind, occ in backward_order(policy, depth, template):
-        run = runs[run_index[(template[big_layer], kind, occ)]]
-        detail = labels.get(big_layer, "") if kind == "recompute" and policy.granularity == "full" else \
-            _rename(run.phase.detail, template[big_layer], big_layer)
-        emit(run, big_layer, occ, detail)
-    for k in range(last_layer_run + 1, len(runs)):
-        emit(runs[k], OUTER, 0, runs[k].phase.detail)
+    for big_layer, kind, occurrence in trace.backward_order(policy, depth, template):
+        block = trace.by_key[(template[big_layer], kind, occurrence)]
+        if kind == "recompute" and policy.granularity == "full":
+            detail = labels.get(big_layer, "")
+        else:
+            detail = _rename(block.phase.detail, block.layer, big_layer)
+        emit(block, big_layer, detail)
+    for k in range(trace.last_layer_block + 1, len(trace.blocks)):
+        emit(trace.blocks[k], OUTER, trace.blocks[k].phase.detail)
 
     out.meta["phase_flops"] = phase_flops
-    out.meta.update({"num_layers": depth, "policy": str(policy), "composed_from": {
-        "policy": str(shallow_policy), "num_layers": small_depth}})
     flops: dict[str, int] = {}
-    for phase, amount in zip(out.phases, out.meta["phase_flops"]):
+    for phase, amount in zip(out.phases, phase_flops):
         flops[phase.kind] = flops.get(phase.kind, 0) + amount
-    out.meta["flops"] = flops
+    out.meta.update({"flops": flops, "num_layers": depth, "policy": str(policy),
+                     "composed_from": {"policy": str(shallow_policy), "num_layers": small_depth}})
     return out
 
 

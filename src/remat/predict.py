@@ -13,7 +13,6 @@ cached, so a sweep over every Megatron policy of an 80-layer model costs a handf
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -23,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from remat.apply import apply
-from remat.compose import CompositionError, compose, shallow_stand_in
+from remat.compose import CompositionError, ShallowTrace, compose, shallow_stand_ins
 from remat.config import ModelConfig
 from remat.measure import CUDA_BLOCK, Batch, record_step
 from remat.model import build_model, sample_batch
@@ -69,11 +68,14 @@ def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "
     if isinstance(policy, str):
         policy = Policy.parse(policy)
     policy.layer_groups(config.num_layers)  # refuses k > depth, naming the depth
-    if compose_layers:
-        shallow_policy, shallow_depth = shallow_stand_in(policy, config.num_layers)
-        if shallow_depth < config.num_layers:
-            shallow = _shallow_trace(config.replace(num_layers=shallow_depth), shallow_policy, device)
+    stand_ins = list(shallow_stand_ins(policy, config.num_layers)) if compose_layers else []
+    # a stand-in already traced (for another policy of a sweep) beats a shallower one still to trace
+    stand_ins.sort(key=lambda c: (_SHALLOW.get((config.replace(num_layers=c[1]), c[0], device)) is None, c[1]))
+    if stand_ins and stand_ins[0][1] < config.num_layers:
+        shallow_policy, shallow_depth = stand_ins[0]
+        if True:
             try:
+                shallow = _shallow_trace(config.replace(num_layers=shallow_depth), shallow_policy, device)
                 timeline = compose(shallow, shallow_policy, policy, config.num_layers)
             except CompositionError as err:
                 timeline = _trace(config, policy, device=device)
@@ -90,9 +92,17 @@ def predict_many(config: ModelConfig, policies: Iterable[Policy | str], *, devic
     return [predict_config(config, policy, device=device) for policy in policies]
 
 
-@functools.lru_cache(maxsize=32)
-def _shallow_trace(config: ModelConfig, policy: Policy, device: str) -> Timeline:
-    return _trace(config, policy, device=device)
+_SHALLOW: dict[tuple[ModelConfig, Policy, str], ShallowTrace] = {}
+_SHALLOW_CAPACITY = 64
+
+
+def _shallow_trace(config: ModelConfig, policy: Policy, device: str) -> ShallowTrace:
+    key = (config, policy, device)
+    if key not in _SHALLOW:
+        if len(_SHALLOW) >= _SHALLOW_CAPACITY:
+            del _SHALLOW[next(iter(_SHALLOW))]
+        _SHALLOW[key] = ShallowTrace(_trace(config, policy, device=device), policy)
+    return _SHALLOW[key]
 
 
 def _trace(model: ModelSource, policy: Policy | str, *, batch: Batch | Callable[[], Batch] | None = None,
