@@ -122,7 +122,8 @@ def test_gradients_bit_for_bit(policy, engine, recorder):
 
 RMSNORM_REENTRANT = pytest.mark.xfail(
     strict=True, reason="known limitation of reentrant checkpointing (Megatron's too): CPU rms_norm is composite "
-    "(x feeds Pow and Mul), so a reentrant region around it sums the input's gradient in another order than the plain graph: last-bit differences")
+    "(x feeds Pow and Mul), so a reentrant region around it sums the input's gradient in another order than "
+    "the plain graph: last-bit differences")
 
 
 @pytest.mark.parametrize("policy, engine", [
