@@ -1,0 +1,209 @@
+"""Tests for remat.explain, remat.report and the ``remat explain`` command line (tiny models, a few seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from remat import ModelConfig, Policy, PolicyError, Timeline, __version__
+from remat.cli import file_name, main, parse_policy_list
+from remat.explain import default_policies, explain, resolve_policies
+from remat.report import format_table, write_json
+
+MIB = 1 << 20
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TINY = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--vocab", "128"]
+POLICIES = ["none", "full/uniform/1", "full/uniform/2", "full/uniform/4"]
+
+
+def tiny(**changes) -> ModelConfig:
+    return ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, micro_batch_size=4,
+                       **changes)
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("explain") / "out"
+    code = main(["explain", *TINY, "--policies", ",".join(POLICIES), "--repeats", "1", "--out", str(out)])
+    return code, out
+
+
+@pytest.fixture(scope="module")
+def big_vocab():
+    # The head/loss part (logits, log-softmax, their gradients: 3 x 8 MiB) dwarfs 4 small layers' activations.
+    return explain(tiny(vocab_size=8192), ["none", "full/uniform/1", "full/uniform/2", "full/uniform/4"], repeats=0)
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    return explain(tiny(vocab_size=64), ["none", "full/uniform/4"], repeats=0)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def test_cli_writes_png_json_and_timelines(cli_run):
+    code, out = cli_run
+    assert code == 0
+    assert (out / "timelines.png").read_bytes()[:8] == PNG_MAGIC
+    report = json.loads((out / "explain.json").read_text())
+    assert [r["policy"] for r in report["rows"]] == POLICIES
+    assert report["sentences"] and all(isinstance(s, str) for s in report["sentences"])
+    assert report["files"]["plot"] == "timelines.png"
+    for policy in POLICIES:
+        name = report["files"]["timelines"][policy]
+        assert name == f"timeline-{file_name(policy)}.json"
+        timeline = Timeline.load(out / name)
+        row = next(r for r in report["rows"] if r["policy"] == policy)
+        assert timeline.peak_bytes == row["peak_bytes"]
+        assert timeline.meta["policy"] == policy
+    # Written atomically: no temporary files left behind.
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_cli_table_output(cli_run, capsys, tmp_path):
+    code = main(["explain", *TINY, "--policies", "none,full/uniform/4", "--repeats", "0", "--no-plot",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "peak MiB" in text and "full/uniform/4" in text and "pipeline" in text
+    assert not (tmp_path / "timelines.png").exists()
+
+
+def test_cli_json_output(capsys, tmp_path):
+    code = main(["explain", *TINY, "--policies", "full/uniform/2", "--repeats", "1", "--json", "--no-plot",
+                 "--engine", "non-reentrant", "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    # none is always measured as the baseline; --engine applies to policies without '@engine'.
+    assert [r["policy"] for r in report["rows"]] == ["none", "full/uniform/2@non-reentrant"]
+    assert report["config"]["num_layers"] == 4
+    assert report["rows"][0]["step_ratio"] == pytest.approx(1.0)
+    assert report["formula"][0]["policy"] == "full/uniform/2@non-reentrant"
+    assert json.loads((tmp_path / "explain.json").read_text())["rows"] == report["rows"]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--policies", "full/uniform/99"], ["num_layers=99", "4 layers"]),
+    (["--heads", "3"], ["hidden_size=64", "num_attention_heads=3"]),
+    (["--policies", "full/sideways/2"], ["full/sideways/2"]),
+    (["--policies", "selective/moe"], ["moe"]),
+    (["--repeats", "-1"], ["--repeats"]),
+    (["--dropout", "1.5"], ["dropout"]),
+    (["--layers", "four"], ["--layers", "four"]),
+    (["--attention", "flash"], ["--attention", "flash"]),
+    (["--vocab", "0"], ["vocab_size=0"]),
+    pytest.param(["--device", "cuda"], ["cuda"],
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
+])
+def test_cli_bad_values_one_line(flags, words, capsys, tmp_path):
+    code = main(["explain", *TINY, *flags, "--out", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("remat: error: ") and "\n" not in err, err
+    for word in words:
+        assert word in err, err
+    assert not (tmp_path / "explain.json").exists()
+
+
+def test_cli_debug_raises(tmp_path):
+    with pytest.raises(PolicyError):
+        main(["--debug", "explain", *TINY, "--policies", "full/uniform/99", "--out", str(tmp_path)])
+    with pytest.raises(PolicyError):
+        main(["explain", "--debug", *TINY, "--policies", "full/uniform/99", "--out", str(tmp_path)])
+
+
+def test_cli_version_and_missing_command(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"remat {__version__}"
+    assert main([]) == 2
+    assert capsys.readouterr().err.startswith("remat: error: ")
+
+
+def test_parse_policy_list_keeps_options():
+    assert parse_policy_list("none, full/uniform/2,distribute,selective") == [
+        "none", "full/uniform/2,distribute", "selective"]
+    assert parse_policy_list(None) is None
+    with pytest.raises(PolicyError):
+        parse_policy_list(" , ")
+
+
+# ------------------------------------------------------------------------------------------------ explain
+def test_default_policies():
+    assert default_policies(8) == ["none", "full/uniform/1", "full/uniform/2", "full/uniform/4", "full/uniform/8",
+                                   "full/block/2", "full/block/4", "selective/core_attn", "selective/core_attn+mlp"]
+    six = default_policies(6)
+    assert "full/uniform/6" in six and "full/uniform/8" not in six and "full/block/1" in six
+    assert "full/block/0" not in default_policies(2)
+
+
+def test_resolve_policies_puts_none_first_and_dedupes():
+    got = resolve_policies(["full/uniform/2", "full/uniform/2", "none@non-reentrant"], 4, engine="non-reentrant")
+    assert [str(p) for p in got] == ["none@non-reentrant", "full/uniform/2@non-reentrant"]
+    got = resolve_policies(["full/uniform/2@reentrant", Policy.parse("selective")], 4, engine="non-reentrant")
+    assert [str(p) for p in got] == ["none", "full/uniform/2", "selective/core_attn"]
+    with pytest.raises(PolicyError, match="4 layers"):
+        resolve_policies(["full/block/5"], 4)
+    with pytest.raises(PolicyError):
+        resolve_policies([], 4)
+
+
+def test_formula_holds(big_vocab):
+    formula = {f.policy: f for f in big_vocab.formula}
+    assert set(formula) == {"full/uniform/1", "full/uniform/2", "full/uniform/4"}
+    for f in formula.values():
+        assert abs(f.error) < 0.02, f
+        assert f.predicted_bytes == f.stored_group_inputs + f.group_activation_bytes
+        assert f.group_layers[-1] == 3  # the last group is recomputed first
+    # Bigger groups store fewer inputs but rebuild more at once.
+    assert formula["full/uniform/1"].stored_group_inputs > formula["full/uniform/4"].stored_group_inputs
+    assert formula["full/uniform/1"].measured_bytes < formula["full/uniform/4"].measured_bytes
+
+
+def test_rows_are_consistent(big_vocab):
+    none = big_vocab.row("none")
+    assert none.recompute_max_bytes == 0 and none.group_inputs_stored == 0 and none.extra_forward_pct == 0
+    whole = big_vocab.row("full/uniform/4")
+    # Full recompute re-runs every layer's forward: the layers' share of the step's FLOPs, a third of it
+    # for the layers (forward = 1/3 of forward+backward) minus the head's share.
+    assert 0 < whole.extra_forward_pct < 34
+    assert whole.recompute_max_bytes > big_vocab.row("full/uniform/1").recompute_max_bytes
+    assert whole.step_seconds is None and whole.step_ratio is None  # repeats=0
+    for row in big_vocab.rows:
+        assert row.peak_bytes == big_vocab.timelines[row.policy].peak_bytes
+    report = json.loads(json.dumps(big_vocab.to_dict()))
+    assert [r["policy"] for r in report["rows"]] == ["none", "full/uniform/1", "full/uniform/2", "full/uniform/4"]
+
+
+def test_whole_stack_saves_with_large_vocabulary(big_vocab):
+    none, whole = big_vocab.row("none"), big_vocab.row("full/uniform/4")
+    assert whole.peak_bytes < none.peak_bytes
+    assert none.peak_phase == "backward head"
+    text = " ".join(big_vocab.sentences)
+    verdict = next(s for s in big_vocab.sentences if "whole-stack group" in s and "memory" in s)
+    assert "saves memory" in verdict and "does not" not in verdict
+    assert "logits" in verdict and "8.0 MiB" in verdict  # b x s x vocab x 4 bytes = 4 x 64 x 8192 x 4
+    assert "pipeline" in text
+
+
+def test_whole_stack_does_not_save_with_tiny_vocabulary(small_vocab):
+    verdict = next(s for s in small_vocab.sentences if "whole-stack group" in s and "memory" in s)
+    assert "does not save memory" in verdict
+    assert small_vocab.row("full/uniform/4").peak_bytes >= 0.99 * small_vocab.row("none").peak_bytes
+
+
+# ------------------------------------------------------------------------------------------------ report
+def test_format_table_aligns_and_uses_mib():
+    rows = [{"policy": "none", "peak_bytes": 1.5 * MIB, "peak_phase": "backward head", "step_ratio": 1.0},
+            {"policy": "full/uniform/12", "peak_bytes": 1234.56 * MIB, "peak_phase": "backward layer 0"}]
+    lines = format_table(rows).splitlines()
+    assert len(lines) == 4
+    assert "1.5" in lines[2] and "1234.6" in lines[3] and "1.00x" in lines[2]
+    peak_col = lines[0].index("peak MiB") + len("peak MiB")
+    assert lines[2][:peak_col].endswith("1.5") and lines[3][:peak_col].endswith("1234.6")  # right-aligned
+
+
+def test_write_json_atomic(tmp_path):
+    path = write_json(tmp_path / "sub" / "x.json", {"a": [1, 2]})
+    assert json.loads(path.read_text()) == {"a": [1, 2]}
+    assert [p.name for p in path.parent.iterdir()] == ["x.json"]
