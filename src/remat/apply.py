@@ -63,6 +63,17 @@ class ApplyError(ValueError):
     """The policy cannot be applied to this model; the message says what to change."""
 
 
+class RecomputeLayout(Protocol):
+    """What :func:`apply` needs from a policy or a plan: which layers are checkpointed together and which
+    submodules are checkpointed inside the others. :class:`~remat.policy.Policy` is one."""
+
+    engine: str
+
+    def layer_groups(self, depth: int) -> list[tuple[int, ...]]: ...
+
+    def selective_modules(self, layer: int) -> tuple[str, ...]: ...
+
+
 class CheckpointObserver(Protocol):
     """What a region reports while it runs (used by measurement to tag bytes)."""
 
@@ -390,11 +401,12 @@ def remove(model: nn.Module) -> None:
             region.uninstall()
 
 
-def apply(model: nn.Module, policy: Policy | str,
+def apply(model: nn.Module, policy: RecomputeLayout | str,
           layers: str | Sequence[nn.Module] | nn.Module | None = None) -> AppliedPolicy:
     """Apply ``policy`` to ``model``'s layer stack, replacing any policy applied before.
 
-    ``policy`` may be a :class:`Policy` or its string form (``"full/uniform/4"``). ``layers`` names the stack
+    ``policy`` may be a :class:`Policy`, its string form (``"full/uniform/4"``), or any
+    :class:`RecomputeLayout` (e.g. a plan with unequal groups). ``layers`` names the stack
     when it is not found automatically (see :func:`find_layer_stack`). ``Policy.parse("none")`` restores the
     plain model. Returns what was applied; the same object is available later through :func:`applied`.
     """
@@ -406,16 +418,20 @@ def apply(model: nn.Module, policy: Policy | str,
     stack_path, stack = find_layer_stack(model, layers)
     names = _layer_names(model, stack, stack_path)
     regions: list[Region] = []
-    if policy.granularity == "full":
-        for group in policy.layer_groups(len(stack)):
-            regions.append(Region(len(regions), "layers", [stack[i] for i in group], [names[i] for i in group],
-                                  policy.engine, layer_indices=tuple(group)))
-    elif policy.granularity == "selective":
-        for i, layer in enumerate(stack):
-            for module in policy.modules:
-                for name, target in _selective_targets(layer, names[i], module):
-                    regions.append(Region(len(regions), f"selective:{module}", [target], [name], policy.engine,
-                                          layer_indices=(i,)))
+    grouped: set[int] = set()
+    for group in policy.layer_groups(len(stack)):
+        regions.append(Region(len(regions), "layers", [stack[i] for i in group], [names[i] for i in group],
+                              policy.engine, layer_indices=tuple(group)))
+        grouped.update(group)
+    for i, layer in enumerate(stack):
+        modules = policy.selective_modules(i)
+        if modules and i in grouped:
+            raise ApplyError(f"layer {i} is both in a recomputed group and selectively recomputed: a group already "
+                             "recomputes everything in it; drop one of the two")
+        for module in modules:
+            for name, target in _selective_targets(layer, names[i], module):
+                regions.append(Region(len(regions), f"selective:{module}", [target], [name], policy.engine,
+                                      layer_indices=(i,)))
     seen: dict[int, str] = {}
     for region in regions:
         for module, name in zip(region.modules, region.names):

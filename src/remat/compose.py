@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from remat.apply import group_label
+from remat.apply import RecomputeLayout, group_label
 from remat.policy import Policy
 from remat.timeline import Phase, Timeline
 
@@ -52,19 +52,19 @@ class Role:
     region_size: int = 1
 
 
-def layer_regions(policy: Policy, depth: int) -> list[tuple[str, int]]:
-    """(mode, region id) for each layer: mode is 'full', 'selective' or 'plain'."""
-    if policy.granularity == "full":
-        regions: list[tuple[str, int]] = [("plain", -1 - i) for i in range(depth)]
-        for g, group in enumerate(policy.layer_groups(depth)):
-            for i in group:
-                regions[i] = ("full", g)
-        return regions
-    mode = "selective" if policy.granularity == "selective" else "plain"
-    return [(mode, -1 - i) for i in range(depth)]
+def layer_regions(policy: RecomputeLayout, depth: int) -> list[tuple[str, int]]:
+    """(mode, region id) for each layer: mode is 'full', 'selective:<modules>' or 'plain'."""
+    regions: list[tuple[str, int]] = []
+    for i in range(depth):
+        modules = policy.selective_modules(i)
+        regions.append(("selective:" + "+".join(modules) if modules else "plain", -1 - i))
+    for g, group in enumerate(policy.layer_groups(depth)):
+        for i in group:
+            regions[i] = ("full", g)
+    return regions
 
 
-def layer_roles(policy: Policy, depth: int) -> list[Role]:
+def layer_roles(policy: RecomputeLayout, depth: int) -> list[Role]:
     regions = layer_regions(policy, depth)
     roles = []
     for i, ((mode, _), (first, last)) in enumerate(zip(regions, _region_bounds(policy, depth))):
@@ -234,7 +234,7 @@ class ShallowTrace:
         if [b.key for b in backward] != self.backward_order(policy, self.depth, list(range(self.depth))):
             raise CompositionError("the shallow trace's backward phases are not in the order the policy implies")
 
-    def backward_order(self, policy: Policy, depth: int, template: list[int]) -> list[tuple[int, str, int]]:
+    def backward_order(self, policy: RecomputeLayout, depth: int, template: list[int]) -> list[tuple[int, str, int]]:
         """(layer, kind, occurrence) of every backward phase of ``policy`` on ``depth`` layers, top down.
 
         A full-recompute group recomputes its layers in order, then backpropagates them in reverse; any other
@@ -257,7 +257,8 @@ class ShallowTrace:
         return order
 
 
-def compose(shallow: Timeline | ShallowTrace, shallow_policy: Policy, policy: Policy, depth: int) -> Timeline:
+def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, policy: RecomputeLayout,
+            depth: int) -> Timeline:
     """Lay out ``shallow`` (the trace of ``shallow_policy`` on a shallow reference stack) for ``depth`` layers.
 
     See the module docstring. Raises :class:`CompositionError` when the shallow trace is not laid out as the
@@ -381,7 +382,7 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: Policy, policy: Po
     labels = _group_labels(policy, depth)
     for big_layer, kind, occurrence in trace.backward_order(policy, depth, template):
         block = trace.by_key[(template[big_layer], kind, occurrence)]
-        if kind == "recompute" and policy.granularity == "full":
+        if kind == "recompute" and labels.get(big_layer):
             detail = labels.get(big_layer, "")
         else:
             detail = _rename(block.phase.detail, block.layer, big_layer)
@@ -398,7 +399,7 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: Policy, policy: Po
     return out
 
 
-def _region_bounds(policy: Policy, depth: int) -> list[tuple[int, int]]:
+def _region_bounds(policy: RecomputeLayout, depth: int) -> list[tuple[int, int]]:
     """(first layer, last layer) of each layer's checkpoint region (the layer itself outside full groups)."""
     regions = layer_regions(policy, depth)
     bounds = []
@@ -418,7 +419,7 @@ def _rename(text: str, small_layer: int, big_layer: int) -> str:
     return re.sub(rf"\blayers\.{small_layer}(?=\.|\b)", f"layers.{big_layer}", text)
 
 
-def _group_labels(policy: Policy, depth: int) -> dict[int, str]:
+def _group_labels(policy: RecomputeLayout, depth: int) -> dict[int, str]:
     return {i: group_label(g, group) for g, group in enumerate(policy.layer_groups(depth)) for i in group}
 
 

@@ -352,6 +352,10 @@ class Policy:
         return ["--recompute-granularity", "selective", "--recompute-modules", *self.modules]
 
     # ----------------------------------------------------------------- layer layout
+    def selective_modules(self, layer: int) -> tuple[str, ...]:
+        """The submodules recomputed inside layer ``layer`` (the same for every layer)."""
+        return self.modules if self.granularity == "selective" else ()
+
     def layer_groups(self, depth: int) -> list[tuple[int, ...]]:
         """The consecutive layer indices each whole-layer checkpoint covers in a ``depth`` stack.
 
