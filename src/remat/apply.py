@@ -24,6 +24,7 @@ dropout masks are the same in the recomputation, and gradients equal the plain m
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from remat.policy import Policy
@@ -50,12 +52,20 @@ LAYER_STACK_PATHS = (
 )
 
 # Selective module name -> candidate submodule paths inside one layer; every candidate present is recomputed.
+# Hugging Face attention has no core submodule: remat.hf inserts "<attention>.core_attention" (see its docstring).
 SELECTIVE_TARGETS: dict[str, tuple[str, ...]] = {
-    "core_attn": ("self_attention.core_attention", "attn.core_attention", "self_attn.core_attention"),
+    "core_attn": ("self_attention.core_attention", "attn.core_attention", "self_attn.core_attention",
+                  "attention.core_attention",   # GPT-NeoX
+                  "attention.sdpa"),            # torchtitan (its ScaledDotProductAttention module)
     "mlp": ("mlp", "feed_forward", "ffn"),
     "layernorm": ("input_layernorm", "pre_mlp_layernorm", "post_attention_layernorm", "ln_1", "ln_2",
-                  "attention_norm", "ffn_norm"),
-    "act": ("mlp.activation", "mlp.act_fn", "mlp.act", "feed_forward.act_fn"),
+                  "attention_norm", "ffn_norm",
+                  "self_attn_layer_norm", "final_layer_norm",      # OPT
+                  "ln_attn", "ln_mlp",                              # Falcon (new decoder architecture)
+                  "pre_feedforward_layernorm", "post_feedforward_layernorm"),  # Gemma 2/3
+    "act": ("mlp.activation", "mlp.act_fn", "mlp.act", "feed_forward.act_fn",
+            "activation_fn",  # OPT
+            "mlp.gelu"),      # nanoGPT
 }
 
 
@@ -143,28 +153,125 @@ class _RngState:
 
 
 class _OutputSpec:
-    """Carries the pytree structure of a region's output out of ``autograd.Function.forward``."""
+    """Carries the region in, and the pytree structure of its output out of, ``autograd.Function.forward``."""
 
-    spec: Any = None
-    leaves: list[Any] = []
+    def __init__(self, region: Region):
+        self.region = region
+        self.spec: Any = None
+        self.leaves: list[Any] = []
 
 
 class _ReentrantCheckpoint(torch.autograd.Function):
     """Megatron's ``CheckpointFunction``: keep the inputs and RNG state, recompute the region in backward."""
 
     @staticmethod
-    def forward(ctx: Any, run: Callable[..., Any], out: _OutputSpec, *inputs: torch.Tensor) -> Any:
+    def forward(ctx: Any, run: Callable[..., Any], out: _OutputSpec, distribute: Any, *inputs: torch.Tensor) -> Any:
         ctx.run = run
         ctx.rng = _RngState(inputs)
-        ctx.save_for_backward(*inputs)
         with torch.no_grad():
             result = run(*inputs)
+        ctx.distribute = distribute
+        if distribute is not None:
+            # Megatron's --distribute-saved-activations: keep 1/tp of the hidden states, gather in backward
+            hidden = inputs[0]
+            ctx.hidden_shape = hidden.shape
+            hidden.data = distribute.shard(hidden.data.reshape(-1))
+            for observer in _observers:
+                observer.on_checkpoint_inputs(out.region, [hidden])
+        ctx.save_for_backward(*inputs)
         out.leaves, out.spec = tree_flatten(result)
         return tuple(leaf for leaf in out.leaves if isinstance(leaf, torch.Tensor))
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        saved = list(ctx.saved_tensors)
+        if ctx.distribute is not None:
+            saved[0].data = ctx.distribute.all_gather(saved[0].data).view(ctx.hidden_shape)
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
+        with torch.enable_grad():
+            result = ctx.rng.run_restored(ctx.run, *inputs)
+        outputs = [leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
+        del result, outputs
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        del pairs
+        return (None, None, None, *(t.grad if t.requires_grad else None for t in inputs))
+
+
+# ------------------------------------------------------------------------------------------ input offloading
+# Used by remat.plan's "offload" segments: a full-recompute group whose kept input (the hidden states) waits for
+# backward in host memory instead of device memory. Only the hidden states move; side inputs (attention mask,
+# rotary tables) are shared by every layer and stay where they are.
+#
+# How it shows in measure/predict timelines (which record device memory): the copies are made with the
+# TorchDispatchMode stack suspended, so the recorder does not see the host copy. It sees the device input freed
+# once the group's forward has let go of it, and, in backward, the restored input first used (so allocated) at the
+# start of the group's recomputation, then freed with the group's other recomputed tensors. On CUDA the host copy
+# is pinned memory and both copies run on a side stream (device-to-host overlaps the next layers' forward; the
+# restore is issued when the group's backward starts and the compute stream waits for it). On CPU the "device" is
+# the CPU itself: the host copy is an ordinary CPU tensor that the timeline counts as offloaded, i.e. not at all,
+# and it becomes the restored input (no second copy). Under FakeTensorMode the copies are fake (no memory).
+_TRANSFER_STREAMS: dict[torch.device, Any] = {}
+
+
+def _transfer_stream(device: torch.device) -> Any:
+    if device not in _TRANSFER_STREAMS:
+        _TRANSFER_STREAMS[device] = torch.cuda.Stream(device)
+    return _TRANSFER_STREAMS[device]
+
+
+def offload_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``tensor`` (pinned memory when it is on CUDA), made unseen by dispatch-mode recorders."""
+    with _disable_current_modes():
+        if tensor.device.type != "cuda":
+            return tensor.detach().to("cpu", copy=True)
+        stream = _transfer_stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(stream)  # its memory is not reused before the copy has read it
+        return host
+
+
+def restore_from_host(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` back on ``device`` (see :func:`offload_to_host`); on CPU the host copy itself is returned."""
+    with _disable_current_modes():
+        if device.type != "cuda":
+            return host
+        stream = _transfer_stream(device)
+        with torch.cuda.stream(stream):
+            restored = host.to(device, non_blocking=True)
+        current = torch.cuda.current_stream(device)
+        current.wait_stream(stream)
+        restored.record_stream(current)
+        return restored
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    """:class:`_ReentrantCheckpoint` whose kept hidden-states input (the first tensor) waits in host memory."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[..., Any], out: _OutputSpec, *inputs: torch.Tensor) -> Any:
+        ctx.run = run
+        ctx.rng = _RngState(inputs)
+        hidden = inputs[0]
+        ctx.hidden_device, ctx.hidden_requires_grad = hidden.device, hidden.requires_grad
+        ctx.host = offload_to_host(hidden)
+        with torch.no_grad():
+            result = run(*inputs)
+        ctx.save_for_backward(*inputs[1:])
+        out.leaves, out.spec = tree_flatten(result)
+        return tuple(leaf for leaf in out.leaves if isinstance(leaf, torch.Tensor))
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden = restore_from_host(ctx.host, ctx.hidden_device)
+        ctx.host = None
+        inputs = [hidden.detach().requires_grad_(ctx.hidden_requires_grad)]
+        inputs += [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        del hidden
         with torch.enable_grad():
             result = ctx.rng.run_restored(ctx.run, *inputs)
         outputs = [leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
@@ -192,6 +299,8 @@ class Region:
     names: list[str]
     engine: str
     layer_indices: tuple[int, ...] = ()
+    distribute: Any = None          # a tensor-parallel group: keep 1/tp of the hidden input (reentrant only)
+    offload_inputs: bool = False    # keep the hidden-states input in host memory (remat.plan; reentrant)
     _originals: list[Any] = field(default_factory=list, repr=False)
     _running: bool = field(default=False, repr=False)
     _pending: Any = field(default=None, repr=False)
@@ -305,8 +414,11 @@ class Region:
             raise ApplyError(f"{self.label}: no input requires grad, so a reentrant checkpoint would give its "
                              "parameters no gradient (as Megatron's and torch's reentrant checkpoints do); use "
                              "the non-reentrant engine ('@non-reentrant') or make the inputs require grad")
-        out = _OutputSpec()
-        outputs = iter(_ReentrantCheckpoint.apply(run, out, *tensors))
+        out = _OutputSpec(self)
+        if self.offload_inputs:
+            outputs = iter(_OffloadedCheckpoint.apply(run, out, *tensors))
+        else:
+            outputs = iter(_ReentrantCheckpoint.apply(run, out, self.distribute, *tensors))
         leaves_out = [next(outputs) if isinstance(leaf, torch.Tensor) else leaf for leaf in out.leaves]
         return tree_unflatten(leaves_out, out.spec)
 
@@ -412,16 +524,20 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
     """
     if isinstance(policy, str):
         policy = Policy.parse(policy)
-    if getattr(model, "is_gradient_checkpointing", False):
+    hf = _hugging_face(model)
+    if hf is None and getattr(model, "is_gradient_checkpointing", False):
         raise ApplyError(f"{type(model).__name__} has Hugging Face gradient checkpointing enabled: call "
                          "model.gradient_checkpointing_disable() first so that recompute is not stacked")
     stack_path, stack = find_layer_stack(model, layers)
     names = _layer_names(model, stack, stack_path)
+    if hf is not None:  # refuses HF's own checkpointing; gives attention modules a core_attention submodule
+        hf.prepare(model, stack, names, policy)
+    distribute = _distribute_group(model, policy)
     regions: list[Region] = []
     grouped: set[int] = set()
     for group in policy.layer_groups(len(stack)):
         regions.append(Region(len(regions), "layers", [stack[i] for i in group], [names[i] for i in group],
-                              policy.engine, layer_indices=tuple(group)))
+                              policy.engine, layer_indices=tuple(group), distribute=distribute))
         grouped.update(group)
     for i, layer in enumerate(stack):
         modules = policy.selective_modules(i)
@@ -432,6 +548,7 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
             for name, target in _selective_targets(layer, names[i], module):
                 regions.append(Region(len(regions), f"selective:{module}", [target], [name], policy.engine,
                                       layer_indices=(i,)))
+    _mark_offloaded(policy, len(stack), regions)
     seen: dict[int, str] = {}
     for region in regions:
         for module, name in zip(region.modules, region.names):
@@ -452,7 +569,61 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
         raise
     state = AppliedPolicy(policy, stack_path, stack, regions)
     model.__dict__["_remat_applied"] = state
+    if hf is not None:  # keeps the KV cache out of recomputed layers; drops cores no region uses
+        hf.installed(model, state)
     return state
+
+
+def _mark_offloaded(policy: RecomputeLayout, depth: int, regions: list[Region]) -> None:
+    """Set ``offload_inputs`` on the group regions that ``policy.offload_groups(depth)`` names (a plan's offload
+    segments, :mod:`remat.plan`); a layout without that method offloads nothing."""
+    offload_groups = getattr(policy, "offload_groups", None)
+    if offload_groups is None:
+        return
+    groups = {tuple(g) for g in offload_groups(depth)}
+    if not groups:
+        return
+    if policy.engine != "reentrant":
+        raise ApplyError("offloading group inputs works with the reentrant engine (the inputs are kept by remat's "
+                         "own checkpoint function): use engine='reentrant' for a plan with offload segments")
+    found = set()
+    for region in regions:
+        if region.kind == "layers" and region.layer_indices in groups:
+            if region.distribute is not None:
+                raise ApplyError(f"{region.label}: a group input cannot be both offloaded and distributed across "
+                                 "tensor-parallel ranks; drop one of the two")
+            region.offload_inputs = True
+            found.add(region.layer_indices)
+    missing = sorted(groups - found)
+    if missing:
+        raise ApplyError(f"offload_groups names {missing}, which are not checkpoint groups of layer_groups(): an "
+                         "offloaded group must also be one of the layout's layer groups")
+
+
+def _hugging_face(model: nn.Module) -> Any:
+    """:mod:`remat.hf` for a Hugging Face model, else None (nothing is imported unless transformers already is)."""
+    if "transformers" not in sys.modules:
+        return None
+    from remat import hf
+
+    return hf if hf.is_hf_model(model) else None
+
+
+def _distribute_group(model: nn.Module, policy: RecomputeLayout) -> Any:
+    """The tensor-parallel group that --distribute-saved-activations splits group inputs over, if asked."""
+    if not getattr(policy, "distribute_saved_activations", False):
+        return None
+    group = getattr(model, "tp_group", None)
+    if group is None or group.size == 1:
+        raise ApplyError("distribute_saved_activations splits each group's input across tensor-parallel ranks: it "
+                         "needs a tensor-parallel model with tp > 1 (remat.parallel.build_tp_model)")
+    if getattr(model, "sp", False):
+        raise ApplyError("distribute_saved_activations is refused with sequence parallelism (as in Megatron): the "
+                         "group inputs are already split; drop one of the two")
+    if policy.engine != "reentrant":
+        raise ApplyError("distribute_saved_activations works with the reentrant engine (Megatron's "
+                         "CheckpointFunction); drop '@non-reentrant'")
+    return group
 
 
 def _layer_names(model: nn.Module, stack: list[nn.Module], stack_path: str) -> list[str]:

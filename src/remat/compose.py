@@ -22,6 +22,7 @@ reproduced exactly when the layers are homogeneous (the tests check this against
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -84,7 +85,7 @@ def shallow_stand_ins(policy: Policy, depth: int, max_depth: int = 12) -> Iterat
         if policy.granularity == "full":
             low = 1 if policy.method == "uniform" else 0
             ks = range(low, min(policy.num_layers, small_depth) + 1)
-            candidates = [Policy("full", policy.method, k, engine=policy.engine) for k in ks]
+            candidates = [dataclasses.replace(policy, num_layers=k) for k in ks]
         else:
             candidates = [policy]
         for candidate in candidates:

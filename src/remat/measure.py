@@ -12,6 +12,7 @@ caching allocator's 512-byte blocks, with ``torch.cuda.max_memory_allocated`` ke
 
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -259,7 +260,26 @@ def record_step(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimi
     else:
         stack = find_layer_stack(model, layers)[1]
     model.zero_grad(set_to_none=True)
+    # Tensor.register_hook imports torch._dynamo on first use; imported inside the recorded step, its module code
+    # would leave that step's frames (and their tensors) in reference cycles, so import it before.
+    import torch._dynamo  # noqa: F401
+
     recorder = StepRecorder(model, stack, block_bytes=block_bytes)
+    # Python's cycle collector runs at moments that depend on how many Python objects were made, which differs
+    # between real and fake tensors; with it paused, every storage is freed when its last reference goes.
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _record(recorder, model, batch, optimizer, loss_fn, state, stack)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _record(recorder: StepRecorder, model: nn.Module, batch: Batch, optimizer: torch.optim.Optimizer | None,
+            loss_fn: Callable[[Any, Batch], torch.Tensor] | None, state: Any,
+            stack: list[nn.Module]) -> tuple[Timeline, torch.Tensor]:
     with recorder:
         for name, module in model.named_modules():
             recorder.module_stack.append(name)  # so each parameter's row names the module that owns it

@@ -26,6 +26,7 @@ from remat.compose import CompositionError, ShallowTrace, compose, shallow_stand
 from remat.config import ModelConfig
 from remat.measure import CUDA_BLOCK, Batch, record_step
 from remat.model import build_model, sample_batch
+from remat.parallel import SimulatedGroup, build_tp_model, check_tensor_parallel
 from remat.policy import Policy
 from remat.timeline import Timeline
 
@@ -59,49 +60,63 @@ def predict(model: ModelSource, policy: Policy | str = "none", *, batch: Batch |
     return _trace(model, policy, batch=batch, optimizer=optimizer, loss_fn=loss_fn, layers=layers, device=device)
 
 
-def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "cpu",
-                   compose_layers: bool = True) -> Timeline:
+def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "cpu", tp: int = 1,
+                   sp: bool = False, compose_layers: bool = True) -> Timeline:
     """Predict the reference model of ``config`` under ``policy``, composing deep stacks from shallow traces.
 
+    ``tp``/``sp``: predict one tensor-parallel rank (Megatron's sharding, :mod:`remat.parallel`), with or
+    without sequence parallelism; ``policy.distribute_saved_activations`` splits group inputs over the ranks.
     With ``compose_layers=False`` (or when composition is refused) the whole stack is traced.
     """
     if isinstance(policy, str):
         policy = Policy.parse(policy)
     policy.layer_groups(config.num_layers)  # refuses k > depth, naming the depth
+    check_tensor_parallel(config, tp, sp)
     stand_ins = list(shallow_stand_ins(policy, config.num_layers)) if compose_layers else []
     # a stand-in already traced (for another policy of a sweep) beats a shallower one still to trace
-    stand_ins.sort(key=lambda c: (_SHALLOW.get((config.replace(num_layers=c[1]), c[0], device)) is None, c[1]))
+    stand_ins.sort(key=lambda c: ((config.replace(num_layers=c[1]), c[0], device, tp, sp) not in _SHALLOW, c[1]))
     if stand_ins and stand_ins[0][1] < config.num_layers:
         shallow_policy, shallow_depth = stand_ins[0]
-        if True:
-            try:
-                shallow = _shallow_trace(config.replace(num_layers=shallow_depth), shallow_policy, device)
-                timeline = compose(shallow, shallow_policy, policy, config.num_layers)
-            except CompositionError as err:
-                timeline = _trace(config, policy, device=device)
-                timeline.meta["composition_refused"] = str(err)
-            else:
-                timeline.meta["config"] = config.to_dict()
-            return timeline
-    return _trace(config, policy, device=device)
+        try:
+            shallow = _shallow_trace(config.replace(num_layers=shallow_depth), shallow_policy, device, tp, sp)
+            timeline = compose(shallow, shallow_policy, policy, config.num_layers)
+        except CompositionError as err:
+            timeline = _trace_config(config, policy, device, tp, sp)
+            timeline.meta["composition_refused"] = str(err)
+        else:
+            timeline.meta["config"] = config.to_dict()
+            timeline.meta.update({"tp": tp, "sp": sp})
+        return timeline
+    return _trace_config(config, policy, device, tp, sp)
 
 
-def predict_many(config: ModelConfig, policies: Iterable[Policy | str], *, device: str = "cpu",
-                 ) -> list[Timeline]:
+def _trace_config(config: ModelConfig, policy: Policy, device: str, tp: int, sp: bool) -> Timeline:
+    if tp == 1 and not sp:
+        timeline = _trace(config, policy, device=device)
+    else:
+        timeline = _trace(lambda: build_tp_model(config, SimulatedGroup(tp), sp), policy,
+                          batch=sample_batch(config), device=device)
+        timeline.meta["config"] = config.to_dict()
+    timeline.meta.update({"tp": tp, "sp": sp})
+    return timeline
+
+
+def predict_many(config: ModelConfig, policies: Iterable[Policy | str], *, device: str = "cpu", tp: int = 1,
+                 sp: bool = False) -> list[Timeline]:
     """:func:`predict_config` for each policy; shallow traces are shared between policies."""
-    return [predict_config(config, policy, device=device) for policy in policies]
+    return [predict_config(config, policy, device=device, tp=tp, sp=sp) for policy in policies]
 
 
-_SHALLOW: dict[tuple[ModelConfig, Policy, str], ShallowTrace] = {}
+_SHALLOW: dict[tuple[ModelConfig, Policy, str, int, bool], ShallowTrace] = {}
 _SHALLOW_CAPACITY = 64
 
 
-def _shallow_trace(config: ModelConfig, policy: Policy, device: str) -> ShallowTrace:
-    key = (config, policy, device)
+def _shallow_trace(config: ModelConfig, policy: Policy, device: str, tp: int, sp: bool) -> ShallowTrace:
+    key = (config, policy, device, tp, sp)
     if key not in _SHALLOW:
         if len(_SHALLOW) >= _SHALLOW_CAPACITY:
             del _SHALLOW[next(iter(_SHALLOW))]
-        _SHALLOW[key] = ShallowTrace(_trace(config, policy, device=device), policy)
+        _SHALLOW[key] = ShallowTrace(_trace_config(config, policy, device, tp, sp), policy)
     return _SHALLOW[key]
 
 

@@ -1,0 +1,454 @@
+"""Tensor and sequence parallelism for the reference GPT, with Megatron-LM's sharding and memory semantics.
+
+One rank of a ``tp``-way tensor-parallel run holds: the attention's query/key/value heads and the MLP's hidden
+units split ``tp`` ways (column-parallel ``linear_qkv``/``linear_fc1``, row-parallel ``linear_proj``/
+``linear_fc2``), the vocabulary split ``tp`` ways (vocab-parallel embedding, output layer and cross-entropy).
+With sequence parallelism (``sp``) the tensors between the parallel regions - norms, dropouts, residuals - hold
+only ``1/tp`` of the tokens, and a column-parallel linear keeps only its token shard for backward and gathers it
+again there (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``), so the gathered input is a
+transient, not a saved activation.
+
+The collectives go through a :class:`TensorParallelGroup`: :class:`DistributedGroup` runs them on a
+``torch.distributed`` process group (gloo on CPU, NCCL on GPUs); :class:`SimulatedGroup` gives one rank the same
+tensors of the same shapes without any peer, which is how :func:`remat.predict` traces a rank under
+``FakeTensorMode``. Both make the same allocations in the same order, so a prediction is the trace of the code
+a real run executes.
+
+The sequence shard is taken over the flattened (batch x sequence) tokens: with micro-batch 1 it is Megatron's
+sequence split; in general each rank holds ``b*s/tp`` tokens either way, which is what memory depends on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from remat.config import ConfigError, ModelConfig
+from remat.model import apply_rotary
+
+
+class TensorParallelGroup:
+    """The collectives one tensor-parallel rank needs; tensors are split or gathered along dim 0."""
+
+    size: int = 1
+    rank: int = 0
+
+    def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        raise NotImplementedError
+
+    def _all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty((x.shape[0] * self.size, *x.shape[1:]))
+        self._all_gather_into(out, x.contiguous())
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] % self.size:
+            raise ValueError(f"cannot split {x.shape[0]} tokens {self.size} ways: micro_batch_size x seq_length "
+                             "must be divisible by the tensor-parallel size under sequence parallelism")
+        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+        self._reduce_scatter_into(out, x.contiguous())
+        return out
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's dim-0 slice of a tensor every rank holds whole (no communication)."""
+        n = x.shape[0] // self.size
+        return x.narrow(0, self.rank * n, n).clone()
+
+
+class SimulatedGroup(TensorParallelGroup):
+    """Rank ``rank`` of ``size`` without peers: every other rank is assumed to hold the same values.
+
+    Sums stay unscaled (the values are not those of a real run), but every tensor has the shape, dtype and
+    lifetime it has on a real rank, which is all memory prediction needs.
+    """
+
+    def __init__(self, size: int, rank: int = 0):
+        self.size, self.rank = size, rank
+
+    def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return x
+
+    def _all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        out.copy_(x.unsqueeze(0).expand(self.size, *x.shape).reshape(out.shape))
+
+    def _reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        out.copy_(x.narrow(0, self.rank * out.shape[0], out.shape[0]))
+
+
+class DistributedGroup(TensorParallelGroup):
+    """Collectives on a ``torch.distributed`` process group."""
+
+    def __init__(self, group: Any = None):
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        reduce_op = self.dist.ReduceOp.MAX if op == "max" else self.dist.ReduceOp.SUM
+        self.dist.all_reduce(x, op=reduce_op, group=self.group)
+        return x
+
+    def _all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        self.dist.all_gather_single(out, x, group=self.group)
+
+    def _reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        self.dist.reduce_scatter_single(out, x, group=self.group)
+
+
+# -- Megatron's mappings between parallel regions ----------------------------------------------------------------
+class _CopyToRegion(torch.autograd.Function):
+    """Identity forward; the input's gradient is summed over the ranks in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.group.all_reduce_(grad.contiguous()), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Sum partial outputs over the ranks; identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
+        return group.all_reduce_(x.contiguous())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Sum partial outputs and keep this rank's token shard; all-gather the gradient back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
+        ctx.group = group
+        return group.reduce_scatter(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.group.all_gather(grad), None
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """Column-parallel linear on a sequence-parallel input: gather the tokens, multiply, keep only the shard.
+
+    Backward gathers the shard again for the weight gradient and reduce-scatters the input gradient, so the
+    gathered input never outlives the forward (Megatron's sequence-parallel linear)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: TensorParallelGroup) -> torch.Tensor:
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        total = group.all_gather(x)
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        total = ctx.group.all_gather(x)
+        grad_input = ctx.group.reduce_scatter(grad.matmul(weight))
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split by vocabulary; keeps one softmax-sized tensor, as Megatron's does."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
+        vocab_local = logits.shape[-1]
+        start = group.rank * vocab_local
+        logits_max = group.all_reduce_(logits.max(dim=-1)[0], op="max")
+        shifted = logits - logits_max.unsqueeze(-1)
+        outside = (labels < start) | (labels >= start + vocab_local)
+        local_labels = (labels - start).masked_fill(outside, 0)
+        predicted = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        group.all_reduce_(predicted)
+        exp_logits = shifted.exp_()
+        sum_exp = group.all_reduce_(exp_logits.sum(dim=-1))
+        loss = (sum_exp.log() - predicted).mean()
+        exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(exp_logits, local_labels, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        softmax, local_labels, outside = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, local_labels.unsqueeze(-1), (outside.to(softmax.dtype) - 1.0).unsqueeze(-1))
+        grad_logits.mul_(grad / local_labels.numel())
+        return grad_logits, None, None
+
+
+# -- modules ------------------------------------------------------------------------------------------------------
+class ColumnParallelLinear(nn.Module):
+    """``out_features / tp`` outputs of a linear layer; the input is whole (or a token shard under SP)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: TensorParallelGroup, sp: bool):
+        super().__init__()
+        self.group, self.sp = group, sp
+        self.weight = nn.Parameter(torch.empty(out_features // group.size, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features // group.size)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sp:
+            return _GatheredLinear.apply(x, self.weight, self.bias, self.group)
+        return F.linear(_CopyToRegion.apply(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``in_features / tp`` inputs of a linear layer; partial outputs are summed (reduce-scattered under SP)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: TensorParallelGroup, sp: bool):
+        super().__init__()
+        self.group, self.sp = group, sp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)
+        if self.sp:
+            out = _ReduceScatterToSequence.apply(partial.reshape(-1, partial.shape[-1]), self.group)
+        else:
+            out = _ReduceFromRegion.apply(partial, self.group)
+        return out + self.bias if self.bias is not None else out
+
+
+def _norm(config: ModelConfig) -> nn.Module:
+    if config.normalization == "rmsnorm":
+        return nn.RMSNorm(config.hidden_size, eps=1e-5)
+    return nn.LayerNorm(config.hidden_size, eps=1e-5)
+
+
+class TPCoreAttention(nn.Module):
+    """The reference model's core attention on this rank's heads (see remat.model.CoreAttention)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.kind, self.dropout = config.attention, config.attention_dropout
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        p = self.dropout if self.training else 0.0
+        if self.kind == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        scores = (q @ k.transpose(-2, -1)) * self.scale
+        probs = F.dropout(scores.masked_fill(~mask, float("-inf")).softmax(dim=-1), p=p, training=self.training)
+        return probs @ v
+
+
+class TPSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool):
+        super().__init__()
+        t = group.size
+        self.heads, self.groups, self.head_dim = config.num_attention_heads // t, config.query_groups // t, \
+            config.head_dim
+        qkv = (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv, config.add_bias_linear, group, sp)
+        self.core_attention = TPCoreAttention(config)
+        self.linear_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
+                                             config.add_bias_linear, group, sp)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                shape: tuple[int, int]) -> torch.Tensor:
+        b, s = shape
+        d = self.head_dim
+        q, k, v = self.linear_qkv(x).view(b, s, -1).split(
+            [self.heads * d, self.groups * d, self.groups * d], dim=-1)
+        q = q.view(b, s, self.heads, d).transpose(1, 2)
+        k = k.view(b, s, self.groups, d).transpose(1, 2)
+        v = v.view(b, s, self.groups, d).transpose(1, 2)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        context = self.core_attention(q, k, v, mask)
+        return self.linear_proj(context.transpose(1, 2).reshape(b, s, self.heads * d))
+
+
+class TPMLP(nn.Module):
+    def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool):
+        super().__init__()
+        gated = config.activation == "swiglu"
+        self.gated = gated
+        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_size * (2 if gated else 1),
+                                               config.add_bias_linear, group, sp)
+        self.activation: nn.Module = _SwiGLU() if gated else nn.GELU()
+        self.linear_fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, config.add_bias_linear, group, sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.activation(self.linear_fc1(x)))
+
+
+class _SwiGLU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class TPTransformerLayer(nn.Module):
+    """One rank's share of a layer. Hidden states are [b, s, h], or [b*s/tp, h] token shards under SP."""
+
+    def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool):
+        super().__init__()
+        self.input_layernorm = _norm(config)
+        self.self_attention = TPSelfAttention(config, group, sp)
+        self.pre_mlp_layernorm = _norm(config)
+        self.mlp = TPMLP(config, group, sp)
+        self.dropout = config.hidden_dropout
+        self.shape = (config.micro_batch_size, config.seq_length)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        attn = self.self_attention(self.input_layernorm(hidden), attention_mask, rotary, self.shape)
+        hidden = hidden + F.dropout(attn.view_as(hidden), p=self.dropout, training=self.training)
+        mlp = self.mlp(self.pre_mlp_layernorm(hidden))
+        return hidden + F.dropout(mlp.view_as(hidden), p=self.dropout, training=self.training)
+
+
+class TPEmbedding(nn.Module):
+    """Vocab-parallel word embeddings (+ replicated learned positions), summed over the ranks."""
+
+    def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool):
+        super().__init__()
+        self.group, self.sp = group, sp
+        self.vocab_local = config.vocab_size // group.size
+        self.word_embeddings = nn.Embedding(self.vocab_local, config.hidden_size)
+        self.position_embeddings = (
+            nn.Embedding(config.seq_length, config.hidden_size) if config.position == "learned" else None)
+        self.dropout = config.hidden_dropout
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        start = self.group.rank * self.vocab_local
+        outside = (tokens < start) | (tokens >= start + self.vocab_local)
+        partial = self.word_embeddings((tokens - start).masked_fill(outside, 0))
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.position_embeddings is not None:
+            # added once, on rank 0's partial sum, so that the reduction counts it once
+            positions = self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+            partial = partial + positions * (1.0 if self.group.rank == 0 else 0.0)
+        if self.sp:
+            x = _ReduceScatterToSequence.apply(partial.reshape(-1, partial.shape[-1]), self.group)
+        else:
+            x = _ReduceFromRegion.apply(partial, self.group)
+        return F.dropout(x, p=self.dropout, training=self.training)
+
+
+class TPHead(nn.Module):
+    def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool):
+        super().__init__()
+        self.group = group
+        self.final_layernorm = _norm(config)
+        self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, False, group, sp)
+        self.shape = (config.micro_batch_size, config.seq_length)
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.output_layer(self.final_layernorm(hidden)).view(*self.shape, -1)
+        return _VocabParallelCrossEntropy.apply(logits.float(), labels, self.group)
+
+
+class TPGPT(nn.Module):
+    """One tensor-parallel rank of the reference GPT (same layer names, so policies apply unchanged)."""
+
+    def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool = False):
+        super().__init__()
+        check_tensor_parallel(config, group.size, sp)
+        self.config, self.tp_group, self.sp = config, group, sp
+        self.embedding = TPEmbedding(config, group, sp)
+        self.layers = nn.ModuleList(TPTransformerLayer(config, group, sp) for _ in range(config.num_layers))
+        self.head = TPHead(config, group, sp)
+        if config.tie_embeddings:
+            self.head.output_layer.weight = self.embedding.word_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        causal_mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril_().view(1, 1, s, s)
+        rotary = None
+        if self.config.position == "rope":
+            d = self.config.head_dim
+            inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=tokens.device, dtype=torch.float32) / d))
+            angles = torch.outer(torch.arange(s, device=tokens.device, dtype=torch.float32), inv_freq)
+            rotary = angles.cos().to(self.config.torch_dtype), angles.sin().to(self.config.torch_dtype)
+        hidden = self.embedding(tokens)
+        for layer in self.layers:
+            hidden = layer(hidden, causal_mask, rotary)
+        return self.head(hidden, labels)
+
+
+def check_tensor_parallel(config: ModelConfig, tp: int, sp: bool) -> None:
+    """Refuse a tensor-parallel size that does not divide what it splits, naming the field."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp={tp!r}: the tensor-parallel size must be a positive integer")
+    for name, value in (("num_attention_heads", config.num_attention_heads),
+                        ("num_query_groups", config.query_groups), ("ffn_hidden_size", config.ffn_size),
+                        ("vocab_size", config.vocab_size)):
+        if value % tp:
+            raise ConfigError(f"{name}={value} is not divisible by the tensor-parallel size tp={tp}: pick a tp "
+                              f"that divides it (or pad {name})")
+    if sp and (config.micro_batch_size * config.seq_length) % tp:
+        raise ConfigError(f"sequence parallelism splits micro_batch_size*seq_length="
+                          f"{config.micro_batch_size * config.seq_length} tokens, not divisible by tp={tp}")
+    if sp and tp == 1:
+        raise ConfigError("sp=True needs tp > 1: sequence parallelism splits tokens across tensor-parallel ranks")
+
+
+def build_tp_model(config: ModelConfig, group: TensorParallelGroup, sp: bool = False,
+                   device: torch.device | str = "cpu", seed: int | None = 0) -> TPGPT:
+    """One rank's share of the reference GPT in ``config.dtype`` on ``device`` (training mode)."""
+    if seed is not None:
+        torch.manual_seed(seed + group.rank)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(config.torch_dtype)
+    try:
+        with torch.device(device):
+            return TPGPT(config, group, sp).train()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _measure_rank(rank: int, world_size: int, config: dict[str, Any], policy: str, sp: bool) -> dict[str, Any]:
+    """One rank of :func:`measure_tensor_parallel` (runs in a spawned process)."""
+    from remat.apply import apply
+    from remat.measure import measure
+    from remat.model import sample_batch
+
+    torch.set_num_threads(1)
+    model_config = ModelConfig.from_dict(config)
+    model = build_tp_model(model_config, DistributedGroup(), sp)
+    apply(model, policy)
+    timeline = measure(model, sample_batch(model_config))
+    timeline.meta.update({"tp": world_size, "sp": sp, "rank": rank})
+    return timeline.to_dict()
+
+
+def measure_tensor_parallel(config: ModelConfig, policy: Any, tp: int, sp: bool = False,
+                            timeout: float = 120.0) -> list[Any]:
+    """Measure one training step on ``tp`` real tensor-parallel ranks (gloo, CPU); one Timeline per rank."""
+    from remat.launch import run_ranks
+    from remat.timeline import Timeline
+
+    check_tensor_parallel(config, tp, sp)
+    results = run_ranks(_measure_rank, tp, (config.to_dict(), str(policy), sp), timeout=timeout)
+    return [Timeline.from_dict(r) for r in results]
