@@ -25,7 +25,7 @@ from remat.policy import ENGINES, GRAMMAR, PolicyError
 from remat.timeline import TimelineError
 
 # Exceptions that mean "the input is wrong", not "remat is broken": one line, exit code 2.
-USER_ERRORS = (ConfigError, PolicyError, ApplyError, TimelineError, ValueError)
+USER_ERRORS = (ConfigError, PolicyError, ApplyError, TimelineError, ValueError, OSError)  # OSError: unwritable --out
 USAGE_ERROR = 2
 
 Runner = Callable[[argparse.Namespace], int]
@@ -177,6 +177,12 @@ def explain_command(sub: Subparsers) -> Runner:
                    help="where explain.json, timelines.png and timeline-<policy>.json go (default ./remat-out)")
     g.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     g.add_argument("--no-plot", action="store_true", help="do not write timelines.png")
+    g.add_argument("--html", type=Path, metavar="FILE",
+                   help="also write the report as one self-contained HTML page (charts inline, nothing fetched)")
+    g.add_argument("--snapshot", type=Path, metavar="FILE",
+                   help="also write each policy's timeline as a torch.cuda.memory._snapshot() pickle for "
+                        "https://pytorch.org/memory_viz: FILE with the policy before the suffix "
+                        "(snap.pickle -> snap-full-uniform-2.pickle); FILE itself when there is one policy")
     return run_explain
 
 
@@ -208,6 +214,17 @@ def run_explain(args: argparse.Namespace) -> int:
         plot_timelines(result.timelines, out / "timelines.png", title=title)
         report["files"]["plot"] = "timelines.png"
         written.append(out / "timelines.png")
+    if args.html is not None:
+        from remat.html import write_html
+
+        written.append(write_html(result, args.html))
+    if args.snapshot is not None:
+        from remat.snapshot import write_memory_snapshot
+
+        for name, timeline in result.timelines.items():
+            path = args.snapshot if len(result.timelines) == 1 else \
+                args.snapshot.with_name(f"{args.snapshot.stem}-{file_name(name)}{args.snapshot.suffix}")
+            written.append(write_memory_snapshot(timeline, path))
     written.insert(0, write_json(out / "explain.json", report))
 
     if args.json:
@@ -222,6 +239,529 @@ def _json_text(obj: Any) -> str:
     import json
 
     return json.dumps(obj, indent=2)
+
+
+# ------------------------------------------------------------------------------------------------ predict / compare
+# Shared by predict and compare: where the model comes from, which policies, tensor/sequence parallelism.
+SWEEPS = ("megatron",)
+MEGATRON_SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")  # the dense-model modules Megatron offers
+
+
+def add_model_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--preset NAME`` | ``--config FILE``, then the model flags, which override single fields of either."""
+    from remat.presets import preset_names
+
+    g = parser.add_argument_group("model source", textwrap.fill(
+        "a preset or a YAML/JSON file (ModelConfig field names, optionally 'preset: NAME'); the model flags below "
+        "override single fields of either", width=76))
+    source = g.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=preset_names(), metavar="NAME",
+                        help=f"a named model: {', '.join(preset_names())}")
+    source.add_argument("--config", type=Path, metavar="FILE", help="a YAML or JSON model config file")
+    add_model_arguments(parser)
+
+
+def resolve_model_config(args: argparse.Namespace) -> ModelConfig:
+    """The :class:`ModelConfig` of ``--preset``/``--config`` (else the default) with the model flags applied."""
+    from remat.presets import get_preset, load_config
+
+    if getattr(args, "preset", None):
+        base = get_preset(args.preset)
+    elif getattr(args, "config", None) is not None:
+        base = load_config(args.config)
+    else:
+        base = ModelConfig()
+    fields = {name: getattr(args, flag) for flag, name in _MODEL_FLAGS.items() if getattr(args, flag) is not None}
+    if args.dropout is not None:
+        fields.update(hidden_dropout=args.dropout, attention_dropout=args.dropout)
+    return base.replace(**fields) if fields else base
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the tensor/sequence-parallel flags (``--tp``, ``--sp``; :mod:`remat.parallel`) are to be registered.
+
+    Nothing yet. Once they exist, :func:`parallel_kwargs` returns them and predict/compare pass them on.
+    """
+
+
+def parallel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments describing tensor/sequence parallelism, passed as they are to ``predict_config``,
+    ``predict_many`` and ``formulas.explain_differences`` (which all take ``tp=``, ``sp=``). Empty (one rank,
+    no sequence parallelism) until :func:`add_parallel_arguments` registers the flags. ``remat compare`` measures
+    one unsharded process, so it has to refuse tp > 1 until it can measure a rank."""
+    return {}
+
+
+def megatron_sweep(num_layers: int, engine: str | None = None) -> list[str]:
+    """Every Megatron recompute setting of a ``num_layers`` stack, in the short form of :class:`Policy`.
+
+    ``none``; ``full/uniform/K`` for K = 1..L; ``full/block/K`` for K = 1..L (K = 0 is ``none``); ``selective``
+    with each non-empty set of Megatron's dense-model modules (core_attn, mlp, layernorm). ``engine`` (None:
+    Megatron's reentrant) is appended as ``@engine`` to every policy but ``none``.
+    """
+    from itertools import combinations
+
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers={num_layers!r}: a sweep needs a stack of at least one layer")
+    names = [f"full/uniform/{k}" for k in range(1, num_layers + 1)]
+    names += [f"full/block/{k}" for k in range(1, num_layers + 1)]
+    mods = MEGATRON_SELECTIVE_MODULES
+    names += ["selective/" + "+".join(c) for n in range(1, len(mods) + 1) for c in combinations(mods, n)]
+    suffix = f"@{engine}" if engine not in (None, "reentrant") else ""
+    return ["none", *(name + suffix for name in names)]
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--policy`` (repeatable, comma lists) and ``--sweep``."""
+    g = parser.add_argument_group("policies (none is always included, first, as the baseline)")
+    g.add_argument("--policy", action="append", metavar="P",
+                   help="a recompute policy, e.g. full/uniform/2 or selective/core_attn+mlp; repeat it or give a "
+                        "comma-separated list (default: none, full/uniform/K for K = 1, 2, 4, ... and L, "
+                        "full/block/L/4 and L/2, selective/core_attn, selective/core_attn+mlp)")
+    g.add_argument("--sweep", choices=SWEEPS,
+                   help="megatron: none, every full/uniform/K and full/block/K (K = 1..L) and each set of "
+                        "selective modules (core_attn, mlp, layernorm); added to any --policy")
+
+
+def resolve_cli_policies(args: argparse.Namespace, num_layers: int) -> list[Any]:
+    """The :class:`Policy` list of ``--policy``/``--sweep`` (``--engine`` applied), ``none`` first."""
+    from remat.explain import resolve_policies
+
+    items: list[str] | None = None
+    if args.policy:
+        items = []
+        for text in args.policy:
+            items.extend(parse_policy_list(text) or [])
+    if args.sweep == "megatron":
+        items = (items or []) + megatron_sweep(num_layers)
+    return resolve_policies(items, num_layers, args.engine)
+
+
+def adam_steady_state(params: Any) -> Any:
+    """``torch.optim.Adam`` whose moments (and step counters) already exist: the optimizer of any step after the
+    first, whose forward and backward run with the Adam states alive. (On the very first step Adam creates them
+    inside ``step()``; that step peaks no higher than a later one.)"""
+    import torch
+
+    optimizer = torch.optim.Adam(params)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            # a tensor made from a Python number, as Adam makes it: FakeTensorMode keeps its value for .item()
+            optimizer.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    return optimizer
+
+
+# Parts of the bytes alive at the peak, as the tables show them: (category, column header).
+PART_COLUMNS = (("parameters", "params"), ("gradients", "grads"), ("optimizer_state", "optim"),
+                ("group_inputs", "inputs"), ("saved_activations", "saved act"), ("recompute", "recompute"),
+                ("head_loss", "head/loss"), ("other", "other"))
+
+
+def prediction_row(policy: Any, timeline: Any, seconds: float | None = None) -> dict[str, Any]:
+    """One policy's predicted step: peak bytes, the phase it is in, what is alive there (by category, adding up to
+    the peak), the FLOPs per phase kind and the extra compute: recompute FLOPs over forward + backward FLOPs, %
+    (matmul-style FLOPs as ``torch.utils.flop_counter`` counts them)."""
+    flops = {k: int(v) for k, v in timeline.meta.get("flops", {}).items()}
+    base = flops.get("forward", 0) + flops.get("backward", 0)
+    row: dict[str, Any] = {
+        "policy": str(policy),
+        "peak_bytes": timeline.peak_bytes,
+        "peak_phase": timeline.peak_phase.label,
+        "at_peak": timeline.at_peak,
+        "flops": flops,
+        "extra_compute_pct": 100.0 * flops.get("recompute", 0) / base if base else 0.0,
+    }
+    if "composed_from" in timeline.meta:
+        row["composed_from"] = timeline.meta["composed_from"]
+    if "composition_refused" in timeline.meta:
+        row["composition_refused"] = timeline.meta["composition_refused"]
+    if seconds is not None:
+        row["seconds"] = seconds
+    return row
+
+
+def _unit(largest: int) -> tuple[str, int]:
+    """The unit a table of sizes up to ``largest`` bytes is printed in: GiB, MiB or KiB."""
+    if largest >= 10 << 30:
+        return "GiB", 1 << 30
+    return ("MiB", 1 << 20) if largest >= 10 << 20 else ("KiB", 1 << 10)
+
+
+def _size(divisor: int) -> Callable[[Any], str]:
+    return lambda v: "-" if v is None else f"{v / divisor:.{2 if divisor > 1 << 20 else 1}f}"
+
+
+def format_prediction_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The ``remat predict`` table: policy, peak, where, the at-peak parts, extra compute %."""
+    from remat.report import format_table
+
+    unit, divisor = _unit(max((r["peak_bytes"] for r in rows), default=0))
+    size = _size(divisor)
+    flat = [{**r, **{f"part:{k}": v for k, v in r["at_peak"].items()}} for r in rows]
+    parts = [(k, h) for k, h in PART_COLUMNS if k != "optimizer_state" or any(r["at_peak"].get(k) for r in rows)]
+    columns = [("policy", "policy", str), ("peak_bytes", f"peak {unit}", size), ("peak_phase", "where", str)]
+    columns += [(f"part:{k}", h, size) for k, h in parts]
+    columns.append(("extra_compute_pct", "extra compute %", lambda v: f"{v:.1f}"))
+    return format_table(flat, columns)
+
+
+def formula_report(config: ModelConfig, timeline: Any, **parallel: Any) -> dict[str, Any]:
+    """Korthikanti's and Megatron's per-layer bytes beside the traced bytes of one layer of ``timeline`` (a
+    no-recompute trace of ``config``), with each quantified reason (:func:`remat.formulas.explain_differences`)."""
+    from remat import formulas
+
+    traced = formulas.traced_layer_bytes(timeline, 0)
+    differences = formulas.explain_differences(config, traced, device="cpu", **parallel)
+    estimate = formulas.megatron_estimate(config, **parallel)
+    return {
+        "traced_layer_bytes": traced,
+        "traced_layer": 0,
+        "korthikanti_layer_bytes": formulas.korthikanti_layer_bytes(config, **parallel),
+        "megatron_layer_bytes": estimate["per_layer_bytes"],
+        "megatron_total_bytes": estimate["total_bytes"],
+        "differences": [d.to_dict() for d in differences],
+    }
+
+
+def format_formula_report(report: dict[str, Any], config: ModelConfig, width: int = 110) -> str:
+    """The formulas-beside-the-trace section below the predict table."""
+    traced = report["traced_layer_bytes"]
+    lines = [f"No recompute, one layer (layer {report['traced_layer']}: the bytes its forward allocates and still "
+             f"holds when backward starts), s={config.seq_length} b={config.micro_batch_size} "
+             f"h={config.hidden_size} a={config.num_attention_heads}:"]
+    label_width = 40
+    for diff in report["differences"]:
+        label = f"{diff['source']} {diff['formula']}"
+        lines.append(f"  {label:<{label_width}} {diff['estimate_bytes']:>16,} bytes")
+    lines.append(f"  {'traced (CPU kernels, exact)':<{label_width}} {traced:>16,} bytes")
+    for diff in report["differences"]:
+        frac = diff["difference_fraction"]
+        lines += ["", f"{diff['source']} -> traced: {diff['difference_bytes']:+,} bytes ({100 * frac:+.1f}%), "
+                      f"{len(diff['reasons'])} reason(s):"]
+        for reason in diff["reasons"]:
+            text = f"{reason['nbytes']:+,} {reason['title']}: {reason['detail']}"
+            lines.append(textwrap.fill(text, width=width, initial_indent="  - ", subsequent_indent="    "))
+        if diff["unexplained_bytes"]:
+            lines.append(f"  ({diff['unexplained_bytes']:+,} bytes unexplained)")
+    lines += ["", f"Megatron's whole-model activation estimate (theoretical_memory_usage, 1 pipeline stage): "
+                  f"{report['megatron_total_bytes'] / (1 << 20):,.1f} MiB."]
+    return "\n".join(lines)
+
+
+def _write_out(path: Path, obj: Any) -> Path:
+    from remat.report import write_json
+
+    try:
+        return write_json(path, obj)
+    except OSError as err:
+        raise ValueError(f"--out {path}: cannot write ({err.strerror or err})") from None
+
+
+def _model_summary(config: ModelConfig) -> str:
+    gqa = f", {config.query_groups} kv groups" if config.query_groups != config.num_attention_heads else ""
+    return (f"{config.num_layers} layers, h={config.hidden_size}, {config.num_attention_heads} heads{gqa}, "
+            f"ffn={config.ffn_size}, s={config.seq_length}, b={config.micro_batch_size}, vocab={config.vocab_size}, "
+            f"{config.activation}/{config.normalization}/{config.position}/{config.attention}, {config.dtype}")
+
+
+@command
+def predict_command(sub: Subparsers) -> Runner:
+    """``remat predict``: each policy's memory timeline, traced under FakeTensorMode (nothing is allocated)."""
+    parser = sub.add_parser(
+        "predict", help="predict peak memory of recompute policies without running the step",
+        description=textwrap.fill(
+            "Predict one training step's memory (forward, loss, backward) of the reference GPT under each recompute "
+            "policy, without allocating it: the step runs under FakeTensorMode and a deep stack is composed from a "
+            "shallow trace. Prints each policy's peak, where it is, what is alive there and the extra compute, "
+            "then the published per-layer formulas beside the traced bytes, with the reasons they differ.",
+            width=78, break_on_hyphens=False),
+        epilog="policy syntax (--policy takes one policy or a comma-separated list):\n" + GRAMMAR,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_debug(parser, argparse.SUPPRESS)
+    add_model_source_arguments(parser)
+    add_parallel_arguments(parser)
+    add_policy_arguments(parser)
+    g = parser.add_argument_group("predict")
+    g.add_argument("--engine", choices=ENGINES,
+                   help="checkpoint implementation for policies without '@engine' (default reentrant, Megatron's)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: exact storage bytes; cuda: each storage rounded up to the CUDA caching allocator's "
+                        "512-byte blocks (the kernels traced are still the CPU ones) (default cpu)")
+    g.add_argument("--adam", action="store_true",
+                   help="include Adam: its two moments per parameter exist through the step, and optimizer.step() "
+                        "is traced (a full trace per policy: slower for deep models)")
+    g.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    g.add_argument("--out", type=Path, metavar="FILE", help="also write the JSON report to FILE (atomically)")
+    return run_predict
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    import time
+
+    from remat.predict import predict, predict_config
+
+    config = resolve_model_config(args)
+    policies = resolve_cli_policies(args, config.num_layers)
+    parallel = parallel_kwargs(args)
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    plain_cpu = None  # a no-recompute trace on CPU without optimizer: what the formulas are compared with
+    bar = _Bar("remat predict")
+    try:
+        for i, policy in enumerate(policies):
+            if len(policies) > 1:
+                bar(i, len(policies), str(policy))
+            t0 = time.perf_counter()
+            if args.adam:  # a full trace: composition does not cover optimizer.step() (nor, yet, tp/sp here)
+                timeline = predict(config, policy, optimizer=adam_steady_state, device=args.device, **parallel)
+            else:
+                timeline = predict_config(config, policy, device=args.device, **parallel)
+                if policy.is_none and args.device == "cpu":
+                    plain_cpu = timeline
+            rows.append(prediction_row(policy, timeline, time.perf_counter() - t0))
+        if len(policies) > 1:
+            bar(len(policies), len(policies), "")
+    finally:
+        bar.close()
+    if plain_cpu is None:
+        plain_cpu = predict_config(config, "none", device="cpu", **parallel)
+    formulas = formula_report(config, plain_cpu, **parallel)
+    report = {
+        "format": "remat.predict", "version": 1, "config": config.to_dict(), "device": args.device,
+        "optimizer": "adam (states alive through the step)" if args.adam else None,
+        "parallel": parallel, "rows": rows, "formulas": formulas, "seconds": time.perf_counter() - started,
+    }
+    if args.out is not None:
+        _write_out(args.out, report)
+    if args.json:
+        print(_json_text(report))
+    else:
+        notes = ("params/grads/optim: parameters, their gradients, Adam states; inputs: checkpointed group inputs; "
+                 "saved act: activations kept for backward; recompute: rebuilt in backward; head/loss: final norm, "
+                 "logits, loss and their gradients; other: activation gradients, temporaries, the batch. extra "
+                 "compute %: recompute FLOPs over forward + backward FLOPs (torch.utils.flop_counter; it counts 0 "
+                 "for CPU fused attention, so sdpa models under-count recomputed attention).")
+        if args.device == "cuda":
+            notes += (" --device cuda rounds storages to 512-byte blocks but traces CPU kernels: float dropout "
+                      "noise instead of 1-byte masks, LayerNorm statistics in the activation dtype, CPU attention "
+                      "kernels.")
+        print(f"{_model_summary(config)}; predicted on {args.device}"
+              + (", with Adam" if args.adam else "") + "\n")
+        print(format_prediction_table(rows))
+        print("\n" + textwrap.fill(notes, width=110) + "\n")
+        print(format_formula_report(formulas, config))
+    if args.out is not None:
+        _info(f"wrote {args.out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- compare
+def part_errors(predicted: dict[str, int], measured: dict[str, int], measured_peak: int) -> dict[str, float]:
+    """Per at-peak category: (predicted - measured) / measured; a part measured as 0 bytes is taken relative to
+    the measured peak instead (0.0 when both are 0), so every error is a finite fraction."""
+    out = {}
+    for key in measured:
+        p, m = predicted.get(key, 0), measured[key]
+        out[key] = (p - m) / m if m else ((p - m) / measured_peak if measured_peak else 0.0)
+    return out
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@command
+def compare_command(sub: Subparsers) -> Runner:
+    """``remat compare``: predicted against measured peaks on this machine, policy by policy."""
+    parser = sub.add_parser(
+        "compare", help="predict and measure the same steps here and report the error",
+        description=textwrap.fill(
+            "Predict each policy's step (FakeTensorMode) and measure it on this machine with real tensors, then "
+            "report both peaks, the error of the prediction and the worst error among the parts alive at the "
+            "peak. Real tensors are allocated: use a config that fits in this machine's memory.",
+            width=78, break_on_hyphens=False),
+        epilog="policy syntax (--policy takes one policy or a comma-separated list):\n" + GRAMMAR,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_debug(parser, argparse.SUPPRESS)
+    add_model_source_arguments(parser)
+    add_parallel_arguments(parser)
+    add_policy_arguments(parser)
+    add_measure_arguments(parser)
+    g = parser.add_argument_group("compare")
+    g.add_argument("--adam", action="store_true", help="include Adam (states alive through the step) on both sides")
+    g.add_argument("--max-error", type=float, metavar="FRACTION",
+                   help="exit with code 1 when a peak's |error| exceeds FRACTION (e.g. 0.01)")
+    g.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
+    g.add_argument("--out", type=Path, metavar="FILE", help="also write the rows as JSON to FILE (atomically)")
+    return run_compare
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    import torch
+
+    from remat.apply import apply
+    from remat.measure import measure
+    from remat.model import build_model, sample_batch
+    from remat.predict import predict, predict_config
+
+    config = resolve_model_config(args)
+    policies = resolve_cli_policies(args, config.num_layers)
+    parallel = parallel_kwargs(args)
+    if args.max_error is not None and not args.max_error >= 0:
+        raise ValueError(f"--max-error {args.max_error}: must be a fraction >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here; compare measures on this machine, use "
+                         "--device cpu")
+    device = torch.device(args.device)
+    predicted = []
+    for policy in policies:
+        if args.adam:
+            predicted.append(predict(config, policy, optimizer=adam_steady_state, device=args.device, **parallel))
+        else:
+            predicted.append(predict_config(config, policy, device=args.device, **parallel))
+    need = max(tl.peak_bytes for tl in predicted)
+    available = _available_memory() if device.type == "cpu" else torch.cuda.mem_get_info(device)[0]
+    if available is not None and need > 0.8 * available:
+        raise ValueError(f"measuring needs about {need / (1 << 30):,.2f} GiB (the largest predicted peak) but "
+                         f"{available / (1 << 30):,.2f} GiB is available on {device}: use a smaller config "
+                         "(--layers, --seq, --batch, ...), or 'remat predict' alone")
+    batch = sample_batch(config, device)
+    rows: list[dict[str, Any]] = []
+    bar = _Bar("remat compare")
+    try:
+        for i, (policy, pred) in enumerate(zip(policies, predicted)):
+            bar(i, len(policies), str(policy))
+            model = build_model(config, device, seed=0)
+            apply(model, policy)
+            optimizer = adam_steady_state(model.parameters()) if args.adam else None
+            torch.manual_seed(0)
+            meas = measure(model, batch, optimizer=optimizer)
+            del model, optimizer
+            errors = part_errors(pred.at_peak, meas.at_peak, meas.peak_bytes)
+            worst: str | None = max(errors, key=lambda k: abs(errors[k]))
+            worst_error = errors[worst] if worst else 0.0
+            if worst_error == 0:
+                worst = None
+            rows.append({
+                "policy": str(policy), "predicted_bytes": pred.peak_bytes, "measured_bytes": meas.peak_bytes,
+                "error": (pred.peak_bytes - meas.peak_bytes) / meas.peak_bytes if meas.peak_bytes else 0.0,
+                "predicted_phase": pred.peak_phase.label, "measured_phase": meas.peak_phase.label,
+                "predicted_at_peak": pred.at_peak, "measured_at_peak": meas.at_peak,
+                "part_errors": errors, "worst_part": worst, "worst_part_error": worst_error,
+            })
+        bar(len(policies), len(policies), "")
+    finally:
+        bar.close()
+    if args.out is not None:
+        _write_out(args.out, rows)
+    if args.json:
+        print(_json_text(rows))
+    else:
+        from remat.report import format_table
+
+        unit, divisor = _unit(max(r["measured_bytes"] for r in rows))
+        size = _size(divisor)
+        pct = lambda v: f"{100 * v:+.2f}"
+        print(f"{_model_summary(config)}; measured on {device}" + (", with Adam" if args.adam else "") + "\n")
+        print(format_table(rows, [
+            ("policy", "policy", str), ("predicted_bytes", f"predicted {unit}", size),
+            ("measured_bytes", f"measured {unit}", size), ("error", "error %", pct),
+            ("measured_phase", "measured peak in", str), ("worst_part", "worst part", lambda v: v or "-"),
+            ("worst_part_error", "part error %", pct)]))
+        worst_row = max(rows, key=lambda r: abs(r["error"]))
+        print(f"\nworst peak error {100 * worst_row['error']:+.3f}% ({worst_row['policy']}); worst part error "
+              f"{100 * max(abs(r['worst_part_error']) for r in rows):.3f}%. error = (predicted - measured) / "
+              "measured; a part measured as 0 is taken relative to the peak.")
+    if args.out is not None:
+        _info(f"wrote {args.out}")
+    if args.max_error is not None and any(abs(r["error"]) > args.max_error for r in rows):
+        _info(f"remat compare: a peak error exceeds --max-error {args.max_error}")
+        return 1
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ plan
+@command
+def plan_command(sub: Subparsers) -> Runner:
+    """``remat plan``: the cheapest recompute plan whose predicted peak fits a memory budget."""
+    from remat.plan import DEFAULT_RESERVE, GPU_PRESETS, OBJECTIVES
+
+    parser = sub.add_parser(
+        "plan", help="the cheapest recompute plan that fits a memory budget, guaranteed by the trace",
+        description=textwrap.fill(
+            "Find the recompute plan of least extra compute whose predicted peak memory fits --budget: the best "
+            "Megatron-LM setting (every uniform/block/selective setting, predicted) and the best extended plan "
+            "(per-layer keep / selective / checkpoint groups of any size / offloaded groups, found by an exact "
+            "dynamic program and checked with the real trace). Exit code 1 when no plan fits: the smallest "
+            "reachable peak and its plan are printed.", width=78, break_on_hyphens=False),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_debug(parser, argparse.SUPPRESS)
+    add_model_source_arguments(parser)
+    g = parser.add_argument_group("plan")
+    g.add_argument("--budget", required=True, metavar="SIZE",
+                   help="device memory for the step: bytes with a unit (70GiB, 75GB, 512MiB; KiB/MiB/GiB are powers "
+                        f"of 2, KB/MB/GB of 10) or a GPU ({', '.join(GPU_PRESETS)}) minus --reserve")
+    g.add_argument("--reserve", default=DEFAULT_RESERVE, metavar="R",
+                   help="what a GPU budget keeps free: a percentage, a fraction or bytes (default "
+                        f"{DEFAULT_RESERVE.replace('%', '%%')})")
+    g.add_argument("--objective", choices=OBJECTIVES, default="extra_flops",
+                   help="minimise recomputed FLOPs (default) or estimated seconds")
+    g.add_argument("--measured-times", action="store_true",
+                   help="price recompute by layer/submodule forward times measured on this machine (real tensors)")
+    g.add_argument("--engine", choices=ENGINES, default="reentrant",
+                   help="checkpoint implementation (default reentrant, Megatron's; offload needs it)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: exact storage bytes; cuda: 512-byte allocator blocks (default cpu)")
+    g.add_argument("--no-offload", action="store_true", help="do not offload group inputs to host memory")
+    g.add_argument("--bandwidth", type=float, default=25.0, metavar="GB/S",
+                   help="host-device bandwidth for offload, GB/s (default 25, PCIe 4 x16)")
+    g.add_argument("--throughput", type=float, default=400.0, metavar="TFLOP/S",
+                   help="compute throughput that converts seconds and FLOPs (default 400)")
+    g.add_argument("--pp", type=int, metavar="P", help="pipeline stages: also plan each stage separately")
+    g.add_argument("--microbatches", type=int, metavar="M", help="microbatches per step with --pp (default P)")
+    g.add_argument("--schedule", default="1f1b", metavar="NAME", help="pipeline schedule with --pp (default 1f1b)")
+    g.add_argument("--json", action="store_true", help="print the JSON report instead of the text")
+    g.add_argument("--out", type=Path, metavar="FILE", help="also write the JSON report to FILE")
+    return run_plan
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from remat.plan import BudgetError, plan
+
+    config = resolve_model_config(args)
+    try:
+        result = plan(config, args.budget, objective=args.objective, engine=args.engine, device=args.device,
+                      offload=not args.no_offload, bandwidth=args.bandwidth * 1e9,
+                      flops_per_second=args.throughput * 1e12, measured_times=args.measured_times,
+                      reserve=args.reserve, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule)
+    except BudgetError as err:
+        report = {"format": "remat.plan-result", "version": 1, "config": config.to_dict(), "fits": False,
+                  "budget_bytes": err.budget_bytes, "min_peak_bytes": err.min_peak_bytes,
+                  "min_peak_plan": err.plan.to_dict(), "message": str(err)}
+        if args.out is not None:
+            _write_out(args.out, report)
+        if args.json:
+            print(_json_text(report))
+        else:
+            print(f"remat plan: {err}")
+            print(err.plan.snippet())
+        return 1
+    report = result.to_dict()
+    report["fits"] = True
+    if args.out is not None:
+        written = _write_out(args.out, report)
+        _info(f"wrote {written}")
+    print(_json_text(report) if args.json else result.format())
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------ main
