@@ -267,7 +267,6 @@ def record_step(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimi
     recorder = StepRecorder(model, stack, block_bytes=block_bytes)
     # Python's cycle collector runs at moments that depend on how many Python objects were made, which differs
     # between real and fake tensors; with it paused, every storage is freed when its last reference goes.
-    gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
