@@ -166,6 +166,9 @@ def explain_command(sub: Subparsers) -> Runner:
     _add_debug(parser, argparse.SUPPRESS)
     add_model_arguments(parser)
     add_measure_arguments(parser)
+    from remat.pipeline_cli import add_pipeline_arguments
+
+    add_pipeline_arguments(parser)
     g = parser.add_argument_group("explain")
     g.add_argument("--policies", metavar="LIST",
                    help="comma-separated policies, e.g. none,full/uniform/2 (default: none, full/uniform/K for "
@@ -190,6 +193,10 @@ def run_explain(args: argparse.Namespace) -> int:
     from remat.explain import explain
     from remat.report import format_explanation, plot_timelines, write_json
 
+    if args.pp:
+        from remat.pipeline_cli import run_pipeline_explain
+
+        return run_pipeline_explain(args)
     config = model_config_from_args(args)
     policies = parse_policy_list(args.policies)
     if args.repeats < 0:
@@ -278,18 +285,25 @@ def resolve_model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where the tensor/sequence-parallel flags (``--tp``, ``--sp``; :mod:`remat.parallel`) are to be registered.
+    """Tensor/sequence-parallel flags (:mod:`remat.parallel`) and the pipeline flags (:mod:`remat.pipeline`)."""
+    g = parser.add_argument_group("tensor parallelism")
+    g.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor-parallel size: predict one rank (Megatron's sharding of heads, MLP and vocabulary)")
+    g.add_argument("--sp", action="store_true",
+                   help="sequence parallelism: norms, dropouts and residuals hold 1/tp of the tokens")
+    from remat.pipeline_cli import add_pipeline_arguments
 
-    Nothing yet. Once they exist, :func:`parallel_kwargs` returns them and predict/compare pass them on.
-    """
+    add_pipeline_arguments(parser)
 
 
 def parallel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments describing tensor/sequence parallelism, passed as they are to ``predict_config``,
-    ``predict_many`` and ``formulas.explain_differences`` (which all take ``tp=``, ``sp=``). Empty (one rank,
-    no sequence parallelism) until :func:`add_parallel_arguments` registers the flags. ``remat compare`` measures
-    one unsharded process, so it has to refuse tp > 1 until it can measure a rank."""
-    return {}
+    """``tp``/``sp`` as passed to ``predict_config``, ``predict_many`` and ``formulas.explain_differences``
+    (empty for one unsharded rank)."""
+    if args.tp == 1 and not args.sp:
+        return {}
+    if getattr(args, "adam", False):
+        raise ValueError("--adam with --tp/--sp: Adam states are traced on one unsharded process only; drop one")
+    return {"tp": args.tp, "sp": args.sp}
 
 
 def megatron_sweep(num_layers: int, engine: str | None = None) -> list[str]:
@@ -502,6 +516,10 @@ def run_predict(args: argparse.Namespace) -> int:
 
     from remat.predict import predict, predict_config
 
+    if args.pp:
+        from remat.pipeline_cli import run_pipeline_predict
+
+        return run_pipeline_predict(args)
     config = resolve_model_config(args)
     policies = resolve_cli_policies(args, config.num_layers)
     parallel = parallel_kwargs(args)
@@ -613,9 +631,16 @@ def run_compare(args: argparse.Namespace) -> int:
     from remat.model import build_model, sample_batch
     from remat.predict import predict, predict_config
 
+    if args.pp:
+        from remat.pipeline_cli import run_pipeline_compare
+
+        return run_pipeline_compare(args)
     config = resolve_model_config(args)
     policies = resolve_cli_policies(args, config.num_layers)
     parallel = parallel_kwargs(args)
+    if parallel:
+        raise ValueError("compare measures one unsharded process: --tp/--sp are for predict (real tensor-parallel "
+                         "ranks are measured by remat.parallel.measure_tensor_parallel)")
     if args.max_error is not None and not args.max_error >= 0:
         raise ValueError(f"--max-error {args.max_error}: must be a fraction >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -809,3 +834,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+import remat.pipeline_cli  # noqa: E402,F401  registers `remat measure` (it imports this module's helpers)

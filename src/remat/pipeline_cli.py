@@ -457,25 +457,4 @@ def measure_command(sub: Any) -> Runner:
     return run_pipeline_measure
 
 
-def _has_measure() -> bool:
-    """Whether ``remat`` already has a ``measure`` subcommand (then this module does not add its own)."""
-    from remat.cli import build_parser
-
-    parser = build_parser()
-    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
-    return sub is not None and "measure" in sub.choices
-
-
-if not _has_measure():
-    command(measure_command)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m remat.pipeline_cli``: the ``remat`` command line with ``measure`` registered."""
-    from remat.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+command(measure_command)
