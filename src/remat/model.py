@@ -156,22 +156,33 @@ class GPT(nn.Module):
             self.head.output_layer.weight = self.embedding.word_embeddings.weight
 
     def rotary_tables(self, seq_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.config.position != "rope":
-            return None
-        d = self.config.head_dim
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
-        angles = torch.outer(torch.arange(seq_length, device=device, dtype=torch.float32), inv_freq)
-        dtype = self.config.torch_dtype
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return rotary_tables(self.config, seq_length, device)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
-        causal_mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril_().view(1, 1, s, s)
-        rotary = self.rotary_tables(s, tokens.device)
+        causal_mask, rotary = layer_side_inputs(self.config, tokens)
         hidden = self.embedding(tokens)
         for layer in self.layers:
             hidden = layer(hidden, causal_mask, rotary)
         return self.head(hidden, labels)
+
+
+def layer_side_inputs(config: ModelConfig, tokens: torch.Tensor,
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """What every layer takes besides the hidden states: the causal mask and (with rope) the rotary tables."""
+    s, device = tokens.shape[1], tokens.device
+    causal_mask = torch.ones(s, s, dtype=torch.bool, device=device).tril_().view(1, 1, s, s)
+    return causal_mask, rotary_tables(config, s, device)
+
+
+def rotary_tables(config: ModelConfig, seq_length: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos and sin of the rotary angles, [seq_length, head_dim / 2] in the model's dtype (None without rope)."""
+    if config.position != "rope":
+        return None
+    d = config.head_dim
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    angles = torch.outer(torch.arange(seq_length, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos().to(config.torch_dtype), angles.sin().to(config.torch_dtype)
 
 
 def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int | None = 0) -> GPT:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.config import ConfigError, ModelConfig
-from remat.model import apply_rotary
+from remat.model import CoreAttention, SwiGLU, _norm, apply_rotary, layer_side_inputs
 
 
 class TensorParallelGroup:
@@ -235,32 +235,6 @@ class RowParallelLinear(nn.Module):
         return out + self.bias if self.bias is not None else out
 
 
-def _norm(config: ModelConfig) -> nn.Module:
-    if config.normalization == "rmsnorm":
-        return nn.RMSNorm(config.hidden_size, eps=1e-5)
-    return nn.LayerNorm(config.hidden_size, eps=1e-5)
-
-
-class TPCoreAttention(nn.Module):
-    """The reference model's core attention on this rank's heads (see remat.model.CoreAttention)."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.kind, self.dropout = config.attention, config.attention_dropout
-        self.scale = 1.0 / math.sqrt(config.head_dim)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if k.shape[1] != q.shape[1]:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        p = self.dropout if self.training else 0.0
-        if self.kind == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
-        scores = (q @ k.transpose(-2, -1)) * self.scale
-        probs = F.dropout(scores.masked_fill(~mask, float("-inf")).softmax(dim=-1), p=p, training=self.training)
-        return probs @ v
-
-
 class TPSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool):
         super().__init__()
@@ -269,7 +243,7 @@ class TPSelfAttention(nn.Module):
             config.head_dim
         qkv = (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv, config.add_bias_linear, group, sp)
-        self.core_attention = TPCoreAttention(config)
+        self.core_attention = CoreAttention(config)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                              config.add_bias_linear, group, sp)
 
@@ -295,17 +269,11 @@ class TPMLP(nn.Module):
         self.gated = gated
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_size * (2 if gated else 1),
                                                config.add_bias_linear, group, sp)
-        self.activation: nn.Module = _SwiGLU() if gated else nn.GELU()
+        self.activation: nn.Module = SwiGLU() if gated else nn.GELU()
         self.linear_fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, config.add_bias_linear, group, sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.activation(self.linear_fc1(x)))
-
-
-class _SwiGLU(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
 
 
 class TPTransformerLayer(nn.Module):
@@ -383,14 +351,7 @@ class TPGPT(nn.Module):
             self.head.output_layer.weight = self.embedding.word_embeddings.weight
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        s = tokens.shape[1]
-        causal_mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril_().view(1, 1, s, s)
-        rotary = None
-        if self.config.position == "rope":
-            d = self.config.head_dim
-            inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=tokens.device, dtype=torch.float32) / d))
-            angles = torch.outer(torch.arange(s, device=tokens.device, dtype=torch.float32), inv_freq)
-            rotary = angles.cos().to(self.config.torch_dtype), angles.sin().to(self.config.torch_dtype)
+        causal_mask, rotary = layer_side_inputs(self.config, tokens)
         hidden = self.embedding(tokens)
         for layer in self.layers:
             hidden = layer(hidden, causal_mask, rotary)
