@@ -1,0 +1,489 @@
+#!/usr/bin/env python
+"""``remat plan`` against its peers: measured peak, extra step time and solve time at budgets from the smallest
+reachable peak to the no-recompute peak, on one model, on this machine, in one run.
+
+Methods, at each budget:
+
+* **remat Megatron**: the best Megatron-LM setting (:func:`remat.plan.plan`, ``.megatron``);
+* **remat extended**: the best extended plan (``.extended``: per-layer keep/selective, free checkpoint groups,
+  offloaded groups), found by the exact dynamic program and validated by the trace;
+* **torch.compile**: ``torch._functorch.config.activation_memory_budget`` with ``backend='aot_eager'`` (the
+  min-cut partitioner honours the budget; nothing is code-generated on CPU). The ratio is a fraction of saved
+  activation memory, not a peak limit, so it is chosen per budget: probes (0.5, 0.25, 0.75, ...) until one
+  fits, then bisection towards 1 (less recompute) between the best fitting ratio and the next one that does
+  not. Every distinct ratio is one compile (cached across budgets); both counts are reported. Its recomputed
+  FLOPs are counted on the compiled forward and backward graphs (``torch.utils.flop_counter`` formulas on each
+  node's fake value) against ratio 1.0;
+* **rockmate** (PyPI ``rockmate==2.0.0``): imported in-process, or in the interpreter of ``--rockmate-python``
+  (a throwaway venv); if it cannot be imported the exact error is reported.
+
+Measurements: remat's plans are measured with :func:`remat.measure` on real CPU tensors (device bytes: an
+offloaded input leaves the count, see ``remat.apply.offload_to_host``). A compiled model cannot be measured that
+way (a TorchDispatchMode makes dynamo run the eager code), so every method is also measured with the profiler's
+memory timeline (``torch.profiler`` ``profile_memory=True``, ``_memory_profile()``: every CPU storage created
+and destroyed); that instrument is checked against remat.measure on the eager no-recompute step. It counts
+what remat.measure does not see: the CPU RNG state each checkpoint keeps (a few KiB, host memory on a GPU) and,
+on CPU, the host copies of offloaded inputs (host == device here). torch.compile's fit is judged on that
+instrument, remat's on remat.measure (the guarantee's), with the profiler figure shown beside it.
+
+Step time: forward + backward, no optimizer, one thread (``--threads``), all variants of a budget interleaved
+in random order over ``--rounds`` rounds with the same dropout seed; a ratio is the median over rounds of the
+per-round ratio to the no-recompute step of the same round (eager for remat, compiled at ratio 1.0 for
+torch.compile). Solve time: remat's dynamic program (and its whole ``plan()`` call: unit model, Megatron sweep
+and validation trace the first time, cached afterwards), torch.compile's compiles. The dynamic program alone is
+also timed on a ``--dp-layers`` (128) deep version of the model.
+
+Usage::
+
+    python benchmarks/bench_plan.py                       # ~15-25 min on a shared 2-core machine
+    python benchmarks/bench_plan.py --quick               # a smoke run
+    python benchmarks/bench_plan.py --rockmate-python ~/rockmate_venv/bin/python --json out.json
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spin-waiting OpenMP threads collapse on a shared machine
+
+import argparse
+import gc
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+import remat
+from remat import ModelConfig, build_model, measure, sample_batch
+from remat.plan import (
+    BudgetError,
+    CostModel,
+    Plan,
+    candidate_units,
+    megatron_policies,
+    min_peak,
+    plan,
+    solve,
+    unit_model,
+)
+
+MIB = 1 << 20
+warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
+
+
+# ------------------------------------------------------------------------------------------------ instruments
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], seed: int = 1234) -> None:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(*batch)
+    loss.backward()
+
+
+def profiler_peak(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """Peak CPU bytes of one step by the profiler's memory timeline: parameters, buffers and batch alive before
+    the step, plus the highest running sum of every storage created and destroyed during it."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    model.zero_grad(set_to_none=True)
+    base = storage_bytes(list(model.parameters()) + list(model.buffers()) + list(batch))
+    torch.manual_seed(1234)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
+        loss = model(*batch)
+        loss.backward()
+        del loss
+    live = peak = 0
+    for _, action, _, size in p._memory_profile().timeline:
+        if action == Action.CREATE:
+            live += size
+        elif action == Action.DESTROY:
+            live -= size
+        peak = max(peak, live)
+    return base + peak
+
+
+def time_steps(variants: dict[str, Any], batch: Any, rounds: int, baselines: dict[str, str]) -> dict[str, dict]:
+    """Median step seconds per variant and the median per-round ratio to its baseline variant."""
+    for fn in variants.values():
+        step(fn, batch)  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    rng = random.Random(0)
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            order = list(variants)
+            rng.shuffle(order)
+            for name in order:
+                start = time.perf_counter()
+                step(variants[name], batch)
+                times[name].append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    out = {}
+    for name, ts in times.items():
+        base = baselines.get(name)
+        ratios = [a / b for a, b in zip(ts, times[base])] if base else []
+        out[name] = {"seconds": statistics.median(ts), "ratio": statistics.median(ratios) if ratios else None}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ torch.compile
+@dataclass
+class Compiled:
+    ratio: float
+    module: Any
+    peak: int
+    fw_flops: int
+    bw_flops: int
+    compile_seconds: float
+
+
+@dataclass
+class CompileSearch:
+    """torch.compile models, one per activation_memory_budget ratio, compiled on demand and cached."""
+
+    config: ModelConfig
+    batch: Any
+    cache: dict[float, Compiled] = field(default_factory=dict)
+
+    def backend(self, counts: dict[str, int]) -> Any:
+        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+        from torch.utils.flop_counter import flop_registry
+
+        def counting(kind: str):
+            def compiler(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+                total = 0
+                for node in gm.graph.nodes:
+                    target = getattr(node.target, "overloadpacket", None)
+                    if node.op == "call_function" and target in flop_registry:
+                        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+                        total += int(flop_registry[target](*args, **kwargs, out_val=node.meta.get("val")))
+                counts[kind] = counts.get(kind, 0) + total
+                return boxed_nop(gm, example_inputs)
+            return compiler
+
+        return lambda gm, inputs, **kw: aot_eager(gm, inputs, fw_compiler=counting("fw"),
+                                                  bw_compiler=counting("bw"), **kw)
+
+    def get(self, ratio: float) -> Compiled:
+        ratio = round(ratio, 6)
+        if ratio not in self.cache:
+            import torch._functorch.config as functorch_config
+
+            model = build_model(self.config, seed=0)  # its own instance: its own dynamo cache entry
+            counts: dict[str, int] = {}
+            functorch_config.activation_memory_budget = ratio
+            compiled = torch.compile(model, backend=self.backend(counts))
+            start = time.perf_counter()
+            step(compiled, self.batch)  # compiles
+            seconds = time.perf_counter() - start
+            functorch_config.activation_memory_budget = 1.0
+            self.cache[ratio] = Compiled(ratio, compiled, profiler_peak(compiled, self.batch), counts.get("fw", 0),
+                                         counts.get("bw", 0), seconds)
+        return self.cache[ratio]
+
+    def fit(self, budget: int, steps: int = 6) -> tuple[Compiled | None, int, int]:
+        """(largest-ratio fitting model found, ratios evaluated, fresh compiles) for ``budget``."""
+        before = len(self.cache)
+        evaluated: list[float] = []
+
+        def fits(r: float) -> bool:
+            evaluated.append(r)
+            return self.get(r).peak <= budget
+
+        if fits(1.0):
+            return self.get(1.0), len(evaluated), len(self.cache) - before
+        lo = None
+        for r in (0.5, 0.25, 0.75, 0.125, 0.375, 0.625, 0.875, 0.0):
+            if fits(r):
+                lo = r
+                break
+        if lo is None:
+            return None, len(evaluated), len(self.cache) - before
+        hi = min([r for r in evaluated if r > lo and self.get(r).peak > budget] + [1.0])
+        for _ in range(steps):
+            mid = (lo + hi) / 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return self.get(lo), len(evaluated), len(self.cache) - before
+
+
+# ------------------------------------------------------------------------------------------------ rockmate
+def probe_rockmate(python: str | None) -> dict[str, Any]:
+    """Whether rockmate imports here (and in ``python``), with the exact error when it does not."""
+    code = (
+        "import importlib.metadata as md, sys\n"
+        "out = {'python': sys.executable}\n"
+        "try:\n"
+        "    out['rockmate_version'] = md.version('rockmate')\n"
+        "    out['rkgb_version'] = md.version('rkgb')\n"
+        "    out['rkgb_files'] = sorted(str(f) for f in (md.files('rkgb') or []) if str(f).endswith('.py'))\n"
+        "except Exception as e:\n"
+        "    out['metadata_error'] = f'{type(e).__name__}: {e}'\n"
+        "try:\n"
+        "    import rockmate\n"
+        "    out['import'] = 'ok'\n"
+        "except Exception as e:\n"
+        "    out['import'] = f'{type(e).__name__}: {e}'\n"
+        "import json; print(json.dumps(out))\n")
+    results = {}
+    for name, exe in (("this interpreter", sys.executable), ("--rockmate-python", python)):
+        if exe is None:
+            continue
+        try:
+            done = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=300)
+            results[name] = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {
+                "import": f"interpreter failed: {done.stderr.strip()[-300:]}"}
+        except Exception as err:  # noqa: BLE001 - report whatever stops the probe
+            results[name] = {"import": f"{type(err).__name__}: {err}"}
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ main
+def ratio_text(timing: dict[str, dict], name: str) -> str:
+    r = timing.get(name, {}).get("ratio")
+    return "-" if r is None else f"{r:.3f}"
+
+
+def fmt_mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / MIB:8.2f}"
+
+
+def measured(config: ModelConfig, p: Plan, batch: Any) -> tuple[int, int]:
+    model = build_model(config, seed=0)
+    remat.apply(model, p)
+    return measure(model, batch).peak_bytes, profiler_peak(model, batch)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    torch._dynamo.config.cache_size_limit = 512
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 512
+    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                      seq_length=args.seq, micro_batch_size=args.batch, vocab_size=args.vocab)
+    batch = sample_batch(cfg)
+    report: dict[str, Any] = {"config": cfg.to_dict(), "machine": {
+        "platform": platform.platform(), "torch": torch.__version__, "threads": args.threads,
+        "cpus": os.cpu_count(), "load_average": os.getloadavg()}}
+
+    # the range: remat's smallest reachable peak .. the no-recompute peak, both measured
+    eager = build_model(cfg, seed=0)
+    none_peak = measure(eager, batch).peak_bytes
+    none_prof = profiler_peak(eager, batch)
+    model = unit_model(cfg)
+    lowest = min_peak(model, cfg.num_layers, candidate_units(cfg.num_layers))
+    budgets = sorted({int(b) for b in np.linspace(lowest, none_peak, args.budgets)})
+    report["no_recompute"] = {"measure_peak": none_peak, "profiler_peak": none_prof,
+                              "instrument_difference": none_prof - none_peak}
+    print(f"model: {cfg.num_layers} layers, h={cfg.hidden_size}, s={cfg.seq_length}, b={cfg.micro_batch_size}, "
+          f"vocab={cfg.vocab_size}; no-recompute peak {none_peak / MIB:.2f} MiB (profiler {none_prof / MIB:.2f} "
+          f"MiB); smallest reachable (remat) {lowest / MIB:.2f} MiB", flush=True)
+
+    search = CompileSearch(cfg, batch)
+    base_compiled = search.get(1.0)
+    rows = []
+    for budget in budgets:
+        row: dict[str, Any] = {"budget": budget}
+        start = time.perf_counter()
+        try:
+            result = plan(cfg, budget)
+        except BudgetError as err:
+            row["remat_error"] = str(err)
+            rows.append(row)
+            continue
+        row["remat_plan_seconds"] = time.perf_counter() - start
+        row["remat_dp_seconds"] = result.stats["dp_seconds"]
+        row["remat_megatron_sweep_seconds"] = result.stats["megatron_seconds"]
+        row["remat_validate_seconds"] = result.stats["validate_seconds"]
+        row["remat_model_seconds"] = result.stats["model_seconds"]
+        variants: dict[str, Any] = {"eager none": build_model(cfg, seed=0)}
+        baselines = {}
+        for key, choice in (("megatron", result.megatron), ("extended", result.extended)):
+            if choice is None:
+                row[key] = None
+                continue
+            peak, prof = measured(cfg, choice.plan, batch)
+            m = build_model(cfg, seed=0)
+            remat.apply(m, choice.plan)
+            variants[f"remat {key}"] = m
+            baselines[f"remat {key}"] = "eager none"
+            row[key] = {"plan": str(choice.plan), "predicted_peak": choice.peak_bytes, "measured_peak": peak,
+                        "profiler_peak": prof, "fits": peak <= budget, "recompute_flops": choice.recompute_flops,
+                        "extra_compute_pct": choice.extra_compute_pct,
+                        "megatron_args": choice.megatron_args}
+        start = time.perf_counter()
+        found, evaluated, fresh = search.fit(budget)
+        row["compile"] = {"ratios_evaluated": evaluated, "fresh_compiles": fresh,
+                          "search_seconds": time.perf_counter() - start}
+        if found is not None:
+            variants["compile ratio"] = found.module
+            variants["compile 1.0"] = base_compiled.module
+            baselines["compile ratio"] = "compile 1.0"
+            flops = (found.fw_flops + found.bw_flops) - (base_compiled.fw_flops + base_compiled.bw_flops)
+            row["compile"].update(ratio=found.ratio, profiler_peak=found.peak, fits=found.peak <= budget,
+                                  recompute_flops=flops,
+                                  extra_compute_pct=100 * flops / (base_compiled.fw_flops + base_compiled.bw_flops),
+                                  compile_seconds=found.compile_seconds)
+        timing = time_steps(variants, batch, args.rounds, baselines)
+        row["timing"] = timing
+        rows.append(row)
+        ext, meg, comp = row.get("extended"), row.get("megatron"), row["compile"]
+        print(f"budget {budget / MIB:8.2f} MiB | megatron {fmt_mib(meg and meg['measured_peak'])} "
+              f"x{ratio_text(timing, 'remat megatron')} | extended {fmt_mib(ext and ext['measured_peak'])} "
+              f"x{ratio_text(timing, 'remat extended')} ({ext and ext['plan']}) | compile r={comp.get('ratio', '-')} "
+              f"{fmt_mib(comp.get('profiler_peak'))} x{ratio_text(timing, 'compile ratio')} "
+              f"({comp['ratios_evaluated']} evals, {comp['fresh_compiles']} new compiles)", flush=True)
+        del variants
+        gc.collect()
+    report["rows"] = rows
+    report["compile_cache"] = {str(r): {"profiler_peak": c.peak, "compile_seconds": c.compile_seconds,
+                                        "fw_flops": c.fw_flops, "bw_flops": c.bw_flops}
+                               for r, c in sorted(search.cache.items())}
+
+    # the dynamic program alone, on a deep version of the model
+    deep = cfg.replace(num_layers=args.dp_layers)
+    dmodel = unit_model(deep)
+    units = candidate_units(args.dp_layers)
+    dlo, dhi = min_peak(dmodel, args.dp_layers, units), dmodel.peak([remat.plan.KEEP] * args.dp_layers)
+    cost = CostModel()
+    meg_units = [Plan.from_policy(p, args.dp_layers).units() for p in megatron_policies(args.dp_layers)]
+    meg_costs = [(dmodel.peak(u), sum(cost.cost(dmodel, x) for x in u)) for u in meg_units]
+    dp = []
+    for b in np.linspace(dlo, dhi, 8):
+        b = int(b)
+        inc = min((c for pk, c in meg_costs if pk <= b), default=None)
+        start = time.perf_counter()
+        sol = solve(dmodel, args.dp_layers, b, cost, units=units, incumbent=inc)
+        with_inc = time.perf_counter() - start
+        start = time.perf_counter()
+        sol2 = solve(dmodel, args.dp_layers, b, cost, units=units)
+        without = time.perf_counter() - start
+        assert sol is not None and sol2 is not None and sol.cost == sol2.cost
+        dp.append({"budget": b, "seconds": with_inc, "seconds_without_incumbent": without, "entries": sol.entries})
+    report["dp_deep"] = {"layers": args.dp_layers, "runs": dp}
+    report["rockmate"] = probe_rockmate(args.rockmate_python)
+    return report
+
+
+def summary(report: dict[str, Any]) -> str:
+    rows = [r for r in report["rows"] if "remat_error" not in r]
+    lines = ["", "=" * 118,
+             "budget MiB | remat Megatron: measured MiB, step x, FLOP% | remat extended: measured MiB (profiler), "
+             "step x, FLOP% | torch.compile: ratio, peak MiB, step x, FLOP%, compiles",
+             "-" * 118]
+    for r in rows:
+        tm = r["timing"]
+        meg, ext, comp = r.get("megatron"), r.get("extended"), r["compile"]
+
+        def x(name: str, tm: dict = tm) -> str:
+            return f"{ratio_text(tm, name):>6}"
+
+        meg_txt = (f"{meg['measured_peak'] / MIB:7.2f} {x('remat megatron')} {meg['extra_compute_pct']:5.1f}%"
+                   if meg else "   none fits          ")
+        ext_txt = (f"{ext['measured_peak'] / MIB:7.2f} ({ext['profiler_peak'] / MIB:7.2f}) {x('remat extended')} "
+                   f"{ext['extra_compute_pct']:5.1f}%")
+        if "ratio" in comp:
+            comp_txt = (f"r={comp['ratio']:.4f} {comp['profiler_peak'] / MIB:7.2f} {x('compile ratio')} "
+                        f"{comp['extra_compute_pct']:5.1f}% {comp['ratios_evaluated']:2d}/{comp['fresh_compiles']:2d}")
+        else:
+            comp_txt = f"no ratio fits ({comp['ratios_evaluated']} evaluated, {comp['fresh_compiles']} compiled)"
+        lines.append(f"{r['budget'] / MIB:9.2f} | {meg_txt} | {ext_txt} | {comp_txt}")
+    lines.append("-" * 118)
+    lines.append("solve seconds | remat Megatron: predict_many sweep (cached after the first budget) | remat "
+                 "extended: unit model, DP, validation trace | torch.compile: ratio search incl. compiles")
+    for r in rows:
+        megatron_plan = (r.get("megatron") or {}).get("plan")
+        lines.append(f"{r['budget'] / MIB:9.2f} | {r['remat_megatron_sweep_seconds']:7.2f} | "
+                     f"{r['remat_model_seconds']:6.2f} {r['remat_dp_seconds']:7.4f} {r['remat_validate_seconds']:6.2f} "
+                     f"| {r['compile']['search_seconds']:7.2f}  (Megatron plan: {megatron_plan})")
+    lines.append("-" * 118)
+    plans = [(r["budget"], c) for r in rows for c in (r.get("megatron"), r.get("extended")) if c]
+    inside = sum(c["measured_peak"] <= b for b, c in plans)
+    lines.append(f"remat plans within budget (remat.measure, real CPU tensors): {inside}/{len(plans)}")
+    comp_fit = [r for r in rows if "ratio" in r["compile"]]
+    lines.append(f"torch.compile: a fitting ratio found at {len(comp_fit)}/{len(rows)} budgets "
+                 f"({sum(r['compile']['fits'] for r in comp_fit)} fit on the profiler); compiles per budget "
+                 f"{[r['compile']['ratios_evaluated'] for r in rows]} (evaluated), "
+                 f"{sum(r['compile']['fresh_compiles'] for r in rows)} distinct compiles in all")
+    flop_ok = [r["extended"]["recompute_flops"] <= r["compile"]["recompute_flops"] for r in comp_fit]
+    meg_ok = [r["extended"]["recompute_flops"] <= r["megatron"]["recompute_flops"] for r in rows if r.get("megatron")]
+    lines.append(f"remat extended recompute FLOPs <= torch.compile's at {sum(flop_ok)}/{len(flop_ok)} budgets where "
+                 f"compile fits; <= remat Megatron's at {sum(meg_ok)}/{len(meg_ok)}")
+    time_ok = []
+    for r in comp_fit:
+        a, b = r["timing"].get("remat extended", {}).get("ratio"), r["timing"].get("compile ratio", {}).get("ratio")
+        if a is not None and b is not None:
+            time_ok.append((a - 1) <= (b - 1) + 0.02)
+    lines.append(f"remat extended extra step time <= torch.compile's (+2% noise allowance) at {sum(time_ok)}/"
+                 f"{len(time_ok)} budgets (each against its own no-recompute step)")
+    dp = report["dp_deep"]
+    secs = [d["seconds"] for d in dp["runs"]]
+    lines.append(f"dynamic program alone, {dp['layers']} layers, 8 budgets: max {max(secs):.3f} s, median "
+                 f"{statistics.median(secs):.3f} s (without the Megatron incumbent: max "
+                 f"{max(d['seconds_without_incumbent'] for d in dp['runs']):.3f} s)")
+    solve_first = rows[0]["remat_plan_seconds"] if rows else 0
+    lines.append(f"remat plan() per budget: first {solve_first:.1f} s (unit model + Megatron sweep + validation), "
+                 f"then median {statistics.median([r['remat_plan_seconds'] for r in rows[1:]] or [0]):.2f} s; "
+                 f"DP median {1e3 * statistics.median([r['remat_dp_seconds'] for r in rows]):.1f} ms")
+    for name, probe in report["rockmate"].items():
+        lines.append(f"rockmate ({name}: {probe.get('python', '')}): import {probe.get('import')}")
+        if "rkgb_files" in probe:
+            lines.append(f"    rockmate {probe.get('rockmate_version')} needs rkgb; installed rkgb "
+                         f"{probe.get('rkgb_version')} ships only {probe['rkgb_files']}")
+    nr = report["no_recompute"]
+    lines.append(f"instruments on the eager no-recompute step: remat.measure {nr['measure_peak']:,} B, profiler "
+                 f"{nr['profiler_peak']:,} B (difference {nr['instrument_difference']:+,} B)")
+    lines.append(f"load average during the run: {report['machine']['load_average']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--budgets", type=int, default=8, help="budgets from the smallest to the no-recompute peak")
+    parser.add_argument("--rounds", type=int, default=11, help="timed rounds per budget")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dp-layers", type=int, default=128)
+    parser.add_argument("--rockmate-python", default=os.environ.get("ROCKMATE_PYTHON"),
+                        help="interpreter of a venv with rockmate installed (pip install rockmate==2.0.0)")
+    parser.add_argument("--quick", action="store_true", help="4 layers, 3 budgets, 2 rounds, 16-layer DP")
+    parser.add_argument("--json", help="write the full report here")
+    args = parser.parse_args()
+    if args.quick:
+        args.layers, args.budgets, args.rounds, args.dp_layers = 4, 3, 2, 16
+        args.seq, args.hidden = 64, 64
+    report = run(args)
+    text = summary(report)
+    print(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

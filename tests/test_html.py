@@ -1,0 +1,243 @@
+"""Reports people look at: ``remat explain --html`` (one self-contained page, rendered by headless Chromium when it
+is installed) and ``--snapshot`` (a ``torch.cuda.memory._snapshot()``-style pickle that torch's own memory-viz
+functions read)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import pickle
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+from torch.cuda import _memory_viz as memory_viz
+
+from remat.cli import main
+from remat.config import ModelConfig
+from remat.explain import explain
+from remat.html import render_html, write_html
+from remat.snapshot import snapshot_live_bytes, to_memory_snapshot, write_memory_snapshot
+
+TINY = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
+                   vocab_size=256)
+POLICIES = ["none", "full/uniform/1", "full/uniform/4", "selective/core_attn"]
+CLI_MODEL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "1", "--vocab", "64",
+             "--repeats", "0", "--no-plot"]
+
+
+@functools.cache
+def explained():
+    return explain(TINY, POLICIES, repeats=0)
+
+
+class _Collect(HTMLParser):
+    """Tags, ids and every URL-bearing attribute of a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.ids: set[str] = set()
+        self.urls: list[str] = []
+        self.policy_rows: list[str] = []
+
+    def handle_starttag(self, tag, attrs) -> None:
+        self.tags.append(tag)
+        attrs = dict(attrs)
+        if "id" in attrs:
+            self.ids.add(attrs["id"])
+        for key in ("src", "href", "xlink:href", "data"):
+            if key in attrs:
+                self.urls.append(attrs[key])
+        if tag == "tr" and "policy-row" in (attrs.get("class") or ""):
+            self.policy_rows.append(attrs["data-policy"])
+
+
+def test_page_is_self_contained(tmp_path):
+    path = write_html(explained(), tmp_path / "report.html")
+    text = path.read_text(encoding="utf-8")
+    page = _Collect()
+    page.feed(text)
+    assert text.startswith("<!DOCTYPE html>")
+    assert page.urls == [] and "script" not in page.tags and "link" not in page.tags and "img" not in page.tags
+    assert re.findall(r"https?://[^\s\"']+", text) == ["http://www.w3.org/2000/svg"] * 2  # the SVG namespaces only
+    assert "@import" not in text and "url(" not in text
+    assert {"memory-timeline", "policy-table", "peak-breakdown", "formula-table", "explanation"} <= page.ids
+    assert page.policy_rows == POLICIES
+    assert text.count('class="policy-line"') == len(POLICIES)
+    assert text.count('class="peak-marker"') == len(POLICIES)
+    assert text.count('class="breakdown-row"') == len(POLICIES)
+    for sentence in explained().sentences[:3]:
+        assert sentence.split(",")[0].replace("'", "&#x27;") in text
+
+
+def test_peak_markers_sit_at_each_peak():
+    result = explained()
+    text = render_html(result)
+    for row in result.rows:
+        marker = re.search(rf'<circle class="peak-marker" data-policy="{re.escape(row.policy)}"[^>]*>'
+                           r"<title>([^<]*)</title>", text)
+        assert marker is not None
+        assert f"peak {row.peak_bytes / (1 << 20):.1f} MiB" in marker.group(1)
+        assert row.peak_phase.replace("'", "&#x27;") in marker.group(1)
+
+
+def test_long_timelines_keep_their_peak():
+    from remat.html import _reduce
+
+    y = np.sin(np.linspace(0, 40, 100_000)) + np.linspace(0, 1, 100_000)
+    y[54_321] = 9.0
+    x = np.linspace(0, 2, len(y))
+    rx, ry = _reduce(x, y)
+    assert len(rx) <= 1500 and ry.max() == 9.0 and np.all(np.diff(rx) > 0)
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (CI installs it: .ci/run)")
+def test_chromium_renders_the_page(tmp_path):
+    path = write_html(explained(), tmp_path / "report.html")
+    dom = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}",
+         "--dump-dom", path.as_uri()],
+        capture_output=True, text=True, timeout=180, check=True).stdout
+    page = _Collect()
+    page.feed(dom)
+    assert page.policy_rows == POLICIES
+    assert "memory-timeline" in page.ids and "svg" in page.tags and "polyline" in page.tags
+    assert dom.count('class="breakdown-row"') == len(POLICIES)
+    assert "In plain words" in dom
+
+
+# ------------------------------------------------------------------------ memory snapshot
+@pytest.mark.parametrize("policy", POLICIES)
+def test_snapshot_replays_the_timeline(policy):
+    tl = explained().timelines[policy]
+    snap = to_memory_snapshot(tl)
+    live = snapshot_live_bytes(snap)
+    assert np.array_equal(live, tl.live_bytes())  # one alloc/free_completed per timeline event, same bytes
+    assert live.max() == tl.peak_bytes
+    segment = snap["segments"][0]
+    assert segment["total_size"] >= tl.peak_bytes
+    alive_at_end = int(tl.live_bytes()[-1])
+    assert sum(b["requested_size"] for b in segment["blocks"] if b["state"] == "active_allocated") == alive_at_end
+    assert sum(b["size"] for b in segment["blocks"]) == segment["total_size"]
+
+
+def test_torch_memory_viz_reads_the_snapshot(tmp_path):
+    tl = explained().timelines["full/uniform/1"]
+    snap = to_memory_snapshot(tl)
+    path = write_memory_snapshot(tl, tmp_path / "snap.pickle")
+    assert path.read_bytes() == pickle.dumps(snap, protocol=4)  # the file is that dict (remat never unpickles)
+    # the HTML viewers (pytorch.org/memory_viz embeds the same pickle)
+    # (filter_freed edits the dict it is given: it gets a copy)
+    for page in (memory_viz.trace_plot(snap), memory_viz.trace_plot(copy.deepcopy(snap), filter_freed=True),
+                 memory_viz.segment_plot(snap)):
+        assert "add_local_files" in page
+    # allocator state at the end: torch's own accounting checks that the blocks tile the segment
+    summary = memory_viz.segsum(snap)
+    assert "segments: 1" in summary
+    # memory(): a flamegraph of the segment's blocks; the raw lines (no flamegraph.pl) add up to the segment
+    lines = memory_viz.memory(snap, format_flamegraph=lambda text: text).splitlines()
+    assert sum(int(line.rsplit(" ", 1)[1]) for line in lines) == snap["segments"][0]["total_size"]
+    assert any("module:0:head.output_layer.weight" in line or "head.output_layer" in line for line in lines)
+    assert memory_viz.trace(snap).startswith("Device 0")
+    # the frames name the phase and the module of each allocation
+    peak_event = tl.peak_event
+    allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+    names = {f["name"] for e in allocs for f in e["frames"]}
+    assert any(n.startswith("recompute layer") for n in names) and any(n.startswith("forward layer") for n in names)
+    assert "policy full/uniform/1" in names
+    assert max(snapshot_live_bytes(snap)) == tl.live_bytes()[peak_event] == tl.peak_bytes
+
+
+# ------------------------------------------------------------------------ the CLI flags
+def test_cli_html_and_snapshot(tmp_path, capsys):
+    html, snap = tmp_path / "r.html", tmp_path / "snap.pickle"
+    code = main(["explain", *CLI_MODEL, "--policies", "none,full/uniform/2", "--out", str(tmp_path / "out"),
+                 "--html", str(html), "--snapshot", str(snap)])
+    assert code == 0
+    assert html.exists() and '<tr class="policy-row' in html.read_text(encoding="utf-8")
+    assert (tmp_path / "snap-none.pickle").exists() and (tmp_path / "snap-full-uniform-2.pickle").exists()
+    assert "r.html" in capsys.readouterr().err
+    code = main(["explain", *CLI_MODEL, "--policies", "none", "--out", str(tmp_path / "out"), "--snapshot",
+                 str(snap), "--json"])
+    assert code == 0 and snap.exists()
+
+
+# ------------------------------------------------------------------------ everyday use of every subcommand
+def _subcommands():
+    from remat.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return {name: ({o for a in p._actions for o in a.option_strings},
+                   {a.option_strings[0] if a.option_strings else a.dest for a in p._actions if a.required})
+            for name, p in sub.choices.items()}
+
+
+SUBCOMMANDS = _subcommands()
+TINY_FLAGS = {"--layers": "2", "--hidden": "32", "--heads": "2", "--seq": "16", "--batch": "1", "--vocab": "64",
+              "--repeats": "0"}
+REQUIRED_VALUES = {"--budget": "1GiB"}  # values for the subcommands' required options
+
+
+def _tiny_args(name: str, tmp_path) -> list[str]:
+    options, required = SUBCOMMANDS[name]
+    if "--layers" not in options:
+        pytest.skip(f"remat {name} does not take the model flags")
+    unknown = required - set(REQUIRED_VALUES)
+    if unknown:
+        pytest.skip(f"remat {name} requires {', '.join(sorted(unknown))}: add a value to REQUIRED_VALUES")
+    args = [x for flag, value in {**TINY_FLAGS, **REQUIRED_VALUES}.items() if flag in options for x in (flag, value)]
+    if "--no-plot" in options:
+        args.append("--no-plot")
+    if "--out" in options:
+        args += ["--out", str(tmp_path / f"{name}-out")]
+    return args
+
+
+def test_version(capsys):
+    from remat import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"remat {__version__}"
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_every_subcommand_prints_json(name, tmp_path, capsys):
+    import json
+
+    assert "--json" in SUBCOMMANDS[name][0], f"remat {name} has no --json"
+    assert main([name, *_tiny_args(name, tmp_path), "--json"]) == 0
+    json.loads(capsys.readouterr().out)  # stdout is the JSON document and nothing else
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_every_subcommand_errors_in_one_line(name, tmp_path, capsys):
+    from remat.config import ConfigError
+
+    args = _tiny_args(name, tmp_path)
+    args[args.index("--layers") + 1] = "0"
+    assert main([name, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("remat: error: ") and err.count("\n") == 1 and "num_layers" in err, err
+    with pytest.raises(ConfigError):
+        main(["--debug", name, *args])
+
+
+def test_an_unwritable_output_is_a_one_line_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for flag in ("--out", "--html", "--snapshot"):
+        args = ["explain", *CLI_MODEL, "--policies", "none", "--out", str(tmp_path / "out"), flag,
+                str(blocker / "sub" / "x")]
+        if flag == "--out":
+            args = args[:-4] + args[-2:]
+        assert main(args) == 2, flag
+        err = capsys.readouterr().err
+        assert err.startswith("remat: error: ") and err.count("\n") == 1, err

@@ -1,0 +1,400 @@
+"""Tests for remat.plan: budgets, the Plan format, the unit model against traces, the exact dynamic program against
+brute force, the guarantee (measured peaks on real CPU tensors), monotonicity, refusal, offload, the CLI."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from remat import apply, build_model, measure, sample_batch
+from remat.cli import main
+from remat.config import ModelConfig
+from remat.plan import (
+    GIB,
+    GPU_PRESETS,
+    KEEP,
+    MIB,
+    SELECTIVE_SETS,
+    BudgetError,
+    CostModel,
+    Plan,
+    PlanError,
+    Segment,
+    Unit,
+    candidate_units,
+    megatron_policies,
+    min_peak,
+    parse_budget,
+    parse_bytes,
+    plan,
+    predict_plan,
+    solve,
+    stand_in,
+    unit_model,
+)
+from remat.policy import Policy
+from remat.predict import _trace
+
+TINY = ModelConfig(num_layers=6, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
+                   vocab_size=128)
+SMALL = TINY.replace(num_layers=4)  # what plan() runs on: its Megatron sweep traces every setting
+
+
+@functools.cache
+def extremes(config: ModelConfig = SMALL) -> tuple[int, int]:
+    """(smallest reachable peak, no-recompute peak) of the model."""
+    model = unit_model(config)
+    return min_peak(model, config.num_layers, candidate_units(config.num_layers)), model.peak([KEEP] *
+                                                                                                config.num_layers)
+
+
+def budgets(n: int) -> list[int]:
+    lo, hi = extremes()
+    return sorted({lo + (hi - lo) * k // (n - 1) for k in range(n)})
+
+
+@functools.cache
+def planned(budget: int):
+    return plan(SMALL, budget)
+
+
+def measured_peak(config: ModelConfig, p: Plan) -> int:
+    model = build_model(config)
+    apply(model, p)
+    return measure(model, sample_batch(config)).peak_bytes
+
+
+def grads(config: ModelConfig, layout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model = build_model(config, seed=0)
+    if layout is not None:
+        apply(model, layout)
+    batch = sample_batch(config, seed=1)
+    torch.manual_seed(1234)
+    loss = model(*batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------------------------------------ budgets
+@pytest.mark.parametrize("text, expected", [
+    ("70GiB", 70 * GIB), ("70 GiB", 70 * GIB), ("75GB", 75 * 10**9), ("512MiB", 512 * MIB), ("1.5KiB", 1536),
+    ("2kb", 2000), ("123", 123), ("1e9", 10**9), (4096, 4096), ("0.5 TiB", 1 << 39),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "0", "12XB", "1.2.3GB", "nan"])
+def test_parse_bytes_refuses(text):
+    with pytest.raises(PlanError):
+        parse_bytes(text)
+
+
+def test_gpu_budget_minus_reserve():
+    total = GPU_PRESETS["h100-80g"]
+    assert parse_budget("h100-80g")[0] == total - int(total * 0.10)
+    assert parse_budget("H100-80G", "5%")[0] == total - int(total * 0.05)
+    assert parse_budget("h100-80g", 0.2)[0] == total - int(total * 0.2)
+    assert parse_budget("h100-80g", "2GiB")[0] == total - 2 * GIB
+    assert parse_budget("a100-40g", None)[0] == GPU_PRESETS["a100-40g"]
+    assert parse_budget("70GiB", "50%")[0] == 70 * GIB  # a reserve applies to GPU presets only
+    with pytest.raises(PlanError, match="unknown GPU preset"):
+        parse_budget("h900")
+    with pytest.raises(PlanError):
+        parse_budget("h200", "100%")
+
+
+# ------------------------------------------------------------------------------------------------ the Plan format
+def test_plan_text_and_json_round_trip():
+    p = Plan.parse("keep 0-1, checkpoint 2-7/2, selective/mlp+core_attn 8, offload 9-11/3, checkpoint 12-14")
+    assert p.num_layers == 15
+    assert p.layer_groups(15) == [(2, 3), (4, 5), (6, 7), (9, 10, 11), (12, 13, 14)]
+    assert p.offload_groups(15) == [(9, 10, 11)]
+    assert p.selective_modules(8) == ("core_attn", "mlp") and p.selective_modules(0) == ()
+    assert str(p) == "keep 0-1, checkpoint 2-7/2, selective/core_attn+mlp 8, offload 9-11, checkpoint 12-14"
+    assert Plan.parse(str(p)) == p
+    assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    assert Plan.from_json(p.to_json()) == p
+    assert Plan.from_units(p.units()) == p
+    # adjacent keep / same-selective segments merge; groups never do
+    merged = Plan(4, (Segment("keep", 0, 1), Segment("keep", 1, 2), Segment("checkpoint", 2, 3),
+                      Segment("checkpoint", 3, 4)))
+    assert str(merged) == "keep 0-1, checkpoint 2-3/1"
+    nr = Plan.parse("checkpoint 0-1 @non-reentrant")
+    assert nr.engine == "non-reentrant" and Plan.parse(str(nr)) == nr
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: Plan(3, (Segment("keep", 0, 2),)),                       # does not cover the stack
+    lambda: Plan(3, (Segment("keep", 0, 1), Segment("keep", 2, 3))),  # a gap
+    lambda: Segment("selective", 0, 1, ("mlp", "act")),               # act is inside mlp
+    lambda: Segment("selective", 0, 1),                               # no module
+    lambda: Segment("recompute", 0, 1),                               # unknown mode
+    lambda: Plan.parse("checkpoint 0-4/2"),                           # 5 layers are not groups of 2
+    lambda: Plan(2, (Segment("offload", 0, 2),), "non-reentrant"),    # offload needs reentrant
+    lambda: Plan.from_dict({"format": "something else"}),
+])
+def test_plan_refusals(bad):
+    with pytest.raises(PlanError):
+        bad()
+
+
+def test_plan_depth_is_checked_when_applied():
+    with pytest.raises(PlanError, match="for 6 layers"):
+        apply(build_model(TINY.replace(num_layers=4)), Plan.parse("keep 0-5"))
+
+
+@pytest.mark.parametrize("policy", ["none", "full/uniform/1", "full/uniform/4", "full/uniform/6", "full/block/2",
+                                    "full/block/6", "selective/core_attn", "selective/core_attn+mlp+layernorm"])
+def test_megatron_round_trip(policy):
+    p = Plan.from_policy(policy, 6)
+    back, why = p.megatron_policy()
+    assert why == "" and Plan.from_policy(back, 6) == p  # full/block/6 is the same plan as full/uniform/1
+    if policy != "full/block/6":
+        assert back == Policy.parse(policy) and p.megatron_args() == Policy.parse(policy).to_megatron_args()
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("offload 0-5/1", "offloads"),
+    ("checkpoint 0-1, checkpoint 2-4, checkpoint 5", "sizes"),
+    ("keep 0, checkpoint 1-5/1", "block"),
+    ("selective/core_attn 0-2, keep 3-5", "mixes"),
+    ("selective/core_attn 0-2, selective/mlp 3-5", "different"),
+    ("selective/act 0-5", "MoE"),
+])
+def test_not_megatron_says_why(text, reason):
+    p = Plan.parse(text)
+    policy, why = p.megatron_policy()
+    assert policy is None and reason in why
+    with pytest.raises(PlanError, match=reason):
+        p.megatron_args()
+
+
+# ------------------------------------------------------------------------------------------------ the unit model
+ALL_UNITS = [KEEP, *(Unit("selective", 1, s) for s in SELECTIVE_SETS),
+             *(Unit(m, k) for m in ("checkpoint", "offload") for k in (1, 2, 3, 4, 5))]
+
+
+def random_units(rng: random.Random, depth: int, kinds: list[Unit]) -> list[Unit]:
+    units, n = [], 0
+    while n < depth:
+        u = rng.choice(kinds)
+        if n + u.size <= depth:
+            units.append(u)
+            n += u.size
+    return units
+
+
+@pytest.mark.parametrize("config, trials", [
+    (TINY, 8),
+    (TINY.replace(num_layers=3, activation="swiglu", normalization="rmsnorm", position="rope", num_query_groups=2,
+                  attention="sdpa", dtype="bf16"), 3),
+])
+def test_unit_model_equals_full_traces(config, trials):
+    """The modelled peak of random plans (groups of 4 and 5 layers are extrapolated from traced groups of 3)
+    equals the fake trace of the whole plan, byte for byte."""
+    model = unit_model(config)
+    rng = random.Random(7)
+    for _ in range(trials):
+        units = random_units(rng, rng.randint(2, config.num_layers + 2), ALL_UNITS)
+        p = Plan.from_units(units)
+        assert model.peak(units) == _trace(config.replace(num_layers=p.num_layers), p).peak_bytes, str(p)
+
+
+def test_composed_prediction_equals_full_trace():
+    cfg = TINY.replace(num_layers=14)
+    p = Plan.parse("checkpoint 0-4, keep 5, selective/core_attn 6-9, checkpoint 10-11/1, keep 12-13")
+    assert stand_in(p) is not None and stand_in(p).num_layers < 14
+    composed, traced = predict_plan(cfg, p), _trace(cfg, p)
+    assert "composed_from" in composed.meta
+    assert (composed.peak_bytes, composed.at_peak) == (traced.peak_bytes, traced.at_peak)
+
+
+# ------------------------------------------------------------------------------------------------ the solver
+def test_dp_is_exact_against_brute_force():
+    """Every segmentation of a 6-layer stack into kept layers, two selective kinds and checkpoint/offload groups of
+    any size (23,787 plans): the solver's cost equals the brute-force optimum at every budget tried, its plan's
+    modelled peak fits, and the smallest feasible budget is the brute-force smallest peak."""
+    model = unit_model(TINY)
+    L = 6
+    kinds = [KEEP, Unit("selective", 1, ("core_attn",)), Unit("selective", 1, ("core_attn", "mlp"))]
+    kinds += [Unit(m, k) for m in ("checkpoint", "offload") for k in range(1, L + 1)]
+    cost = CostModel()
+    price = {u: cost.cost(model, u) for u in kinds}
+
+    def plans(n):
+        if n == 0:
+            yield ()
+            return
+        for u in kinds:
+            if u.size <= n:
+                for rest in plans(n - u.size):
+                    yield (u, *rest)
+
+    table = [(model.peak(p), sum(price[u] for u in p)) for p in plans(L)]
+    assert len(table) == 23787
+    peaks = sorted({pk for pk, _ in table})
+    assert min_peak(model, L, kinds) == peaks[0]
+    assert solve(model, L, peaks[0] - 1, cost, units=kinds) is None
+    rng = random.Random(3)
+    for budget in sorted(set(rng.sample(peaks, 30) + [peaks[0], peaks[-1], peaks[-1] + 10**6])):
+        best = min(c for pk, c in table if pk <= budget)
+        sol = solve(model, L, budget, cost, units=kinds)
+        assert sol is not None and sol.cost == best and sol.model_peak <= budget, budget
+        assert sum(price[u] for u in sol.units) == best
+
+
+def test_solver_speed_128_layers():
+    """The dynamic program alone on 128 layers (the target is 1 s; the bound here is looser for loaded CI hosts;
+    benchmarks/bench_plan.py reports the time)."""
+    cfg = TINY.replace(num_layers=128)
+    model = unit_model(cfg)
+    units = candidate_units(128)
+    lo, hi = min_peak(model, 128, units), model.peak([KEEP] * 128)
+    cost = CostModel()
+    megatron = [Plan.from_policy(p, 128).units() for p in megatron_policies(128)]
+    worst = 0.0
+    for budget in (lo, (lo + hi) // 2, hi):
+        incumbent = min(sum(cost.cost(model, u) for u in m) for m in megatron if model.peak(m) <= budget)
+        start = time.perf_counter()
+        sol = solve(model, 128, budget, cost, units=units, incumbent=incumbent)
+        worst = max(worst, time.perf_counter() - start)
+        assert sol is not None and sol.model_peak <= budget and sol.cost <= incumbent
+    assert worst < 3.0
+
+
+# ------------------------------------------------------------------------------------------------ the guarantee
+@pytest.mark.parametrize("budget", budgets(5))
+def test_measured_peak_fits(budget):
+    """The plans' peaks measured on real CPU tensors (remat.measure of remat.apply(model, plan)) fit the budget,
+    and equal the prediction; the extended plan never costs more than the best Megatron setting."""
+    result = planned(budget)
+    for choice in (result.extended, result.megatron):
+        if choice is None:
+            continue
+        peak = measured_peak(SMALL, choice.plan)
+        assert peak == choice.peak_bytes <= budget, str(choice.plan)
+    assert result.extended.model_peak_bytes == result.extended.peak_bytes  # the model was exact: no re-solve
+    assert result.stats["resolves"] == 0
+    if result.megatron is not None:
+        assert result.extended.cost <= result.megatron.cost
+
+
+def test_monotone_in_budget():
+    results = [planned(b) for b in budgets(10)]
+    ext = [r.extended.cost for r in results]
+    meg = [r.megatron.cost if r.megatron else float("inf") for r in results]
+    assert ext == sorted(ext, reverse=True) and meg == sorted(meg, reverse=True)
+    assert ext[-1] == 0  # the no-recompute peak needs no recompute
+    assert all(e <= m for e, m in zip(ext, meg))
+
+
+def test_refused_below_the_smallest_peak():
+    lo, _ = extremes()
+    with pytest.raises(BudgetError) as info:
+        plan(SMALL, lo - 1)
+    err = info.value
+    assert err.min_peak_bytes == lo and err.budget_bytes == lo - 1
+    assert err.plan.peak_bytes == lo and measured_peak(SMALL, err.plan.plan) == lo
+    assert planned(lo).extended.peak_bytes == lo  # the smallest peak itself is a valid budget
+
+
+# ------------------------------------------------------------------------------------------------ offload
+@pytest.mark.parametrize("text", ["offload 0-1, selective/core_attn 2, checkpoint 3-4, keep 5",
+                                  "offload 0-5/1", "offload 0-5"])
+def test_gradients_equal_plain_bit_for_bit(text):
+    loss0, g0 = grads(TINY, None)
+    loss1, g1 = grads(TINY, Plan.parse(text))
+    assert torch.equal(loss0, loss1)
+    assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
+
+
+def test_offloaded_inputs_leave_device_memory():
+    """When the loss's backward starts, an offloaded plan holds one hidden-states tensor less per group than the
+    same plan checkpointed; the inputs come back (and are freed) in each group's recomputation."""
+    offloaded, kept = Plan.parse("offload 0-5/2"), Plan.parse("checkpoint 0-5/2")
+    hidden = TINY.micro_batch_size * TINY.seq_length * TINY.hidden_size * 4
+    at_head = []
+    for p in (offloaded, kept):
+        model = build_model(TINY)
+        apply(model, p)
+        tl = measure(model, sample_batch(TINY))
+        head = next(ph.start for ph in tl.phases if ph.kind == "backward" and ph.region == "head")
+        at_head.append(int(tl.live_bytes()[head - 1]))
+        assert tl.breakdown(tl.num_events - 1)["recompute"] == 0
+    assert at_head[1] - at_head[0] == 3 * hidden
+    assert measured_peak(TINY, offloaded) <= measured_peak(TINY, kept)
+
+
+def test_offload_needs_the_reentrant_engine():
+    class Layout:
+        engine = "non-reentrant"
+
+        def layer_groups(self, depth):
+            return [(0, 1)]
+
+        def selective_modules(self, layer):
+            return ()
+
+        def offload_groups(self, depth):
+            return [(0, 1)]
+
+    from remat.apply import ApplyError
+    with pytest.raises(ApplyError, match="reentrant"):
+        apply(build_model(TINY.replace(num_layers=2)), Layout())
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def test_cli_end_to_end(tmp_path, capsys):
+    budget = budgets(5)[2]
+    flags = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--vocab", "128"]
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--budget", str(budget), *flags, "--json", "--out", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report == json.loads(out.read_text())
+    assert report["fits"] and report["extended"]["peak_bytes"] <= budget
+    p = Plan.from_dict(report["extended"]["plan_json"])
+    assert measured_peak(SMALL, p) == report["extended"]["peak_bytes"]
+    assert "remat.apply(model, plan)" in report["snippet"]
+
+    assert main(["plan", "--budget", f"{budget / MIB}MiB", *flags]) == 0
+    text = capsys.readouterr().out
+    assert "Best extended plan" in text and "Megatron flags" in text and "Plan.from_dict" in text
+
+    lo, _ = extremes()
+    assert main(["plan", "--budget", str(lo - 1), *flags]) == 1
+    assert "smallest reachable peak" in capsys.readouterr().out
+    assert main(["plan", "--budget", "12XB", *flags]) == 2
+    assert "unknown unit" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ pipelines
+def test_pipeline_stages_fit_and_beat_uniform():
+    from remat.pipeline import predict_pipeline
+    from remat.plan import plan_pipeline, stage_timeline
+
+    cfg = TINY.replace(num_layers=2)
+    none = [tl.peak_bytes for tl in predict_pipeline(cfg, "none", 2, 2, "1f1b")]
+    budget = min(none)  # stage 0 (two microbatches in flight) must recompute, stage 1 need not
+    report = plan_pipeline(cfg, budget, pp=2, microbatches=2)
+    assert [s["in_flight"] for s in report["stages"]] == [2, 1]
+    for st in report["stages"]:
+        p = Plan.from_dict(st["plan_json"])
+        assert st["fits"] and st["peak_bytes"] <= budget
+        assert stage_timeline(cfg, st["stage"], p, pp=2, microbatches=2).peak_bytes == st["peak_bytes"]
+    assert report["stages"][1]["recompute_flops"] == 0
+    if report["uniform"] is not None:
+        assert report["critical_path_seconds"] <= report["uniform"]["critical_path_seconds"]
+
+
+def test_every_selective_set_is_applicable():
+    for s in SELECTIVE_SETS:
+        apply(build_model(TINY.replace(num_layers=1)), Plan.from_units([Unit("selective", 1, s)]))
+    assert len(SELECTIVE_SETS) == 11 and not any({"mlp", "act"} <= set(s) for s in SELECTIVE_SETS)
+    assert len(list(itertools.chain(candidate_units(3)))) == 1 + 11 + 2 * 3
