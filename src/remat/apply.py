@@ -188,15 +188,22 @@ class _ReentrantCheckpoint(torch.autograd.Function):
         if ctx.distribute is not None:
             saved[0].data = ctx.distribute.all_gather(saved[0].data).view(ctx.hidden_shape)
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
-        with torch.enable_grad():
-            result = ctx.rng.run_restored(ctx.run, *inputs)
-        outputs = [leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
-        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
-        del result, outputs
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        del pairs
-        return (None, None, None, *(t.grad if t.requires_grad else None for t in inputs))
+        return (None, None, None, *_recompute_and_backpropagate(ctx, inputs, grad_outputs))
+
+
+def _recompute_and_backpropagate(ctx: Any, inputs: list[torch.Tensor],
+                                 grad_outputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+    """Run the region again on ``inputs`` (RNG restored, grad on), backpropagate ``grad_outputs`` through it, and
+    return the inputs' gradients (the backward of a reentrant checkpoint)."""
+    with torch.enable_grad():
+        result = ctx.rng.run_restored(ctx.run, *inputs)
+    outputs = [leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
+    del result, outputs
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    del pairs
+    return [t.grad if t.requires_grad else None for t in inputs]
 
 
 # ------------------------------------------------------------------------------------------ input offloading
@@ -272,15 +279,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         inputs = [hidden.detach().requires_grad_(ctx.hidden_requires_grad)]
         inputs += [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
         del hidden
-        with torch.enable_grad():
-            result = ctx.rng.run_restored(ctx.run, *inputs)
-        outputs = [leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
-        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
-        del result, outputs
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        del pairs
-        return (None, None, *(t.grad if t.requires_grad else None for t in inputs))
+        return (None, None, *_recompute_and_backpropagate(ctx, inputs, grad_outputs))
 
 
 def group_label(index: int, layers: Sequence[int]) -> str:
