@@ -1,15 +1,12 @@
-"""Tensor/sequence parallelism: per-rank prediction, real gloo runs, and the launcher that always ends."""
+"""Tensor/sequence parallelism: per-rank prediction and real gloo runs (the launcher's failure and timeout
+handling, shared with pipeline runs, is tested in test_pipeline.py)."""
 
 from __future__ import annotations
-
-import os
-import time
 
 import pytest
 import torch
 
 from remat import ApplyError, ConfigError, ModelConfig, Policy, apply
-from remat.launch import DistributedRunError, run_ranks
 from remat.parallel import SimulatedGroup, build_tp_model, measure_tensor_parallel
 from remat.predict import predict_config
 
@@ -96,32 +93,3 @@ def test_real_two_rank_runs_match_prediction(sp, policies):
         losses.append([t.meta["loss"] for t in ranks])
     # recompute (and distributing its inputs) changes no value: same loss on every rank and policy
     assert losses[0] == losses[1] and losses[0][0] == losses[0][1]
-
-
-def _fails_on_rank_one(rank: int, world_size: int) -> int:
-    if rank == 1:
-        raise RuntimeError("rank one is broken")
-    time.sleep(60)  # rank 0 would wait for its peer forever: the launcher must stop it
-    return os.getpid()
-
-
-def _hangs(rank: int, world_size: int) -> int:
-    time.sleep(60)
-    return rank
-
-
-def test_a_failing_rank_stops_the_run_with_its_error():
-    start = time.monotonic()
-    with pytest.raises(DistributedRunError, match="rank one is broken") as err:
-        run_ranks(_fails_on_rank_one, 2, timeout=60)
-    assert err.value.rank == 1
-    assert time.monotonic() - start < 45
-
-
-def test_a_hanging_run_times_out_and_leaves_no_process():
-    import multiprocessing
-
-    before = {p.pid for p in multiprocessing.active_children()}
-    with pytest.raises(DistributedRunError, match="timed out"):
-        run_ranks(_hangs, 2, timeout=8)
-    assert {p.pid for p in multiprocessing.active_children()} <= before

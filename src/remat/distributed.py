@@ -120,14 +120,7 @@ def measure_pipeline_many(config: ModelConfig, policies: Sequence[Policy | str],
         "schedule": schedule, "vpp": vpp, "layout": [s.num_layers for s in specs], "partial": partial,
         "device": device, "seed": seed, "fault": fault, "timeout": float(timeout),
     }
-    for attempt in range(2):  # the free port may be taken between choosing it and rank 0 listening on it
-        job["port"] = free_port()
-        try:
-            results = _launch(job, pp, float(timeout))
-            break
-        except DistributedError as err:
-            if attempt or "address already in use" not in str(err).lower():
-                raise
+    results = launch_job(job, pp, timeout)
     per_policy: list[list[Timeline]] = [[] for _ in parsed]
     for rank in range(pp):
         for i, data in enumerate(results[rank]):
@@ -174,12 +167,12 @@ def _launch(job: dict[str, Any], world: int, timeout: float) -> list[list[dict[s
                 failed_at = failed_at or time.monotonic()
                 if all(c is not None for c in codes) or time.monotonic() - failed_at >= _GRACE:
                     rank, message = _first_error(folder, codes, exited)
-                    raise DistributedError(f"pipeline rank {rank} failed: {message}", rank, pids)
+                    raise DistributedError(f"rank {rank} failed: {message}", rank, pids)
             if time.monotonic() >= deadline:
                 running = [r for r, c in enumerate(codes) if c is None]
                 errors = _errors(folder)
                 extra = "".join(f"; rank {r} failed first: {e['error']}" for r, e in errors[:1])
-                raise DistributedError(f"the pipeline run did not finish within {timeout:g} s: rank(s) "
+                raise DistributedError(f"the run did not finish within {timeout:g} s: rank(s) "
                                        f"{', '.join(map(str, running))} still running (a hung rank, or a rank "
                                        f"waiting for one); all {world} processes were killed{extra}", None, pids)
             time.sleep(0.02)
@@ -189,7 +182,7 @@ def _launch(job: dict[str, Any], world: int, timeout: float) -> list[list[dict[s
             try:
                 out.append(json.loads(path.read_text(encoding="utf-8")))
             except (OSError, ValueError) as err:
-                raise DistributedError(f"pipeline rank {rank} exited without a result ({err})", rank, pids) from err
+                raise DistributedError(f"rank {rank} exited without a result ({err})", rank, pids) from err
         for rank, results in enumerate(out):
             for data in results:
                 data.setdefault("meta", {})["pid"] = pids[rank]
@@ -315,10 +308,11 @@ def _worker(folder: Path, rank: int, launcher: int) -> int:
         if cuda:
             torch.cuda.set_device(rank)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{job['port']}",
-                                rank=rank, world_size=job["pp"],
+                                rank=rank, world_size=job.get("world", job["pp"]),
                                 timeout=datetime.timedelta(seconds=max(job["timeout"], 1.0)))
         try:
-            results = [_measure_rank(job, policy, rank).to_dict() for policy in job["policies"]]
+            measure_one = _measure_tensor_parallel_rank if job.get("kind") == "tensor_parallel" else _measure_rank
+            results = [measure_one(job, policy, rank).to_dict() for policy in job["policies"]]
         finally:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -328,6 +322,34 @@ def _worker(folder: Path, rank: int, launcher: int) -> int:
         message = "".join(traceback.format_exception_only(type(err), err)).strip()
         _report_error(folder, rank, message, traceback.format_exc())
         return 1
+
+
+def _measure_tensor_parallel_rank(job: dict[str, Any], policy_text: str, rank: int) -> Timeline:
+    """One rank of :func:`remat.parallel.measure_tensor_parallel`: its share of the model, one measured step."""
+    from remat.apply import apply
+    from remat.measure import measure
+    from remat.model import sample_batch
+    from remat.parallel import DistributedGroup, build_tp_model
+
+    config = ModelConfig.from_dict(job["config"])
+    model = build_tp_model(config, DistributedGroup(), job["sp"], seed=job["seed"])
+    apply(model, policy_text)
+    timeline = measure(model, sample_batch(config))
+    timeline.meta.update({"tp": job["world"], "sp": job["sp"], "rank": rank})
+    return timeline
+
+
+def launch_job(job: dict[str, Any], world: int, timeout: float) -> list[list[dict[str, Any]]]:
+    """Run ``job`` on ``world`` worker processes (a free port is chosen, and chosen again if it was taken);
+    each rank's list of timeline dicts. Every worker is ended before this returns or raises."""
+    for attempt in range(2):  # the free port may be taken between choosing it and rank 0 listening on it
+        job["port"] = free_port()
+        try:
+            return _launch(job, world, float(timeout))
+        except DistributedError as err:
+            if attempt or "address already in use" not in str(err).lower():
+                raise
+    raise AssertionError("unreachable")
 
 
 def _measure_rank(job: dict[str, Any], policy_text: str, rank: int) -> Timeline:

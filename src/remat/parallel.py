@@ -389,27 +389,16 @@ def build_tp_model(config: ModelConfig, group: TensorParallelGroup, sp: bool = F
         torch.set_default_dtype(previous)
 
 
-def _measure_rank(rank: int, world_size: int, config: dict[str, Any], policy: str, sp: bool) -> dict[str, Any]:
-    """One rank of :func:`measure_tensor_parallel` (runs in a spawned process)."""
-    from remat.apply import apply
-    from remat.measure import measure
-    from remat.model import sample_batch
-
-    torch.set_num_threads(1)
-    model_config = ModelConfig.from_dict(config)
-    model = build_tp_model(model_config, DistributedGroup(), sp)
-    apply(model, policy)
-    timeline = measure(model, sample_batch(model_config))
-    timeline.meta.update({"tp": world_size, "sp": sp, "rank": rank})
-    return timeline.to_dict()
-
-
 def measure_tensor_parallel(config: ModelConfig, policy: Any, tp: int, sp: bool = False,
-                            timeout: float = 120.0) -> list[Any]:
-    """Measure one training step on ``tp`` real tensor-parallel ranks (gloo, CPU); one Timeline per rank."""
-    from remat.launch import run_ranks
+                            timeout: float = 120.0, seed: int = 0) -> list[Any]:
+    """Measure one training step on ``tp`` real tensor-parallel ranks (gloo on CPU, one process each, every
+    process ended before this returns); one Timeline per rank."""
+    from remat.distributed import launch_job
+    from remat.policy import Policy
     from remat.timeline import Timeline
 
     check_tensor_parallel(config, tp, sp)
-    results = run_ranks(_measure_rank, tp, (config.to_dict(), str(policy), sp), timeout=timeout)
-    return [Timeline.from_dict(r) for r in results]
+    policy_text = str(Policy.parse(policy) if isinstance(policy, str) else policy)
+    job = {"kind": "tensor_parallel", "config": config.to_dict(), "policies": [policy_text], "world": tp, "pp": tp,
+           "sp": sp, "device": "cpu", "seed": seed, "fault": None, "timeout": float(timeout)}
+    return [Timeline.from_dict(results[0]) for results in launch_job(job, tp, timeout)]
