@@ -12,12 +12,10 @@ from torch import nn
 from remat.apply import (
     SELECTIVE_TARGETS,
     ApplyError,
-    add_observer,
     applied,
     apply,
     find_layer_stack,
     remove,
-    remove_observer,
 )
 from remat.config import ModelConfig
 from remat.model import GPT, build_model, sample_batch
@@ -37,29 +35,6 @@ POLICIES = [
     "selective/core_attn+mlp", "selective/core_attn+mlp+layernorm+act",
 ]
 FULL_POLICIES = [p for p in POLICIES if p.startswith("full/")]
-
-
-class Recorder:
-    """A checkpoint observer: which regions saved inputs, which were recomputed (in backward)."""
-
-    def __init__(self) -> None:
-        self.checkpointed: list[object] = []
-        self.recomputed: list[object] = []
-
-    def on_checkpoint_inputs(self, region, tensors) -> None:
-        self.checkpointed.append(region)
-
-    def on_recompute(self, region, begin) -> None:
-        if begin:
-            self.recomputed.append(region)
-
-
-@pytest.fixture
-def recorder():
-    rec = Recorder()
-    add_observer(rec)
-    yield rec
-    remove_observer(rec)
 
 
 def step(model: nn.Module, cfg: ModelConfig, seed: int = 1234):

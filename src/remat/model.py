@@ -10,7 +10,9 @@ keeps more than the hidden states. Submodule names follow Megatron's (``self_att
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -69,15 +71,20 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, s, _ = x.shape
+        return self.linear_proj(self.attend(self.linear_qkv(x), b, s, attention_mask, rotary))
+
+    def attend(self, qkv: torch.Tensor, b: int, s: int, attention_mask: torch.Tensor,
+               rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Split ``qkv`` ([b, s, ...]) into this module's heads, attend, and return [b, s, heads * head_dim]."""
         d = self.head_dim
-        q, k, v = self.linear_qkv(x).split([self.heads * d, self.groups * d, self.groups * d], dim=-1)
+        q, k, v = qkv.split([self.heads * d, self.groups * d, self.groups * d], dim=-1)
         q = q.view(b, s, self.heads, d).transpose(1, 2)
         k = k.view(b, s, self.groups, d).transpose(1, 2)
         v = v.view(b, s, self.groups, d).transpose(1, 2)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         context = self.core_attention(q, k, v, attention_mask)
-        return self.linear_proj(context.transpose(1, 2).reshape(b, s, self.heads * d))
+        return context.transpose(1, 2).reshape(b, s, self.heads * d)
 
 
 class SwiGLU(nn.Module):
@@ -189,12 +196,19 @@ def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: i
     """Build the reference GPT with random weights in ``config.dtype`` on ``device`` (training mode)."""
     if seed is not None:
         torch.manual_seed(seed)
-    # Parameters are created in place (no .to() afterwards), which also works under FakeTensorMode.
+    with building(config, device):
+        return GPT(config).train()
+
+
+@contextlib.contextmanager
+def building(config: ModelConfig, device: torch.device | str) -> Iterator[None]:
+    """Make new parameters in ``config.dtype`` on ``device`` in place: no ``.to()`` afterwards, which also works
+    under FakeTensorMode."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.torch_dtype)
     try:
         with torch.device(device):
-            return GPT(config).train()
+            yield
     finally:
         torch.set_default_dtype(previous)
 

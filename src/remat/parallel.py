@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.config import ConfigError, ModelConfig
-from remat.model import CoreAttention, SwiGLU, _norm, apply_rotary, layer_side_inputs
+from remat.model import MLP, CoreAttention, SelfAttention, SwiGLU, _norm, building, layer_side_inputs
 
 
 class TensorParallelGroup:
@@ -235,9 +235,11 @@ class RowParallelLinear(nn.Module):
         return out + self.bias if self.bias is not None else out
 
 
-class TPSelfAttention(nn.Module):
+class TPSelfAttention(SelfAttention):
+    """The reference attention (same head split and core) on this rank's heads."""
+
     def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool):
-        super().__init__()
+        nn.Module.__init__(self)  # not SelfAttention.__init__: its full-size linears are replaced, not built
         t = group.size
         self.heads, self.groups, self.head_dim = config.num_attention_heads // t, config.query_groups // t, \
             config.head_dim
@@ -249,31 +251,20 @@ class TPSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                 shape: tuple[int, int]) -> torch.Tensor:
-        b, s = shape
-        d = self.head_dim
-        q, k, v = self.linear_qkv(x).view(b, s, -1).split(
-            [self.heads * d, self.groups * d, self.groups * d], dim=-1)
-        q = q.view(b, s, self.heads, d).transpose(1, 2)
-        k = k.view(b, s, self.groups, d).transpose(1, 2)
-        v = v.view(b, s, self.groups, d).transpose(1, 2)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        context = self.core_attention(q, k, v, mask)
-        return self.linear_proj(context.transpose(1, 2).reshape(b, s, self.heads * d))
+        b, s = shape  # under SP, x is a [b*s/tp, h] token shard; the column-parallel qkv gathers all tokens
+        return self.linear_proj(self.attend(self.linear_qkv(x).view(b, s, -1), b, s, mask, rotary))
 
 
-class TPMLP(nn.Module):
+class TPMLP(MLP):
+    """The reference MLP (same forward) with this rank's share of the hidden units."""
+
     def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool):
-        super().__init__()
+        nn.Module.__init__(self)  # not MLP.__init__: its full-size linears are replaced, not built
         gated = config.activation == "swiglu"
-        self.gated = gated
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_size * (2 if gated else 1),
                                                config.add_bias_linear, group, sp)
         self.activation: nn.Module = SwiGLU() if gated else nn.GELU()
         self.linear_fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, config.add_bias_linear, group, sp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.activation(self.linear_fc1(x)))
 
 
 class TPTransformerLayer(nn.Module):
@@ -380,13 +371,8 @@ def build_tp_model(config: ModelConfig, group: TensorParallelGroup, sp: bool = F
     """One rank's share of the reference GPT in ``config.dtype`` on ``device`` (training mode)."""
     if seed is not None:
         torch.manual_seed(seed + group.rank)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(config.torch_dtype)
-    try:
-        with torch.device(device):
-            return TPGPT(config, group, sp).train()
-    finally:
-        torch.set_default_dtype(previous)
+    with building(config, device):
+        return TPGPT(config, group, sp).train()
 
 
 def measure_tensor_parallel(config: ModelConfig, policy: Any, tp: int, sp: bool = False,

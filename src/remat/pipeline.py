@@ -66,7 +66,7 @@ from remat.apply import Region, applied, apply, in_backward
 from remat.compose import CompositionError
 from remat.config import ModelConfig
 from remat.measure import CUDA_BLOCK, StepRecorder
-from remat.model import GPT, Embedding, LMHead, TransformerLayer, build_model, sample_batch
+from remat.model import GPT, Embedding, LMHead, TransformerLayer, build_model, building, sample_batch
 from remat.policy import Policy
 from remat.timeline import Phase, Timeline
 
@@ -219,13 +219,8 @@ class StageModule(nn.Module):
 def build_stage_module(config: ModelConfig, spec: ChunkSpec, device: torch.device | str = "cpu") -> StageModule:
     """A chunk with freshly initialised weights in ``config.dtype`` (parameters made in place; works under
     ``FakeTensorMode``)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(config.torch_dtype)
-    try:
-        with torch.device(device):
-            return StageModule(config, spec).train()
-    finally:
-        torch.set_default_dtype(previous)
+    with building(config, device):
+        return StageModule(config, spec).train()
 
 
 def build_stage_modules(config: ModelConfig, specs: Sequence[ChunkSpec], device: torch.device | str = "cpu",
