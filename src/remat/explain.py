@@ -204,12 +204,6 @@ def category_live(tl: Timeline, categories: str | Sequence[str]) -> np.ndarray:
     return np.cumsum(delta[:-1])
 
 
-def forward_end(tl: Timeline) -> int:
-    """The last event of the forward (loss included): the one before the first backward phase starts."""
-    starts = [p.start for p in tl.phases if p.kind in ("backward", "recompute")]
-    return max(0, (min(starts) if starts else tl.num_events) - 1)
-
-
 def first_recompute_end(tl: Timeline) -> tuple[int, str] | None:
     """(last event, group label) of the first group recomputation: the run of recompute phases of one group."""
     spans = tl.phase_spans()
@@ -226,7 +220,7 @@ def first_recompute_end(tl: Timeline) -> tuple[int, str] | None:
 
 def layer_activation_bytes(plain: Timeline) -> dict[int, int]:
     """Per layer: bytes its forward keeps for backward in the plain run (alive at the end of forward)."""
-    end = forward_end(plain)
+    end = plain.forward_end
     out: dict[int, int] = {}
     for row in plain.alive_at(end):
         phase = plain.phases[plain.phase_index[row]]
@@ -301,7 +295,7 @@ def _check_device(device: str) -> torch.device:
 
 def _row(policy: Policy, tl: Timeline, plain_flops: int, times: list[float]) -> PolicyRow:
     at_peak = tl.at_peak
-    stored = tl.breakdown(forward_end(tl))["group_inputs"]
+    stored = tl.breakdown(tl.forward_end)["group_inputs"]
     recompute = category_live(tl, "recompute")
     flops = tl.meta.get("flops", {})
     recompute_flops = int(flops.get("recompute", 0))
@@ -335,7 +329,7 @@ def formula_row(policy: Policy, tl: Timeline, plain: Timeline, num_layers: int) 
     groups = policy.layer_groups(num_layers)
     last = groups[-1]  # backward reaches the last group first
     per_layer = layer_activation_bytes(plain)
-    stored = tl.breakdown(forward_end(tl))["group_inputs"]
+    stored = tl.breakdown(tl.forward_end)["group_inputs"]
     group_bytes = sum(per_layer.get(i, 0) for i in last)
     at_end = tl.breakdown(event)
     measured = at_end["group_inputs"] + at_end["recompute"]
@@ -483,7 +477,7 @@ def explain_sentences(config: ModelConfig, policies: Sequence[Policy], rows: Seq
     out += [_peak_sentence(r, timelines[r.policy]) for r in rows]
 
     # The whole-stack group against no recompute.
-    stack_acts = plain.breakdown(forward_end(plain))["saved_activations"]
+    stack_acts = plain.breakdown(plain.forward_end)["saved_activations"]
     head_live = category_live(plain, "head_loss")
     head_max = int(head_live.max()) if len(head_live) else 0
     head_event = int(np.argmax(head_live)) if len(head_live) else 0

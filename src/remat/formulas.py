@@ -888,14 +888,9 @@ def _with_remainder(diff: Difference) -> Difference:
 # =====================================================================================================
 # Traced per-layer bytes
 # =====================================================================================================
-def _end_of_forward(timeline: Timeline) -> int:
-    starts = [p.start for p in timeline.phases if p.kind == "backward"]
-    return (min(starts) if starts else timeline.num_events) - 1
-
-
 def traced_layer_rows(timeline: Timeline, layer: int = 0) -> list[dict[str, Any]]:
     """Allocations made in ``('forward', f'layer {layer}')`` and alive when backward starts, in order."""
-    end = _end_of_forward(timeline)
+    end = timeline.forward_end
     region = f"layer {layer}"
     rows = []
     for row in timeline.alive_at(end):

@@ -108,6 +108,12 @@ class Timeline:
     def at_peak(self) -> dict[str, int]:
         return self.breakdown(self.peak_event)
 
+    @property
+    def forward_end(self) -> int:
+        """The last event of the forward (loss included): the one before the first backward phase starts."""
+        starts = [p.start for p in self.phases if p.kind in ("backward", "recompute")]
+        return max(0, (min(starts) if starts else self.num_events) - 1)
+
     def phase_at(self, event: int) -> Phase:
         starts = [p.start for p in self.phases]
         return self.phases[max(0, int(np.searchsorted(starts, event, side="right")) - 1)]
