@@ -33,6 +33,7 @@ POLICIES = [
     "full/block/1", "full/block/2",
     "selective/core_attn", "selective/mlp", "selective/layernorm", "selective/act",
     "selective/core_attn+mlp", "selective/core_attn+mlp+layernorm+act",
+    "selective/non_matmul", "selective/core_attn+non_matmul", "selective/core_attn+mlp+non_matmul",
 ]
 FULL_POLICIES = [p for p in POLICIES if p.startswith("full/")]
 
@@ -68,6 +69,8 @@ def assert_same_step(got, want) -> None:
 def n_regions(policy: Policy, depth: int) -> int:
     if policy.granularity == "full":
         return len(policy.layer_groups(depth))
+    if "non_matmul" in policy.modules:
+        return depth  # one operator-level region per layer, whatever else it names
     per_layer = {"core_attn": 1, "mlp": 1, "layernorm": 2, "act": 1}
     return depth * sum(per_layer[m] for m in policy.modules)
 
@@ -106,6 +109,7 @@ RMSNORM_REENTRANT = pytest.mark.xfail(
     ("full/uniform/3", "reentrant"), ("full/block/1", "non-reentrant"),
     ("selective/core_attn+mlp+act", "reentrant"), ("selective/core_attn+mlp+act", "non-reentrant"),
     ("selective/core_attn+mlp+layernorm+act", "non-reentrant"),
+    ("selective/non_matmul", "reentrant"), ("selective/core_attn+mlp+non_matmul", "non-reentrant"),
     pytest.param("selective/layernorm", "reentrant", marks=RMSNORM_REENTRANT),
 ])
 def test_gradients_bit_for_bit_llama(policy, engine, recorder):
@@ -184,6 +188,56 @@ def test_selective_regions_target_the_named_submodules(modules):
     assert patched == set(expected)
 
 
+# ------------------------------------------------------------------------ operator level (non_matmul)
+def recompute_flops(model: nn.Module, cfg: ModelConfig) -> tuple[int, int]:
+    """(peak bytes, FLOPs counted in recompute phases) of one measured step."""
+    from remat.measure import measure
+
+    tl = measure(model, sample_batch(cfg, seed=1))
+    flops = tl.meta["phase_flops"]
+    return tl.peak_bytes, sum(f for f, ph in zip(flops, tl.phases) if ph.kind == "recompute")
+
+
+def test_non_matmul_keeps_matmul_outputs_and_recomputes_no_flops():
+    """One region per layer under selective activation checkpointing: its recomputation runs no matrix multiply,
+    so no FLOPs, yet the step's peak drops below the plain one; with core_attn its matmuls come back (the same
+    FLOPs as module-level core_attn recompute) and the peak drops further."""
+    plain_peak, plain_flops = recompute_flops(build_model(SMALL, seed=0), SMALL)
+    assert plain_flops == 0
+    model = build_model(SMALL, seed=0)
+    state = apply(model, "selective/non_matmul")
+    assert [r.kind for r in state.regions] == ["selective:non_matmul"] * 4
+    assert [r.modules for r in state.regions] == [[layer] for layer in model.layers]
+    assert all(r.engine == "non-reentrant" and r.matmuls_inside == [] for r in state.regions)
+    lean_peak, lean_flops = recompute_flops(model, SMALL)
+    assert lean_flops == 0 and lean_peak < plain_peak
+
+    model = build_model(SMALL, seed=0)
+    state = apply(model, "selective/core_attn+non_matmul")
+    assert [r.matmuls_inside for r in state.regions] == [[layer.self_attention.core_attention]
+                                                         for layer in model.layers]
+    both_peak, both_flops = recompute_flops(model, SMALL)
+    module_level = build_model(SMALL, seed=0)
+    apply(module_level, "selective/core_attn")
+    assert both_flops == recompute_flops(module_level, SMALL)[1] > 0 and both_peak < lean_peak
+
+
+def test_non_matmul_refuses_what_it_already_recomputes():
+    class Layout:
+        engine = "reentrant"
+
+        def layer_groups(self, depth):
+            return []
+
+        def selective_modules(self, layer):
+            return ("layernorm", "non_matmul")
+
+    model = build_model(SMALL, seed=0)
+    with pytest.raises(ApplyError, match="non_matmul already recomputes layernorm .*drop them"):
+        apply(model, Layout())
+    assert applied(model) is None and not modules_with_regions(model)
+
+
 def modules_with_regions(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if "_remat_region" in m.__dict__]
 
@@ -209,7 +263,8 @@ def test_applying_twice_replaces(recorder):
     assert {id(r) for r in recorder.recomputed} == {id(r) for r in third.regions}
 
 
-@pytest.mark.parametrize("policy", ["full/uniform/2", "selective/core_attn+mlp+layernorm+act", "full/block/3"])
+@pytest.mark.parametrize("policy", ["full/uniform/2", "selective/core_attn+mlp+layernorm+act", "full/block/3",
+                                    "selective/core_attn+mlp+non_matmul"])
 def test_apply_none_restores_the_plain_model(policy, recorder):
     model = build_model(SMALL, seed=0)
     apply(model, policy)
@@ -218,6 +273,7 @@ def test_apply_none_restores_the_plain_model(policy, recorder):
     for name, module in model.named_modules():
         assert "forward" not in module.__dict__, name
         assert "_remat_region" not in module.__dict__, name
+        assert not module._forward_hooks and not module._forward_pre_hooks, name
     assert_same_step(step(model, SMALL), plain_step(SMALL))
     assert recorder.checkpointed == [] and recorder.recomputed == []
 

@@ -81,12 +81,13 @@ REFUSED = {("opt", "mlp"): "no MLP submodule", ("falcon", "core_attn"): "Attenti
 RMSNORM = {"llama", "mistral", "qwen2"}
 
 POLICIES = ["full/uniform/1", "full/uniform/2", "full/uniform/3", "full/block/2", "selective/core_attn",
-            "selective/mlp", "selective/layernorm", "selective/act", "selective/core_attn+mlp+layernorm+act"]
+            "selective/mlp", "selective/layernorm", "selective/act", "selective/core_attn+mlp+layernorm+act",
+            "selective/non_matmul", "selective/core_attn+non_matmul"]
 
 
 def supported(family: str, policy: str) -> bool:
     modules = policy.split("/", 1)[1].split("+") if policy.startswith("selective/") else []
-    return all(SELECTIVE[family][m] is not None for m in modules)
+    return all(m == "non_matmul" or SELECTIVE[family][m] is not None for m in modules)
 
 
 def step(model, seed: int = 5):
@@ -246,10 +247,11 @@ def test_hf_gradient_checkpointing_in_a_wrapper_is_refused():
         apply(model, "full/uniform/2")
 
 
-def test_recomputed_layers_keep_out_of_the_kv_cache():
+@pytest.mark.parametrize("policy", ["full/uniform/2", "selective/non_matmul"])
+def test_recomputed_layers_keep_out_of_the_kv_cache(policy):
     """Training builds a DynamicCache; a recomputed layer would append to it twice. Inference still fills it."""
     model = build("llama")
-    apply(model, "full/uniform/2")
+    apply(model, policy)
     out = model(**BATCH)
     assert out.cache is not None and out.cache.get_seq_length() == 0
     out.loss.backward()
@@ -267,7 +269,8 @@ def test_recomputed_layers_keep_out_of_the_kv_cache():
 MEASURED = [(f, p) for f in FAMILIES for p in ("none", "full/uniform/1",
                                                "selective/mlp" if f == "falcon" else "selective/core_attn")]
 MEASURED += [(f, p) for f in ("gpt2", "neox") for p in ("full/uniform/4", "full/block/2", "selective/layernorm+act")]
-MEASURED += [("llama", "selective/mlp+act@non-reentrant"), ("opt", "full/uniform/3")]
+MEASURED += [("llama", "selective/mlp+act@non-reentrant"), ("opt", "full/uniform/3"),
+             ("llama", "selective/non_matmul"), ("gpt2", "selective/core_attn+non_matmul")]
 
 
 @pytest.mark.parametrize("family, policy", MEASURED)

@@ -207,6 +207,21 @@ def test_unit_model_equals_full_traces(config, trials):
         assert model.peak(units) == _trace(config.replace(num_layers=p.num_layers), p).peak_bytes, str(p)
 
 
+def test_unit_model_equals_full_traces_with_operator_level_layers():
+    """Plans mixing non_matmul layers (selective activation checkpointing) with every other kind: modelled peak ==
+    traced peak, byte for byte; they keep the attention mask like any whole-layer checkpoint."""
+    model = unit_model(TINY)
+    operator_level = [Unit("selective", 1, s) for s in SELECTIVE_SETS if "non_matmul" in s]
+    rng = random.Random(11)
+    for trial in range(6):
+        units = random_units(rng, rng.randint(2, 6), operator_level + ALL_UNITS[:3] + ALL_UNITS[-10:])
+        if trial == 0:
+            units = [operator_level[0], KEEP, Unit("checkpoint", 2)]  # the lowest mask holder is a non_matmul layer
+        p = Plan.from_units(units)
+        assert model.peak(units) == _trace(TINY.replace(num_layers=p.num_layers), p).peak_bytes, str(p)
+    assert all(model.holds(u) == frozenset(model.side) for u in operator_level)
+
+
 def test_composed_prediction_equals_full_trace():
     cfg = TINY.replace(num_layers=14)
     p = Plan.parse("checkpoint 0-4, keep 5, selective/core_attn 6-9, checkpoint 10-11/1, keep 12-13")
@@ -396,5 +411,7 @@ def test_pipeline_stages_fit_and_beat_uniform():
 def test_every_selective_set_is_applicable():
     for s in SELECTIVE_SETS:
         apply(build_model(TINY.replace(num_layers=1)), Plan.from_units([Unit("selective", 1, s)]))
-    assert len(SELECTIVE_SETS) == 11 and not any({"mlp", "act"} <= set(s) for s in SELECTIVE_SETS)
-    assert len(list(itertools.chain(candidate_units(3)))) == 1 + 11 + 2 * 3
+    assert len(SELECTIVE_SETS) == 15 and not any({"mlp", "act"} <= set(s) for s in SELECTIVE_SETS)
+    assert [s for s in SELECTIVE_SETS if "non_matmul" in s] == [
+        ("non_matmul",), ("core_attn", "non_matmul"), ("mlp", "non_matmul"), ("core_attn", "mlp", "non_matmul")]
+    assert len(list(itertools.chain(candidate_units(3)))) == 1 + 15 + 2 * 3

@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import re
 
 import pytest
 
@@ -15,6 +16,7 @@ from remat.policy import (
 
 MODULE_SUBSETS = [
     c for r in range(1, len(SELECTIVE_MODULES) + 1) for c in itertools.combinations(SELECTIVE_MODULES, r)
+    if not ("non_matmul" in c and {"layernorm", "act"} & set(c))  # refused: non_matmul recomputes them already
 ]
 
 
@@ -267,6 +269,10 @@ def test_from_megatron_args_refusals(argv, phrase):
 
 @pytest.mark.parametrize("policy", VALID, ids=str)
 def test_to_megatron_args_round_trip(policy):
+    if "non_matmul" in policy.modules:
+        with pytest.raises(PolicyError, match="non_matmul.*no Megatron flag"):
+            policy.to_megatron_args()
+        return
     if "act" in policy.modules:
         with pytest.raises(PolicyError, match="use 'mlp'"):
             policy.to_megatron_args()
@@ -292,6 +298,20 @@ def test_act_has_no_megatron_flag():
     with pytest.raises(PolicyError) as info:
         Policy("selective", modules=("core_attn", "act")).to_megatron_args()
     assert "no Megatron equivalent" in str(info.value) and "'mlp'" in str(info.value)
+
+
+@pytest.mark.parametrize("modules, redundant", [("layernorm+non_matmul", "layernorm"),
+                                                ("core_attn+act+non_matmul", "act"),
+                                                ("layernorm+act+non_matmul", "layernorm+act")])
+def test_non_matmul_refuses_what_it_already_recomputes(modules, redundant):
+    with pytest.raises(PolicyError, match=f"non_matmul already recomputes .*: drop {re.escape(redundant)}$"):
+        Policy.parse(f"selective/{modules}")
+
+
+def test_non_matmul_round_trips_in_remat_form():
+    for text in ("selective/non_matmul", "selective/core_attn+mlp+non_matmul@non-reentrant"):
+        p = Policy.parse(text)
+        assert str(p) == text and Policy.parse(str(p)) == p and "non_matmul" in p.selective_modules(0)
 
 
 # ------------------------------------------------------------------------ layer groups

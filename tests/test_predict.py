@@ -51,7 +51,8 @@ def with_engine(policy: str, engine: str) -> str:
 # The grid's full traces are the slowest part of this file, so they run in a background process, started by the
 # first test of the module, while the other tests run here; the grid's tests come last and read its results.
 GRID_CONFIGS = [(style, dtype, depth) for style in STYLES for dtype in ("fp32", "bf16") for depth in (10, 13)]
-GRID_SELECTIVE = ["selective/core_attn", "selective/mlp", "selective/layernorm+act",
+GRID_SELECTIVE = ["selective/core_attn", "selective/mlp", "selective/layernorm+act", "selective/non_matmul",
+                  "selective/core_attn+non_matmul",
                   "selective/core_attn+mlp+layernorm"]
 
 
@@ -178,7 +179,7 @@ SIZES = {"small": {}, "wide": {"hidden_size": 64, "seq_length": 24, "micro_batch
 def measure_policies() -> list[str]:
     base = ["full/uniform/1", "full/uniform/2", "full/uniform/3", "full/uniform/4", "full/block/1", "full/block/2",
             "full/block/4", "selective/core_attn", "selective/mlp", "selective/layernorm+act",
-            "selective/core_attn+mlp+layernorm"]
+            "selective/core_attn+mlp+layernorm", "selective/non_matmul", "selective/core_attn+mlp+non_matmul"]
     return [with_engine(p, e) for p in base for e in ENGINES]
 
 

@@ -8,6 +8,10 @@
   group's backward runs all k layers' activations exist at once.
 * ``full/block/k``: the first k layers, each its own region; the other layers keep all activations.
 * ``selective/<modules>``: the named submodules of every layer (attention core, MLP, norms, MLP activation).
+* ``selective/non_matmul`` (alone or with ``core_attn``/``mlp``): each layer is one checkpoint under torch's
+  selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``, always
+  the non-reentrant engine): the outputs of its matrix multiplies (:data:`MATMUL_OPS`) are kept, every other
+  operator is recomputed in backward from them, and inside the named modules the matrix multiplies too.
 
 Regions need no change to the model's code. The first module of a region runs the whole region under one
 checkpoint; the later modules of a multi-layer region, when the model's own loop calls them, hand back the
@@ -67,6 +71,20 @@ SELECTIVE_TARGETS: dict[str, tuple[str, ...]] = {
             "activation_fn",  # OPT
             "mlp.gelu"),      # nanoGPT
 }
+
+
+def _aten_packets(*names: str) -> frozenset[Any]:
+    return frozenset(getattr(torch.ops.aten, n) for n in names if hasattr(torch.ops.aten, n))
+
+
+# Operators whose outputs a non_matmul region keeps: the matrix multiplies that nn.Linear, torch.matmul and the
+# attention kernels reach at the dispatcher. They are the operators FLOP counters count, so recomputing the others
+# costs no FLOPs.
+MATMUL_OPS = _aten_packets(
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward")
 
 
 class ApplyError(ValueError):
@@ -293,18 +311,32 @@ class Region:
     """A run of modules that is checkpointed as one unit (a layer group, or one submodule)."""
 
     index: int
-    kind: str                       # "layers" or "selective:<module>"
+    kind: str                       # "layers", "selective:<module>" or "selective:[<module>+]non_matmul"
     modules: list[nn.Module]
     names: list[str]
     engine: str
     layer_indices: tuple[int, ...] = ()
     distribute: Any = None          # a tensor-parallel group: keep 1/tp of the hidden input (reentrant only)
     offload_inputs: bool = False    # keep the hidden-states input in host memory (remat.plan; reentrant)
+    # non_matmul regions: submodules whose matrix multiplies are recomputed too (the layer's core_attn / mlp)
+    matmuls_inside: list[nn.Module] = field(default_factory=list)
     _originals: list[Any] = field(default_factory=list, repr=False)
     _running: bool = field(default=False, repr=False)
     _pending: Any = field(default=None, repr=False)
     _next_member: int = field(default=0, repr=False)
     _side_inputs: Any = field(default=None, repr=False)
+    _inside: int = field(default=0, repr=False)  # how deep the running code is in matmuls_inside modules
+    _hooks: list[Any] = field(default_factory=list, repr=False)
+
+    @property
+    def operator_level(self) -> bool:
+        """A non_matmul region: one layer under selective activation checkpointing."""
+        return self.kind.startswith("selective:") and self.kind.endswith("non_matmul")
+
+    @property
+    def whole_layers(self) -> bool:
+        """Whether the region re-runs whole layers (a group, or a non_matmul layer)."""
+        return self.kind == "layers" or self.operator_level
 
     @property
     def label(self) -> str:
@@ -321,8 +353,14 @@ class Region:
             self._originals.append(module.__dict__.get("forward"))
             module.__dict__["forward"] = functools.partial(self._forward, position)
             module.__dict__["_remat_region"] = self
+        for module in self.matmuls_inside:
+            self._hooks += [module.register_forward_pre_hook(self._enter_inside),
+                            module.register_forward_hook(self._leave_inside, always_call=True)]
 
     def uninstall(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
         for module, original in zip(self.modules, self._originals):
             del module.__dict__["_remat_region"]
             if original is None:
@@ -335,6 +373,18 @@ class Region:
         original = self._originals[position]
         module = self.modules[position]
         return original if original is not None else type(module).forward.__get__(module)
+
+    def _enter_inside(self, module: nn.Module, args: Any) -> None:
+        self._inside += 1
+
+    def _leave_inside(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._inside -= 1
+
+    def _keep_output(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
+        """The selective-checkpoint policy of a non_matmul region: keep matmul outputs outside matmuls_inside."""
+        if self._inside == 0 and func.overloadpacket in MATMUL_OPS:
+            return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+        return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
     # -- running ------------------------------------------------------------------------------------------
     def _forward(self, position: int, *args: Any, **kwargs: Any) -> Any:
@@ -405,6 +455,11 @@ class Region:
             call_args, call_kwargs = tree_unflatten(filled, spec)
             return self._run(call_args, call_kwargs)
 
+        if self.operator_level:
+            contexts = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
+                                         self._keep_output)
+            return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True,
+                                                     context_fn=contexts)
         if self.engine == "non-reentrant":
             return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False,
                                                      preserve_rng_state=True)
@@ -543,6 +598,9 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
         if modules and i in grouped:
             raise ApplyError(f"layer {i} is both in a recomputed group and selectively recomputed: a group already "
                              "recomputes everything in it; drop one of the two")
+        if "non_matmul" in modules:
+            regions.append(_operator_level_region(len(regions), layer, names[i], i, modules))
+            continue
         for module in modules:
             for name, target in _selective_targets(layer, names[i], module):
                 regions.append(Region(len(regions), f"selective:{module}", [target], [name], policy.engine,
@@ -571,6 +629,18 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
     if hf is not None:  # keeps the KV cache out of recomputed layers; drops cores no region uses
         hf.installed(model, state)
     return state
+
+
+def _operator_level_region(index: int, layer: nn.Module, name: str, i: int, modules: Sequence[str]) -> Region:
+    """The non_matmul region of one layer; its other modules (core_attn, mlp) recompute their matmuls too."""
+    redundant = [m for m in modules if m in ("layernorm", "act")]
+    if redundant:
+        raise ApplyError(f"layer {i}: non_matmul already recomputes {'+'.join(redundant)} (no matrix multiply in "
+                         "them): drop them from the selective modules")
+    inside = [target for module in modules if module != "non_matmul"
+              for _, target in _selective_targets(layer, name, module)]
+    return Region(index, "selective:" + "+".join(modules), [layer], [name], "non-reentrant", layer_indices=(i,),
+                  matmuls_inside=inside)
 
 
 def _mark_offloaded(policy: RecomputeLayout, depth: int, regions: list[Region]) -> None:

@@ -33,9 +33,9 @@ for other models) for any model that contains a ``transformers`` ``PreTrainedMod
   through ``AttentionInterface``), so ``core_attn`` is refused for it; its MLP, norms and activation work.
 * **The KV cache.** HF models build a ``DynamicCache`` in training too (``use_cache`` defaults to True). A layer
   recomputed in backward would append its keys and values to the cache a second time and then attend over
-  both copies, so - as HF's own checkpointing does - layers in a full-recompute region get ``cache=None`` and
-  ``use_cache=False`` while gradients are enabled. The math is unchanged (the cache is not read when it starts
-  empty); the cache returned by such a step is empty.
+  both copies, so - as HF's own checkpointing does - layers in a full-recompute region (or a ``non_matmul``
+  layer) get ``cache=None`` and ``use_cache=False`` while gradients are enabled. The math is unchanged (the
+  cache is not read when it starts empty); the cache returned by such a step is empty.
 
 Selective names map onto each family's submodules through :data:`remat.apply.SELECTIVE_TARGETS`:
 ``mlp`` is the ``mlp`` submodule (OPT has none: its layer calls ``fc1``, ``activation_fn`` and ``fc2`` itself, so
@@ -269,13 +269,14 @@ def installed(model: nn.Module, state: AppliedPolicy) -> None:
         handle.remove()
     hf.hooks.clear()
     for region in state.regions:
-        if region.kind == "layers":
+        if region.whole_layers:
             for module in region.modules:
                 hf.hooks.append(module.register_forward_pre_hook(_without_cache, with_kwargs=True))
     keep = []
     for attention, config in hf.cores:
         core = attention._modules.get(CORE_NAME)
-        if core is not None and "_remat_region" in core.__dict__:
+        if core is not None and ("_remat_region" in core.__dict__ or
+                                 any(core in region.matmuls_inside for region in state.regions)):
             keep.append((attention, config))
         else:
             attention._modules.pop(CORE_NAME, None)
@@ -288,7 +289,7 @@ def installed(model: nn.Module, state: AppliedPolicy) -> None:
 def _without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Forward pre-hook of a layer in a full-recompute region: no KV cache while gradients are on."""
     region = module.__dict__.get("_remat_region")
-    if region is None or region.kind != "layers" or not torch.is_grad_enabled():
+    if region is None or not region.whole_layers or not torch.is_grad_enabled():
         return None  # the policy was removed, or nothing is checkpointed (inference): the cache works as usual
     from transformers.cache_utils import Cache
 

@@ -83,14 +83,14 @@ import numpy as np
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-from remat.apply import apply, in_backward
+from remat.apply import MATMUL_OPS, apply, in_backward
 from remat.compose import CompositionError, ShallowTrace, compose, layer_roles
 from remat.config import ModelConfig
 from remat.measure import CUDA_BLOCK, record_step
 from remat.model import build_model, sample_batch
-from remat.policy import ENGINES, SELECTIVE_MODULES, Policy, PolicyError
+from remat.policy import ENGINES, NON_MATMUL_INCLUDES, SELECTIVE_MODULES, Policy, PolicyError
 from remat.timeline import Timeline
 
 MODES = ("keep", "selective", "checkpoint", "offload")
@@ -100,10 +100,16 @@ FORMAT_VERSION = 1
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
 # Selective module sets a plan may use: every non-empty set of SELECTIVE_MODULES except those holding both mlp
-# and act (act is inside mlp: one region cannot be nested in another).
+# and act (act is inside mlp: one region cannot be nested in another) and those holding non_matmul with layernorm
+# or act (non_matmul recomputes them already).
+def _usable_set(modules: Iterable[str]) -> bool:
+    mods = set(modules)
+    return not {"mlp", "act"} <= mods and not ("non_matmul" in mods and mods & set(NON_MATMUL_INCLUDES))
+
+
 SELECTIVE_SETS: tuple[tuple[str, ...], ...] = tuple(
     c for n in range(1, len(SELECTIVE_MODULES) + 1) for c in itertools.combinations(SELECTIVE_MODULES, n)
-    if not {"mlp", "act"} <= set(c))
+    if _usable_set(c))
 # What Megatron-LM offers for a dense model's layers (remat's 'act' is MoE-only there).
 MEGATRON_MODULES = ("core_attn", "mlp", "layernorm")
 
@@ -267,6 +273,9 @@ class Segment:
                                 f"{', '.join(SELECTIVE_MODULES)}")
             if {"mlp", "act"} <= set(mods):
                 raise PlanError("selective modules mlp and act cannot be combined (act is inside mlp): use mlp")
+            if not _usable_set(mods):
+                raise PlanError(f"selective modules {'+'.join(mods)}: non_matmul already recomputes layernorm and "
+                                "act (they hold no matrix multiply): drop them")
             mods = tuple(m for m in SELECTIVE_MODULES if m in mods)
         elif mods:
             raise PlanError(f"only selective segments name modules, not {self.mode}")
@@ -490,6 +499,10 @@ class Plan:
                 return None, ("its layers recompute different selective module sets; Megatron's "
                               "--recompute-modules applies one set to every layer")
             mods = next(iter(sets))
+            if "non_matmul" in mods:
+                return None, ("it recomputes every operator but the matrix multiplies (non_matmul, torch's "
+                              "selective activation checkpointing); Megatron's --recompute-modules checkpoints "
+                              "whole modules")
             if "act" in mods:
                 return None, ("it recomputes the MLP activation ('act'), which Megatron offers only for MoE "
                               "experts (moe_act)")
@@ -535,11 +548,13 @@ NO_EVENT = -(1 << 62)  # the "highest point" of a block without events
 def unit_holds(unit: Unit, classes: Iterable[str]) -> frozenset[str]:
     """The side inputs ``unit`` keeps for its backward. Every layer keeps the rotary tables (rope multiplies the
     queries and keys by them outside the attention core, and a checkpoint keeps its inputs); the causal mask is
-    kept only by checkpoints whose inputs include it: groups, and selective layers that recompute core_attn."""
+    kept only by checkpoints whose inputs include it: groups, and selective layers that recompute core_attn or
+    checkpoint the whole layer (non_matmul)."""
     out = set()
+    whole_or_core = unit.is_group or (unit.mode == "selective" and bool({"core_attn", "non_matmul"} &
+                                                                         set(unit.modules)))
     for c in classes:
-        if c == SIDE_ROTARY or (c == SIDE_MASK and (unit.is_group or (unit.mode == "selective"
-                                                                         and "core_attn" in unit.modules))):
+        if c == SIDE_ROTARY or (c == SIDE_MASK and whole_or_core):
             out.add(c)
     return frozenset(out)
 
@@ -948,6 +963,8 @@ class CostModel:
             times = dict(self.measured)
             if unit.is_group:
                 return unit.size * times["layer"]
+            if "non_matmul" in unit.modules:
+                return times["non_matmul"] + sum(times[f"{m}_matmuls"] for m in unit.modules if m != "non_matmul")
             return sum(times[m] for m in unit.modules)
         return model.shape(unit).recompute_flops / self.flops_per_second
 
@@ -975,10 +992,32 @@ class CostModel:
                 f"{self.flops_per_second / 1e12:g} TFLOP/s)")
 
 
+class _OperatorTimer(TorchDispatchMode):
+    """Seconds spent in operators: matrix multiplies inside each named module, everything else (non_matmul)."""
+
+    def __init__(self, sync: Callable[[], None], inside: Callable[[], str | None]):
+        super().__init__()
+        self.sync, self.inside = sync, inside
+        self.spent: dict[str, float] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        self.sync()
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.sync()
+        where = self.inside()
+        key = "non_matmul" if func.overloadpacket not in MATMUL_OPS else f"{where}_matmuls" if where else "matmuls"
+        self.spent[key] = self.spent.get(key, 0.0) + time.perf_counter() - start
+        return out
+
+
 def measure_layer_times(config: ModelConfig, *, device: str = "cpu", repeats: int = 5) -> dict[str, float]:
     """Median forward seconds, on this machine, of one reference layer and of each submodule selective recompute
     can target (``core_attn``, ``mlp``, ``layernorm`` = both norms, ``act``), with grad enabled as in a
-    recomputation. Real tensors: the config must fit in this machine's memory."""
+    recomputation; and, timed operator by operator in another pass, ``non_matmul`` (the layer's operators other
+    than matrix multiplies: what a non_matmul layer recomputes) and ``core_attn_matmuls`` / ``mlp_matmuls`` (the
+    matrix multiplies inside those modules). Real tensors: the config must fit in this machine's memory."""
     cfg = config.replace(num_layers=1)
     model = build_model(cfg, device=device)
     layer = model.layers[0]
@@ -990,26 +1029,32 @@ def measure_layer_times(config: ModelConfig, *, device: str = "cpu", repeats: in
                "layernorm": [layer.input_layernorm, layer.pre_mlp_layernorm], "act": [layer.mlp.activation]}
     spent: dict[str, float] = {}
     began: dict[int, float] = {}
+    inside: list[str] = []
 
     def sync() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def pre(module: nn.Module, args: Any) -> None:
-        sync()
-        began[id(module)] = time.perf_counter()
+    def pre_for(name: str) -> Callable[..., None]:
+        def pre(module: nn.Module, args: Any) -> None:
+            sync()
+            inside.append(name)
+            began[id(module)] = time.perf_counter()
+        return pre
 
     def post_for(name: str) -> Callable[..., None]:
         def post(module: nn.Module, args: Any, out: Any) -> None:
             sync()
+            inside.pop()
             spent[name] = spent.get(name, 0.0) + time.perf_counter() - began[id(module)]
         return post
 
     handles = []
     for name, modules in targets.items():
         for m in modules:
-            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post_for(name))]
-    samples: dict[str, list[float]] = {k: [] for k in ["layer", *targets]}
+            handles += [m.register_forward_pre_hook(pre_for(name)), m.register_forward_hook(post_for(name))]
+    operator_keys = ["non_matmul", "core_attn_matmuls", "mlp_matmuls"]
+    samples: dict[str, list[float]] = {k: [] for k in ["layer", *targets, *operator_keys]}
     try:
         for i in range(repeats + 1):
             spent.clear()
@@ -1018,12 +1063,20 @@ def measure_layer_times(config: ModelConfig, *, device: str = "cpu", repeats: in
             out = layer(hidden, mask, rotary)
             sync()
             total = time.perf_counter() - t0
+            modules = dict(spent)
+            del out
+            timer = _OperatorTimer(sync, lambda: next((n for n in reversed(inside) if n in ("core_attn", "mlp")),
+                                                      None))
+            with timer:
+                out = layer(hidden, mask, rotary)
             del out
             if i == 0:
                 continue  # warm-up
             samples["layer"].append(total)
             for name in targets:
-                samples[name].append(spent.get(name, 0.0))
+                samples[name].append(modules.get(name, 0.0))
+            for name in operator_keys:
+                samples[name].append(timer.spent.get(name, 0.0))
     finally:
         for handle in handles:
             handle.remove()
@@ -1313,11 +1366,22 @@ def tidy(model: UnitModel, units: Sequence[Unit], budget: int,
     return units
 
 
+def _recomputed(modules: Iterable[str]) -> frozenset[str]:
+    """What a selective set recomputes, in module names: mlp includes act, non_matmul includes layernorm and act."""
+    out = set(modules)
+    if "mlp" in out:
+        out.add("act")
+    if "non_matmul" in out:
+        out.update(NON_MATMUL_INCLUDES)
+    return frozenset(out)
+
+
 def _lighter(unit: Unit) -> list[Unit]:
     """Units of the same size that recompute less than ``unit``, lightest first."""
     if unit.mode == "selective":
-        subsets = [c for n in range(len(unit.modules)) for c in itertools.combinations(unit.modules, n)]
-        return [Unit("selective", 1, c) if c else KEEP for c in subsets]
+        work = _recomputed(unit.modules)
+        lighter = sorted((s for s in SELECTIVE_SETS if _recomputed(s) < work), key=lambda s: len(_recomputed(s)))
+        return [KEEP, *(Unit("selective", 1, s) for s in lighter)]
     if unit.mode == "offload":
         return [Unit("checkpoint", unit.size)]
     return []

@@ -24,6 +24,15 @@ Megatron-LM's (``--recompute-granularity``, ``--recompute-method``, ``--recomput
   ``CheckpointWithoutOutput``); ``act`` discards the MLP activation function's output the same
   way. ``act`` is remat's own: Megatron only offers it for MoE experts (``moe_act``), so a
   policy using it has no Megatron flags.
+  ``non_matmul`` is remat's own too, and works at the level of operators rather than modules:
+  the whole layer is one checkpoint (torch's non-reentrant engine with
+  ``create_selective_checkpoint_contexts``, whatever ``engine`` says) that keeps the outputs of its
+  matrix multiplies (``mm``, ``addmm``, ``bmm``, ``baddbmm``, fused attention) and recomputes every
+  other operator (norms, softmax, dropout, activations, rotary, residual adds) from them in
+  backward. It recomputes no FLOPs (FLOP counters count only matmul-like operators) yet drops
+  most of a layer's activations, much as a compiler's min-cut partitioner does. Combined with
+  ``core_attn`` or ``mlp`` it also recomputes those modules' matrix multiplies; combined with
+  ``layernorm`` or ``act`` it is refused (it already recomputes them).
 
 ``engine`` picks the checkpoint implementation: ``reentrant`` is Megatron's
 ``CheckpointFunction`` (forward under ``no_grad`` keeping only inputs and RNG states, the whole
@@ -61,7 +70,9 @@ from dataclasses import dataclass
 
 GRANULARITIES = ("none", "full", "selective")
 METHODS = ("uniform", "block")
-SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm", "act")  # act = the MLP activation function
+SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm", "act", "non_matmul")  # act = the MLP activation function
+# non_matmul already recomputes these (they hold no matrix multiply)
+NON_MATMUL_INCLUDES = ("layernorm", "act")
 ENGINES = ("reentrant", "non-reentrant")
 DEFAULT_SELECTIVE_MODULES = ("core_attn",)
 
@@ -80,7 +91,7 @@ expected one of:
   full/uniform/K        checkpoint groups of K >= 1 consecutive layers, e.g. full/uniform/1
   full/block/K          checkpoint the first K >= 0 layers one by one, e.g. full/block/4
   selective             the same as selective/core_attn
-  selective/M1+M2+...   M from core_attn, mlp, layernorm, act, e.g. selective/core_attn+mlp
+  selective/M1+M2+...   M from core_attn, mlp, layernorm, act, non_matmul, e.g. selective/core_attn+mlp
 optionally followed by ',distribute' (full only), then '@reentrant' or '@non-reentrant',
 e.g. full/block/4,distribute@non-reentrant"""
 
@@ -169,6 +180,10 @@ class Policy:
                 raise PolicyError("selective granularity needs at least one module: add "
                                   "--recompute-modules core_attn (Megatron's default; in remat: "
                                   "'selective' or modules=('core_attn',))")
+            redundant = [m for m in NON_MATMUL_INCLUDES if m in self.modules]
+            if "non_matmul" in self.modules and redundant:
+                raise PolicyError(f"recompute module non_matmul already recomputes {' and '.join(redundant)} "
+                                  f"(they hold no matrix multiply): drop {'+'.join(redundant)}")
         else:
             if self.method is None:
                 raise PolicyError("full granularity needs a method: add --recompute-method "
@@ -335,7 +350,7 @@ class Policy:
 
         The engine is not a Megatron flag (Megatron is reentrant): a non-reentrant policy gets the
         flags of its reentrant twin. Raises :class:`PolicyError` for the ``act`` module, which
-        Megatron has only for MoE experts.
+        Megatron has only for MoE experts, and for ``non_matmul`` (operator-level, remat's own).
         """
         if self.granularity == "none":
             return []
@@ -345,6 +360,10 @@ class Policy:
             if self.distribute_saved_activations:
                 args.append("--distribute-saved-activations")
             return args
+        if "non_matmul" in self.modules:
+            raise PolicyError("recompute module 'non_matmul' (every operator but the matrix multiplies, "
+                              "torch's selective activation checkpointing) has no Megatron flag: Megatron's "
+                              "--recompute-modules checkpoints whole modules; use core_attn, mlp, layernorm")
         if "act" in self.modules:
             raise PolicyError("recompute module 'act' has no Megatron equivalent for dense MLPs "
                               "(Megatron's moe_act is for MoE experts only): use 'mlp' to "
