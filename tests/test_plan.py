@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import random
 import time
 
@@ -34,6 +35,7 @@ from remat.plan import (
     parse_bytes,
     plan,
     predict_plan,
+    selective_sets,
     solve,
     stand_in,
     unit_model,
@@ -134,6 +136,7 @@ def test_plan_text_and_json_round_trip():
     lambda: Plan(3, (Segment("keep", 0, 2),)),                       # does not cover the stack
     lambda: Plan(3, (Segment("keep", 0, 1), Segment("keep", 2, 3))),  # a gap
     lambda: Segment("selective", 0, 1, ("mlp", "act")),               # act is inside mlp
+    lambda: Segment("selective", 0, 1, ("layernorm", "non_matmul")),  # non_matmul recomputes norms already
     lambda: Segment("selective", 0, 1),                               # no module
     lambda: Segment("recompute", 0, 1),                               # unknown mode
     lambda: Plan.parse("checkpoint 0-4/2"),                           # 5 layers are not groups of 2
@@ -167,6 +170,7 @@ def test_megatron_round_trip(policy):
     ("selective/core_attn 0-2, keep 3-5", "mixes"),
     ("selective/core_attn 0-2, selective/mlp 3-5", "different"),
     ("selective/act 0-5", "MoE"),
+    ("selective/non_matmul 0-5", "every operator but the matrix multiplies"),
 ])
 def test_not_megatron_says_why(text, reason):
     p = Plan.parse(text)
@@ -385,6 +389,9 @@ def test_cli_end_to_end(tmp_path, capsys):
     lo, _ = extremes()
     assert main(["plan", "--budget", str(lo - 1), *flags]) == 1
     assert "smallest reachable peak" in capsys.readouterr().out
+    assert main(["plan", "--budget", str(budget), *flags, "--json", "--selective-modules", "core_attn,mlp"]) == 0
+    units = Plan.from_dict(json.loads(capsys.readouterr().out)["extended"]["plan_json"]).units()
+    assert all(set(u.modules) <= {"core_attn", "mlp"} for u in units)
     assert main(["plan", "--budget", "12XB", *flags]) == 2
     assert "unknown unit" in capsys.readouterr().err
 
@@ -406,6 +413,43 @@ def test_pipeline_stages_fit_and_beat_uniform():
     assert report["stages"][1]["recompute_flops"] == 0
     if report["uniform"] is not None:
         assert report["critical_path_seconds"] <= report["uniform"]["critical_path_seconds"]
+
+
+# ------------------------------------------------------------------------------------------------ operator level
+def test_operator_level_costs():
+    """non_matmul recomputes no FLOPs (FLOP objective: free) but writes bytes again (time objective: charged at
+    memory_bandwidth); with core_attn it costs module-level core_attn's FLOPs; measured times price it by the
+    operator classes measured on this machine."""
+    model = unit_model(TINY)
+    lean, lean_core = Unit("selective", 1, ("non_matmul",)), Unit("selective", 1, ("core_attn", "non_matmul"))
+    core = Unit("selective", 1, ("core_attn",))
+    flops, timed = CostModel(), CostModel("time", memory_bandwidth=1e12)
+    assert flops.cost(model, lean) == 0 and model.shape(lean).recompute_bytes > 0
+    assert flops.cost(model, lean_core) == flops.cost(model, core) > 0
+    assert timed.cost(model, lean) == math.ceil(1e9 * model.shape(lean).recompute_bytes / 1e12)
+    assert model.shape(lean).forward.net < model.shape(KEEP).forward.net  # what it keeps for backward
+    times = {"layer": 1.0, "core_attn": 0.5, "mlp": 0.3, "layernorm": 0.05, "act": 0.05, "non_matmul": 0.4,
+             "core_attn_matmuls": 0.1, "mlp_matmuls": 0.2}
+    measured = CostModel("time", measured=tuple(sorted(times.items())))
+    assert measured.recompute_seconds(model, lean) == 0.4
+    assert measured.recompute_seconds(model, Unit("selective", 1, ("core_attn", "mlp", "non_matmul"))) == \
+        pytest.approx(0.7)
+
+
+def test_operator_level_plan_needs_no_flops_where_module_level_does():
+    """At the peak of non_matmul on every layer, the extended plan recomputes no FLOPs and fits when measured;
+    restricted to module-level sets (selective_sets) it must recompute matrix multiplies."""
+    model = unit_model(SMALL)
+    lean = [Unit("selective", 1, ("non_matmul",))] * SMALL.num_layers
+    budget = model.peak(lean)
+    assert budget < model.peak([KEEP] * SMALL.num_layers)
+    result = plan(SMALL, budget)
+    assert result.extended.recompute_flops == 0 and measured_peak(SMALL, result.extended.plan) <= budget
+    module_level = plan(SMALL, budget, selective_sets=selective_sets("core_attn,mlp,layernorm,act"))
+    assert module_level.extended.recompute_flops > 0
+    assert not any("non_matmul" in u.modules for u in module_level.extended.plan.units())
+    with pytest.raises(PlanError, match="valid modules are"):
+        selective_sets("core_attn,attention")
 
 
 def test_every_selective_set_is_applicable():

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 from remat import __version__
 from remat.apply import ApplyError
 from remat.config import ACTIVATIONS, ATTENTIONS, DTYPES, NORMALIZATIONS, POSITIONS, ConfigError, ModelConfig
-from remat.policy import ENGINES, GRAMMAR, PolicyError
+from remat.policy import ENGINES, GRAMMAR, SELECTIVE_MODULES, PolicyError
 from remat.timeline import TimelineError
 
 # Exceptions that mean "the input is wrong", not "remat is broken": one line, exit code 2.
@@ -751,6 +751,11 @@ def plan_command(sub: Subparsers) -> Runner:
                    help="host-device bandwidth for offload, GB/s (default 25, PCIe 4 x16)")
     g.add_argument("--throughput", type=float, default=400.0, metavar="TFLOP/S",
                    help="compute throughput that converts seconds and FLOPs (default 400)")
+    g.add_argument("--memory-bandwidth", type=float, default=3000.0, metavar="GB/S",
+                   help="device memory bandwidth that prices recomputed bytes under --objective time (default 3000)")
+    g.add_argument("--selective-modules", default=",".join(SELECTIVE_MODULES), metavar="M1,M2",
+                   help="modules selective layers may recompute (default all: "
+                        f"{','.join(SELECTIVE_MODULES)}; non_matmul is operator-level, see remat.policy)")
     g.add_argument("--pp", type=int, metavar="P", help="pipeline stages: also plan each stage separately")
     g.add_argument("--microbatches", type=int, metavar="M", help="microbatches per step with --pp (default P)")
     g.add_argument("--schedule", default="1f1b", metavar="NAME", help="pipeline schedule with --pp (default 1f1b)")
@@ -760,13 +765,14 @@ def plan_command(sub: Subparsers) -> Runner:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from remat.plan import BudgetError, plan
+    from remat.plan import BudgetError, plan, selective_sets
 
     config = resolve_model_config(args)
     try:
         result = plan(config, args.budget, objective=args.objective, engine=args.engine, device=args.device,
                       offload=not args.no_offload, bandwidth=args.bandwidth * 1e9,
-                      flops_per_second=args.throughput * 1e12, measured_times=args.measured_times,
+                      flops_per_second=args.throughput * 1e12, memory_bandwidth=args.memory_bandwidth * 1e9,
+                      measured_times=args.measured_times, selective_sets=selective_sets(args.selective_modules),
                       reserve=args.reserve, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule)
     except BudgetError as err:
         report = {"format": "remat.plan-result", "version": 1, "config": config.to_dict(), "fits": False,

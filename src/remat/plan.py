@@ -4,7 +4,9 @@ A :class:`Plan` says, for every layer of the reference GPT's stack, one of four 
 
 * ``keep``: the layer keeps every activation its backward needs (no recompute);
 * ``selective``: the named submodules of the layer (``core_attn``, ``mlp``, ``layernorm``, ``act``; see
-  :mod:`remat.policy`) are checkpointed and recomputed in backward, the rest is kept;
+  :mod:`remat.policy`) are checkpointed and recomputed in backward, the rest is kept; or, with ``non_matmul``,
+  the layer keeps only its matrix multiplies' outputs and recomputes every other operator (and the matrix
+  multiplies of ``core_attn``/``mlp`` when named with it): no recomputed FLOPs, most of the layer's bytes freed;
 * ``checkpoint``: the layer belongs to a group of consecutive layers that is one checkpoint: only the group's
   inputs are kept and the whole group is recomputed in backward (Megatron's full recompute, but the groups may
   have any sizes and may be anywhere);
@@ -51,8 +53,10 @@ with brute force over all segmentations of a 6-layer model). A budget below the 
 :class:`BudgetError` with that peak (``min_peak_bytes``) and the plan that reaches it (``plan``).
 
 **Cost.** Extra compute is the FLOPs of what is recomputed (``torch.utils.flop_counter`` formulas, read from
-the recompute phases of the fake traces), or, with ``measured_times=True``, the forward times of the recomputed
-layers and submodules measured on this machine. Offloading adds the transfer time of the group input, bytes /
+the recompute phases of the fake traces: only matrix multiplies count, so ``non_matmul`` recompute is free), or,
+with ``objective='time'``, seconds: FLOPs at ``flops_per_second`` plus the recomputed bytes at
+``memory_bandwidth``, or, with ``measured_times=True``, the forward times of the recomputed layers, submodules
+and operator classes measured on this machine. Offloading adds the transfer time of the group input, bytes /
 ``bandwidth``: the copy to the host runs on a side stream while the following layers' forward runs, so only
 what exceeds one layer's forward time is charged; the copy back is issued when the group's backward starts and
 is charged in full (remat restores just in time and does not prefetch, so nothing hides it; a prefetch during
@@ -110,6 +114,18 @@ def _usable_set(modules: Iterable[str]) -> bool:
 SELECTIVE_SETS: tuple[tuple[str, ...], ...] = tuple(
     c for n in range(1, len(SELECTIVE_MODULES) + 1) for c in itertools.combinations(SELECTIVE_MODULES, n)
     if _usable_set(c))
+def selective_sets(modules: str | Iterable[str]) -> tuple[tuple[str, ...], ...]:
+    """The selective sets (:data:`SELECTIVE_SETS`) made of ``modules`` only (``'core_attn,mlp'`` or a list): what
+    ``plan(selective_sets=...)`` takes to keep the search to some modules (e.g. module-level only)."""
+    names = [m.strip() for m in modules.split(",")] if isinstance(modules, str) else list(modules)
+    names = [m for m in names if m]
+    unknown = [m for m in names if m not in SELECTIVE_MODULES]
+    if unknown:
+        raise PlanError(f"selective modules {unknown}: valid modules are {', '.join(SELECTIVE_MODULES)} (give none "
+                        "to plan without selective layers)")
+    return tuple(s for s in SELECTIVE_SETS if set(s) <= set(names))
+
+
 # What Megatron-LM offers for a dense model's layers (remat's 'act' is MoE-only there).
 MEGATRON_MODULES = ("core_attn", "mlp", "layernorm")
 
@@ -924,9 +940,13 @@ class CostModel:
     """What a unit costs, as an integer the solver adds up.
 
     ``objective='extra_flops'``: FLOPs (the recomputed FLOPs, plus offload transfer seconds x
-    ``flops_per_second``); ``'time'``: nanoseconds (FLOPs / ``flops_per_second``, plus transfer seconds). With
-    ``measured`` (seconds per layer forward and per selective module, :func:`measure_layer_times`) recompute is
-    priced by those times instead (in FLOP-equivalents at ``flops_per_second`` for the FLOP objective).
+    ``flops_per_second``); ``'time'``: nanoseconds (FLOPs / ``flops_per_second`` plus the bytes the
+    recomputation writes / ``memory_bandwidth``, plus transfer seconds). FLOP counters give norms, softmax,
+    dropout and activations no FLOPs, so the FLOP objective recomputes them (``non_matmul``) for free; the time
+    objective charges their memory traffic (each recomputed byte written once: a lower bound). With
+    ``measured`` (seconds per layer forward, per selective module and per operator class,
+    :func:`measure_layer_times`) recompute is priced by those times instead (in FLOP-equivalents at
+    ``flops_per_second`` for the FLOP objective).
     Offloading a group input of ``hidden_bytes`` costs ``hidden_bytes / bandwidth`` twice: the copy out overlaps
     one layer's forward (only the excess is charged), the copy back is charged in full (see the module docstring).
     """
@@ -935,11 +955,12 @@ class CostModel:
     flops_per_second: float = 400e12
     bandwidth: float = 25e9
     measured: tuple[tuple[str, float], ...] | None = None
+    memory_bandwidth: float = 3e12
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise PlanError(f"unknown objective {self.objective!r}: use {' or '.join(OBJECTIVES)}")
-        for name in ("flops_per_second", "bandwidth"):
+        for name in ("flops_per_second", "bandwidth", "memory_bandwidth"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise PlanError(f"{name}={value!r} must be a positive number")
@@ -966,17 +987,18 @@ class CostModel:
             if "non_matmul" in unit.modules:
                 return times["non_matmul"] + sum(times[f"{m}_matmuls"] for m in unit.modules if m != "non_matmul")
             return sum(times[m] for m in unit.modules)
-        return model.shape(unit).recompute_flops / self.flops_per_second
+        shape = model.shape(unit)
+        return shape.recompute_flops / self.flops_per_second + shape.recompute_bytes / self.memory_bandwidth
 
     def cost(self, model: UnitModel, unit: Unit) -> int:
         """What ``unit`` adds to the objective: its recomputed FLOPs (``extra_flops``) or nanoseconds (``time``:
-        FLOPs / ``flops_per_second``), plus an offloaded group's transfer charge. Measured times are rounded up to
+        :meth:`recompute_seconds`), plus an offloaded group's transfer charge. Measured times are rounded up to
         1/256 of a layer's forward time (a coarser grid keeps the solver's Pareto sets small)."""
         if unit.mode == "keep":
             return 0
         if self.measured is None:
-            flops = model.shape(unit).recompute_flops
-            base = flops if self.objective == "extra_flops" else self._seconds_to_cost(flops / self.flops_per_second)
+            base = model.shape(unit).recompute_flops if self.objective == "extra_flops" else \
+                self._seconds_to_cost(self.recompute_seconds(model, unit))
         else:
             grid = dict(self.measured)["layer"] / 256
             seconds = math.ceil(self.recompute_seconds(model, unit) / grid - 1e-9) * grid
@@ -987,7 +1009,8 @@ class CostModel:
 
     def describe(self) -> str:
         unit = "FLOPs" if self.objective == "extra_flops" else "ns"
-        how = "measured forward times" if self.measured is not None else "FLOP counts"
+        how = "measured forward times" if self.measured is not None else "FLOP counts" if \
+            self.objective == "extra_flops" else f"FLOP counts and bytes at {self.memory_bandwidth / 1e9:g} GB/s"
         return (f"{self.objective} ({unit}, recompute priced by {how}; offload at {self.bandwidth / 1e9:g} GB/s, "
                 f"{self.flops_per_second / 1e12:g} TFLOP/s)")
 
@@ -1676,16 +1699,20 @@ def _choice(config: ModelConfig, plan_: Plan, tl: Timeline | Predicted, source: 
 
 def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flops", engine: str = "reentrant",
          device: str = "cpu", offload: bool = True, bandwidth: float = 25e9, flops_per_second: float = 400e12,
-         measured_times: bool | dict[str, float] = False, reserve: str | float | None = DEFAULT_RESERVE,
-         selective_sets: Iterable[Sequence[str]] | None = None, max_resolves: int = 4,
+         memory_bandwidth: float = 3e12, measured_times: bool | dict[str, float] = False,
+         reserve: str | float | None = DEFAULT_RESERVE, selective_sets: Iterable[Sequence[str]] | None = None,
+         max_resolves: int = 4,
          pp: int | None = None, microbatches: int | None = None, schedule: str = "1f1b", vpp: int = 1,
          ) -> PlanResult:
     """The cheapest recompute plans for ``config`` whose predicted peak is <= ``budget`` (see the module docstring).
 
     ``budget``: bytes, or text for :func:`parse_budget` (``'70GiB'``, ``'h100-80g'`` minus ``reserve``).
     ``objective``: ``'extra_flops'`` or ``'time'`` (:class:`CostModel`); ``measured_times=True`` prices recompute
-    by forward times measured here (:func:`measure_layer_times`; or pass that dict). ``offload=False`` leaves
-    offload groups out of the extended search. ``device='cuda'`` predicts with CUDA's 512-byte blocks.
+    by forward times measured here (:func:`measure_layer_times`; or pass that dict); ``memory_bandwidth`` (bytes
+    per second) prices recomputed bytes under the time objective. ``offload=False`` leaves offload groups out of
+    the extended search; ``selective_sets`` limits the selective layers' module sets (:func:`selective_sets`,
+    e.g. ``selective_sets('core_attn,mlp,layernorm,act')`` for module-level recompute only; default
+    :data:`SELECTIVE_SETS`). ``device='cuda'`` predicts with CUDA's 512-byte blocks.
 
     Returns a :class:`PlanResult` whose ``extended`` plan has a traced peak <= budget and costs no more than the
     best Megatron setting (``megatron``; None when no setting fits, with the reason in ``megatron_note``).
@@ -1715,7 +1742,7 @@ def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flop
         stats["measured_times"] = dict(measured)
         if objective == "extra_flops":
             objective = "time"
-    cost = CostModel(objective, flops_per_second, bandwidth, measured)
+    cost = CostModel(objective, flops_per_second, bandwidth, measured, memory_bandwidth)
     units = candidate_units(L, offload=offload, engine=engine, selective_sets=selective_sets)
 
     t = time.perf_counter()
