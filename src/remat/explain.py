@@ -555,13 +555,17 @@ def explain_sentences(config: ModelConfig, policies: Sequence[Policy], rows: Seq
                     "parallelism.")
 
     # Compute cost.
-    costly = [r for r in rows if r.recompute_flops]
+    costly = [r for r in rows if r.recompute_flops or r.policy.startswith("selective")]
     if costly:
         cost = "; ".join(
             f"{r.policy} {r.extra_forward_pct:.1f}%" + (f" (step {r.step_ratio:.2f}x)" if r.step_ratio else "")
             for r in costly)
         out.append("Recompute is paid in forward compute, as matmul FLOPs over the plain step's forward+backward"
                    f" (and measured step time over none's, noisy on a shared CPU): {cost}.")
+        if any(not r.recompute_flops for r in costly):
+            out.append("Norms, softmax, dropout and activations count no FLOPs: recomputing them (selective "
+                       "layernorm/act, or non_matmul, every operator but the matrix multiplies) costs memory traffic, "
+                       "which shows in step time only.")
 
     out.append(
         "The second reason bigger groups help, not measured here: with pipeline parallelism (1F1B) stage r holds "
