@@ -34,6 +34,7 @@ POLICIES = [
     "selective/core_attn", "selective/mlp", "selective/layernorm", "selective/act",
     "selective/core_attn+mlp", "selective/core_attn+mlp+layernorm+act",
     "selective/non_matmul", "selective/core_attn+non_matmul", "selective/core_attn+mlp+non_matmul",
+    "selective/non_matmul+matmul_k16", "selective/non_matmul+matmul_k64",
 ]
 FULL_POLICIES = [p for p in POLICIES if p.startswith("full/")]
 
@@ -110,6 +111,7 @@ RMSNORM_REENTRANT = pytest.mark.xfail(
     ("selective/core_attn+mlp+act", "reentrant"), ("selective/core_attn+mlp+act", "non-reentrant"),
     ("selective/core_attn+mlp+layernorm+act", "non-reentrant"),
     ("selective/non_matmul", "reentrant"), ("selective/core_attn+mlp+non_matmul", "non-reentrant"),
+    ("selective/non_matmul+matmul_k64", "reentrant"),
     pytest.param("selective/layernorm", "reentrant", marks=RMSNORM_REENTRANT),
 ])
 def test_gradients_bit_for_bit_llama(policy, engine, recorder):
@@ -220,6 +222,15 @@ def test_non_matmul_keeps_matmul_outputs_and_recomputes_no_flops():
     module_level = build_model(SMALL, seed=0)
     apply(module_level, "selective/core_attn")
     assert both_flops == recompute_flops(module_level, SMALL)[1] > 0 and both_peak < lean_peak
+
+    # matmul_k<head dim>: of the attention core's two matmuls only Q.K^T (contraction = head dim 16; scores.V
+    # contracts over the 32 keys), so half the FLOPs, nearly all of the bytes
+    head_dim = SMALL.hidden_size // SMALL.num_attention_heads
+    model = build_model(SMALL, seed=0)
+    state = apply(model, f"selective/non_matmul+matmul_k{head_dim}")
+    assert {r.max_contraction for r in state.regions} == {head_dim}
+    scores_peak, scores_flops = recompute_flops(model, SMALL)
+    assert 2 * scores_flops == both_flops and both_peak <= scores_peak < lean_peak
 
 
 def test_non_matmul_refuses_what_it_already_recomputes():

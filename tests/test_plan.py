@@ -29,6 +29,7 @@ from remat.plan import (
     Segment,
     Unit,
     candidate_units,
+    contraction_sets,
     megatron_policies,
     min_peak,
     parse_budget,
@@ -215,7 +216,10 @@ def test_unit_model_equals_full_traces_with_operator_level_layers():
     """Plans mixing non_matmul layers (selective activation checkpointing) with every other kind: modelled peak ==
     traced peak, byte for byte; they keep the attention mask like any whole-layer checkpoint."""
     model = unit_model(TINY)
-    operator_level = [Unit("selective", 1, s) for s in SELECTIVE_SETS if "non_matmul" in s]
+    assert model.contractions == (16, 32, 64, 256)  # head dim, keys (scores.V), hidden, MLP width
+    operator_level = [Unit("selective", 1, s) for s in SELECTIVE_SETS + contraction_sets(model.contractions)
+                      if "non_matmul" in s]
+    assert len(operator_level) == 8
     rng = random.Random(11)
     for trial in range(6):
         units = random_units(rng, rng.randint(2, 6), operator_level + ALL_UNITS[:3] + ALL_UNITS[-10:])
@@ -427,11 +431,18 @@ def test_operator_level_costs():
     assert flops.cost(model, lean) == 0 and model.shape(lean).recompute_bytes > 0
     assert flops.cost(model, lean_core) == flops.cost(model, core) > 0
     assert timed.cost(model, lean) == math.ceil(1e9 * model.shape(lean).recompute_bytes / 1e12)
+    scores = Unit("selective", 1, ("non_matmul", "matmul_k16"))
+    assert 2 * flops.cost(model, scores) == flops.cost(model, lean_core)  # Q.K^T alone: half the core's FLOPs
+    assert model.shape(scores).forward.net < model.shape(lean).forward.net
     assert model.shape(lean).forward.net < model.shape(KEEP).forward.net  # what it keeps for backward
     times = {"layer": 1.0, "core_attn": 0.5, "mlp": 0.3, "layernorm": 0.05, "act": 0.05, "non_matmul": 0.4,
              "core_attn_matmuls": 0.1, "mlp_matmuls": 0.2}
     measured = CostModel("time", measured=tuple(sorted(times.items())))
     assert measured.recompute_seconds(model, lean) == 0.4
+    times.update(contraction_16=0.01, contraction_32=0.02, contraction_64=0.05)
+    measured = CostModel("time", measured=tuple(sorted(times.items())))
+    assert measured.recompute_seconds(model, Unit("selective", 1, ("non_matmul", "matmul_k32"))) == \
+        pytest.approx(0.43)
     assert measured.recompute_seconds(model, Unit("selective", 1, ("core_attn", "mlp", "non_matmul"))) == \
         pytest.approx(0.7)
 

@@ -309,9 +309,23 @@ def test_non_matmul_refuses_what_it_already_recomputes(modules, redundant):
 
 
 def test_non_matmul_round_trips_in_remat_form():
-    for text in ("selective/non_matmul", "selective/core_attn+mlp+non_matmul@non-reentrant"):
+    for text in ("selective/non_matmul", "selective/core_attn+mlp+non_matmul@non-reentrant",
+                 "selective/non_matmul+matmul_k128"):
         p = Policy.parse(text)
         assert str(p) == text and Policy.parse(str(p)) == p and "non_matmul" in p.selective_modules(0)
+    assert Policy.parse("selective/matmul_k064+non_matmul").modules == ("non_matmul", "matmul_k64")
+
+
+@pytest.mark.parametrize("text, phrase", [
+    ("selective/matmul_k32", "add non_matmul"),
+    ("selective/core_attn+matmul_k32", "add non_matmul"),
+    ("selective/non_matmul+matmul_k0", "N >= 1"),
+    ("selective/non_matmul+matmul_k", "N >= 1"),
+    ("selective/non_matmul+matmul_k32+matmul_k64", "give one matmul_k<N>"),
+])
+def test_contraction_limit_refusals(text, phrase):
+    with pytest.raises(PolicyError, match=re.escape(phrase)):
+        Policy.parse(text)
 
 
 # ------------------------------------------------------------------------ layer groups

@@ -11,7 +11,8 @@
 * ``selective/non_matmul`` (alone or with ``core_attn``/``mlp``): each layer is one checkpoint under torch's
   selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``, always
   the non-reentrant engine): the outputs of its matrix multiplies (:data:`MATMUL_OPS`) are kept, every other
-  operator is recomputed in backward from them, and inside the named modules the matrix multiplies too.
+  operator is recomputed in backward from them, and inside the named modules the matrix multiplies too; with
+  ``matmul_k<N>`` also every ``mm``/``addmm``/``bmm``/``baddbmm`` whose contraction dimension is <= N.
 
 Regions need no change to the model's code. The first module of a region runs the whole region under one
 checkpoint; the later modules of a multi-layer region, when the model's own loop calls them, hand back the
@@ -39,7 +40,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from remat.policy import Policy
+from remat.policy import CONTRACTION_PREFIX, Policy, contraction_limit
 
 # Where common model families keep their decoder layers, most specific first.
 LAYER_STACK_PATHS = (
@@ -85,6 +86,17 @@ MATMUL_OPS = _aten_packets(
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     "_flash_attention_forward", "_efficient_attention_forward")
+
+
+def contraction(func: Any, args: Sequence[Any]) -> int | None:
+    """The contraction dimension K of a matrix multiply (``mm``/``bmm``: ``a @ b``; ``addmm``/``baddbmm``:
+    ``c + a @ b``): each output element costs 2K FLOPs. None for the other :data:`MATMUL_OPS`."""
+    packet = func.overloadpacket
+    if packet in (torch.ops.aten.mm, torch.ops.aten.bmm):
+        return int(args[0].shape[-1])
+    if packet in (torch.ops.aten.addmm, torch.ops.aten.baddbmm):
+        return int(args[1].shape[-1])
+    return None
 
 
 class ApplyError(ValueError):
@@ -318,8 +330,10 @@ class Region:
     layer_indices: tuple[int, ...] = ()
     distribute: Any = None          # a tensor-parallel group: keep 1/tp of the hidden input (reentrant only)
     offload_inputs: bool = False    # keep the hidden-states input in host memory (remat.plan; reentrant)
-    # non_matmul regions: submodules whose matrix multiplies are recomputed too (the layer's core_attn / mlp)
+    # non_matmul regions: submodules whose matrix multiplies are recomputed too (the layer's core_attn / mlp), and
+    # the largest contraction dimension of the matmuls recomputed anywhere in the layer (matmul_k<N>; 0: none)
     matmuls_inside: list[nn.Module] = field(default_factory=list)
+    max_contraction: int = 0
     _originals: list[Any] = field(default_factory=list, repr=False)
     _running: bool = field(default=False, repr=False)
     _pending: Any = field(default=None, repr=False)
@@ -331,7 +345,7 @@ class Region:
     @property
     def operator_level(self) -> bool:
         """A non_matmul region: one layer under selective activation checkpointing."""
-        return self.kind.startswith("selective:") and self.kind.endswith("non_matmul")
+        return self.kind.startswith("selective:") and "non_matmul" in self.kind[10:].split("+")
 
     @property
     def whole_layers(self) -> bool:
@@ -383,7 +397,9 @@ class Region:
     def _keep_output(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
         """The selective-checkpoint policy of a non_matmul region: keep matmul outputs outside matmuls_inside."""
         if self._inside == 0 and func.overloadpacket in MATMUL_OPS:
-            return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+            k = contraction(func, args)
+            if k is None or k > self.max_contraction:
+                return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
         return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
     # -- running ------------------------------------------------------------------------------------------
@@ -637,10 +653,10 @@ def _operator_level_region(index: int, layer: nn.Module, name: str, i: int, modu
     if redundant:
         raise ApplyError(f"layer {i}: non_matmul already recomputes {'+'.join(redundant)} (no matrix multiply in "
                          "them): drop them from the selective modules")
-    inside = [target for module in modules if module != "non_matmul"
+    inside = [target for module in modules if module != "non_matmul" and not module.startswith(CONTRACTION_PREFIX)
               for _, target in _selective_targets(layer, name, module)]
     return Region(index, "selective:" + "+".join(modules), [layer], [name], "non-reentrant", layer_indices=(i,),
-                  matmuls_inside=inside)
+                  matmuls_inside=inside, max_contraction=contraction_limit(modules))
 
 
 def _mark_offloaded(policy: RecomputeLayout, depth: int, regions: list[Region]) -> None:

@@ -89,12 +89,21 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-from remat.apply import MATMUL_OPS, apply, in_backward
+from remat.apply import MATMUL_OPS, apply, contraction, in_backward
 from remat.compose import CompositionError, ShallowTrace, compose, layer_roles
 from remat.config import ModelConfig
 from remat.measure import CUDA_BLOCK, record_step
 from remat.model import build_model, sample_batch
-from remat.policy import ENGINES, NON_MATMUL_INCLUDES, SELECTIVE_MODULES, Policy, PolicyError
+from remat.policy import (
+    CONTRACTION_PREFIX,
+    ENGINES,
+    NON_MATMUL_INCLUDES,
+    SELECTIVE_MODULES,
+    Policy,
+    PolicyError,
+    contraction_limit,
+    normalise_modules,
+)
 from remat.timeline import Timeline
 
 MODES = ("keep", "selective", "checkpoint", "offload")
@@ -114,6 +123,12 @@ def _usable_set(modules: Iterable[str]) -> bool:
 SELECTIVE_SETS: tuple[tuple[str, ...], ...] = tuple(
     c for n in range(1, len(SELECTIVE_MODULES) + 1) for c in itertools.combinations(SELECTIVE_MODULES, n)
     if _usable_set(c))
+def contraction_sets(contractions: Iterable[int]) -> tuple[tuple[str, ...], ...]:
+    """``non_matmul`` plus ``matmul_k<K>`` for each contraction size: the operator-level sets that also recompute
+    the matrix multiplies with the most output bytes per FLOP (see :mod:`remat.policy`)."""
+    return tuple(("non_matmul", f"{CONTRACTION_PREFIX}{k}") for k in sorted(set(contractions)))
+
+
 def selective_sets(modules: str | Iterable[str]) -> tuple[tuple[str, ...], ...]:
     """The selective sets (:data:`SELECTIVE_SETS`) made of ``modules`` only (``'core_attn,mlp'`` or a list): what
     ``plan(selective_sets=...)`` takes to keep the search to some modules (e.g. module-level only)."""
@@ -283,16 +298,18 @@ class Segment:
             raise PlanError(f"segment {self.mode} {self.start}..{self.stop}: stop must be after start")
         mods = tuple(self.modules)
         if self.mode == "selective":
-            unknown = [m for m in mods if m not in SELECTIVE_MODULES]
-            if unknown or not mods:
+            if not mods:
                 raise PlanError(f"selective segment modules {list(mods)}: name at least one of "
                                 f"{', '.join(SELECTIVE_MODULES)}")
+            try:
+                mods = normalise_modules(mods)
+            except PolicyError as err:
+                raise PlanError(f"selective segment: {err}") from None
             if {"mlp", "act"} <= set(mods):
                 raise PlanError("selective modules mlp and act cannot be combined (act is inside mlp): use mlp")
             if not _usable_set(mods):
                 raise PlanError(f"selective modules {'+'.join(mods)}: non_matmul already recomputes layernorm and "
                                 "act (they hold no matrix multiply): drop them")
-            mods = tuple(m for m in SELECTIVE_MODULES if m in mods)
         elif mods:
             raise PlanError(f"only selective segments name modules, not {self.mode}")
         object.__setattr__(self, "modules", mods)
@@ -452,8 +469,8 @@ class Plan:
         engine = engine.strip() or "reentrant"
         segments: list[Segment] = []
         for piece in body.split(","):
-            match = re.fullmatch(r"\s*(keep|checkpoint|offload|selective/([a-z_+]+))\s+(\d+)(?:-(\d+))?(?:/(\d+))?\s*",
-                                 piece)
+            match = re.fullmatch(
+                r"\s*(keep|checkpoint|offload|selective/([a-z0-9_+]+))\s+(\d+)(?:-(\d+))?(?:/(\d+))?\s*", piece)
             if not match:
                 raise PlanError(f"cannot read plan segment {piece.strip()!r}: write e.g. 'keep 0-3', "
                                 "'checkpoint 4-11/2', 'selective/core_attn+mlp 12-15', 'offload 16-17'")
@@ -766,6 +783,7 @@ class UnitModel:
     hidden_bytes: int                # one group input (the hidden states): what offloading moves
     layer_forward_flops: int
     layer_backward_flops: int
+    contractions: tuple[int, ...] = ()  # the layer's matmul contraction sizes (its matmul_k<K> options)
     shapes: dict[Unit, UnitShape] = field(default_factory=dict)
     group_pieces: dict[str, tuple[list[_Piece], list[_Piece], int]] = field(default_factory=dict)
     build_seconds: float = 0.0
@@ -845,7 +863,9 @@ def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reent
     group_modes = ("checkpoint", "offload") if engine == "reentrant" else ("checkpoint",)
     # the profile stack: a checkpointed layer at the bottom keeps every side input, so no unit above is the lowest
     # holder; then every unit kind once (groups of 1, 2 and 3 layers: a middle layer first appears at 3)
-    units = [Unit("checkpoint", 1), KEEP, *(Unit("selective", 1, s) for s in SELECTIVE_SETS)]
+    contractions = layer_contractions(config)
+    units = [Unit("checkpoint", 1), KEEP, *(Unit("selective", 1, s) for s in SELECTIVE_SETS + contraction_sets(
+        contractions))]
     units += [Unit(m, k) for m in group_modes for k in (1, 2, 3)]
     tl, marks = marked_trace(config, units, device=device, engine=engine)
     d = _deltas(tl)
@@ -877,7 +897,7 @@ def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reent
         embedding=Block.of(d[setup_end_of(tl):marks.forward[0]]),
         head_forward={}, head_backward=Block.of(d[head_bwd:marks.backward[n - 1]]),
         tail=Block.of(d[marks.embedding:]), grad_per_layer=0, side=side, hidden_bytes=0,
-        layer_forward_flops=0, layer_backward_flops=0)
+        layer_forward_flops=0, layer_backward_flops=0, contractions=contractions)
     all_held = frozenset(side)
     model.head_forward[all_held] = Block.of(d[marks.head:head_bwd])
     plain_held = unit_holds(KEEP, side)
@@ -920,6 +940,33 @@ def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reent
     model.build_seconds = time.perf_counter() - start
     _MODELS[key] = model
     return model
+
+
+class _ContractionCollector(TorchDispatchMode):
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.inside, self.sizes = 0, set()
+        layer.register_forward_pre_hook(lambda m, a: setattr(self, "inside", self.inside + 1))
+        layer.register_forward_hook(lambda m, a, o: setattr(self, "inside", self.inside - 1))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        k = contraction(func, args)
+        if k is not None and self.inside:
+            self.sizes.add(k)
+        return func(*args, **(kwargs or {}))
+
+
+def layer_contractions(config: ModelConfig) -> tuple[int, ...]:
+    """The contraction sizes K of the matrix multiplies in one layer's forward, ascending (a fake forward)."""
+    cfg = config.replace(num_layers=1)
+    tokens, labels = sample_batch(cfg)
+    with FakeTensorMode(allow_non_fake_inputs=False) as fake:
+        model = build_model(cfg)
+        collector = _ContractionCollector(model.layers[0])
+        with collector:
+            model(fake.from_tensor(tokens), fake.from_tensor(labels))
+    return tuple(sorted(collector.sizes))
 
 
 def setup_end_of(tl: Timeline) -> int:
@@ -985,7 +1032,10 @@ class CostModel:
             if unit.is_group:
                 return unit.size * times["layer"]
             if "non_matmul" in unit.modules:
-                return times["non_matmul"] + sum(times[f"{m}_matmuls"] for m in unit.modules if m != "non_matmul")
+                limit = contraction_limit(unit.modules)
+                modules = [m for m in unit.modules if m in ("core_attn", "mlp")]
+                return times["non_matmul"] + sum(times[f"{m}_matmuls"] for m in modules) + sum(
+                    t for key, t in times.items() if key.startswith("contraction_") and int(key[12:]) <= limit)
             return sum(times[m] for m in unit.modules)
         shape = model.shape(unit)
         return shape.recompute_flops / self.flops_per_second + shape.recompute_bytes / self.memory_bandwidth
@@ -1029,9 +1079,13 @@ class _OperatorTimer(TorchDispatchMode):
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
         self.sync()
+        seconds = time.perf_counter() - start
         where = self.inside()
         key = "non_matmul" if func.overloadpacket not in MATMUL_OPS else f"{where}_matmuls" if where else "matmuls"
-        self.spent[key] = self.spent.get(key, 0.0) + time.perf_counter() - start
+        self.spent[key] = self.spent.get(key, 0.0) + seconds
+        k = contraction(func, args)
+        if k is not None:
+            self.spent[f"contraction_{k}"] = self.spent.get(f"contraction_{k}", 0.0) + seconds
         return out
 
 
@@ -1039,8 +1093,9 @@ def measure_layer_times(config: ModelConfig, *, device: str = "cpu", repeats: in
     """Median forward seconds, on this machine, of one reference layer and of each submodule selective recompute
     can target (``core_attn``, ``mlp``, ``layernorm`` = both norms, ``act``), with grad enabled as in a
     recomputation; and, timed operator by operator in another pass, ``non_matmul`` (the layer's operators other
-    than matrix multiplies: what a non_matmul layer recomputes) and ``core_attn_matmuls`` / ``mlp_matmuls`` (the
-    matrix multiplies inside those modules). Real tensors: the config must fit in this machine's memory."""
+    than matrix multiplies: what a non_matmul layer recomputes), ``core_attn_matmuls`` / ``mlp_matmuls`` (the
+    matrix multiplies inside those modules) and ``contraction_<K>`` (the matrix multiplies of contraction size K,
+    what ``matmul_k<N>`` adds for K <= N). Real tensors: the config must fit in this machine's memory."""
     cfg = config.replace(num_layers=1)
     model = build_model(cfg, device=device)
     layer = model.layers[0]
@@ -1076,7 +1131,8 @@ def measure_layer_times(config: ModelConfig, *, device: str = "cpu", repeats: in
     for name, modules in targets.items():
         for m in modules:
             handles += [m.register_forward_pre_hook(pre_for(name)), m.register_forward_hook(post_for(name))]
-    operator_keys = ["non_matmul", "core_attn_matmuls", "mlp_matmuls"]
+    operator_keys = ["non_matmul", "core_attn_matmuls", "mlp_matmuls",
+                     *(f"contraction_{k}" for k in layer_contractions(config))]
     samples: dict[str, list[float]] = {k: [] for k in ["layer", *targets, *operator_keys]}
     try:
         for i in range(repeats + 1):
@@ -1109,11 +1165,14 @@ def measure_layer_times(config: ModelConfig, *, device: str = "cpu", repeats: in
 # ------------------------------------------------------------------------------------------------ solver
 def candidate_units(num_layers: int, *, offload: bool = True, engine: str = "reentrant",
                     selective_sets: Iterable[Sequence[str]] | None = None,
-                    max_group: int | None = None) -> list[Unit]:
-    """The units the extended search may use: keep, each selective set, checkpoint (and offload) groups of
-    1 .. ``max_group`` (default: the whole stack) layers."""
+                    max_group: int | None = None, contractions: Sequence[int] = ()) -> list[Unit]:
+    """The units the extended search may use: keep, each selective set, ``non_matmul+matmul_k<K>`` for each of
+    the layer's contraction sizes ``contractions`` (:attr:`UnitModel.contractions`) when the sets allow
+    ``non_matmul``, checkpoint (and offload) groups of 1 .. ``max_group`` (default: the whole stack) layers."""
     sets = SELECTIVE_SETS if selective_sets is None else tuple(
         tuple(m for m in SELECTIVE_MODULES if m in set(s)) for s in selective_sets)
+    if ("non_matmul",) in sets:
+        sets += contraction_sets(contractions)
     units = [KEEP, *(Unit("selective", 1, s) for s in sets)]
     top = num_layers if max_group is None else max(1, min(max_group, num_layers))
     modes = ("checkpoint", "offload") if offload and engine == "reentrant" else ("checkpoint",)
@@ -1193,7 +1252,8 @@ def solve(model: UnitModel, num_layers: int, budget: int,
     bytes the whole plan keeps (used for pipeline stages, where other microbatches hold that much each).
     """
     start = time.perf_counter()
-    units = list(units) if units is not None else candidate_units(num_layers, engine=model.engine)
+    units = list(units) if units is not None else candidate_units(num_layers, engine=model.engine,
+                                                                  contractions=model.contractions)
     price = _pricer(model, cost)
     tables = _Tables(model, num_layers, units, [price(u) for u in units])
     if tables.floor > budget:
@@ -1434,7 +1494,8 @@ def feasible(model: UnitModel, num_layers: int, budget: int, units: Sequence[Uni
 
 def min_peak(model: UnitModel, num_layers: int, units: Sequence[Unit] | None = None) -> int:
     """The smallest modelled peak any plan made of ``units`` reaches (binary search over :func:`feasible`)."""
-    units = list(units) if units is not None else candidate_units(num_layers, engine=model.engine)
+    units = list(units) if units is not None else candidate_units(num_layers, engine=model.engine,
+                                                                  contractions=model.contractions)
     lo = _Tables(model, num_layers, units, [0] * len(units)).floor
     known = [[u] * num_layers for u in (KEEP, Unit("checkpoint", 1)) if u in units]
     hi = max([model.peak(p) for p in known] + [lo]) if known else 1 << 62
@@ -1743,7 +1804,8 @@ def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flop
         if objective == "extra_flops":
             objective = "time"
     cost = CostModel(objective, flops_per_second, bandwidth, measured, memory_bandwidth)
-    units = candidate_units(L, offload=offload, engine=engine, selective_sets=selective_sets)
+    units = candidate_units(L, offload=offload, engine=engine, selective_sets=selective_sets,
+                            contractions=model.contractions)
 
     t = time.perf_counter()
     table = megatron_table(config, device=device, engine=engine)
@@ -1914,7 +1976,7 @@ def plan_pipeline(config: ModelConfig, budget: int, *, pp: int, microbatches: in
     stages: list[dict[str, Any]] = []
     for rank, spec in enumerate(specs):
         Lc, n = spec.num_layers, in_flight[rank]
-        units = candidate_units(Lc, offload=offload, engine=engine)
+        units = candidate_units(Lc, offload=offload, engine=engine, contractions=model.contractions)
         keep_plan = [KEEP] * Lc
         delta = none_peaks[rank] - (model.peak(keep_plan) + (n - 1) * stored(keep_plan))
         chosen = None

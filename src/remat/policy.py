@@ -32,7 +32,11 @@ Megatron-LM's (``--recompute-granularity``, ``--recompute-method``, ``--recomput
   backward. It recomputes no FLOPs (FLOP counters count only matmul-like operators) yet drops
   most of a layer's activations, much as a compiler's min-cut partitioner does. Combined with
   ``core_attn`` or ``mlp`` it also recomputes those modules' matrix multiplies; combined with
-  ``layernorm`` or ``act`` it is refused (it already recomputes them).
+  ``layernorm`` or ``act`` it is refused (it already recomputes them). ``matmul_k<N>`` (with
+  ``non_matmul`` only) also recomputes the matrix multiplies whose contraction dimension K is at most
+  N: a matmul's output holds ``element_size / (2 K)`` bytes per FLOP, so the smallest K (the attention
+  scores Q·K^T, K = head dim) frees the most bytes per recomputed FLOP, e.g.
+  ``selective/non_matmul+matmul_k128``.
 
 ``engine`` picks the checkpoint implementation: ``reentrant`` is Megatron's
 ``CheckpointFunction`` (forward under ``no_grad`` keeping only inputs and RNG states, the whole
@@ -91,7 +95,8 @@ expected one of:
   full/uniform/K        checkpoint groups of K >= 1 consecutive layers, e.g. full/uniform/1
   full/block/K          checkpoint the first K >= 0 layers one by one, e.g. full/block/4
   selective             the same as selective/core_attn
-  selective/M1+M2+...   M from core_attn, mlp, layernorm, act, non_matmul, e.g. selective/core_attn+mlp
+  selective/M1+M2+...   M from core_attn, mlp, layernorm, act, non_matmul, e.g. selective/core_attn+mlp;
+                        with non_matmul also matmul_k<N>, e.g. selective/non_matmul+matmul_k128
 optionally followed by ',distribute' (full only), then '@reentrant' or '@non-reentrant',
 e.g. full/block/4,distribute@non-reentrant"""
 
@@ -106,12 +111,26 @@ def _choice(kind: str, value: object, valid: tuple[str, ...]) -> str:
     return value.strip().lower()
 
 
+CONTRACTION_PREFIX = "matmul_k"  # matmul_k<N>: also recompute matmuls whose contraction is <= N (non_matmul only)
+
+
+def contraction_limit(modules: Sequence[str]) -> int:
+    """N of a ``matmul_k<N>`` module in ``modules`` (0 when there is none)."""
+    return max((int(m[len(CONTRACTION_PREFIX):]) for m in modules if m.startswith(CONTRACTION_PREFIX)), default=0)
+
+
 def _module_name(name: object) -> str:
     if not isinstance(name, str):
         raise PolicyError(f"recompute module names must be strings, got {name!r}")
     key = name.strip().lower()
     if key in SELECTIVE_MODULES:
         return key
+    if key.startswith(CONTRACTION_PREFIX):
+        digits = key[len(CONTRACTION_PREFIX):]
+        if not digits.isdigit() or int(digits) < 1:
+            raise PolicyError(f"recompute module {name!r}: write {CONTRACTION_PREFIX}<N> with N >= 1, the largest "
+                              "contraction dimension of the matrix multiplies to recompute, e.g. matmul_k128")
+        return f"{CONTRACTION_PREFIX}{int(digits)}"
     valid = f"valid modules are {', '.join(SELECTIVE_MODULES)}"
     if key in _MEGATRON_ONLY_MODULES:
         kind = _MEGATRON_ONLY_MODULES[key]
@@ -121,12 +140,20 @@ def _module_name(name: object) -> str:
     raise PolicyError(f"unknown recompute module {name!r}{hint}: {valid}")
 
 
-def _modules(value: object) -> tuple[str, ...]:
+def normalise_modules(value: object) -> tuple[str, ...]:
+    """Recompute module names checked, deduplicated and sorted (SELECTIVE_MODULES order, matmul_k<N> last)."""
     if isinstance(value, (str, bytes, bool)) or not isinstance(value, (list, tuple, set, frozenset)):
         raise PolicyError(f"modules must be a list or tuple of names such as ('core_attn', 'mlp'), "
                           f"got {value!r}")
     names = {_module_name(m) for m in value}
-    return tuple(m for m in SELECTIVE_MODULES if m in names)
+    limits = sorted(m for m in names if m.startswith(CONTRACTION_PREFIX))
+    if len(limits) > 1:
+        raise PolicyError(f"recompute modules {', '.join(limits)}: give one {CONTRACTION_PREFIX}<N> (the largest "
+                          "contraction to recompute)")
+    if limits and "non_matmul" not in names:
+        raise PolicyError(f"recompute module {limits[0]} recomputes matrix multiplies inside a non_matmul layer: add "
+                          f"non_matmul (selective/non_matmul+{limits[0]})")
+    return tuple(m for m in SELECTIVE_MODULES if m in names) + tuple(limits)
 
 
 @dataclass(frozen=True)
@@ -152,7 +179,7 @@ class Policy:
             if isinstance(k, bool) or not isinstance(k, numbers.Integral):
                 raise PolicyError(f"recompute num_layers must be an integer, got {k!r}")
             set_(self, "num_layers", k := int(k))
-        set_(self, "modules", _modules(self.modules))
+        set_(self, "modules", normalise_modules(self.modules))
         set_(self, "engine", _choice("recompute engine", self.engine, ENGINES))
         if not isinstance(self.distribute_saved_activations, bool):
             raise PolicyError("distribute_saved_activations must be True or False, "
