@@ -87,7 +87,8 @@ def foundation_policies(num_layers: int) -> list[str]:
     """Every policy remat implements on a ``num_layers`` stack, with both engines (none once)."""
     act_sets = ["selective/" + "+".join(c) for n in range(1, 4) for c in combinations(("core_attn", "layernorm",
                                                                                          "act"), n) if "act" in c]
-    names = megatron_sweep(num_layers) + act_sets
+    operator_level = ["selective/non_matmul", "selective/core_attn+mlp+non_matmul", "selective/non_matmul+matmul_k64"]
+    names = megatron_sweep(num_layers) + act_sets + operator_level
     return names + [f"{n}@non-reentrant" for n in names if n != "none"]
 
 

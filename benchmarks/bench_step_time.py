@@ -2,12 +2,15 @@
 """Step time of remat's recompute policies, and remat.apply against hand-written torch.utils.checkpoint.
 
 Table 1: the step time (forward + loss + backward, no optimizer) of the reference GPT under
-``none``, ``full/uniform/1``, ``full/uniform/L``, ``full/block/(L/2)``, ``selective/core_attn`` and
-``selective/core_attn+mlp`` with both engines (reentrant, non-reentrant), next to the bound
+``none``, ``full/uniform/1``, ``full/uniform/L``, ``full/block/(L/2)``, ``selective/core_attn``,
+``selective/core_attn+mlp`` and ``selective/non_matmul`` with both engines (reentrant, non-reentrant;
+non_matmul always runs torch's non-reentrant selective checkpointing), next to the bound
 ``1 + F_recomputed / (F + B)``: F and B are the plain (``none``) step's forward and backward times,
 timed separately, and F_recomputed is the forward time of what the policy recomputes (all layers for
 full/uniform; the first L/2 layers for full/block/(L/2); the core attention / MLP modules for
-selective), found by a probe step that times those modules with forward hooks. A recomputing step
+selective), found by a probe step that times those modules with forward hooks (non_matmul: the layers'
+forward times the share of non-matmul operators in one layer's forward, timed operator by operator by
+``remat.plan.measure_layer_times``). A recomputing step
 should cost at most the plain step plus one more forward of what it recomputes; PASS means
 ``ratio <= bound + tolerance`` (``--tolerance``, 0.05 of a plain step by default).
 
@@ -62,6 +65,7 @@ from torch import nn
 
 import remat
 from remat import ModelConfig, build_model, sample_batch
+from remat.plan import measure_layer_times
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -318,7 +322,8 @@ def table1(bench: Bench, args: argparse.Namespace, rng: random.Random) -> dict[s
     L = bench.model.config.num_layers
     half = max(1, L // 2)
     policies = ["full/uniform/1", f"full/uniform/{L}", f"full/block/{half}", "selective/core_attn",
-                "selective/core_attn+mlp"]
+                "selective/core_attn+mlp", "selective/non_matmul"]
+    operators = measure_layer_times(bench.model.config, device=bench.device)
     none = remat_variant(bench, "none")
     probe = ForwardProbe(bench.model, bench.device)
     probe_v = probe.variant()
@@ -342,6 +347,7 @@ def table1(bench: Bench, args: argparse.Namespace, rng: random.Random) -> dict[s
         "full/uniform/1": sum(layer_fw), f"full/uniform/{L}": sum(layer_fw), f"full/block/{half}": sum(layer_fw[:half]),
         "selective/core_attn": shares["core_attn"] * F,
         "selective/core_attn+mlp": (shares["core_attn"] + shares["mlp"]) * F,
+        "selective/non_matmul": operators["non_matmul"] / operators["layer"] * sum(layer_fw),
     }
     rows = []
     for p, e, v in variants:
@@ -359,7 +365,8 @@ def table1(bench: Bench, args: argparse.Namespace, rng: random.Random) -> dict[s
     print(f"  plain step (none): {plain:.4f} s = forward F {F:.4f} s + backward B {B:.4f} s "
           f"(spread {spread(none.step_times):.0%}); F/(F+B) = {F / plain:.3f}")
     print(f"  forward share /(F+B) of: the layers {sum(layer_fw) / plain:.3f} (core_attn "
-          f"{shares['core_attn'] * F / plain:.3f}, mlp {shares['mlp'] * F / plain:.3f}), "
+          f"{shares['core_attn'] * F / plain:.3f}, mlp {shares['mlp'] * F / plain:.3f}, non-matmul operators "
+          f"{recomputed['selective/non_matmul'] / plain:.3f}), "
           f"embedding+head {(F - sum(layer_fw)) / plain:.3f}")
     print("  bound = 1 + F_recomputed/(F+B) (full/uniform: F_layers; full/block/K: the first K layers; selective: "
           "the modules')")

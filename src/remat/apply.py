@@ -323,7 +323,7 @@ class Region:
     """A run of modules that is checkpointed as one unit (a layer group, or one submodule)."""
 
     index: int
-    kind: str                       # "layers", "selective:<module>" or "selective:[<module>+]non_matmul"
+    kind: str                       # "layers", "selective:<module>", or "selective:<modules with non_matmul>"
     modules: list[nn.Module]
     names: list[str]
     engine: str

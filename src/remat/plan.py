@@ -6,7 +6,10 @@ A :class:`Plan` says, for every layer of the reference GPT's stack, one of four 
 * ``selective``: the named submodules of the layer (``core_attn``, ``mlp``, ``layernorm``, ``act``; see
   :mod:`remat.policy`) are checkpointed and recomputed in backward, the rest is kept; or, with ``non_matmul``,
   the layer keeps only its matrix multiplies' outputs and recomputes every other operator (and the matrix
-  multiplies of ``core_attn``/``mlp`` when named with it): no recomputed FLOPs, most of the layer's bytes freed;
+  multiplies of ``core_attn``/``mlp`` when named with it, or, with ``matmul_k<K>``, those whose contraction
+  dimension is <= K: the smallest K frees the most bytes per recomputed FLOP); ``non_matmul`` alone recomputes
+  no FLOPs and frees most of the layer's bytes. The extended search offers ``matmul_k<K>`` for each contraction
+  size of the layer (:func:`layer_contractions`);
 * ``checkpoint``: the layer belongs to a group of consecutive layers that is one checkpoint: only the group's
   inputs are kept and the whole group is recomputed in backward (Megatron's full recompute, but the groups may
   have any sizes and may be anywhere);
@@ -1034,8 +1037,9 @@ class CostModel:
             if "non_matmul" in unit.modules:
                 limit = contraction_limit(unit.modules)
                 modules = [m for m in unit.modules if m in ("core_attn", "mlp")]
-                return times["non_matmul"] + sum(times[f"{m}_matmuls"] for m in modules) + sum(
-                    t for key, t in times.items() if key.startswith("contraction_") and int(key[12:]) <= limit)
+                contractions = sum(t for key, t in times.items() if key.startswith("contraction_")
+                                   and int(key.removeprefix("contraction_")) <= limit)
+                return times["non_matmul"] + sum(times[f"{m}_matmuls"] for m in modules) + contractions
             return sum(times[m] for m in unit.modules)
         shape = model.shape(unit)
         return shape.recompute_flops / self.flops_per_second + shape.recompute_bytes / self.memory_bandwidth
@@ -1773,7 +1777,8 @@ def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flop
     per second) prices recomputed bytes under the time objective. ``offload=False`` leaves offload groups out of
     the extended search; ``selective_sets`` limits the selective layers' module sets (:func:`selective_sets`,
     e.g. ``selective_sets('core_attn,mlp,layernorm,act')`` for module-level recompute only; default
-    :data:`SELECTIVE_SETS`). ``device='cuda'`` predicts with CUDA's 512-byte blocks.
+    :data:`SELECTIVE_SETS`; where ``non_matmul`` is allowed, ``non_matmul+matmul_k<K>`` for each of the layer's
+    contraction sizes K is too). ``device='cuda'`` predicts with CUDA's 512-byte blocks.
 
     Returns a :class:`PlanResult` whose ``extended`` plan has a traced peak <= budget and costs no more than the
     best Megatron setting (``megatron``; None when no setting fits, with the reason in ``megatron_note``).
