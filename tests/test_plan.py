@@ -172,6 +172,7 @@ def test_megatron_round_trip(policy):
     ("selective/core_attn 0-2, selective/mlp 3-5", "different"),
     ("selective/act 0-5", "MoE"),
     ("selective/non_matmul 0-5", "every operator but the matrix multiplies"),
+    ("selective/non_matmul+matmul_k16 0-2, selective/non_matmul 3-5", "every operator but the matrix multiplies"),
 ])
 def test_not_megatron_says_why(text, reason):
     p = Plan.parse(text)

@@ -527,6 +527,9 @@ class Plan:
         if "offload" in modes:
             return None, ("it offloads group inputs to host memory, which Megatron's recompute flags cannot "
                           "express (its fine-grained activation offloading works per module, beside recompute)")
+        if any("non_matmul" in u.modules for u in units):
+            return None, ("it recomputes every operator but the matrix multiplies (non_matmul, torch's selective "
+                          "activation checkpointing); Megatron's --recompute-modules checkpoints whole modules")
         if modes == {"keep"}:
             return Policy(engine=self.engine), ""
         if modes == {"selective"}:
@@ -535,10 +538,6 @@ class Plan:
                 return None, ("its layers recompute different selective module sets; Megatron's "
                               "--recompute-modules applies one set to every layer")
             mods = next(iter(sets))
-            if "non_matmul" in mods:
-                return None, ("it recomputes every operator but the matrix multiplies (non_matmul, torch's "
-                              "selective activation checkpointing); Megatron's --recompute-modules checkpoints "
-                              "whole modules")
             if "act" in mods:
                 return None, ("it recomputes the MLP activation ('act'), which Megatron offers only for MoE "
                               "experts (moe_act)")
