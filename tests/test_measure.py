@@ -422,3 +422,23 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     monkeypatch.undo()
     other.save(path)
     assert_same_timeline(Timeline.load(path), other)
+
+
+def test_cpu_sdpa_flops_count_as_the_math_attention_does():
+    """torch.utils.flop_counter has no formula for CPU flash attention; remat counts it like the other attention
+    kernels, so an sdpa model's forward, backward and core_attn recompute FLOPs equal the math model's."""
+    def flops(attention: str, policy: str) -> dict[str, int]:
+        cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
+                          vocab_size=128, attention=attention)
+        model = build_model(cfg)
+        apply(model, policy)
+        tl = measure(model, sample_batch(cfg))
+        per_phase = zip(tl.meta["phase_flops"], tl.phases)
+        out: dict[str, int] = {}
+        for f, phase in per_phase:
+            out[phase.kind] = out.get(phase.kind, 0) + f
+        return out
+
+    sdpa, math_ = flops("sdpa", "selective/core_attn"), flops("math", "selective/core_attn")
+    assert sdpa["forward"] == math_["forward"] > 0 and sdpa["backward"] == math_["backward"]
+    assert sdpa["recompute"] == math_["recompute"] > 0

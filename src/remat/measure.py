@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.apply import Region, add_observer, applied, find_layer_stack, in_backward, remove_observer
@@ -31,6 +31,25 @@ from remat.timeline import Phase, Timeline
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every block up to a multiple of 512 bytes
 
 Batch = Sequence[Any] | dict[str, Any]
+
+
+def _cpu_flash_forward_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                             out_val: Any = None, **kwargs: Any) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_backward_flops(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# torch.utils.flop_counter's formulas, plus the CPU flash-attention kernels it has none for (scaled_dot_product_
+# attention on CPU), counted as its other attention kernels are.
+FLOP_FORMULAS: dict[Any, Callable[..., int]] = dict(flop_registry)
+for _name, _formula in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash_forward_flops),
+                        ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_flash_backward_flops)):
+    if hasattr(torch.ops.aten, _name):
+        FLOP_FORMULAS.setdefault(getattr(torch.ops.aten, _name), _formula)
 
 
 def _ceil_to(n: int, multiple: int) -> int:
@@ -125,8 +144,8 @@ class StepRecorder(TorchDispatchMode):
                 self.track(leaf)
         out = func(*args, **kwargs)
         packet = func.overloadpacket
-        if packet in flop_registry:
-            self.phase_flops[-1] += int(flop_registry[packet](*args, **kwargs, out_val=out))
+        if packet in FLOP_FORMULAS:
+            self.phase_flops[-1] += int(FLOP_FORMULAS[packet](*args, **kwargs, out_val=out))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)
