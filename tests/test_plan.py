@@ -233,7 +233,8 @@ def test_unit_model_equals_full_traces_with_operator_level_layers():
 
 def test_composed_prediction_equals_full_trace():
     cfg = TINY.replace(num_layers=14)
-    p = Plan.parse("checkpoint 0-4, keep 5, selective/core_attn 6-9, checkpoint 10-11/1, keep 12-13")
+    p = Plan.parse("checkpoint 0-4, keep 5, selective/core_attn 6-7, selective/non_matmul 8-9, checkpoint 10-11/1, "
+                   "selective/non_matmul+matmul_k16 12, keep 13")
     assert stand_in(p) is not None and stand_in(p).num_layers < 14
     composed, traced = predict_plan(cfg, p), _trace(cfg, p)
     assert "composed_from" in composed.meta
