@@ -131,7 +131,7 @@ def _module_name(name: object) -> str:
             raise PolicyError(f"recompute module {name!r}: write {CONTRACTION_PREFIX}<N> with N >= 1, the largest "
                               "contraction dimension of the matrix multiplies to recompute, e.g. matmul_k128")
         return f"{CONTRACTION_PREFIX}{int(digits)}"
-    valid = f"valid modules are {', '.join(SELECTIVE_MODULES)}"
+    valid = f"valid modules are {', '.join(SELECTIVE_MODULES)} and, with non_matmul, {CONTRACTION_PREFIX}<N>"
     if key in _MEGATRON_ONLY_MODULES:
         kind = _MEGATRON_ONLY_MODULES[key]
         raise PolicyError(f"recompute module {key!r} is for Megatron's {kind} layers, but remat's "
