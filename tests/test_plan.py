@@ -472,3 +472,53 @@ def test_every_selective_set_is_applicable():
     assert [s for s in SELECTIVE_SETS if "non_matmul" in s] == [
         ("non_matmul",), ("core_attn", "non_matmul"), ("mlp", "non_matmul"), ("core_attn", "mlp", "non_matmul")]
     assert len(list(itertools.chain(candidate_units(3)))) == 1 + 15 + 2 * 3
+
+
+# ------------------------------------------------------------------------------------------------ tensor parallelism
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_unit_model_of_a_tensor_parallel_rank_equals_full_traces(sp):
+    """The unit model of one tensor-parallel rank (simulated group, Megatron sharding) against whole fake traces
+    of that rank, on random plans of every unit kind, byte for byte."""
+    from remat.plan import _trace_rank
+
+    model = unit_model(SMALL, tp=2, sp=sp)
+    kinds = [KEEP, *(Unit("selective", 1, s) for s in SELECTIVE_SETS + contraction_sets(model.contractions)),
+             *(Unit(m, k) for m in ("checkpoint", "offload") for k in (1, 2, 3, 4))]
+    rng = random.Random(5)
+    for _ in range(5):
+        units = random_units(rng, rng.randint(2, 6), kinds)
+        p = Plan.from_units(units)
+        traced = _trace_rank(SMALL.replace(num_layers=p.num_layers), p, "cpu", 2, sp)
+        assert model.peak(units) == traced.peak_bytes, str(p)
+
+
+def test_tensor_parallel_plans_fit_on_real_ranks():
+    """Plans for one rank of tp=2 with sequence parallelism, measured on two real gloo ranks: every rank's peak is
+    within the budget (the plans leave room for a collective's buffer, which gloo may free late)."""
+    from remat.parallel import measure_tensor_parallel
+
+    model = unit_model(SMALL, tp=2, sp=True)
+    lo = min_peak(model, 4, candidate_units(4, contractions=model.contractions))
+    budget = (lo + model.peak([KEEP] * 4)) // 2
+    result = plan(SMALL, budget, tp=2, sp=True)
+    margin = result.stats["collective_margin_bytes"]
+    assert margin == SMALL.micro_batch_size * SMALL.seq_length * SMALL.hidden_size * 4 and result.tp == 2
+    for choice in (result.extended, result.megatron):
+        assert choice is not None and choice.peak_bytes <= budget - margin
+        ranks = measure_tensor_parallel(SMALL, choice.plan, tp=2, sp=True, timeout=240)
+        assert all(t.peak_bytes <= budget for t in ranks), (str(choice.plan), [t.peak_bytes for t in ranks])
+    with pytest.raises(BudgetError) as info:
+        plan(SMALL, lo + margin - 1, tp=2, sp=True)
+    assert info.value.min_peak_bytes == lo + margin and "collectives" in str(info.value)
+    assert plan(SMALL, lo + margin, tp=2, sp=True).extended.peak_bytes == lo
+
+
+def test_tensor_parallel_cli(capsys):
+    flags = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--vocab", "128"]
+    assert main(["plan", "--budget", "2MiB", *flags, "--tp", "2", "--sp", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["tp"], report["sp"]) == (2, True) and report["fits"]
+    assert main(["plan", "--budget", "2MiB", *flags, "--tp", "3"]) == 2
+    assert "num_attention_heads=4 is not divisible by the tensor-parallel size tp=3" in capsys.readouterr().err
+    assert main(["plan", "--budget", "2MiB", *flags, "--tp", "2", "--pp", "2"]) == 2
+    assert "not both" in capsys.readouterr().err

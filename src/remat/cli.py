@@ -726,8 +726,9 @@ def plan_command(sub: Subparsers) -> Runner:
             "Find the recompute plan of least extra compute whose predicted peak memory fits --budget: the best "
             "Megatron-LM setting (every uniform/block/selective setting, predicted) and the best extended plan "
             "(per-layer keep / selective / checkpoint groups of any size / offloaded groups, found by an exact "
-            "dynamic program and checked with the real trace). Exit code 1 when no plan fits: the smallest "
-            "reachable peak and its plan are printed.", width=78, break_on_hyphens=False),
+            "dynamic program and checked with the real trace), for one process, one tensor-parallel rank (--tp, "
+            "--sp) or each pipeline stage (--pp). Exit code 1 when no plan fits: the smallest reachable peak and "
+            "its plan are printed.", width=78, break_on_hyphens=False),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_debug(parser, argparse.SUPPRESS)
     add_model_source_arguments(parser)
@@ -756,6 +757,9 @@ def plan_command(sub: Subparsers) -> Runner:
     g.add_argument("--selective-modules", default=",".join(SELECTIVE_MODULES), metavar="M1,M2",
                    help="modules selective layers may recompute (default all: "
                         f"{','.join(SELECTIVE_MODULES)}; non_matmul is operator-level, see remat.policy)")
+    g.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor-parallel size: plan one rank (Megatron's sharding of heads, MLP and vocabulary)")
+    g.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism")
     g.add_argument("--pp", type=int, metavar="P", help="pipeline stages: also plan each stage separately")
     g.add_argument("--microbatches", type=int, metavar="M", help="microbatches per step with --pp (default P)")
     g.add_argument("--schedule", default="1f1b", metavar="NAME", help="pipeline schedule with --pp (default 1f1b)")
@@ -773,7 +777,8 @@ def run_plan(args: argparse.Namespace) -> int:
                       offload=not args.no_offload, bandwidth=args.bandwidth * 1e9,
                       flops_per_second=args.throughput * 1e12, memory_bandwidth=args.memory_bandwidth * 1e9,
                       measured_times=args.measured_times, selective_sets=selective_sets(args.selective_modules),
-                      reserve=args.reserve, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule)
+                      reserve=args.reserve, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule,
+                      tp=args.tp, sp=args.sp)
     except BudgetError as err:
         report = {"format": "remat.plan-result", "version": 1, "config": config.to_dict(), "fits": False,
                   "budget_bytes": err.budget_bytes, "min_peak_bytes": err.min_peak_bytes,

@@ -333,7 +333,12 @@ def _measure_tensor_parallel_rank(job: dict[str, Any], policy_text: str, rank: i
 
     config = ModelConfig.from_dict(job["config"])
     model = build_tp_model(config, DistributedGroup(), job["sp"], seed=job["seed"])
-    apply(model, policy_text)
+    if job.get("plan") is not None:
+        from remat.plan import Plan
+
+        apply(model, Plan.from_dict(job["plan"]))
+    else:
+        apply(model, policy_text)
     timeline = measure(model, sample_batch(config))
     timeline.meta.update({"tp": job["world"], "sp": job["sp"], "rank": rank})
     return timeline

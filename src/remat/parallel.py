@@ -378,13 +378,17 @@ def build_tp_model(config: ModelConfig, group: TensorParallelGroup, sp: bool = F
 def measure_tensor_parallel(config: ModelConfig, policy: Any, tp: int, sp: bool = False,
                             timeout: float = 120.0, seed: int = 0) -> list[Any]:
     """Measure one training step on ``tp`` real tensor-parallel ranks (gloo on CPU, one process each, every
-    process ended before this returns); one Timeline per rank."""
+    process ended before this returns); one Timeline per rank. ``policy``: a :class:`~remat.policy.Policy`, its
+    text, or a :class:`remat.plan.Plan`."""
     from remat.distributed import launch_job
+    from remat.plan import Plan
     from remat.policy import Policy
     from remat.timeline import Timeline
 
     check_tensor_parallel(config, tp, sp)
-    policy_text = str(Policy.parse(policy) if isinstance(policy, str) else policy)
-    job = {"kind": "tensor_parallel", "config": config.to_dict(), "policies": [policy_text], "world": tp, "pp": tp,
-           "sp": sp, "device": "cpu", "seed": seed, "fault": None, "timeout": float(timeout)}
+    plan = policy.to_dict() if isinstance(policy, Plan) else None
+    policy_text = str(policy if isinstance(policy, Plan) else Policy.parse(policy) if isinstance(policy, str) else
+                      policy)
+    job = {"kind": "tensor_parallel", "config": config.to_dict(), "policies": [policy_text], "plan": plan,
+           "world": tp, "pp": tp, "sp": sp, "device": "cpu", "seed": seed, "fault": None, "timeout": float(timeout)}
     return [Timeline.from_dict(results[0]) for results in launch_job(job, tp, timeout)]

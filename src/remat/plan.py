@@ -67,6 +67,13 @@ the previous group's backward would hide it but would also hold the input on the
 which the memory model would then have to charge). With the FLOP objective, seconds are converted to FLOPs at
 ``flops_per_second``.
 
+**Tensor parallelism.** With ``tp`` (and ``sp``) the unit model, the Megatron sweep and the validation trace are
+of one tensor-parallel rank (:mod:`remat.parallel`'s Megatron sharding on a simulated group), so the plan is one
+GPU's. On real ranks the communication thread may free a collective's buffer later than the simulated rank does
+(measured on gloo: up to 7.8 KiB over the prediction on a 16 KiB hidden-states tensor), so the plans leave one
+unsharded hidden-states tensor of room. Megatron's ``--distribute-saved-activations`` is not in the search
+(``remat predict --tp`` predicts it), and tensor and pipeline parallelism are not planned together yet.
+
 **Pipelines.** :func:`plan_pipeline` plans each pipeline stage separately (stage r holds up to ``pp - r``
 microbatches under 1F1B, so stage 0 needs the most recompute), validates each stage with
 :mod:`remat.pipeline`'s stage timelines, and reports the step time from the pipeline's critical path against the
@@ -655,8 +662,19 @@ def _recorder() -> Any:
     raise RuntimeError("remat.plan: no step recorder is active")
 
 
+def rank_model_factory(config: ModelConfig, tp: int = 1, sp: bool = False) -> Callable[[], nn.Module]:
+    """What builds the model one rank runs: the reference GPT, or its tensor-parallel rank (:mod:`remat.parallel`,
+    a simulated group of ``tp``, sequence-parallel with ``sp``)."""
+    if tp == 1 and not sp:
+        return lambda: build_model(config)
+    from remat.parallel import SimulatedGroup, build_tp_model, check_tensor_parallel
+
+    check_tensor_parallel(config, tp, sp)
+    return lambda: build_tp_model(config, SimulatedGroup(tp), sp)
+
+
 def marked_trace(config: ModelConfig, units: Sequence[Unit], *, device: str = "cpu",
-                 engine: str = "reentrant") -> tuple[Timeline, _Marks]:
+                 engine: str = "reentrant", tp: int = 1, sp: bool = False) -> tuple[Timeline, _Marks]:
     """Trace the reference GPT under the plan of ``units`` (fake tensors) and mark where each unit's forward and
     backward start, by module hooks that read the recorder's event count."""
     plan = Plan.from_units(units, engine)
@@ -670,7 +688,7 @@ def marked_trace(config: ModelConfig, units: Sequence[Unit], *, device: str = "c
     marks = _Marks({}, {})
     tokens, labels = sample_batch(cfg)
     with FakeTensorMode(allow_non_fake_inputs=False) as fake:
-        model = build_model(cfg)
+        model = rank_model_factory(cfg, tp, sp)()
         state = apply(model, plan)
         index = {id(layer): i for i, layer in enumerate(state.layers)}
 
@@ -786,6 +804,8 @@ class UnitModel:
     layer_forward_flops: int
     layer_backward_flops: int
     contractions: tuple[int, ...] = ()  # the layer's matmul contraction sizes (its matmul_k<K> options)
+    tp: int = 1                         # one tensor-parallel rank of tp (sp: sequence-parallel)
+    sp: bool = False
     shapes: dict[Unit, UnitShape] = field(default_factory=dict)
     group_pieces: dict[str, tuple[list[_Piece], list[_Piece], int]] = field(default_factory=dict)
     build_seconds: float = 0.0
@@ -849,12 +869,14 @@ class UnitModel:
         return best
 
 
-_MODELS: dict[tuple[ModelConfig, str, str], UnitModel] = {}
+_MODELS: dict[tuple[ModelConfig, str, str, int, bool], UnitModel] = {}
 
 
-def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant") -> UnitModel:
-    """The :class:`UnitModel` of ``config``'s layers (any depth), built from two fake traces and cached."""
-    key = (config.replace(num_layers=1), device, engine)
+def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
+               sp: bool = False) -> UnitModel:
+    """The :class:`UnitModel` of ``config``'s layers (any depth), built from two fake traces and cached; with
+    ``tp``/``sp``, of one tensor-parallel rank."""
+    key = (config.replace(num_layers=1), device, engine, tp, sp)
     if key in _MODELS:
         return _MODELS[key]
     if device not in ("cpu", "cuda"):
@@ -865,11 +887,12 @@ def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reent
     group_modes = ("checkpoint", "offload") if engine == "reentrant" else ("checkpoint",)
     # the profile stack: a checkpointed layer at the bottom keeps every side input, so no unit above is the lowest
     # holder; then every unit kind once (groups of 1, 2 and 3 layers: a middle layer first appears at 3)
-    contractions = layer_contractions(config)
+    rank_model_factory(config, tp, sp)  # refuses a tp that does not divide the config, naming the field
+    contractions = layer_contractions(config, tp, sp)
     units = [Unit("checkpoint", 1), KEEP, *(Unit("selective", 1, s) for s in SELECTIVE_SETS + contraction_sets(
         contractions))]
     units += [Unit(m, k) for m in group_modes for k in (1, 2, 3)]
-    tl, marks = marked_trace(config, units, device=device, engine=engine)
+    tl, marks = marked_trace(config, units, device=device, engine=engine, tp=tp, sp=sp)
     d = _deltas(tl)
     n = len(units)
     L = sum(u.size for u in units)
@@ -878,7 +901,7 @@ def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reent
     head_bwd = next(p.start for p in tl.phases if p.kind == "backward" and p.region == "head")
 
     # the plain two-layer stack: what the head does when no unit keeps the mask, and the side inputs' bytes
-    plain, plain_marks = marked_trace(config, [KEEP, KEEP], device=device, engine=engine)
+    plain, plain_marks = marked_trace(config, [KEEP, KEEP], device=device, engine=engine, tp=tp, sp=sp)
     pd = _deltas(plain)
     plain_head_bwd = next(p.start for p in plain.phases if p.kind == "backward" and p.region == "head")
     side = {SIDE_MASK: 0, SIDE_ROTARY: 0}
@@ -899,7 +922,7 @@ def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reent
         embedding=Block.of(d[setup_end_of(tl):marks.forward[0]]),
         head_forward={}, head_backward=Block.of(d[head_bwd:marks.backward[n - 1]]),
         tail=Block.of(d[marks.embedding:]), grad_per_layer=0, side=side, hidden_bytes=0,
-        layer_forward_flops=0, layer_backward_flops=0, contractions=contractions)
+        layer_forward_flops=0, layer_backward_flops=0, contractions=contractions, tp=tp, sp=sp)
     all_held = frozenset(side)
     model.head_forward[all_held] = Block.of(d[marks.head:head_bwd])
     plain_held = unit_holds(KEEP, side)
@@ -959,12 +982,13 @@ class _ContractionCollector(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def layer_contractions(config: ModelConfig) -> tuple[int, ...]:
-    """The contraction sizes K of the matrix multiplies in one layer's forward, ascending (a fake forward)."""
+def layer_contractions(config: ModelConfig, tp: int = 1, sp: bool = False) -> tuple[int, ...]:
+    """The contraction sizes K of the matrix multiplies in one layer's forward (of one tensor-parallel rank),
+    ascending (a fake forward)."""
     cfg = config.replace(num_layers=1)
     tokens, labels = sample_batch(cfg)
     with FakeTensorMode(allow_non_fake_inputs=False) as fake:
-        model = build_model(cfg)
+        model = rank_model_factory(cfg, tp, sp)()
         collector = _ContractionCollector(model.layers[0])
         with collector:
             model(fake.from_tensor(tokens), fake.from_tensor(labels))
@@ -1538,40 +1562,51 @@ def stand_in(plan: Plan) -> Plan | None:
     return shallow
 
 
-def predict_plan(config: ModelConfig, plan: Plan, *, device: str = "cpu") -> Timeline:
-    """Predict (fake trace, exact bytes) one training step of the reference GPT of ``config`` under ``plan``.
+def predict_plan(config: ModelConfig, plan: Plan, *, device: str = "cpu", tp: int = 1, sp: bool = False) -> Timeline:
+    """Predict (fake trace, exact bytes) one training step of the reference GPT of ``config`` under ``plan`` (of
+    one tensor-parallel rank with ``tp``/``sp``).
 
     A Megatron-expressible plan goes through :func:`remat.predict.predict_config`; another plan is composed from
     the trace of its :func:`stand_in` (:func:`remat.compose.compose`), or traced whole when composition is
     refused or the plan offloads. ``meta['plan']`` holds the plan's text.
     """
-    from remat.predict import _trace, predict_config
+    from remat.predict import predict_config
 
     if plan.num_layers != config.num_layers:
         raise PlanError(f"the plan is for {plan.num_layers} layers but the config has {config.num_layers}")
     policy, _ = plan.megatron_policy()
     if policy is not None:
-        tl = predict_config(config, policy, device=device)
+        tl = predict_config(config, policy, device=device, tp=tp, sp=sp)
     else:
         tl = None
         shallow = stand_in(plan)
         if shallow is not None:
-            key = (config.replace(num_layers=shallow.num_layers), shallow, device)
+            key = (config.replace(num_layers=shallow.num_layers), shallow, device, tp, sp)
             try:
                 if key not in _STAND_INS:
                     if len(_STAND_INS) >= 32:
                         del _STAND_INS[next(iter(_STAND_INS))]
-                    _STAND_INS[key] = ShallowTrace(_trace(key[0], shallow, device=device), shallow)  # type: ignore
+                    _STAND_INS[key] = ShallowTrace(_trace_rank(key[0], shallow, device, tp, sp), shallow)
                 tl = compose(_STAND_INS[key], shallow, plan, plan.num_layers)
                 tl.meta["config"] = config.to_dict()
             except CompositionError as err:
                 tl = None
                 refused = str(err)
         if tl is None:
-            tl = _trace(config, plan, device=device)
+            tl = _trace_rank(config, plan, device, tp, sp)
             if shallow is not None:
                 tl.meta["composition_refused"] = refused
     tl.meta["plan"] = str(plan)
+    return tl
+
+
+def _trace_rank(config: ModelConfig, plan: Plan, device: str, tp: int, sp: bool) -> Timeline:
+    from remat.predict import _trace
+
+    if tp == 1 and not sp:
+        return _trace(config, plan, device=device)
+    tl = _trace(rank_model_factory(config, tp, sp), plan, batch=sample_batch(config), device=device)
+    tl.meta.update({"config": config.to_dict(), "tp": tp, "sp": sp})
     return tl
 
 
@@ -1602,20 +1637,20 @@ def megatron_policies(num_layers: int, engine: str = "reentrant") -> list[Policy
     return out
 
 
-_MEGATRON: dict[tuple[ModelConfig, str, str], list[tuple[Policy, Predicted]]] = {}
+_MEGATRON: dict[tuple[ModelConfig, str, str, int, bool], list[tuple[Policy, Predicted]]] = {}
 
 
-def megatron_table(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant",
-                   ) -> list[tuple[Policy, Predicted]]:
+def megatron_table(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
+                   sp: bool = False) -> list[tuple[Policy, Predicted]]:
     """Every Megatron setting (:func:`megatron_policies`) with its prediction (:func:`remat.predict.predict_many`);
     cached per config."""
     from remat.predict import predict_many
 
-    key = (config, device, engine)
+    key = (config, device, engine, tp, sp)
     if key not in _MEGATRON:
         policies = megatron_policies(config.num_layers, engine)
-        _MEGATRON[key] = [(p, Predicted.of(tl)) for p, tl in zip(policies, predict_many(config, policies,
-                                                                                          device=device))]
+        predicted = predict_many(config, policies, device=device, tp=tp, sp=sp)
+        _MEGATRON[key] = [(p, Predicted.of(tl)) for p, tl in zip(policies, predicted)]
         if len(_MEGATRON) > 16:
             del _MEGATRON[next(iter(_MEGATRON))]
     return _MEGATRON[key]
@@ -1681,12 +1716,15 @@ class PlanResult:
     baseline: Predicted
     stats: dict[str, Any] = field(default_factory=dict)
     pipeline: dict[str, Any] | None = None
+    tp: int = 1      # planned for one tensor-parallel rank of tp
+    sp: bool = False  # ... with sequence parallelism
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-able data (format ``remat.plan-result``)."""
         return {
             "format": "remat.plan-result", "version": 1, "config": self.config.to_dict(),
             "budget_bytes": self.budget_bytes, "budget": self.budget_text, "objective": self.objective,
+            "tp": self.tp, "sp": self.sp,
             "cost_model": self.cost_model.describe(),
             "baseline": {"policy": "none", "peak_bytes": self.baseline.peak_bytes, "flops": self.baseline.flops},
             "extended": self.extended.to_dict(),
@@ -1695,11 +1733,16 @@ class PlanResult:
             "snippet": self.extended.snippet(),
         }
 
+    def _rank_text(self) -> str:
+        if self.tp == 1 and not self.sp:
+            return ""
+        return f"; one tensor-parallel rank of {self.tp}" + (" with sequence parallelism" if self.sp else "")
+
     def format(self) -> str:
         """The report ``remat plan`` prints."""
         c = self.config
         lines = [f"remat plan: {c.num_layers} layers, h={c.hidden_size}, s={c.seq_length}, b={c.micro_batch_size}, "
-                 f"{c.dtype}; budget {self.budget_text} = {self.budget_bytes:,} bytes",
+                 f"{c.dtype}{self._rank_text()}; budget {self.budget_text} = {self.budget_bytes:,} bytes",
                  f"no recompute: peak {_fmt_bytes(self.baseline.peak_bytes)} ({self.baseline.peak_phase})",
                  f"objective: {self.cost_model.describe()}", ""]
         for title, choice in (("Best Megatron-LM setting", self.megatron), ("Best extended plan", self.extended)):
@@ -1767,7 +1810,7 @@ def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flop
          reserve: str | float | None = DEFAULT_RESERVE, selective_sets: Iterable[Sequence[str]] | None = None,
          max_resolves: int = 4,
          pp: int | None = None, microbatches: int | None = None, schedule: str = "1f1b", vpp: int = 1,
-         ) -> PlanResult:
+         tp: int = 1, sp: bool = False) -> PlanResult:
     """The cheapest recompute plans for ``config`` whose predicted peak is <= ``budget`` (see the module docstring).
 
     ``budget``: bytes, or text for :func:`parse_budget` (``'70GiB'``, ``'h100-80g'`` minus ``reserve``).
@@ -1782,7 +1825,11 @@ def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flop
     Returns a :class:`PlanResult` whose ``extended`` plan has a traced peak <= budget and costs no more than the
     best Megatron setting (``megatron``; None when no setting fits, with the reason in ``megatron_note``).
     Raises :class:`BudgetError` when no plan fits. With ``pp`` (pipeline stages), ``microbatches`` and
-    ``schedule``, :func:`plan_pipeline` also plans each stage; its report is in ``pipeline``.
+    ``schedule``, :func:`plan_pipeline` also plans each stage; its report is in ``pipeline``. With ``tp`` (and
+    ``sp``: sequence parallelism) everything is planned for one tensor-parallel rank (:mod:`remat.parallel`'s
+    Megatron sharding; the budget is one GPU's), leaving room for one unsharded hidden-states tensor
+    (``stats['collective_margin_bytes']``): on real ranks the communication thread may free a collective's buffer
+    later than the simulated rank does.
     """
     t_start = time.perf_counter()
     if isinstance(budget, str):
@@ -1793,10 +1840,16 @@ def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flop
         budget_bytes, budget_text = budget, _fmt_bytes(budget)
     if engine != "reentrant" and offload:
         offload = False  # offload groups need the reentrant engine
+    if (tp > 1 or sp) and pp is not None:
+        raise PlanError("plan takes tensor parallelism (tp/sp) or pipeline stages (pp), not both yet: plan a "
+                        "pipeline stage's layers with tp, or drop tp")
+    if (tp > 1 or sp) and measured_times:
+        raise PlanError("measured_times times an unsharded layer on this machine, not a tensor-parallel rank: "
+                        "drop measured_times with tp > 1")
     L = config.num_layers
     stats: dict[str, Any] = {}
     t = time.perf_counter()
-    model = unit_model(config, device=device, engine=engine)
+    model = unit_model(config, device=device, engine=engine, tp=tp, sp=sp)
     stats["model_seconds"] = time.perf_counter() - t  # 0 when cached; building it took model.build_seconds
     stats["model_build_seconds"] = model.build_seconds
     measured = None
@@ -1812,14 +1865,21 @@ def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flop
                             contractions=model.contractions)
 
     t = time.perf_counter()
-    table = megatron_table(config, device=device, engine=engine)
+    table = megatron_table(config, device=device, engine=engine, tp=tp, sp=sp)
     stats["megatron_seconds"] = time.perf_counter() - t
     baseline = table[0][1]
     meg: list[tuple[Policy, Predicted, Plan, int, int]] = []
     for policy, pred in table:
         p = Plan.from_policy(policy, L)
         meg.append((policy, pred, p, sum(cost.cost(model, u) for u in p.units()), model.peak(p.units())))
-    fitting = [m for m in meg if m[1].peak_bytes <= budget_bytes]
+    # Real tensor-parallel ranks: the communication thread may release a collective's buffer (at most one unsharded
+    # hidden-states tensor, a reduce-scatter input or all-gather output) a little later than the simulated rank
+    # frees it (measured on gloo: up to 7.8 of 16 KiB over the prediction). The plans leave that room.
+    margin = config.micro_batch_size * config.seq_length * config.hidden_size * \
+        torch.empty((), dtype=config.torch_dtype).element_size() if tp > 1 else 0
+    limit = budget_bytes - margin
+    stats["collective_margin_bytes"] = margin
+    fitting = [m for m in meg if m[1].peak_bytes <= limit]
     megatron_choice = None
     if fitting:
         # ties in cost (FLOP counters price norms at zero) go to the setting that rebuilds the fewest bytes
@@ -1832,7 +1892,7 @@ def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flop
         note = (f"the lowest Megatron peak is {_fmt_bytes(lowest[1].peak_bytes)} ({lowest[0]}), above the budget")
 
     # the extended search: solve under the model, validate with the trace, re-solve below the excess if needed
-    model_budget = budget_bytes
+    model_budget = limit
     chosen: tuple[Plan, Timeline, Solution] | None = None
     dp_seconds, entries, validate_seconds, resolves = 0.0, 0, 0.0, 0
     for _ in range(max_resolves + 1):
@@ -1845,17 +1905,17 @@ def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flop
         tidied = tidy(model, sol.units, model_budget, cost)
         candidate = Plan.from_units(tidied, engine)
         t = time.perf_counter()
-        tl = predict_plan(config, candidate, device=device)
+        tl = predict_plan(config, candidate, device=device, tp=tp, sp=sp)
         validate_seconds += time.perf_counter() - t
-        if tl.peak_bytes <= budget_bytes:
+        if tl.peak_bytes <= limit:
             chosen = (candidate, tl, sol)
             break
         resolves += 1
-        model_budget -= max(tl.peak_bytes - budget_bytes, 1)
+        model_budget -= max(tl.peak_bytes - limit, 1)
     stats.update(dp_seconds=dp_seconds, entries=entries, validate_seconds=validate_seconds, resolves=resolves)
 
     if chosen is None and megatron_choice is None:
-        raise _refusal(config, model, units, cost, budget_bytes, engine, device, baseline, meg)
+        raise _refusal(config, model, units, cost, budget_bytes, engine, device, baseline, meg, margin)
     if chosen is None:  # no solution validated at this budget: the Megatron answer is a valid plan
         assert megatron_choice is not None
         extended = dataclasses.replace(megatron_choice, source="megatron (no extended plan validated)")
@@ -1865,7 +1925,7 @@ def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flop
             extended = megatron_choice  # cannot happen when the model is exact; never return the costlier one
     stats["total_seconds"] = time.perf_counter() - t_start
     result = PlanResult(config, budget_bytes, budget_text, cost.objective, cost, extended, megatron_choice, note,
-                        baseline, stats)
+                        baseline, stats, tp=tp, sp=sp)
     if pp is not None:
         result.pipeline = plan_pipeline(config, budget_bytes, pp=pp, microbatches=microbatches or pp,
                                         schedule=schedule, vpp=vpp, cost=cost, device=device, engine=engine,
@@ -1874,22 +1934,25 @@ def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flop
 
 
 def _refusal(config: ModelConfig, model: UnitModel, units: list[Unit], cost: CostModel, budget: int, engine: str,
-             device: str, baseline: Predicted, meg: list[tuple[Policy, Predicted, Plan, int, int]]) -> BudgetError:
+             device: str, baseline: Predicted, meg: list[tuple[Policy, Predicted, Plan, int, int]],
+             margin: int = 0) -> BudgetError:
     """The :class:`BudgetError` for a budget no plan fits: the smallest peak and the cheapest plan reaching it."""
     L = config.num_layers
     lowest = min_peak(model, L, units)
     sol = solve(model, L, lowest, cost, units=units)
     assert sol is not None
     p = Plan.from_units(tidy(model, sol.units, lowest, cost), engine)
-    tl = predict_plan(config, p, device=device)
+    tl = predict_plan(config, p, device=device, tp=model.tp, sp=model.sp)
     choice = _choice(config, p, tl, "extended", cost, model, baseline)
     best_meg = min(meg, key=lambda m: (m[1].peak_bytes, m[3]))
     if best_meg[1].peak_bytes < choice.peak_bytes:  # only if the model were off: report the lower traced peak
         choice = _choice(config, best_meg[2], best_meg[1], "megatron", cost, model, baseline)
+    room = f" plus {margin:,} bytes of room for the collectives' buffers on real tensor-parallel ranks" if margin \
+        else ""
     return BudgetError(
         f"no plan fits {_fmt_bytes(budget)} ({budget:,} bytes): the smallest reachable peak is "
-        f"{_fmt_bytes(choice.peak_bytes)} ({choice.peak_bytes:,} bytes), with plan {choice.plan}",
-        budget_bytes=budget, min_peak_bytes=choice.peak_bytes, plan=choice)
+        f"{_fmt_bytes(choice.peak_bytes)} ({choice.peak_bytes:,} bytes){room}, with plan {choice.plan}",
+        budget_bytes=budget, min_peak_bytes=choice.peak_bytes + margin, plan=choice)
 
 
 # ------------------------------------------------------------------------------------------------ pipelines
