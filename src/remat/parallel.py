@@ -386,9 +386,8 @@ def measure_tensor_parallel(config: ModelConfig, policy: Any, tp: int, sp: bool 
     from remat.timeline import Timeline
 
     check_tensor_parallel(config, tp, sp)
-    plan = policy.to_dict() if isinstance(policy, Plan) else None
-    policy_text = str(policy if isinstance(policy, Plan) else Policy.parse(policy) if isinstance(policy, str) else
-                      policy)
+    plan = policy.to_dict() if isinstance(policy, Plan) else None  # a plan travels as JSON, a policy as its text
+    policy_text = str(Policy.parse(policy) if isinstance(policy, str) else policy)
     job = {"kind": "tensor_parallel", "config": config.to_dict(), "policies": [policy_text], "plan": plan,
            "world": tp, "pp": tp, "sp": sp, "device": "cpu", "seed": seed, "fault": None, "timeout": float(timeout)}
     return [Timeline.from_dict(results[0]) for results in launch_job(job, tp, timeout)]
