@@ -313,6 +313,7 @@ def _worker(folder: Path, rank: int, launcher: int) -> int:
         try:
             measure_one = _measure_tensor_parallel_rank if job.get("kind") == "tensor_parallel" else _measure_rank
             results = [measure_one(job, policy, rank).to_dict() for policy in job["policies"]]
+            dist.barrier()  # every rank is done with its collectives before any tears its connections down
         finally:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -516,4 +517,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown: the results are written (atomically) and the process group destroyed, and a
+    # communication library's static destructors at exit could still abort the process (seen once on gloo as
+    # "terminate called without an active exception"), which the launcher would report as a failed rank.
+    os._exit(code)
