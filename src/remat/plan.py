@@ -69,8 +69,8 @@ which the memory model would then have to charge). With the FLOP objective, seco
 
 **Tensor parallelism.** With ``tp`` (and ``sp``) the unit model, the Megatron sweep and the validation trace are
 of one tensor-parallel rank (:mod:`remat.parallel`'s Megatron sharding on a simulated group), so the plan is one
-GPU's. On real ranks the communication thread may free a collective's buffer later than the simulated rank does
-(measured on gloo: up to 7.8 KiB over the prediction on a 16 KiB hidden-states tensor), so the plans leave one
+GPU's. On real ranks a communication library may free a collective's buffer later than the simulated rank does
+(gloo's worker thread did, in 5% of collectives, until remat's ranks waited for it), so the plans leave one
 unsharded hidden-states tensor of room. Megatron's ``--distribute-saved-activations`` is not in the search
 (``remat predict --tp`` predicts it), and tensor and pipeline parallelism are not planned together yet.
 
@@ -1872,9 +1872,9 @@ def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flop
     for policy, pred in table:
         p = Plan.from_policy(policy, L)
         meg.append((policy, pred, p, sum(cost.cost(model, u) for u in p.units()), model.peak(p.units())))
-    # Real tensor-parallel ranks: the communication thread may release a collective's buffer (at most one unsharded
-    # hidden-states tensor, a reduce-scatter input or all-gather output) a little later than the simulated rank
-    # frees it (measured on gloo: up to 7.8 of 16 KiB over the prediction). The plans leave that room.
+    # Real tensor-parallel ranks: a communication library may let go of a collective's buffer (a reduce-scatter
+    # input or all-gather output: one unsharded hidden-states tensor) later than the simulated rank frees it. remat's
+    # gloo ranks wait for that (remat.parallel._released); the plans still leave one such tensor of room.
     margin = config.micro_batch_size * config.seq_length * config.hidden_size * \
         torch.empty((), dtype=config.torch_dtype).element_size() if tp > 1 else 0
     limit = budget_bytes - margin
