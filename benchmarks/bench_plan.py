@@ -171,16 +171,17 @@ class CompileSearch:
 
     def backend(self, counts: dict[str, int]) -> Any:
         from torch._dynamo.backends.debugging import aot_eager, boxed_nop
-        from torch.utils.flop_counter import flop_registry
+
+        from remat.measure import FLOP_FORMULAS  # torch.utils.flop_counter formulas, plus CPU flash attention
 
         def counting(kind: str):
             def compiler(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
                 total = 0
                 for node in gm.graph.nodes:
                     target = getattr(node.target, "overloadpacket", None)
-                    if node.op == "call_function" and target in flop_registry:
+                    if node.op == "call_function" and target in FLOP_FORMULAS:
                         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-                        total += int(flop_registry[target](*args, **kwargs, out_val=node.meta.get("val")))
+                        total += int(FLOP_FORMULAS[target](*args, **kwargs, out_val=node.meta.get("val")))
                 counts[kind] = counts.get(kind, 0) + total
                 return boxed_nop(gm, example_inputs)
             return compiler
