@@ -1665,7 +1665,8 @@ class PlanChoice:
     unit model. ``recompute_flops`` are the recomputation's FLOPs (``torch.utils.flop_counter`` formulas) and
     ``extra_compute_pct`` their share of the plain step's forward + backward FLOPs. ``cost`` is the objective's
     value (:class:`CostModel`). ``offload_bytes`` is what moves to the host (and back) per step and
-    ``offload_seconds`` the transfer time charged.
+    ``offload_seconds`` the transfer time charged. ``recompute_bytes`` is what the recomputation allocates again
+    (unit model): the memory traffic of work FLOP counters do not see (norms, softmax, dropout, activations).
     """
 
     plan: Plan
@@ -1682,9 +1683,11 @@ class PlanChoice:
     megatron_policy: str | None = None
     megatron_args: list[str] | None = None
     why_not_megatron: str = ""
+    recompute_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "recompute_bytes": self.recompute_bytes,
             "plan": str(self.plan), "source": self.source, "peak_bytes": self.peak_bytes,
             "peak_phase": self.peak_phase, "at_peak": self.at_peak, "model_peak_bytes": self.model_peak_bytes,
             "recompute_flops": self.recompute_flops, "extra_compute_pct": self.extra_compute_pct,
@@ -1758,7 +1761,7 @@ class PlanResult:
             moved = (f", offload {_fmt_bytes(choice.offload_bytes)} each way ({1e3 * choice.offload_seconds:.2f} ms "
                      "charged)") if choice.offload_bytes else ""
             lines.append(f"  extra compute:  {choice.extra_compute_pct:.2f}% ({choice.recompute_flops:,} recomputed "
-                         f"FLOPs){moved}")
+                         f"FLOPs; {_fmt_bytes(choice.recompute_bytes)} rebuilt in backward){moved}")
             if choice.megatron_args is not None:
                 lines.append(f"  Megatron flags: {' '.join(choice.megatron_args) or '(none: no recompute flags)'}")
             else:
@@ -1801,7 +1804,8 @@ def _choice(config: ModelConfig, plan_: Plan, tl: Timeline | Predicted, source: 
         recompute_flops=recompute, extra_compute_pct=100.0 * recompute / base if base else 0.0,
         cost=sum(cost.cost(model, u) for u in units), model_peak_bytes=model.peak(units),
         offload_bytes=offloaded * model.hidden_bytes, offload_seconds=offloaded * cost.offload_seconds(model),
-        megatron_policy=None if policy is None else str(policy), megatron_args=args, why_not_megatron=why)
+        megatron_policy=None if policy is None else str(policy), megatron_args=args, why_not_megatron=why,
+        recompute_bytes=sum(model.shape(u).recompute_bytes for u in units))
 
 
 def plan(config: ModelConfig, budget: int | str, *, objective: str = "extra_flops", engine: str = "reentrant",
