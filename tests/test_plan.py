@@ -458,6 +458,7 @@ def test_operator_level_plan_needs_no_flops_where_module_level_does():
     assert budget < model.peak([KEEP] * SMALL.num_layers)
     result = plan(SMALL, budget)
     assert result.extended.recompute_flops == 0 and measured_peak(SMALL, result.extended.plan) <= budget
+    assert result.extended.recompute_bytes > 0 and "rebuilt in backward" in result.format()  # the work FLOPs miss
     module_level = plan(SMALL, budget, selective_sets=selective_sets("core_attn,mlp,layernorm,act"))
     assert module_level.extended.recompute_flops > 0
     assert not any("non_matmul" in u.modules for u in module_level.extended.plan.units())
