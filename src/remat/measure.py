@@ -168,7 +168,7 @@ class StepRecorder(TorchDispatchMode):
         else:
             self.set_phase("forward", f"layer {i}")
             first = next((a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)), None)
-            if i == 0 and first is not None and first.requires_grad:
+            if self._starts_stack(module, i) and first is not None and first.requires_grad:
                 self._grad_hook(first, "embedding")
 
     def _post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -180,8 +180,20 @@ class StepRecorder(TorchDispatchMode):
         first = next((o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor)), None)
         if first is not None and first.requires_grad:
             self._grad_hook(first, f"layer {i}")
-        if i == len(self.layers) - 1 and not in_backward():
+        if self._ends_stack(module, i) and not in_backward():
             self.set_phase("forward", "head")
+
+    def _starts_stack(self, layer: nn.Module, index: int) -> bool:
+        """Whether ``layer`` is the first of the stack (its input's gradient starts the embedding's backward)."""
+        return index == 0
+
+    def _ends_stack(self, layer: nn.Module, index: int) -> bool:
+        """Whether ``layer`` is the last of the stack (the head's forward follows it)."""
+        return index == len(self.layers) - 1
+
+    def _region_layer(self, region: Region, position: int) -> int:
+        """The index phases give the ``position``-th layer of a layer-group region."""
+        return self.layer_index.get(id(region.modules[position]), region.layer_indices[position])
 
     def _grad_hook(self, tensor: torch.Tensor, region: str) -> None:
         def hook(grad: torch.Tensor) -> None:
@@ -198,15 +210,15 @@ class StepRecorder(TorchDispatchMode):
     def on_recompute(self, region: Region, begin: bool) -> None:
         if begin:
             self.recomputing.append((region, self._phase, len(self.module_stack)))
-            where = self._phase.region if region.kind != "layers" else f"layer {region.layer_indices[0]}"
+            where = self._phase.region if region.kind != "layers" else f"layer {self._region_layer(region, 0)}"
             self.set_phase("recompute", where, region.label)
         else:
             _, before, depth = self.recomputing.pop()
             del self.module_stack[depth:]
             if region.kind == "layers":  # what follows a group's recomputation is its last layer's backward
-                self.set_phase("backward", f"layer {region.layer_indices[-1]}")
-            else:
-                self.set_phase(before.kind, before.region, before.detail)
+                self.set_phase("backward", f"layer {self._region_layer(region, -1)}")
+            else:  # the phase as it was, its detail already complete (a subclass may add to details)
+                StepRecorder.set_phase(self, before.kind, before.region, before.detail)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def __enter__(self) -> StepRecorder:

@@ -60,9 +60,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten
 
-from remat.apply import Region, applied, apply, in_backward
+from remat.apply import applied, apply
 from remat.compose import CompositionError
 from remat.config import ModelConfig
 from remat.measure import CUDA_BLOCK, StepRecorder
@@ -427,49 +426,13 @@ class PipelineRecorder(StepRecorder):
             return self.layer_names.get(int(region[6:]), region)
         return region
 
-    def _pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self.module_stack.append(self.module_names.get(id(module), type(module).__name__))
-        g = self.layer_index.get(id(module))
-        if g is None or self._is_outer_call(module):
-            return
-        if in_backward():
-            detail = self.recomputing[-1][0].label if self.recomputing else ""
-            self.set_phase("recompute", f"layer {g}", detail)
-            return
-        self.set_phase("forward", f"layer {g}")
-        spec = self.layer_chunk[id(module)]
-        first = next((a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)), None)
-        if spec.is_first and g == spec.layer_offset and first is not None and first.requires_grad:
-            self._grad_hook(first, "embedding")
+    def _starts_stack(self, layer: nn.Module, index: int) -> bool:
+        spec = self.layer_chunk[id(layer)]
+        return spec.is_first and index == spec.layer_offset
 
-    def _post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self.module_stack:
-            self.module_stack.pop()
-        g = self.layer_index.get(id(module))
-        if g is None or self._is_outer_call(module):
-            return
-        first = next((o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor)), None)
-        if first is not None and first.requires_grad:
-            self._grad_hook(first, f"layer {g}")
-        spec = self.layer_chunk[id(module)]
-        if spec.is_last and g == spec.layer_offset + spec.num_layers - 1 and not in_backward():
-            self.set_phase("forward", "head")
-
-    def on_recompute(self, region: Region, begin: bool) -> None:
-        if begin:
-            self.recomputing.append((region, self._phase, len(self.module_stack)))
-            if region.kind == "layers":
-                where = f"layer {self.layer_index.get(id(region.modules[0]), region.layer_indices[0])}"
-            else:
-                where = self._phase.region if self._phase else ""
-            self.set_phase("recompute", where, region.label)
-            return
-        _, before, depth = self.recomputing.pop()
-        del self.module_stack[depth:]
-        if region.kind == "layers":
-            self.set_phase("backward", f"layer {self.layer_index.get(id(region.modules[-1]), -1)}")
-        elif before is not None:
-            StepRecorder.set_phase(self, before.kind, before.region, before.detail)  # detail already complete
+    def _ends_stack(self, layer: nn.Module, index: int) -> bool:
+        spec = self.layer_chunk[id(layer)]
+        return spec.is_last and index == spec.layer_offset + spec.num_layers - 1
 
     def track_setup(self, named: Sequence[tuple[str, torch.Tensor | None]] = ()) -> None:
         """Record what exists before the step: every parameter and buffer (named by its module), then
