@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.config import ConfigError, ModelConfig
-from remat.model import MLP, CoreAttention, SelfAttention, SwiGLU, _norm, building, layer_side_inputs
+from remat.model import GPT, MLP, CoreAttention, SelfAttention, SwiGLU, _norm, building
 
 
 class TensorParallelGroup:
@@ -366,12 +366,7 @@ class TPGPT(nn.Module):
         if config.tie_embeddings:
             self.head.output_layer.weight = self.embedding.word_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        causal_mask, rotary = layer_side_inputs(self.config, tokens)
-        hidden = self.embedding(tokens)
-        for layer in self.layers:
-            hidden = layer(hidden, causal_mask, rotary)
-        return self.head(hidden, labels)
+    forward = GPT.forward  # the same step over the rank's modules
 
 
 def check_tensor_parallel(config: ModelConfig, tp: int, sp: bool) -> None:
