@@ -155,15 +155,12 @@ def file_name(policy: str) -> str:
 @command
 def explain_command(sub: Subparsers) -> Runner:
     """``remat explain``: measure policies on the reference GPT and explain where the memory goes."""
-    parser = sub.add_parser(
-        "explain", help="measure recompute policies and explain the peaks in plain words",
-        description=textwrap.fill(
-            "Measure one training step of the reference GPT under each recompute policy and explain, with the "
-            "numbers, where each peak sits, why a bigger --recompute-num-layers group (up to the whole stack) can "
-            "still save memory, and how exact 'stored inputs + one group' is.", width=78, break_on_hyphens=False),
-        epilog="policy syntax (--policies takes a comma-separated list):\n" + GRAMMAR,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_debug(parser, argparse.SUPPRESS)
+    parser = add_subcommand(
+        sub, "explain", help="measure recompute policies and explain the peaks in plain words",
+        description="Measure one training step of the reference GPT under each recompute policy and explain, with "
+                    "the numbers, where each peak sits, why a bigger --recompute-num-layers group (up to the whole "
+                    "stack) can still save memory, and how exact 'stored inputs + one group' is.",
+        epilog="policy syntax (--policies takes a comma-separated list):\n" + GRAMMAR)
     add_model_arguments(parser)
     add_measure_arguments(parser)
     from remat.pipeline_cli import add_pipeline_arguments
@@ -483,17 +480,14 @@ def _model_summary(config: ModelConfig) -> str:
 @command
 def predict_command(sub: Subparsers) -> Runner:
     """``remat predict``: each policy's memory timeline, traced under FakeTensorMode (nothing is allocated)."""
-    parser = sub.add_parser(
-        "predict", help="predict peak memory of recompute policies without running the step",
-        description=textwrap.fill(
-            "Predict one training step's memory (forward, loss, backward) of the reference GPT under each recompute "
-            "policy, without allocating it: the step runs under FakeTensorMode and a deep stack is composed from a "
-            "shallow trace. Prints each policy's peak, where it is, what is alive there and the extra compute, "
-            "then the published per-layer formulas beside the traced bytes, with the reasons they differ.",
-            width=78, break_on_hyphens=False),
-        epilog="policy syntax (--policy takes one policy or a comma-separated list):\n" + GRAMMAR,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_debug(parser, argparse.SUPPRESS)
+    parser = add_subcommand(
+        sub, "predict", help="predict peak memory of recompute policies without running the step",
+        description="Predict one training step's memory (forward, loss, backward) of the reference GPT under each "
+                    "recompute policy, without allocating it: the step runs under FakeTensorMode and a deep stack "
+                    "is composed from a shallow trace. Prints each policy's peak, where it is, what is alive there "
+                    "and the extra compute, then the published per-layer formulas beside the traced bytes, with the "
+                    "reasons they differ.",
+        epilog=POLICY_LIST_EPILOG)
     add_model_source_arguments(parser)
     add_parallel_arguments(parser)
     add_policy_arguments(parser)
@@ -600,16 +594,12 @@ def _available_memory() -> int | None:
 @command
 def compare_command(sub: Subparsers) -> Runner:
     """``remat compare``: predicted against measured peaks on this machine, policy by policy."""
-    parser = sub.add_parser(
-        "compare", help="predict and measure the same steps here and report the error",
-        description=textwrap.fill(
-            "Predict each policy's step (FakeTensorMode) and measure it on this machine with real tensors, then "
-            "report both peaks, the error of the prediction and the worst error among the parts alive at the "
-            "peak. Real tensors are allocated: use a config that fits in this machine's memory.",
-            width=78, break_on_hyphens=False),
-        epilog="policy syntax (--policy takes one policy or a comma-separated list):\n" + GRAMMAR,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_debug(parser, argparse.SUPPRESS)
+    parser = add_subcommand(
+        sub, "compare", help="predict and measure the same steps here and report the error",
+        description="Predict each policy's step (FakeTensorMode) and measure it on this machine with real tensors, "
+                    "then report both peaks, the error of the prediction and the worst error among the parts alive "
+                    "at the peak. Real tensors are allocated: use a config that fits in this machine's memory.",
+        epilog=POLICY_LIST_EPILOG)
     add_model_source_arguments(parser)
     add_parallel_arguments(parser)
     add_policy_arguments(parser)
@@ -720,17 +710,14 @@ def plan_command(sub: Subparsers) -> Runner:
     """``remat plan``: the cheapest recompute plan whose predicted peak fits a memory budget."""
     from remat.plan import DEFAULT_RESERVE, GPU_PRESETS, OBJECTIVES
 
-    parser = sub.add_parser(
-        "plan", help="the cheapest recompute plan that fits a memory budget, guaranteed by the trace",
-        description=textwrap.fill(
-            "Find the recompute plan of least extra compute whose predicted peak memory fits --budget: the best "
-            "Megatron-LM setting (every uniform/block/selective setting, predicted) and the best extended plan "
-            "(per-layer keep / selective / checkpoint groups of any size / offloaded groups, found by an exact "
-            "dynamic program and checked with the real trace), for one process, one tensor-parallel rank (--tp, "
-            "--sp) or each pipeline stage (--pp). Exit code 1 when no plan fits: the smallest reachable peak and "
-            "its plan are printed.", width=78, break_on_hyphens=False),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_debug(parser, argparse.SUPPRESS)
+    parser = add_subcommand(
+        sub, "plan", help="the cheapest recompute plan that fits a memory budget, guaranteed by the trace",
+        description="Find the recompute plan of least extra compute whose predicted peak memory fits --budget: the "
+                    "best Megatron-LM setting (every uniform/block/selective setting, predicted) and the best "
+                    "extended plan (per-layer keep / selective / checkpoint groups of any size / offloaded groups, "
+                    "found by an exact dynamic program and checked with the real trace), for one process, one "
+                    "tensor-parallel rank (--tp, --sp) or each pipeline stage (--pp). Exit code 1 when no plan "
+                    "fits: the smallest reachable peak and its plan are printed.")
     add_model_source_arguments(parser)
     g = parser.add_argument_group("plan")
     g.add_argument("--budget", required=True, metavar="SIZE",
@@ -806,6 +793,19 @@ def _add_debug(parser: argparse.ArgumentParser, default: Any) -> None:
     # subcommands' default is SUPPRESS so they do not reset a --debug given before them.
     parser.add_argument("--debug", action="store_true", default=default,
                         help="print the full traceback of an error instead of one line")
+
+
+def add_subcommand(sub: Subparsers, name: str, *, help: str, description: str,
+                   epilog: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand's parser: its help line, its description wrapped at 78 columns, an optional epilog kept as
+    written, and --debug."""
+    parser = sub.add_parser(name, help=help, description=textwrap.fill(description, width=78, break_on_hyphens=False),
+                            epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_debug(parser, argparse.SUPPRESS)
+    return parser
+
+
+POLICY_LIST_EPILOG = "policy syntax (--policy takes one policy or a comma-separated list):\n" + GRAMMAR
 
 
 def build_parser() -> argparse.ArgumentParser:

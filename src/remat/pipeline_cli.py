@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from remat.cli import (
-    _add_debug,
     add_measure_arguments,
     add_model_arguments,
+    add_subcommand,
     command,
     file_name,
     model_config_from_args,
@@ -436,14 +436,11 @@ def run_pipeline_explain(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------ remat measure
 def measure_command(sub: Any) -> Runner:
     """``remat measure``: measure each pipeline stage in a real multi-process run (``--pp 1``: one process)."""
-    parser = sub.add_parser(
-        "measure", help="measure per-stage memory in a real pipeline-parallel run (one process per stage)",
-        description=textwrap.fill(
-            "Run one training step of the reference GPT split into --pp pipeline stages, one process per stage "
-            "(gloo on CPU, NCCL with --device cuda), record every stage's memory, and show each stage's measured "
-            "peak next to the prediction, with what is in flight at the peak.", width=78, break_on_hyphens=False),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_debug(parser, argparse.SUPPRESS)
+    parser = add_subcommand(
+        sub, "measure", help="measure per-stage memory in a real pipeline-parallel run (one process per stage)",
+        description="Run one training step of the reference GPT split into --pp pipeline stages, one process per "
+                    "stage (gloo on CPU, NCCL with --device cuda), record every stage's memory, and show each "
+                    "stage's measured peak next to the prediction, with what is in flight at the peak.")
     add_model_arguments(parser)
     add_measure_arguments(parser)
     add_pipeline_arguments(parser)
