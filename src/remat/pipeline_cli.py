@@ -49,6 +49,7 @@ from remat.pipeline import (
     stage_summary,
 )
 from remat.policy import Policy
+from remat.report import cell, error_pct, text_cell
 from remat.timeline import Timeline
 
 Runner = Any
@@ -171,27 +172,18 @@ def policies_from_args(args: argparse.Namespace, config: ModelConfig, pipe: Pipe
 
 
 # ------------------------------------------------------------------------------------------------ formatting
-def _mib(value: Any) -> str:
-    return "-" if value is None else f"{value / MIB:.2f}"
-
-
-def _error(value: Any) -> str:
-    return "-" if value is None else f"{100 * value:+.2f}"
-
-
-def _text(value: Any) -> str:
-    return "-" if value is None else str(value)
+_mib = cell(lambda value: f"{value / MIB:.2f}")  # stages are small: two decimals
 
 
 STAGE_COLUMNS = [
-    ("stage", "stage", _text), ("policy", "policy", _text), ("peak_bytes", "peak MiB", _mib),
-    ("peak_phase", "peak in", _text), ("max_in_flight", "in flight max", _text),
-    ("in_flight_at_peak", "in flight @peak", _text), ("saved_bytes_at_peak", "saved @peak MiB", _mib),
+    ("stage", "stage", text_cell), ("policy", "policy", text_cell), ("peak_bytes", "peak MiB", _mib),
+    ("peak_phase", "peak in", text_cell), ("max_in_flight", "in flight max", text_cell),
+    ("in_flight_at_peak", "in flight @peak", text_cell), ("saved_bytes_at_peak", "saved @peak MiB", _mib),
 ]
 COMPARE_COLUMNS = [
-    ("stage", "stage", _text), ("policy", "policy", _text), ("measured_bytes", "measured MiB", _mib),
-    ("predicted_bytes", "predicted MiB", _mib), ("error", "error %", _error),
-    ("max_in_flight", "in flight max", _text), ("in_flight_at_peak", "in flight @peak", _text),
+    ("stage", "stage", text_cell), ("policy", "policy", text_cell), ("measured_bytes", "measured MiB", _mib),
+    ("predicted_bytes", "predicted MiB", _mib), ("error", "error %", error_pct),
+    ("max_in_flight", "in flight max", text_cell), ("in_flight_at_peak", "in flight @peak", text_cell),
 ]
 
 
@@ -306,7 +298,7 @@ def run_pipeline_measure(args: argparse.Namespace) -> int:
     _write_report(args, report)
     text = "\n".join([f"Measured per-stage memory ({pipe.pp} process{'es' if pipe.pp > 1 else ''}, "
                       f"torch.distributed.pipelining): {_model_line(config, pipe)}",
-                      _table(rows, COMPARE_COLUMNS + [("peak_phase", "peak in", _text)]), "", _bullets(whys)])
+                      _table(rows, COMPARE_COLUMNS + [("peak_phase", "peak in", text_cell)]), "", _bullets(whys)])
     _print(args, report, text)
     return 0
 

@@ -25,31 +25,24 @@ MIB = 1 << 20
 Column = tuple[str, str, Callable[[Any], str]]
 
 
-def _mib(value: Any) -> str:
-    return "-" if value is None else f"{value / MIB:.1f}"
+def cell(fmt: Callable[[Any], str]) -> Callable[[Any], str]:
+    """A column formatter: ``'-'`` for a missing value (None), else ``fmt(value)``."""
+    return lambda value: "-" if value is None else fmt(value)
 
 
-def _pct(value: Any) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-def _seconds(value: Any) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _ratio(value: Any) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def _text(value: Any) -> str:
-    return "-" if value is None else str(value)
+text_cell = cell(str)
+_mib = cell(lambda value: f"{value / MIB:.1f}")
+_pct = cell(lambda value: f"{value:.1f}")
+_seconds = cell(lambda value: f"{value:.3f}")
+_ratio = cell(lambda value: f"{value:.2f}x")
+error_pct = cell(lambda error: f"{100 * error:+.2f}")  # a relative error, as a signed percentage
 
 
 # (row key, header, formatter) of the explain table, in order; headers say the unit.
 EXPLAIN_COLUMNS: list[Column] = [
-    ("policy", "policy", _text),
+    ("policy", "policy", text_cell),
     ("peak_bytes", "peak MiB", _mib),
-    ("peak_phase", "peak in", _text),
+    ("peak_phase", "peak in", text_cell),
     ("activations_at_peak", "act@peak", _mib),
     ("group_inputs_at_peak", "inputs@peak", _mib),
     ("group_inputs_stored", "inputs stored", _mib),
@@ -61,13 +54,13 @@ EXPLAIN_COLUMNS: list[Column] = [
 ]
 
 FORMULA_COLUMNS: list[Column] = [
-    ("policy", "policy", _text),
-    ("group", "first recomputed", _text),
+    ("policy", "policy", text_cell),
+    ("group", "first recomputed", text_cell),
     ("stored_group_inputs", "inputs stored", _mib),
     ("group_activation_bytes", "group act (plain)", _mib),
     ("predicted_bytes", "predicted MiB", _mib),
     ("measured_bytes", "measured MiB", _mib),
-    ("error", "error %", lambda e: "-" if e is None else f"{100 * e:+.2f}"),
+    ("error", "error %", error_pct),
 ]
 
 COLUMN_NOTES = (
