@@ -42,7 +42,7 @@ from remat.plan import (
     unit_model,
 )
 from remat.policy import Policy
-from remat.predict import _trace
+from remat.predict import _trace, trace_rank
 
 TINY = ModelConfig(num_layers=6, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                    vocab_size=128)
@@ -480,8 +480,6 @@ def test_every_selective_set_is_applicable():
 def test_unit_model_of_a_tensor_parallel_rank_equals_full_traces(sp):
     """The unit model of one tensor-parallel rank (simulated group, Megatron sharding) against whole fake traces
     of that rank, on random plans of every unit kind, byte for byte."""
-    from remat.plan import _trace_rank
-
     model = unit_model(SMALL, tp=2, sp=sp)
     kinds = [KEEP, *(Unit("selective", 1, s) for s in SELECTIVE_SETS + contraction_sets(model.contractions)),
              *(Unit(m, k) for m in ("checkpoint", "offload") for k in (1, 2, 3, 4))]
@@ -489,7 +487,7 @@ def test_unit_model_of_a_tensor_parallel_rank_equals_full_traces(sp):
     for _ in range(5):
         units = random_units(rng, rng.randint(2, 6), kinds)
         p = Plan.from_units(units)
-        traced = _trace_rank(SMALL.replace(num_layers=p.num_layers), p, "cpu", 2, sp)
+        traced = trace_rank(SMALL.replace(num_layers=p.num_layers), p, "cpu", 2, sp)
         assert model.peak(units) == traced.peak_bytes, str(p)
 
 

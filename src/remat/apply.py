@@ -345,7 +345,7 @@ class Region:
     @property
     def operator_level(self) -> bool:
         """A non_matmul region: one layer under selective activation checkpointing."""
-        return self.kind.startswith("selective:") and "non_matmul" in self.kind[10:].split("+")
+        return self.kind.startswith("selective:") and "non_matmul" in self.kind.split(":", 1)[1].split("+")
 
     @property
     def whole_layers(self) -> bool:

@@ -114,6 +114,7 @@ from remat.policy import (
     contraction_limit,
     normalise_modules,
 )
+from remat.predict import predict_config, predict_many, rank_model_factory, trace_rank
 from remat.timeline import Timeline
 
 MODES = ("keep", "selective", "checkpoint", "offload")
@@ -662,17 +663,6 @@ def _recorder() -> Any:
     raise RuntimeError("remat.plan: no step recorder is active")
 
 
-def rank_model_factory(config: ModelConfig, tp: int = 1, sp: bool = False) -> Callable[[], nn.Module]:
-    """What builds the model one rank runs: the reference GPT, or its tensor-parallel rank (:mod:`remat.parallel`,
-    a simulated group of ``tp``, sequence-parallel with ``sp``)."""
-    if tp == 1 and not sp:
-        return lambda: build_model(config)
-    from remat.parallel import SimulatedGroup, build_tp_model, check_tensor_parallel
-
-    check_tensor_parallel(config, tp, sp)
-    return lambda: build_tp_model(config, SimulatedGroup(tp), sp)
-
-
 def marked_trace(config: ModelConfig, units: Sequence[Unit], *, device: str = "cpu",
                  engine: str = "reentrant", tp: int = 1, sp: bool = False) -> tuple[Timeline, _Marks]:
     """Trace the reference GPT under the plan of ``units`` (fake tensors) and mark where each unit's forward and
@@ -887,7 +877,6 @@ def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reent
     group_modes = ("checkpoint", "offload") if engine == "reentrant" else ("checkpoint",)
     # the profile stack: a checkpointed layer at the bottom keeps every side input, so no unit above is the lowest
     # holder; then every unit kind once (groups of 1, 2 and 3 layers: a middle layer first appears at 3)
-    rank_model_factory(config, tp, sp)  # refuses a tp that does not divide the config, naming the field
     contractions = layer_contractions(config, tp, sp)
     units = [Unit("checkpoint", 1), KEEP, *(Unit("selective", 1, s) for s in SELECTIVE_SETS + contraction_sets(
         contractions))]
@@ -1570,8 +1559,6 @@ def predict_plan(config: ModelConfig, plan: Plan, *, device: str = "cpu", tp: in
     the trace of its :func:`stand_in` (:func:`remat.compose.compose`), or traced whole when composition is
     refused or the plan offloads. ``meta['plan']`` holds the plan's text.
     """
-    from remat.predict import predict_config
-
     if plan.num_layers != config.num_layers:
         raise PlanError(f"the plan is for {plan.num_layers} layers but the config has {config.num_layers}")
     policy, _ = plan.megatron_policy()
@@ -1586,27 +1573,17 @@ def predict_plan(config: ModelConfig, plan: Plan, *, device: str = "cpu", tp: in
                 if key not in _STAND_INS:
                     if len(_STAND_INS) >= 32:
                         del _STAND_INS[next(iter(_STAND_INS))]
-                    _STAND_INS[key] = ShallowTrace(_trace_rank(key[0], shallow, device, tp, sp), shallow)
+                    _STAND_INS[key] = ShallowTrace(trace_rank(key[0], shallow, device, tp, sp), shallow)
                 tl = compose(_STAND_INS[key], shallow, plan, plan.num_layers)
                 tl.meta["config"] = config.to_dict()
             except CompositionError as err:
                 tl = None
                 refused = str(err)
         if tl is None:
-            tl = _trace_rank(config, plan, device, tp, sp)
+            tl = trace_rank(config, plan, device, tp, sp)
             if shallow is not None:
                 tl.meta["composition_refused"] = refused
     tl.meta["plan"] = str(plan)
-    return tl
-
-
-def _trace_rank(config: ModelConfig, plan: Plan, device: str, tp: int, sp: bool) -> Timeline:
-    from remat.predict import _trace
-
-    if tp == 1 and not sp:
-        return _trace(config, plan, device=device)
-    tl = _trace(rank_model_factory(config, tp, sp), plan, batch=sample_batch(config), device=device)
-    tl.meta.update({"config": config.to_dict(), "tp": tp, "sp": sp})
     return tl
 
 
@@ -1644,8 +1621,6 @@ def megatron_table(config: ModelConfig, *, device: str = "cpu", engine: str = "r
                    sp: bool = False) -> list[tuple[Policy, Predicted]]:
     """Every Megatron setting (:func:`megatron_policies`) with its prediction (:func:`remat.predict.predict_many`);
     cached per config."""
-    from remat.predict import predict_many
-
     key = (config, device, engine, tp, sp)
     if key not in _MEGATRON:
         policies = megatron_policies(config.num_layers, engine)
@@ -2009,8 +1984,6 @@ def plan_pipeline(config: ModelConfig, budget: int, *, pp: int, microbatches: in
     schedule = pl.check_schedule(schedule, pp, microbatches, 1, runtime)
     model = unit_model(config, device=device, engine=engine)
     fps = cost.flops_per_second
-    from remat.predict import predict_config
-
     baseline = Predicted.of(predict_config(config.replace(num_layers=1), Policy(engine=engine), device=device))
     head_fwd = baseline.flops.get("forward", 0) - model.layer_forward_flops
     head_bwd = baseline.flops.get("backward", 0) - model.layer_backward_flops

@@ -21,7 +21,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from remat.apply import apply
+from remat.apply import RecomputeLayout, apply
 from remat.compose import CompositionError, ShallowTrace, compose, shallow_stand_ins
 from remat.config import ModelConfig
 from remat.measure import CUDA_BLOCK, Batch, record_step
@@ -81,21 +81,32 @@ def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "
             shallow = _shallow_trace(config.replace(num_layers=shallow_depth), shallow_policy, device, tp, sp)
             timeline = compose(shallow, shallow_policy, policy, config.num_layers)
         except CompositionError as err:
-            timeline = _trace_config(config, policy, device, tp, sp)
+            timeline = trace_rank(config, policy, device, tp, sp)
             timeline.meta["composition_refused"] = str(err)
         else:
             timeline.meta["config"] = config.to_dict()
             timeline.meta.update({"tp": tp, "sp": sp})
         return timeline
-    return _trace_config(config, policy, device, tp, sp)
+    return trace_rank(config, policy, device, tp, sp)
 
 
-def _trace_config(config: ModelConfig, policy: Policy, device: str, tp: int, sp: bool) -> Timeline:
+def rank_model_factory(config: ModelConfig, tp: int = 1, sp: bool = False) -> Callable[[], nn.Module]:
+    """What builds the model one rank runs: the reference GPT, or its tensor-parallel rank (:mod:`remat.parallel`,
+    a simulated group of ``tp``, sequence-parallel with ``sp``); a ``tp`` that does not divide the config is
+    refused here, naming the field."""
     if tp == 1 and not sp:
-        timeline = _trace(config, policy, device=device)
+        return lambda: build_model(config)
+    check_tensor_parallel(config, tp, sp)
+    return lambda: build_tp_model(config, SimulatedGroup(tp), sp)
+
+
+def trace_rank(config: ModelConfig, layout: RecomputeLayout, device: str = "cpu", tp: int = 1,
+               sp: bool = False) -> Timeline:
+    """The whole-stack fake trace of one rank (:func:`rank_model_factory`) under ``layout`` (a policy or a plan)."""
+    if tp == 1 and not sp:
+        timeline = _trace(config, layout, device=device)
     else:
-        timeline = _trace(lambda: build_tp_model(config, SimulatedGroup(tp), sp), policy,
-                          batch=sample_batch(config), device=device)
+        timeline = _trace(rank_model_factory(config, tp, sp), layout, batch=sample_batch(config), device=device)
         timeline.meta["config"] = config.to_dict()
     timeline.meta.update({"tp": tp, "sp": sp})
     return timeline
@@ -116,7 +127,7 @@ def _shallow_trace(config: ModelConfig, policy: Policy, device: str, tp: int, sp
     if key not in _SHALLOW:
         if len(_SHALLOW) >= _SHALLOW_CAPACITY:
             del _SHALLOW[next(iter(_SHALLOW))]
-        _SHALLOW[key] = ShallowTrace(_trace_config(config, policy, device, tp, sp), policy)
+        _SHALLOW[key] = ShallowTrace(trace_rank(config, policy, device, tp, sp), policy)
     return _SHALLOW[key]
 
 
