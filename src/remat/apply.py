@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from remat.policy import CONTRACTION_PREFIX, Policy, contraction_limit
+from remat.policy import CONTRACTION_PREFIX, NON_MATMUL_INCLUDES, Policy, contraction_limit
 
 # Where common model families keep their decoder layers, most specific first.
 LAYER_STACK_PATHS = (
@@ -649,7 +649,7 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
 
 def _operator_level_region(index: int, layer: nn.Module, name: str, i: int, modules: Sequence[str]) -> Region:
     """The non_matmul region of one layer; its other modules (core_attn, mlp) recompute their matmuls too."""
-    redundant = [m for m in modules if m in ("layernorm", "act")]
+    redundant = [m for m in modules if m in NON_MATMUL_INCLUDES]
     if redundant:
         raise ApplyError(f"layer {i}: non_matmul already recomputes {'+'.join(redundant)} (no matrix multiply in "
                          "them): drop them from the selective modules")
