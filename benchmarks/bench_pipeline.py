@@ -5,7 +5,8 @@ For P = 2 and P = 4 pipeline stages (CPU, gloo, one process per stage, ``torch.d
 reference GPT (small by default: 8 layers, h=128, s=64, microbatch 2, vocab 256, fp32) runs one training step
 of M = 2P microbatches under each schedule asked for (1F1B by default) and each policy: ``none``,
 ``full/uniform/1`` and ``full/uniform/<layers per stage>`` (one group per stage). Every stage's step is
-recorded (exact storage bytes) and compared with :func:`remat.pipeline.predict_pipeline` (fake traces of one
+recorded (exact storage bytes) and compared with :func:`remat.parallel.pipeline_predict.predict_pipeline` (fake traces
+of one
 microbatch per chunk, composed for the schedule; nothing allocated).
 
 Columns: measured and predicted peak (MiB), error = (predicted - measured) / measured, the microbatches in flight
@@ -27,8 +28,10 @@ import sys
 import time
 
 from remat.config import ModelConfig
-from remat.distributed import measure_pipeline_many
-from remat.pipeline import MIB, peak_error, predict_pipeline, same_step
+from remat.parallel.pipeline_measure import measure_pipeline_many
+from remat.parallel.pipeline_predict import predict_pipeline
+from remat.parallel.pipeline_report import peak_error, same_step
+from remat.units import MIB
 
 
 def run(config: ModelConfig, pp: int, schedule: str, timeout: float) -> list[dict]:

@@ -22,7 +22,8 @@ Methods, at each budget:
   (a throwaway venv); if it cannot be imported the exact error is reported.
 
 Measurements: remat's plans are measured with :func:`remat.measure` on real CPU tensors (device bytes: an
-offloaded input leaves the count, see ``remat.apply.offload_to_host``). A compiled model cannot be measured that
+offloaded input leaves the count, see ``remat.recompute.offload.offload_to_host``). A compiled model cannot be
+measured that
 way (a TorchDispatchMode makes dynamo run the eager code), so every method is also measured with the profiler's
 memory timeline (``torch.profiler`` ``profile_memory=True``, ``_memory_profile()``: every CPU storage created
 and destroyed); that instrument is checked against remat.measure on the eager no-recompute step. It counts
@@ -69,18 +70,12 @@ import torch
 
 import remat
 from remat import ModelConfig, build_model, measure, sample_batch
-from remat.plan import (
-    BudgetError,
-    CostModel,
-    Plan,
-    candidate_units,
-    measure_layer_times,
-    megatron_policies,
-    min_peak,
-    plan,
-    solve,
-    unit_model,
-)
+from remat.plan.api import BudgetError, plan
+from remat.plan.costs import CostModel, candidate_units, measure_layer_times
+from remat.plan.megatron import megatron_policies
+from remat.plan.solver import min_peak, solve
+from remat.plan.unit_model import unit_model
+from remat.recompute.plan_format import Plan
 
 MIB = 1 << 20
 warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
@@ -172,7 +167,7 @@ class CompileSearch:
     def backend(self, counts: dict[str, int]) -> Any:
         from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
-        from remat.measure import FLOP_FORMULAS  # torch.utils.flop_counter formulas, plus CPU flash attention
+        from remat.memory.measure import FLOP_FORMULAS  # torch.utils.flop_counter formulas, plus CPU flash attention
 
         def counting(kind: str):
             def compiler(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:

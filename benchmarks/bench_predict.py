@@ -5,7 +5,7 @@
 dropout 0.1) and Llama-style (SwiGLU, RMSNorm, rotary, grouped-query sdpa attention, no dropout, no biases), two
 sizes each, fp32 and bf16; for each, every policy remat implements - ``none``, ``full/uniform/K`` and
 ``full/block/K`` for every K, every selective module set (Megatron's core_attn/mlp/layernorm and remat's own
-``act``) - with both engines (reentrant, non-reentrant). Each policy is predicted (``remat.predict.predict``:
+``act``) - with both engines (reentrant, non-reentrant). Each policy is predicted (``remat.memory.predict.predict``:
 FakeTensorMode, composed from shallow stand-ins) and measured on this CPU with real tensors
 (``remat.measure``). Printed per row: both peaks, the peak error and the worst error among the parts alive at the
 peak (parameters, gradients, group inputs, saved activations, recompute, head/loss, other); then the worst of
@@ -47,13 +47,14 @@ import numpy as np
 import torch
 
 from remat import predict as predict_module
-from remat.apply import apply
-from remat.cli import megatron_sweep, part_errors
+from remat.cli.compare import part_errors
 from remat.config import ModelConfig
-from remat.measure import measure
-from remat.model import build_model, sample_batch
-from remat.predict import predict, predict_config, predict_many
+from remat.memory.measure import measure
+from remat.memory.predict import predict, predict_config, predict_many
+from remat.models.gpt import build_model, sample_batch
+from remat.plan.megatron import megatron_sweep
 from remat.presets import get_preset
+from remat.recompute.apply import apply
 from remat.timeline import Timeline
 
 GPT = dict(activation="gelu", normalization="layernorm", position="learned", attention="math",

@@ -65,7 +65,7 @@ from torch import nn
 
 import remat
 from remat import ModelConfig, build_model, sample_batch
-from remat.plan import measure_layer_times
+from remat.plan.costs import measure_layer_times
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from remat import ModelConfig, apply, build_model, measure, sample_batch
-from remat.predict import predict
+from remat.memory.predict import predict
 
 POLICIES = ("none", "full/uniform/1", "selective/core_attn")
 MIB = 1 << 20

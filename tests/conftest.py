@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from remat.apply import add_observer, remove_observer
+from remat.recompute.engines import add_observer, remove_observer
 
 # The test models are tiny: one thread is as fast as two and keeps timings steady on a shared 2-core machine.
 torch.set_num_threads(1)

@@ -9,17 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from remat.apply import (
-    SELECTIVE_TARGETS,
-    ApplyError,
-    applied,
-    apply,
-    find_layer_stack,
-    remove,
-)
 from remat.config import ModelConfig
-from remat.model import GPT, build_model, sample_batch
+from remat.models.gpt import GPT, build_model, sample_batch
 from remat.policy import ENGINES, Policy, PolicyError
+from remat.recompute.apply import applied, apply, find_layer_stack, remove
+from remat.recompute.region import SELECTIVE_TARGETS, ApplyError
 
 SMALL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                     vocab_size=128, hidden_dropout=0.1, attention_dropout=0.1)
@@ -193,7 +187,7 @@ def test_selective_regions_target_the_named_submodules(modules):
 # ------------------------------------------------------------------------ operator level (non_matmul)
 def recompute_flops(model: nn.Module, cfg: ModelConfig) -> tuple[int, int]:
     """(peak bytes, FLOPs counted in recompute phases) of one measured step."""
-    from remat.measure import measure
+    from remat.memory.measure import measure
 
     tl = measure(model, sample_batch(cfg, seed=1))
     flops = tl.meta["phase_flops"]

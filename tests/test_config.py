@@ -1,4 +1,4 @@
-"""Tests for remat.config and the reference model's construction (remat.model.build_model, sample_batch)."""
+"""Tests for remat.config and the reference model's construction (remat.models.gpt.build_model, sample_batch)."""
 
 import dataclasses
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from remat.config import ConfigError, ModelConfig
-from remat.model import GPT, build_model, sample_batch
+from remat.models.gpt import GPT, build_model, sample_batch
 
 TINY = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, micro_batch_size=3,
                    vocab_size=20)

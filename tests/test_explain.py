@@ -1,4 +1,5 @@
-"""Tests for remat.explain, remat.report and the ``remat explain`` command line (tiny models, a few seconds)."""
+"""Tests for remat.analysis.explain, remat.analysis.report and the ``remat explain`` command line (tiny models, a few
+seconds)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import pytest
 import torch
 
 from remat import ModelConfig, Policy, PolicyError, Timeline, __version__
-from remat.cli import file_name, main, parse_policy_list
-from remat.explain import default_policies, explain, resolve_policies
-from remat.report import format_table, write_json
+from remat.analysis.explain import default_policies, explain, resolve_policies
+from remat.analysis.report import format_table, write_json
+from remat.cli import main
+from remat.cli.common import file_name, parse_policy_list
 
 MIB = 1 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

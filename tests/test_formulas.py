@@ -1,4 +1,4 @@
-"""Tests for remat.formulas: the paper's formulas, Megatron's estimator, and the exact per-layer inventory."""
+"""Tests for remat.analysis.formulas: the paper's formulas, Megatron's estimator, and the exact per-layer inventory."""
 
 import json
 from functools import cache
@@ -7,18 +7,11 @@ import pytest
 
 import remat
 from remat import ModelConfig
-from remat.formulas import (
-    _inventory,
-    _paper_layout,
-    corrected_layer_bytes,
-    explain_differences,
-    korthikanti_layer_bytes,
-    korthikanti_terms,
-    layer_inventory,
-    megatron_estimate,
-    traced_layer_bytes,
-    traced_layer_rows,
-)
+from remat.analysis.differences import explain_differences, traced_layer_bytes, traced_layer_rows
+from remat.analysis.formulas import korthikanti_layer_bytes, korthikanti_terms, megatron_estimate
+from remat.analysis.inventory import build_inventory as _inventory
+from remat.analysis.inventory import corrected_layer_bytes, layer_inventory
+from remat.analysis.inventory import paper_layout as _paper_layout
 
 SMALL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                     vocab_size=128)

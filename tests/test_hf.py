@@ -26,10 +26,11 @@ from transformers import (  # noqa: E402
     Qwen2Config,
 )
 
-from remat import hf  # noqa: E402
-from remat.apply import ApplyError, applied, apply, find_layer_stack, remove  # noqa: E402
-from remat.measure import measure  # noqa: E402
-from remat.predict import predict  # noqa: E402
+from remat.memory.measure import measure  # noqa: E402
+from remat.memory.predict import predict  # noqa: E402
+from remat.recompute import hf  # noqa: E402
+from remat.recompute.apply import applied, apply, find_layer_stack, remove  # noqa: E402
+from remat.recompute.region import ApplyError  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 P = 0.1  # every dropout the family has

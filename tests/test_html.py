@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from torch.cuda import _memory_viz as memory_viz
 
+from remat.analysis.explain import explain
+from remat.analysis.html import render_html, write_html
+from remat.analysis.snapshot import snapshot_live_bytes, to_memory_snapshot, write_memory_snapshot
 from remat.cli import main
 from remat.config import ModelConfig
-from remat.explain import explain
-from remat.html import render_html, write_html
-from remat.snapshot import snapshot_live_bytes, to_memory_snapshot, write_memory_snapshot
 
 TINY = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                    vocab_size=256)
@@ -86,12 +86,12 @@ def test_peak_markers_sit_at_each_peak():
 
 
 def test_long_timelines_keep_their_peak():
-    from remat.html import _reduce
+    from remat.analysis.html import downsample_curve
 
     y = np.sin(np.linspace(0, 40, 100_000)) + np.linspace(0, 1, 100_000)
     y[54_321] = 9.0
     x = np.linspace(0, 2, len(y))
-    rx, ry = _reduce(x, y)
+    rx, ry = downsample_curve(x, y)
     assert len(rx) <= 1500 and ry.max() == 9.0 and np.all(np.diff(rx) > 0)
 
 

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from remat.apply import ApplyError, apply, find_layer_stack
-from remat.measure import measure
-from remat.predict import predict
+from remat.memory.measure import measure
+from remat.memory.predict import predict
+from remat.recompute.apply import apply, find_layer_stack
+from remat.recompute.region import ApplyError
 
 VOCAB, WIDTH, HEADS, SEQ, DEPTH = 96, 64, 4, 32, 4
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from remat.apply import apply
 from remat.config import ModelConfig
-from remat.measure import measure
-from remat.model import build_model, sample_batch
+from remat.memory.measure import measure
+from remat.models.gpt import build_model, sample_batch
 from remat.policy import Policy
+from remat.recompute.apply import apply
 from remat.timeline import CATEGORIES, Phase, Timeline, TimelineError
 
 SMALL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from remat import ApplyError, ConfigError, ModelConfig, Policy, apply
-from remat.parallel import SimulatedGroup, build_tp_model, measure_tensor_parallel
-from remat.predict import predict_config
+from remat.memory.predict import predict_config
+from remat.models.tensor_parallel import SimulatedGroup, build_tp_model
+from remat.parallel.tensor import measure_tensor_parallel
 
 TINY = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                    vocab_size=128)

@@ -1,5 +1,5 @@
-"""Tests for pipeline-parallel memory: remat.pipeline (schedules, per-microbatch composition, prediction),
-remat.distributed (real multi-process runs on CPU gloo) and remat.pipeline_cli.
+"""Tests for pipeline-parallel memory: remat.parallel (schedules, per-microbatch composition, prediction),
+remat.parallel.launch (real multi-process runs on CPU gloo) and remat.cli.pipeline.
 
 The real runs launch worker processes (a few seconds each, most of it importing torch); they are few and share
 launches: one launch measures several policies.
@@ -15,30 +15,28 @@ import time
 import numpy as np
 import pytest
 
-from remat.compose import CompositionError
 from remat.config import ModelConfig
-from remat.distributed import DistributedError, measure_pipeline, measure_pipeline_many
-from remat.pipeline import (
+from remat.memory.compose import CompositionError
+from remat.memory.predict import trace as _trace
+from remat.parallel.chunk_trace import trace_chunk
+from remat.parallel.launch import DistributedError
+from remat.parallel.pipeline_measure import measure_pipeline, measure_pipeline_many
+from remat.parallel.pipeline_predict import Composer as _Composer
+from remat.parallel.pipeline_predict import predict_pipeline, single_stage_difference
+from remat.parallel.pipeline_report import in_flight_at, peak_error, same_step
+from remat.parallel.schedule import (
     Action,
     PipelineError,
-    _Composer,
     checkpointed_forwards,
     chunk_layout,
-    in_flight_at,
     in_flight_profile,
     max_in_flight,
-    parse_phase_detail,
     partition,
-    peak_error,
-    predict_pipeline,
-    same_step,
     schedule_actions,
-    single_stage_difference,
-    trace_chunk,
     warmup_forwards,
 )
+from remat.parallel.stages import parse_phase_detail
 from remat.policy import Policy
-from remat.predict import _trace
 
 SMALL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                     vocab_size=128)
@@ -340,8 +338,7 @@ def test_hung_rank_stops_the_run_within_the_timeout():
 
 # ------------------------------------------------------------------------------------------------ CLI
 def _namespace(extra: list[str]) -> argparse.Namespace:
-    from remat.cli import add_measure_arguments, add_model_arguments
-    from remat.pipeline_cli import add_pipeline_arguments
+    from remat.cli.common import add_measure_arguments, add_model_arguments, add_pipeline_arguments
 
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
@@ -355,7 +352,7 @@ def _namespace(extra: list[str]) -> argparse.Namespace:
 
 
 def test_cli_predict_json(capsys):
-    from remat.pipeline_cli import run_pipeline_predict
+    from remat.cli.pipeline import run_pipeline_predict
 
     args = _namespace(["--pp", "2", "--microbatches", "4", "--policies", "none,full/uniform/1", "--json"])
     assert run_pipeline_predict(args) == 0
@@ -367,13 +364,13 @@ def test_cli_predict_json(capsys):
 
 def test_cli_compare_rows(monkeypatch, capsys):
     """compare's rows (the measurement is replaced by the prediction: the real runs are tested above)."""
-    import remat.distributed as distributed
-    from remat.pipeline_cli import run_pipeline_compare
+    import remat.parallel.pipeline_measure as pipeline_measure
+    from remat.cli.pipeline import run_pipeline_compare
 
     def fake_measure(config, policies, pp, m, schedule, vpp, layout, partial, **_):
         return [predict_pipeline(config, p, pp, m, schedule, vpp, layout, partial) for p in policies]
 
-    monkeypatch.setattr(distributed, "measure_pipeline_many", fake_measure)
+    monkeypatch.setattr(pipeline_measure, "measure_pipeline_many", fake_measure)
     args = _namespace(["--pp", "2", "--microbatches", "4", "--schedule", "gpipe", "--policies",
                        "none,full/uniform/2", "--json"])
     assert run_pipeline_compare(args) == 0
@@ -385,7 +382,7 @@ def test_cli_compare_rows(monkeypatch, capsys):
 
 
 def test_cli_measure_registered_and_errors_are_one_line(capsys):
-    import remat.pipeline_cli  # noqa: F401  registers `remat measure`
+    import remat.cli.pipeline  # noqa: F401  registers `remat measure`
     from remat.cli import build_parser, main
 
     assert "measure" in build_parser()._subparsers._group_actions[0].choices

@@ -16,33 +16,17 @@ import torch
 from remat import apply, build_model, measure, sample_batch
 from remat.cli import main
 from remat.config import ModelConfig
-from remat.plan import (
-    GIB,
-    GPU_PRESETS,
-    KEEP,
-    MIB,
-    SELECTIVE_SETS,
-    BudgetError,
-    CostModel,
-    Plan,
-    PlanError,
-    Segment,
-    Unit,
-    candidate_units,
-    contraction_sets,
-    megatron_policies,
-    min_peak,
-    parse_budget,
-    parse_bytes,
-    plan,
-    predict_plan,
-    selective_sets,
-    solve,
-    stand_in,
-    unit_model,
-)
+from remat.memory.predict import trace as _trace
+from remat.memory.predict import trace_rank
+from remat.plan.api import BudgetError, plan
+from remat.plan.costs import CostModel, candidate_units
+from remat.plan.megatron import megatron_policies, predict_plan, stand_in
+from remat.plan.solver import min_peak, solve
+from remat.plan.space import SELECTIVE_SETS, contraction_sets, selective_sets
+from remat.plan.unit_model import unit_model
 from remat.policy import Policy
-from remat.predict import _trace, trace_rank
+from remat.recompute.plan_format import KEEP, Plan, PlanError, Segment, Unit
+from remat.units import GIB, GPU_PRESETS, MIB, SizeError, parse_budget, parse_bytes
 
 TINY = ModelConfig(num_layers=6, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                    vocab_size=128)
@@ -95,7 +79,7 @@ def test_parse_bytes(text, expected):
 
 @pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "0", "12XB", "1.2.3GB", "nan"])
 def test_parse_bytes_refuses(text):
-    with pytest.raises(PlanError):
+    with pytest.raises(SizeError):
         parse_bytes(text)
 
 
@@ -107,9 +91,9 @@ def test_gpu_budget_minus_reserve():
     assert parse_budget("h100-80g", "2GiB")[0] == total - 2 * GIB
     assert parse_budget("a100-40g", None)[0] == GPU_PRESETS["a100-40g"]
     assert parse_budget("70GiB", "50%")[0] == 70 * GIB  # a reserve applies to GPU presets only
-    with pytest.raises(PlanError, match="unknown GPU preset"):
+    with pytest.raises(SizeError, match="unknown GPU preset"):
         parse_budget("h900")
-    with pytest.raises(PlanError):
+    with pytest.raises(SizeError):
         parse_budget("h200", "100%")
 
 
@@ -370,7 +354,7 @@ def test_offload_needs_the_reentrant_engine():
         def offload_groups(self, depth):
             return [(0, 1)]
 
-    from remat.apply import ApplyError
+    from remat.recompute.region import ApplyError
     with pytest.raises(ApplyError, match="reentrant"):
         apply(build_model(TINY.replace(num_layers=2)), Layout())
 
@@ -404,8 +388,8 @@ def test_cli_end_to_end(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------------ pipelines
 def test_pipeline_stages_fit_and_beat_uniform():
-    from remat.pipeline import predict_pipeline
-    from remat.plan import plan_pipeline, stage_timeline
+    from remat.parallel.pipeline_predict import predict_pipeline
+    from remat.plan.pipeline import plan_pipeline, stage_timeline
 
     cfg = TINY.replace(num_layers=2)
     none = [tl.peak_bytes for tl in predict_pipeline(cfg, "none", 2, 2, "1f1b")]
@@ -494,7 +478,7 @@ def test_unit_model_of_a_tensor_parallel_rank_equals_full_traces(sp):
 def test_tensor_parallel_plans_fit_on_real_ranks():
     """Plans for one rank of tp=2 with sequence parallelism, measured on two real gloo ranks: every rank's peak is
     within the budget (the plans leave room for a collective's buffer, which gloo may free late)."""
-    from remat.parallel import measure_tensor_parallel
+    from remat.parallel.tensor import measure_tensor_parallel
 
     model = unit_model(SMALL, tp=2, sp=True)
     lo = min_peak(model, 4, candidate_units(4, contractions=model.contractions))

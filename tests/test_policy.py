@@ -6,13 +6,7 @@ import re
 
 import pytest
 
-from remat.policy import (
-    DEFAULT_SELECTIVE_MODULES,
-    ENGINES,
-    SELECTIVE_MODULES,
-    Policy,
-    PolicyError,
-)
+from remat.policy import DEFAULT_SELECTIVE_MODULES, ENGINES, SELECTIVE_MODULES, Policy, PolicyError
 
 MODULE_SUBSETS = [
     c for r in range(1, len(SELECTIVE_MODULES) + 1) for c in itertools.combinations(SELECTIVE_MODULES, r)

@@ -23,14 +23,17 @@ import pytest
 import torch
 from torch import nn
 
-from remat.apply import apply
-from remat.cli import adam_steady_state, main, megatron_sweep, part_errors
+from remat.cli import main
+from remat.cli.compare import part_errors
 from remat.config import ConfigError, ModelConfig
-from remat.measure import measure
-from remat.model import build_model, sample_batch
+from remat.memory.measure import measure
+from remat.memory.optimizer import adam_steady_state
+from remat.memory.predict import predict, predict_config
+from remat.models.gpt import build_model, sample_batch
+from remat.plan.megatron import megatron_sweep
 from remat.policy import Policy
-from remat.predict import predict, predict_config
 from remat.presets import PRESETS, config_from_mapping, get_preset, load_config
+from remat.recompute.apply import apply
 from remat.timeline import Timeline
 
 FULL_GRID = os.environ.get("REMAT_FULL_GRID") == "1"
@@ -231,7 +234,7 @@ def test_megatron_sweep_lists_every_setting() -> None:
 # ================================================================================ large models stay cheap
 SCRIPT_175B = textwrap.dedent("""
     import json, resource
-    from remat.predict import predict_config
+    from remat.memory.predict import predict_config
     from remat.presets import get_preset
     config = get_preset("gpt3-175b")
     out = {}

@@ -1,0 +1,53 @@
+"""The ``remat`` command line: the parser and ``main``; each subcommand lives in a module of its own."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from remat.cli.common import USAGE_ERROR, USER_ERRORS, Parser, add_debug
+from remat.cli.compare import compare_command
+from remat.cli.explain import explain_command
+from remat.cli.measure import measure_command
+from remat.cli.plan import plan_command
+from remat.cli.predict import predict_command
+from remat.version import __version__
+
+# Each adds its subparser and returns its runner; this order is the order of `remat --help`.
+SUBCOMMANDS = (explain_command, predict_command, compare_command, plan_command, measure_command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``remat`` parser with every registered subcommand."""
+    parser = Parser(prog="remat", description="See, predict and plan activation recomputation (checkpointing) "
+                                               "for PyTorch transformer training.")
+    parser.add_argument("--version", action="version", version=f"remat {__version__}")
+    add_debug(parser, False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
+    for register in SUBCOMMANDS:
+        runner = register(sub)
+        # The subparser just added is the last one; its runner is stored on the namespace it fills.
+        list(sub.choices.values())[-1].set_defaults(run=runner)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``remat`` command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help, --version and usage errors
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else USAGE_ERROR)
+    try:
+        return args.run(args)
+    except USER_ERRORS as err:
+        if args.debug:
+            raise
+        first, _, rest = str(err).strip().partition("\n")
+        hint = f" (see 'remat {args.command} --help')" if rest else ""
+        print(f"remat: error: {first}{hint}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print("remat: interrupted", file=sys.stderr)
+        return 130

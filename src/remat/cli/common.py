@@ -1,0 +1,378 @@
+"""Flags and helpers that every remat subcommand shares."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from remat.analysis.explain import resolve_policies
+from remat.analysis.report import write_json
+from remat.config import ACTIVATIONS, ATTENTIONS, DTYPES, NORMALIZATIONS, POSITIONS, ConfigError, ModelConfig
+from remat.parallel.launch import DEFAULT_TIMEOUT
+from remat.parallel.schedule import RUNTIMES, SCHEDULES, PipelineError, check_schedule, partition
+from remat.plan.megatron import megatron_sweep
+from remat.policy import ENGINES, GRAMMAR, Policy, PolicyError
+from remat.presets import get_preset, load_config, preset_names
+from remat.recompute.region import ApplyError
+from remat.timeline import TimelineError
+
+# Exceptions that mean "the input is wrong", not "remat is broken": one line, exit code 2.
+USER_ERRORS = (ConfigError, PolicyError, ApplyError, TimelineError, ValueError, OSError)  # OSError: unwritable --out
+USAGE_ERROR = 2
+Runner = Callable[[argparse.Namespace], int]
+Subparsers = Any  # argparse's _SubParsersAction is private
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but usage errors are the same one line as remat's own errors."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"remat: error: {message} (see '{self.prog} --help')\n")
+
+
+# ------------------------------------------------------------------------------------------------ shared flags
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the reference GPT; an unset flag keeps :class:`ModelConfig`'s default."""
+    d = ModelConfig()
+    g = parser.add_argument_group("model (the reference GPT; defaults are a small 8-layer model)")
+    g.add_argument("--layers", type=int, metavar="L", help=f"transformer layers (default {d.num_layers})")
+    g.add_argument("--hidden", type=int, metavar="H", help=f"hidden size (default {d.hidden_size})")
+    g.add_argument("--heads", type=int, metavar="A", help=f"attention heads (default {d.num_attention_heads})")
+    g.add_argument("--query-groups", type=int, metavar="G", help="key/value groups (GQA; default: one per head)")
+    g.add_argument("--ffn", type=int, metavar="F", help="MLP hidden size (default 4H for gelu)")
+    g.add_argument("--seq", type=int, metavar="S", help=f"sequence length (default {d.seq_length})")
+    g.add_argument("--batch", type=int, metavar="B", help=f"micro-batch size (default {d.micro_batch_size})")
+    g.add_argument("--vocab", type=int, metavar="V", help=f"vocabulary size (default {d.vocab_size})")
+    g.add_argument("--activation", choices=ACTIVATIONS, help=f"MLP activation (default {d.activation})")
+    g.add_argument("--normalization", choices=NORMALIZATIONS, help=f"default {d.normalization}")
+    g.add_argument("--position", choices=POSITIONS, help=f"position embedding (default {d.position})")
+    g.add_argument("--attention", choices=ATTENTIONS,
+                   help=f"math materialises the s x s scores, sdpa uses fused kernels (default {d.attention})")
+    g.add_argument("--dtype", choices=tuple(DTYPES), help=f"parameter/activation dtype (default {d.dtype})")
+    g.add_argument("--dropout", type=float, metavar="P",
+                   help=f"hidden and attention dropout (default {d.hidden_dropout})")
+
+
+_MODEL_FLAGS = {
+    "layers": "num_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+    "query_groups": "num_query_groups", "ffn": "ffn_hidden_size", "seq": "seq_length",
+    "batch": "micro_batch_size", "vocab": "vocab_size", "activation": "activation",
+    "normalization": "normalization", "position": "position", "attention": "attention", "dtype": "dtype",
+}
+
+
+def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The :class:`ModelConfig` the model flags ask for (ConfigError names the bad field)."""
+    fields = {name: getattr(args, flag) for flag, name in _MODEL_FLAGS.items() if getattr(args, flag) is not None}
+    if args.dropout is not None:
+        fields.update(hidden_dropout=args.dropout, attention_dropout=args.dropout)
+    return ModelConfig(**fields)
+
+
+def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of how a step is run: recompute engine and device."""
+    g = parser.add_argument_group("measurement")
+    g.add_argument("--engine", choices=ENGINES,
+                   help="checkpoint implementation for policies without '@engine' (default reentrant, Megatron's)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: exact storage bytes; cuda: allocator blocks (default cpu)")
+
+
+def parse_policy_list(text: str | None) -> list[str] | None:
+    """``'none, full/uniform/2'`` -> ``['none', 'full/uniform/2']``; None stays None (the default list).
+
+    Commas inside a policy (``full/uniform/2,distribute``) are kept: a piece that is only an option is
+    joined to the policy before it.
+    """
+    if text is None:
+        return None
+    pieces = [p.strip() for p in text.split(",")]
+    out: list[str] = []
+    for piece in pieces:
+        if not piece:
+            continue
+        if re.fullmatch(r"distribute(@[\w-]+)?", piece) and out:
+            out[-1] += "," + piece
+        else:
+            out.append(piece)
+    if not out:
+        raise PolicyError(f"--policies {text!r} names no policy: give e.g. none,full/uniform/1")
+    return out
+
+
+class ProgressBar:
+    """A tqdm bar on stderr over the policies being measured (silent when stderr is not a terminal)."""
+
+    def __init__(self, description: str):
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
+        self.description = description
+        self.bar: Any = None
+
+    def __call__(self, index: int, total: int, policy: str) -> None:
+        if self.bar is None:
+            self.bar = self._tqdm(total=total, desc=self.description, unit="policy", file=sys.stderr,
+                                  disable=None, leave=False)
+        self.bar.n = index
+        self.bar.set_postfix_str(policy, refresh=False)
+        self.bar.refresh()
+        if index >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def info(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def file_name(policy: str) -> str:
+    """A file-name-safe form of a policy: ``full/uniform/2@non-reentrant`` -> ``full-uniform-2-non-reentrant``."""
+    return re.sub(r"[^A-Za-z0-9_+.-]+", "-", policy).strip("-")
+
+
+def json_text(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj, indent=2)
+
+
+# ------------------------------------------------------------------------------------------------ predict / compare
+# Shared by predict and compare: where the model comes from, which policies, tensor/sequence parallelism.
+SWEEPS = ("megatron",)
+
+
+def add_model_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--preset NAME`` | ``--config FILE``, then the model flags, which override single fields of either."""
+
+    g = parser.add_argument_group("model source", textwrap.fill(
+        "a preset or a YAML/JSON file (ModelConfig field names, optionally 'preset: NAME'); the model flags below "
+        "override single fields of either", width=76))
+    source = g.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=preset_names(), metavar="NAME",
+                        help=f"a named model: {', '.join(preset_names())}")
+    source.add_argument("--config", type=Path, metavar="FILE", help="a YAML or JSON model config file")
+    add_model_arguments(parser)
+
+
+def resolve_model_config(args: argparse.Namespace) -> ModelConfig:
+    """The :class:`ModelConfig` of ``--preset``/``--config`` (else the default) with the model flags applied."""
+
+    if getattr(args, "preset", None):
+        base = get_preset(args.preset)
+    elif getattr(args, "config", None) is not None:
+        base = load_config(args.config)
+    else:
+        base = ModelConfig()
+    fields = {name: getattr(args, flag) for flag, name in _MODEL_FLAGS.items() if getattr(args, flag) is not None}
+    if args.dropout is not None:
+        fields.update(hidden_dropout=args.dropout, attention_dropout=args.dropout)
+    return base.replace(**fields) if fields else base
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """Tensor/sequence-parallel flags (:mod:`remat.models.tensor_parallel`) and the pipeline flags
+    (:mod:`remat.parallel`)."""
+    g = parser.add_argument_group("tensor parallelism")
+    g.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor-parallel size: predict one rank (Megatron's sharding of heads, MLP and vocabulary)")
+    g.add_argument("--sp", action="store_true",
+                   help="sequence parallelism: norms, dropouts and residuals hold 1/tp of the tokens")
+
+    add_pipeline_arguments(parser)
+
+
+def parallel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``tp``/``sp`` as passed to ``predict_config``, ``predict_many`` and ``formulas.explain_differences``
+    (empty for one unsharded rank)."""
+    if args.tp == 1 and not args.sp:
+        return {}
+    if getattr(args, "adam", False):
+        raise ValueError("--adam with --tp/--sp: Adam states are traced on one unsharded process only; drop one")
+    return {"tp": args.tp, "sp": args.sp}
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--policy`` (repeatable, comma lists) and ``--sweep``."""
+    g = parser.add_argument_group("policies (none is always included, first, as the baseline)")
+    g.add_argument("--policy", action="append", metavar="P",
+                   help="a recompute policy, e.g. full/uniform/2 or selective/core_attn+mlp; repeat it or give a "
+                        "comma-separated list (default: none, full/uniform/K for K = 1, 2, 4, ... and L, "
+                        "full/block/L/4 and L/2, selective/core_attn, selective/core_attn+mlp)")
+    g.add_argument("--sweep", choices=SWEEPS,
+                   help="megatron: none, every full/uniform/K and full/block/K (K = 1..L) and each set of "
+                        "selective modules (core_attn, mlp, layernorm); added to any --policy")
+
+
+def resolve_cli_policies(args: argparse.Namespace, num_layers: int) -> list[Any]:
+    """The :class:`Policy` list of ``--policy``/``--sweep`` (``--engine`` applied), ``none`` first."""
+
+    items: list[str] | None = None
+    if args.policy:
+        items = []
+        for text in args.policy:
+            items.extend(parse_policy_list(text) or [])
+    if args.sweep == "megatron":
+        items = (items or []) + megatron_sweep(num_layers)
+    return resolve_policies(items, num_layers, args.engine)
+
+
+def write_out(path: Path, obj: Any) -> Path:
+
+    try:
+        return write_json(path, obj)
+    except OSError as err:
+        raise ValueError(f"--out {path}: cannot write ({err.strerror or err})") from None
+
+
+def model_summary(config: ModelConfig) -> str:
+    gqa = f", {config.query_groups} kv groups" if config.query_groups != config.num_attention_heads else ""
+    return (f"{config.num_layers} layers, h={config.hidden_size}, {config.num_attention_heads} heads{gqa}, "
+            f"ffn={config.ffn_size}, s={config.seq_length}, b={config.micro_batch_size}, vocab={config.vocab_size}, "
+            f"{config.activation}/{config.normalization}/{config.position}/{config.attention}, {config.dtype}")
+
+
+# ------------------------------------------------------------------------------------------------ main
+def add_debug(parser: argparse.ArgumentParser, default: Any) -> None:
+    # On the main parser and on each subcommand, so --debug works before or after the subcommand; the
+    # subcommands' default is SUPPRESS so they do not reset a --debug given before them.
+    parser.add_argument("--debug", action="store_true", default=default,
+                        help="print the full traceback of an error instead of one line")
+
+
+def add_subcommand(sub: Subparsers, name: str, *, help: str, description: str,
+                   epilog: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand's parser: its help line, its description wrapped at 78 columns, an optional epilog kept as
+    written, and --debug."""
+    parser = sub.add_parser(name, help=help, description=textwrap.fill(description, width=78, break_on_hyphens=False),
+                            epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_debug(parser, argparse.SUPPRESS)
+    return parser
+
+
+POLICY_LIST_EPILOG = "policy syntax (--policy takes one policy or a comma-separated list):\n" + GRAMMAR
+Runner = Any
+
+
+# ------------------------------------------------------------------------------------------------ flags
+def _layout(text: str) -> list[int]:
+    pieces = [p for p in re.split(r"[,\s]+", text.strip()) if p]
+    try:
+        counts = [int(p) for p in pieces]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layout {text!r}: give layer counts per model chunk, e.g. 3,5") from None
+    if not counts:
+        raise argparse.ArgumentTypeError("--layout is empty: give layer counts per model chunk, e.g. 3,5")
+    return counts
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the pipeline-parallel flags. ``--pp`` defaults to None (no pipeline: the caller's own path)."""
+    g = parser.add_argument_group("pipeline parallelism")
+    g.add_argument("--pp", type=int, metavar="P",
+                   help="pipeline stages (Megatron's --pipeline-model-parallel-size); per-stage memory")
+    g.add_argument("--microbatches", type=int, metavar="M",
+                   help="microbatches per step (default 2 x pp); --batch is the microbatch size")
+    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+                   help="1f1b (default), gpipe, or interleaved (with --vpp model chunks per stage)")
+    g.add_argument("--vpp", type=int, default=1, metavar="V",
+                   help="model chunks per stage for the interleaved schedule (Megatron's "
+                        "--num-layers-per-virtual-pipeline-stage gives layers / (pp x V))")
+    g.add_argument("--layout", type=_layout, metavar="L0,L1,...",
+                   help="layers of each model chunk in global order (default: even split)")
+    g.add_argument("--partial-checkpoint-microbatches", type=int, metavar="N",
+                   help="Megatron's --num-microbatches-with-partial-activation-checkpoints: in each window of "
+                        "in-flight microbatches the first N keep everything, the rest run the policy")
+    g.add_argument("--pipeline-runtime", choices=RUNTIMES, default="torch",
+                   help="whose pipeline buffers predict models: torch (torch.distributed.pipelining, what measure "
+                        "runs; default) or megatron")
+    g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+                   help=f"seconds a real multi-process run may take before every rank is killed "
+                        f"(default {DEFAULT_TIMEOUT:g})")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineArgs:
+    """The pipeline settings of a parsed command line, checked."""
+
+    pp: int
+    microbatches: int
+    schedule: str
+    vpp: int
+    layout: list[int] | None
+    partial: int | None
+    runtime: str
+    timeout: float
+
+    def describe(self) -> str:
+        text = f"pp={self.pp}, {self.microbatches} microbatches, {self.schedule}"
+        if self.vpp > 1:
+            text += f" x {self.vpp} chunks per stage"
+        if self.layout:
+            text += f", layout {','.join(map(str, self.layout))}"
+        if self.partial is not None:
+            text += f", partial checkpointing N={self.partial}"
+        return text
+
+
+def pipeline_args(args: argparse.Namespace, runtime: str | None = None) -> PipelineArgs:
+    """Read and check the pipeline flags (``--pp`` absent means 1); raises PipelineError naming the fix."""
+    pp = getattr(args, "pp", None) or 1
+    m = getattr(args, "microbatches", None)
+    m = 2 * pp if m is None else m
+    schedule = getattr(args, "schedule", None) or "1f1b"
+    vpp = getattr(args, "vpp", None) or 1
+    runtime = runtime or getattr(args, "pipeline_runtime", None) or "torch"
+    timeout = getattr(args, "timeout", None) or DEFAULT_TIMEOUT
+    if timeout <= 0:
+        raise PipelineError(f"--timeout {timeout:g}: must be a positive number of seconds")
+    schedule = check_schedule(schedule, pp, m, vpp, runtime)
+    return PipelineArgs(pp, m, schedule, vpp, getattr(args, "layout", None),
+                        getattr(args, "partial_checkpoint_microbatches", None), runtime, timeout)
+
+
+def config_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The model: ``--preset``/``--config`` with the model flags applied when the parser has them
+    (:func:`remat.cli.common.resolve_model_config`), else the model flags alone."""
+    if hasattr(args, "preset") or hasattr(args, "config"):
+
+        return resolve_model_config(args)
+    return model_config_from_args(args)
+
+
+def policies_from_args(args: argparse.Namespace, config: ModelConfig, pipe: PipelineArgs,
+                       default: Sequence[str] = ("none",)) -> list[Policy]:
+    """The policies named by ``--policies`` (a comma list) and/or ``--policy`` (one, a comma list, or a list of
+    them when repeated), plus ``--sweep megatron`` (every Megatron setting of the smallest model chunk), with
+    ``--engine`` applied to those that do not name their own ``@engine``; ``default`` when none is named.
+    Duplicates are dropped, order is kept."""
+    texts: list[str] = []
+    for name in ("policies", "policy"):
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            texts.append(value)
+        elif value:
+            texts.extend(value)
+    names = [n for text in texts for n in (parse_policy_list(text) or [])]
+    if getattr(args, "sweep", None) == "megatron":
+
+        names += megatron_sweep(min(s.num_layers for s in partition(config, pipe.pp, pipe.vpp, pipe.layout)))
+    engine = getattr(args, "engine", None)
+    out: list[Policy] = []
+    for name in names or list(default):
+        policy = Policy.parse(name)
+        if engine and "@" not in name:
+            policy = dataclasses.replace(policy, engine=engine)
+        if policy not in out:
+            out.append(policy)
+    return out

@@ -1,0 +1,101 @@
+"""`remat plan`: the cheapest recompute plan that fits a budget."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from remat.cli.common import (
+    Runner,
+    Subparsers,
+    add_model_source_arguments,
+    add_subcommand,
+    info,
+    json_text,
+    resolve_model_config,
+    write_out,
+)
+from remat.plan.api import BudgetError, plan
+from remat.plan.space import OBJECTIVES, selective_sets
+from remat.policy import ENGINES, SELECTIVE_MODULES
+from remat.units import DEFAULT_RESERVE, GPU_PRESETS
+
+
+# ------------------------------------------------------------------------------------------------ plan
+def plan_command(sub: Subparsers) -> Runner:
+    """``remat plan``: the cheapest recompute plan whose predicted peak fits a memory budget."""
+
+    parser = add_subcommand(
+        sub, "plan", help="the cheapest recompute plan that fits a memory budget, guaranteed by the trace",
+        description="Find the recompute plan of least extra compute whose predicted peak memory fits --budget: the "
+                    "best Megatron-LM setting (every uniform/block/selective setting, predicted) and the best "
+                    "extended plan (per-layer keep / selective / checkpoint groups of any size / offloaded groups, "
+                    "found by an exact dynamic program and checked with the real trace), for one process, one "
+                    "tensor-parallel rank (--tp, --sp) or each pipeline stage (--pp). Exit code 1 when no plan "
+                    "fits: the smallest reachable peak and its plan are printed.")
+    add_model_source_arguments(parser)
+    g = parser.add_argument_group("plan")
+    g.add_argument("--budget", required=True, metavar="SIZE",
+                   help="device memory for the step: bytes with a unit (70GiB, 75GB, 512MiB; KiB/MiB/GiB are powers "
+                        f"of 2, KB/MB/GB of 10) or a GPU ({', '.join(GPU_PRESETS)}) minus --reserve")
+    g.add_argument("--reserve", default=DEFAULT_RESERVE, metavar="R",
+                   help="what a GPU budget keeps free: a percentage, a fraction or bytes (default "
+                        f"{DEFAULT_RESERVE.replace('%', '%%')})")
+    g.add_argument("--objective", choices=OBJECTIVES, default="extra_flops",
+                   help="minimise recomputed FLOPs (default) or estimated seconds")
+    g.add_argument("--measured-times", action="store_true",
+                   help="price recompute by layer/submodule forward times measured on this machine (real tensors)")
+    g.add_argument("--engine", choices=ENGINES, default="reentrant",
+                   help="checkpoint implementation (default reentrant, Megatron's; offload needs it)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: exact storage bytes; cuda: 512-byte allocator blocks (default cpu)")
+    g.add_argument("--no-offload", action="store_true", help="do not offload group inputs to host memory")
+    g.add_argument("--bandwidth", type=float, default=25.0, metavar="GB/S",
+                   help="host-device bandwidth for offload, GB/s (default 25, PCIe 4 x16)")
+    g.add_argument("--throughput", type=float, default=400.0, metavar="TFLOP/S",
+                   help="compute throughput that converts seconds and FLOPs (default 400)")
+    g.add_argument("--memory-bandwidth", type=float, default=3000.0, metavar="GB/S",
+                   help="device memory bandwidth that prices recomputed bytes under --objective time (default 3000)")
+    g.add_argument("--selective-modules", default=",".join(SELECTIVE_MODULES), metavar="M1,M2",
+                   help="modules selective layers may recompute (default all: "
+                        f"{','.join(SELECTIVE_MODULES)}; non_matmul is operator-level, see remat.policy)")
+    g.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor-parallel size: plan one rank (Megatron's sharding of heads, MLP and vocabulary)")
+    g.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism")
+    g.add_argument("--pp", type=int, metavar="P", help="pipeline stages: also plan each stage separately")
+    g.add_argument("--microbatches", type=int, metavar="M", help="microbatches per step with --pp (default P)")
+    g.add_argument("--schedule", default="1f1b", metavar="NAME", help="pipeline schedule with --pp (default 1f1b)")
+    g.add_argument("--json", action="store_true", help="print the JSON report instead of the text")
+    g.add_argument("--out", type=Path, metavar="FILE", help="also write the JSON report to FILE")
+    return run_plan
+
+
+def run_plan(args: argparse.Namespace) -> int:
+
+    config = resolve_model_config(args)
+    try:
+        result = plan(config, args.budget, objective=args.objective, engine=args.engine, device=args.device,
+                      offload=not args.no_offload, bandwidth=args.bandwidth * 1e9,
+                      flops_per_second=args.throughput * 1e12, memory_bandwidth=args.memory_bandwidth * 1e9,
+                      measured_times=args.measured_times, selective_sets=selective_sets(args.selective_modules),
+                      reserve=args.reserve, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule,
+                      tp=args.tp, sp=args.sp)
+    except BudgetError as err:
+        report = {"format": "remat.plan-result", "version": 1, "config": config.to_dict(), "fits": False,
+                  "budget_bytes": err.budget_bytes, "min_peak_bytes": err.min_peak_bytes,
+                  "min_peak_plan": err.plan.to_dict(), "message": str(err)}
+        if args.out is not None:
+            write_out(args.out, report)
+        if args.json:
+            print(json_text(report))
+        else:
+            print(f"remat plan: {err}")
+            print(err.plan.snippet())
+        return 1
+    report = result.to_dict()
+    report["fits"] = True
+    if args.out is not None:
+        written = write_out(args.out, report)
+        info(f"wrote {written}")
+    print(json_text(report) if args.json else result.format())
+    return 0

@@ -1,0 +1,383 @@
+"""Record one training step's memory timeline: every storage allocated and freed, tagged with its phase.
+
+The recorder is a ``TorchDispatchMode``: every operator's output storages are seen once, when first made, and
+a ``weakref.finalize`` on the storage records its free when its last reference goes. A storage counts once
+however many views share it. Phases come from module hooks: a layer's forward, the same layer run again by a
+checkpoint in backward (recompute), and gradient hooks on layer outputs for backward.
+
+The same recorder runs on real CPU tensors (exact bytes), on CUDA tensors (storage bytes rounded up to the
+caching allocator's 512-byte blocks, with ``torch.cuda.max_memory_allocated`` kept beside them), and under
+``FakeTensorMode``, where nothing is allocated at all (that is how :mod:`remat.memory.predict` works).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.weak import WeakIdKeyDictionary
+
+from remat.recompute.apply import applied, find_layer_stack
+from remat.recompute.engines import add_observer, in_backward, remove_observer
+from remat.recompute.region import Region
+from remat.timeline import Phase, Timeline
+from remat.units import CUDA_BLOCK
+
+Batch = Sequence[Any] | dict[str, Any]
+
+
+def _cpu_flash_forward_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                             out_val: Any = None, **kwargs: Any) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_flash_backward_flops(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# torch.utils.flop_counter's formulas, plus the CPU flash-attention kernels it has none for (scaled_dot_product_
+# attention on CPU), counted as its other attention kernels are.
+FLOP_FORMULAS: dict[Any, Callable[..., int]] = dict(flop_registry)
+
+
+for _name, _formula in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash_forward_flops),
+                        ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_flash_backward_flops)):
+    if hasattr(torch.ops.aten, _name):
+        FLOP_FORMULAS.setdefault(getattr(torch.ops.aten, _name), _formula)
+
+
+def _ceil_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The scalar loss in a model's output: a tensor, or an object/dict with ``loss`` (Hugging Face)."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", output)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError("the model's output is not a scalar loss: return the loss from forward, or pass "
+                        "loss_fn=lambda output, batch: ... to measure/predict")
+    return loss
+
+
+def run_model(model: nn.Module, batch: Batch) -> Any:
+    return model(**batch) if isinstance(batch, dict) else model(*batch)
+
+
+class StepRecorder(TorchDispatchMode):
+    """Records allocations, frees, phases and FLOPs while one training step runs inside it."""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module], *, block_bytes: int = 1):
+        super().__init__()
+        self.model = model
+        self.layers = layers
+        self.layer_index = {id(layer): i for i, layer in enumerate(layers)}
+        self.module_names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        self.block_bytes = block_bytes
+        self.timeline = Timeline()
+        self.rows: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> allocation row
+        self.active = False
+        self.group_input_rows: set[int] = set()
+        self.phase_flops: list[int] = []  # FLOPs counted in each phase (torch.utils.flop_counter formulas)
+        self.module_stack: list[str] = []
+        self.recomputing: list[tuple[Region, Phase, int]] = []
+        self._phase: Phase | None = None
+        self._handles: list[Any] = []
+        self.set_phase("setup", "")
+
+    # -- events -------------------------------------------------------------------------------------------
+    def set_phase(self, kind: str, region: str, detail: str = "") -> None:
+        phase = Phase(self.timeline.num_events, kind, region, detail)
+        if self._phase is not None and (phase.kind, phase.region, phase.detail) == (
+                self._phase.kind, self._phase.region, self._phase.detail):
+            return
+        if self.timeline.phases and self.timeline.phases[-1].start == phase.start:
+            self.timeline.phases[-1] = phase  # the previous phase made no event: replace it
+        else:
+            self.timeline.phases.append(phase)
+            self.phase_flops.append(0)
+        self._phase = phase
+
+    def track(self, tensor: torch.Tensor) -> int | None:
+        """Record ``tensor``'s storage as allocated now if it is new; return its row."""
+        storage = tensor.untyped_storage()
+        row = self.rows.get(storage)
+        if row is not None:
+            return row
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return None
+        tl = self.timeline
+        row = len(tl.nbytes)
+        tl.nbytes.append(_ceil_to(nbytes, self.block_bytes))
+        tl.alloc_at.append(tl.num_events)
+        tl.num_events += 1
+        tl.free_at.append(-1)
+        tl.phase_index.append(len(tl.phases) - 1)
+        tl.module.append(self.module_stack[-1] if self.module_stack else self._default_module())
+        tl.category.append("other")
+        self.rows[storage] = row
+        weakref.finalize(storage, self._on_free, row)
+        return row
+
+    def _default_module(self) -> str:
+        region = self._phase.region if self._phase else ""
+        if region.startswith("layer "):
+            return self.module_names.get(id(self.layers[int(region[6:])]), region)
+        return region
+
+    def _on_free(self, row: int) -> None:
+        if self.active:
+            self.timeline.free_at[row] = self.timeline.num_events
+            self.timeline.num_events += 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        for leaf in tree_flatten((args, kwargs))[0]:
+            if isinstance(leaf, torch.Tensor):  # storages made outside any operator (RNG states, ...)
+                self.track(leaf)
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if packet in FLOP_FORMULAS:
+            self.phase_flops[-1] += int(FLOP_FORMULAS[packet](*args, **kwargs, out_val=out))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self.track(leaf)
+        return out
+
+    # -- phases from hooks --------------------------------------------------------------------------------
+    def _is_outer_call(self, module: nn.Module) -> bool:
+        """A multi-layer region's member called by the model's loop (not inside the region's own run)."""
+        region = module.__dict__.get("_remat_region")
+        return region is not None and region.kind == "layers" and not region._running
+
+    def _pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.module_stack.append(self.module_names.get(id(module), type(module).__name__))
+        i = self.layer_index.get(id(module))
+        if i is None or self._is_outer_call(module):
+            return
+        if in_backward():
+            detail = self.recomputing[-1][0].label if self.recomputing else ""
+            self.set_phase("recompute", f"layer {i}", detail)
+        else:
+            self.set_phase("forward", f"layer {i}")
+            first = next((a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)), None)
+            if self._starts_stack(module, i) and first is not None and first.requires_grad:
+                self._grad_hook(first, "embedding")
+
+    def _post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self.module_stack:
+            self.module_stack.pop()
+        i = self.layer_index.get(id(module))
+        if i is None or self._is_outer_call(module):
+            return
+        first = next((o for o in tree_flatten(output)[0] if isinstance(o, torch.Tensor)), None)
+        if first is not None and first.requires_grad:
+            self._grad_hook(first, f"layer {i}")
+        if self._ends_stack(module, i) and not in_backward():
+            self.set_phase("forward", "head")
+
+    def _starts_stack(self, layer: nn.Module, index: int) -> bool:
+        """Whether ``layer`` is the first of the stack (its input's gradient starts the embedding's backward)."""
+        return index == 0
+
+    def _ends_stack(self, layer: nn.Module, index: int) -> bool:
+        """Whether ``layer`` is the last of the stack (the head's forward follows it)."""
+        return index == len(self.layers) - 1
+
+    def _region_layer(self, region: Region, position: int) -> int:
+        """The index phases give the ``position``-th layer of a layer-group region."""
+        return self.layer_index.get(id(region.modules[position]), region.layer_indices[position])
+
+    def _grad_hook(self, tensor: torch.Tensor, region: str) -> None:
+        def hook(grad: torch.Tensor) -> None:
+            if self.active:
+                self.set_phase("backward", region)
+        tensor.register_hook(hook)
+
+    def on_checkpoint_inputs(self, region: Region, tensors: Sequence[torch.Tensor]) -> None:
+        for t in tensors:
+            row = self.track(t)
+            if row is not None:
+                self.group_input_rows.add(row)
+
+    def on_recompute(self, region: Region, begin: bool) -> None:
+        if begin:
+            self.recomputing.append((region, self._phase, len(self.module_stack)))
+            where = self._phase.region if region.kind != "layers" else f"layer {self._region_layer(region, 0)}"
+            self.set_phase("recompute", where, region.label)
+        else:
+            _, before, depth = self.recomputing.pop()
+            del self.module_stack[depth:]
+            if region.kind == "layers":  # what follows a group's recomputation is its last layer's backward
+                self.set_phase("backward", f"layer {self._region_layer(region, -1)}")
+            else:  # the phase as it was, its detail already complete (a subclass may add to details)
+                StepRecorder.set_phase(self, before.kind, before.region, before.detail)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+    def __enter__(self) -> StepRecorder:
+        super().__enter__()
+        self.active = True
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._pre_hook),
+            nn.modules.module.register_module_forward_hook(self._post_hook, always_call=True),
+        ]
+        add_observer(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.active = False
+        remove_observer(self)
+        for handle in self._handles:
+            handle.remove()
+        super().__exit__(*exc)
+
+    def categorize(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Give every allocation its category (see remat.timeline.CATEGORIES)."""
+        tl = self.timeline
+        params = set()
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            row = self.rows.get(t.untyped_storage())
+            if row is not None:
+                params.add(row)
+        grads = set()
+        for p in self.model.parameters():
+            if p.grad is not None:
+                row = self.rows.get(p.grad.untyped_storage())
+                if row is not None:
+                    grads.add(row)
+        for row in range(len(tl.nbytes)):
+            phase = tl.phases[tl.phase_index[row]]
+            if row in params:
+                category = "parameters"
+            elif row in grads:
+                category = "gradients"
+            elif phase.kind == "optimizer":
+                category = "optimizer_state"
+            elif row in self.group_input_rows:
+                category = "group_inputs"
+            elif phase.region == "head":
+                category = "head_loss"
+            elif phase.kind == "recompute":
+                category = "recompute"
+            elif phase.kind == "forward":
+                category = "saved_activations"
+            else:
+                category = "other"
+            tl.category[row] = category
+        if optimizer is not None:  # states that existed before this step (a second step) are optimizer states
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        row = self.rows.get(value.untyped_storage())
+                        if row is not None and row not in params:
+                            tl.category[row] = "optimizer_state"
+
+
+def record_step(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimizer | None = None,
+                loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
+                layers: str | Sequence[nn.Module] | nn.Module | None = None, block_bytes: int = 1,
+                ) -> tuple[Timeline, torch.Tensor]:
+    """Run forward, loss, backward (and ``optimizer.step()``) once under a :class:`StepRecorder`."""
+    state = applied(model)
+    if state is not None and layers is None:
+        stack = state.layers
+    else:
+        stack = find_layer_stack(model, layers)[1]
+    model.zero_grad(set_to_none=True)
+    # Tensor.register_hook imports torch._dynamo on first use; imported inside the recorded step, its module code
+    # would leave that step's frames (and their tensors) in reference cycles, so import it before.
+    import torch._dynamo  # noqa: F401
+
+    recorder = StepRecorder(model, stack, block_bytes=block_bytes)
+    # Python's cycle collector runs at moments that depend on how many Python objects were made, which differs
+    # between real and fake tensors; with it paused, every storage is freed when its last reference goes.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _record(recorder, model, batch, optimizer, loss_fn, state, stack)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _record(recorder: StepRecorder, model: nn.Module, batch: Batch, optimizer: torch.optim.Optimizer | None,
+            loss_fn: Callable[[Any, Batch], torch.Tensor] | None, state: Any,
+            stack: list[nn.Module]) -> tuple[Timeline, torch.Tensor]:
+    with recorder:
+        for name, module in model.named_modules():
+            recorder.module_stack.append(name)  # so each parameter's row names the module that owns it
+            for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+                recorder.track(t)
+            recorder.module_stack.pop()
+        if optimizer is not None:
+            for st in optimizer.state.values():
+                for value in st.values():
+                    if isinstance(value, torch.Tensor):
+                        recorder.track(value)
+        for leaf in tree_flatten(batch)[0]:
+            if isinstance(leaf, torch.Tensor):
+                recorder.track(leaf)
+        recorder.set_phase("forward", "embedding")
+        output = run_model(model, batch)
+        loss = loss_fn(output, batch) if loss_fn is not None else loss_of(output)
+        del output
+        recorder.set_phase("backward", "head")
+        loss.backward()
+        if optimizer is not None:
+            recorder.set_phase("optimizer", "")
+            optimizer.step()
+        recorder.set_phase("setup", "end")
+    recorder.categorize(optimizer)
+    tl = recorder.timeline
+    tl.meta["phase_flops"] = recorder.phase_flops
+    flops: dict[str, int] = {}
+    for phase, amount in zip(tl.phases, recorder.phase_flops):
+        flops[phase.kind] = flops.get(phase.kind, 0) + amount
+    tl.meta["flops"] = flops
+    if state is not None:
+        tl.meta.setdefault("policy", str(state.policy))
+        tl.meta["regions"] = [r.label for r in state.regions]
+    else:
+        tl.meta.setdefault("policy", "none")
+    tl.meta["num_layers"] = len(stack)
+    return tl, loss.detach()
+
+
+def measure(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimizer | None = None,
+            loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
+            layers: str | Sequence[nn.Module] | nn.Module | None = None) -> Timeline:
+    """Measure one training step of ``model`` on ``batch`` and return its memory :class:`Timeline`.
+
+    The step is forward (``model(*batch)`` or ``model(**batch)``), the loss (the output itself, its ``.loss``,
+    or ``loss_fn(output, batch)``), ``backward()`` and, when ``optimizer`` is given, ``optimizer.step()``.
+    Gradients are reset to None first. The backend follows the parameters' device: on CPU the bytes are the
+    exact storage sizes; on CUDA they are rounded to the caching allocator's blocks and the allocator's own
+    peak (``torch.cuda.max_memory_allocated`` over the step) is kept in ``meta['cuda_max_memory_allocated']``.
+    """
+    device = next(model.parameters()).device
+    meta: dict[str, Any] = {"backend": device.type, "device": str(device)}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    tl, loss = record_step(model, batch, optimizer=optimizer, loss_fn=loss_fn, layers=layers,
+                           block_bytes=CUDA_BLOCK if device.type == "cuda" else 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        meta["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+        meta["cuda_allocated_before_step"] = base
+    meta["record_seconds"] = time.perf_counter() - start
+    meta["loss"] = float(loss)
+    tl.meta.update(meta)
+    return tl

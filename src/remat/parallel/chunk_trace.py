@@ -1,0 +1,189 @@
+"""Fake-tensor traces of one pipeline chunk's forward and backward, cut into reusable segments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from remat.config import ModelConfig
+from remat.memory.compose import CompositionError
+from remat.models.gpt import sample_batch
+from remat.parallel.schedule import ChunkSpec, PipelineError
+from remat.parallel.stages import PipelineRecorder, build_stage_module, gc_paused
+from remat.policy import Policy
+from remat.recompute.apply import apply
+from remat.timeline import Timeline
+from remat.units import CUDA_BLOCK
+
+
+# ------------------------------------------------------------------------------------------------ chunk traces
+@dataclass
+class TraceSegment:
+    """The events of one forward or backward of a chunk trace, ready to be copied for any microbatch."""
+
+    num_events: int = 0
+    phases: list[tuple[int, str, str, str, int]] = field(default_factory=list)  # offset, kind, region, inner, flops
+    nbytes: list[int] = field(default_factory=list)  # per allocation ordinal
+    category: list[str] = field(default_factory=list)
+    module: list[str] = field(default_factory=list)
+    alloc_offsets: list[int] = field(default_factory=list)
+    frees: list[tuple[int, str, int, int]] = field(default_factory=list)  # offset, 'F'|'self', ordinal, nbytes
+    keep: int | None = None  # ordinal of the tensor the runtime keeps (stage output / input gradient)
+
+    def signature(self) -> tuple[Any, ...]:
+        return (self.num_events, tuple(self.nbytes), tuple(self.category), tuple(self.alloc_offsets),
+                tuple((o, s, i) for o, s, i, _ in self.frees), self.keep)
+
+
+@dataclass
+class ChunkTrace:
+    """A fake trace of one chunk kind under one policy, cut into segments (see the module docstring)."""
+
+    kind: tuple[bool, bool, int]
+    policy: Policy
+    params: list[tuple[int, str, str]]  # (nbytes, module, category) of parameters/buffers, in module order
+    forward: TraceSegment
+    backward_first: TraceSegment
+    backward_next: TraceSegment
+    input_bytes: int  # one microbatch's chunk input (hidden states; token ids for the first chunk)
+    input_category: str  # its category: group_inputs when the chunk's first checkpoint keeps it
+    output_bytes: int  # one microbatch's chunk output (hidden states, or the loss)
+    timeline: Timeline
+
+
+_TRACES: dict[tuple[Any, ...], ChunkTrace] = {}
+_TRACES_CAPACITY = 128
+
+
+def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy | str, device: str = "cpu",
+                ) -> ChunkTrace:
+    """Trace (fake) a chunk of ``kind`` = (has the embedding, has the head, layers) under ``policy``: two
+    forwards whose outputs are kept, then their two backwards (each given the output gradient); cached."""
+    policy = Policy.parse(policy) if isinstance(policy, str) else policy
+    key = (config, kind, policy, device)
+    if key not in _TRACES:
+        if len(_TRACES) >= _TRACES_CAPACITY:
+            del _TRACES[next(iter(_TRACES))]
+        _TRACES[key] = _trace_chunk(config, kind, policy, device)
+    return _TRACES[key]
+
+
+def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, device: str) -> ChunkTrace:
+    if device not in ("cpu", "cuda"):
+        raise PipelineError(f"device={device!r}: predict models 'cpu' (exact bytes) or 'cuda' (512-byte blocks)")
+    first, last, layers = kind
+    index = 0 if first else 1
+    spec = ChunkSpec(index, index + (1 if last else 2), 0, layers)
+    policy.layer_groups(layers)  # refuses k > layers in the chunk, naming the depth
+    tokens, labels = sample_batch(config)
+    b, s, h = config.micro_batch_size, config.seq_length, config.hidden_size
+    with FakeTensorMode(allow_non_fake_inputs=False) as fake:
+        module = build_stage_module(config, spec)
+        apply(module, policy)
+        xs, ys, gs = [], [], []
+        for _ in range(2):
+            if first:
+                xs.append(fake.from_tensor(tokens))
+            else:
+                xs.append(torch.empty(b, s, h, dtype=config.torch_dtype).requires_grad_())
+            ys.append(fake.from_tensor(labels) if last else None)
+            gs.append(None if last else torch.empty(b, s, h, dtype=config.torch_dtype))
+        recorder = PipelineRecorder(module, [module], block_bytes=CUDA_BLOCK if device == "cuda" else 1)
+        bounds: list[int] = []
+        outputs: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        with gc_paused(collect=False), recorder:  # nothing made before the trace is recorded by it
+            recorder.track_setup()
+            n_params = len(recorder.timeline)
+            recorder.track_setup([(f"input{i}", t) for i, t in enumerate(xs + ys + gs)])
+            bounds.append(recorder.timeline.num_events)
+            for mb in range(2):
+                recorder.begin_op("forward", spec, mb)
+                outputs.append(module(xs[mb], ys[mb]))
+                recorder.end_op()
+                bounds.append(recorder.timeline.num_events)
+            for mb in range(2):
+                recorder.begin_op("backward", spec, mb)
+                torch.autograd.backward([outputs[mb]], grad_tensors=[gs[mb]])
+                grads.append(xs[mb].grad if xs[mb].requires_grad else None)
+                xs[mb].grad = None
+                recorder.end_op()
+                bounds.append(recorder.timeline.num_events)
+            recorder.set_phase("setup", "end")
+            kept = [recorder.rows.get(t.untyped_storage()) for t in outputs]
+            kept += [None if g is None else recorder.rows.get(g.untyped_storage()) for g in grads]
+            del outputs, grads
+        recorder.categorize(None)
+    tl = recorder.timeline
+    tl.meta["phase_flops"] = recorder.phase_flops
+    bounds.append(tl.num_events)
+    return _cut(config, kind, policy, tl, bounds, n_params, kept, recorder.phase_flops)
+
+
+def _cut(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, tl: Timeline, bounds: list[int],
+         n_params: int, kept: list[int | None], flops: list[int]) -> ChunkTrace:
+    """Cut a chunk trace into segments; check the frees (each segment frees only what its own microbatch made)."""
+    setup_end, f0, f1, b0, b1, end = bounds
+    rows_at: dict[int, tuple[bool, int]] = {}
+    for row in range(len(tl)):
+        rows_at[tl.alloc_at[row]] = (True, row)
+        if tl.free_at[row] >= 0:
+            rows_at[tl.free_at[row]] = (False, row)
+    owner: dict[int, tuple[int, int]] = {}  # row -> (segment index, ordinal); setup rows are segment -1
+    for row in range(len(tl)):
+        if tl.alloc_at[row] < setup_end:
+            owner[row] = (-1, row)
+    spans = [(setup_end, f0), (f0, f1), (f1, b0), (b0, b1)]
+    mb_of = [0, 1, 0, 1]  # forward 0, forward 1, backward 0, backward 1
+    segments: list[TraceSegment] = []
+    for index, (lo, hi) in enumerate(spans):
+        seg = TraceSegment(num_events=hi - lo)
+        for p, phase in enumerate(tl.phases):
+            end_p = tl.phases[p + 1].start if p + 1 < len(tl.phases) else tl.num_events
+            if end_p > lo and phase.start < hi:
+                seg.phases.append((max(0, phase.start - lo), phase.kind, phase.region, phase.detail,
+                                   flops[p] if phase.start >= lo else 0))
+        for event in range(lo, hi):
+            is_alloc, row = rows_at[event]
+            if is_alloc:
+                owner[row] = (index, len(seg.nbytes))
+                seg.nbytes.append(tl.nbytes[row])
+                seg.category.append(tl.category[row])
+                seg.module.append(tl.module[row])
+                seg.alloc_offsets.append(event - lo)
+                continue
+            where, ordinal = owner[row]
+            if where == index:
+                seg.frees.append((event - lo, "self", ordinal, tl.nbytes[row]))
+            elif index >= 2 and where == index - 2 and mb_of[where] == mb_of[index]:
+                seg.frees.append((event - lo, "F", ordinal, tl.nbytes[row]))
+            else:
+                name = ("setup" if where < 0 else ("forward", "forward", "backward", "backward")[where] +
+                        f" of microbatch {mb_of[where]}")
+                raise CompositionError(f"chunk trace {kind} under {policy}: a free in the "
+                                       f"{('forward', 'forward', 'backward', 'backward')[index]} of microbatch "
+                                       f"{mb_of[index]} releases a tensor of the {name}; a microbatch's steps can "
+                                       "only be copied when they free their own tensors")
+        segments.append(seg)
+    # what the step still holds at its end are the kept outputs / input gradients (released by the runtime)
+    for event in range(b1, end):
+        is_alloc, row = rows_at[event]
+        if is_alloc or row not in kept:
+            raise CompositionError(f"chunk trace {kind} under {policy}: {tl.module[row]} "
+                                   f"({tl.nbytes[row]} bytes) is {'made' if is_alloc else 'freed'} after the "
+                                   "last backward; only the kept outputs and input gradients should be")
+    forward0, forward1, backward0, backward1 = segments
+    for seg, row in ((forward0, kept[0]), (forward1, kept[1]), (backward0, kept[2]), (backward1, kept[3])):
+        if row is not None:
+            seg.keep = owner[row][1]
+    if forward0.signature() != forward1.signature():
+        raise CompositionError(f"chunk trace {kind} under {policy}: the second microbatch's forward does not repeat "
+                               "the first one's events, so forwards cannot be copied per microbatch")
+    params = [(tl.nbytes[r], tl.module[r], tl.category[r]) for r in range(n_params)]
+    input_bytes = tl.nbytes[n_params]
+    out_row = kept[0]
+    return ChunkTrace(kind, policy, params, forward0, backward0, backward1, input_bytes, tl.category[n_params],
+                      tl.nbytes[out_row] if out_row is not None else 0, tl)

@@ -1,0 +1,244 @@
+"""Measuring pipeline stages for real: torch.distributed.pipelining on gloo, one process per stage."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from remat.config import ModelConfig
+from remat.models.gpt import sample_batch
+from remat.parallel.launch import DEFAULT_TIMEOUT, inject_fault, launch_job
+from remat.parallel.pipeline_predict import pipeline_meta, predict_pipeline
+from remat.parallel.pipeline_report import describe_stage, peak_error, stage_summary
+from remat.parallel.schedule import (
+    PipelineError,
+    check_partial,
+    check_schedule,
+    checkpointed_forwards,
+    partition,
+    rank_chunks,
+    schedule_actions,
+    warmup_forwards,
+)
+from remat.parallel.stages import PipelineRecorder, build_stage_modules, checkpointing_disabled, container_of, gc_paused
+from remat.policy import Policy
+from remat.recompute.apply import apply
+from remat.timeline import Timeline
+from remat.units import CUDA_BLOCK
+
+
+def measure_pipeline(config: ModelConfig, policy: Policy | str, pp: int, microbatches: int, schedule: str = "1f1b",
+                     vpp: int = 1, layout: Sequence[int] | None = None,
+                     partial_checkpoint_microbatches: int | None = None, *, device: str = "cpu",
+                     timeout: float = DEFAULT_TIMEOUT, seed: int = 0, fault: dict[str, Any] | None = None,
+                     ) -> list[Timeline]:
+    """Measure one training step of each pipeline stage for real; one :class:`Timeline` per rank.
+
+    The settings mean what they mean for :func:`remat.parallel.pipeline_predict.predict_pipeline` (with
+    ``runtime='torch'``).
+    ``timeout`` bounds the whole run in seconds (process start included); ``fault`` is for tests: ``{'rank': r,
+    'kind': 'raise' | 'hang' | 'exit', 'message': text, 'when': 'step' | 'start'}`` makes rank r raise
+    ``RuntimeError(text)``, sleep forever, or exit with status 3, either after the first (unrecorded) step, while
+    the other ranks wait for it in the recorded step (``'step'``, the default), or before it imports torch
+    (``'start'``). Raises :class:`DistributedError` (see the module
+    docstring) and :class:`remat.parallel.schedule.PipelineError` for settings that cannot run (before starting
+    anything).
+    Each timeline's ``meta`` has ``pid``, ``rank`` and ``pipeline`` (as predicted timelines, with the order the
+    stage actually ran).
+    """
+    return measure_pipeline_many(config, [policy], pp, microbatches, schedule, vpp, layout,
+                                 partial_checkpoint_microbatches, device=device, timeout=timeout, seed=seed,
+                                 fault=fault)[0]
+
+
+def measure_pipeline_many(config: ModelConfig, policies: Sequence[Policy | str], pp: int, microbatches: int,
+                          schedule: str = "1f1b", vpp: int = 1, layout: Sequence[int] | None = None,
+                          partial_checkpoint_microbatches: int | None = None, *, device: str = "cpu",
+                          timeout: float = DEFAULT_TIMEOUT, seed: int = 0, fault: dict[str, Any] | None = None,
+                          ) -> list[list[Timeline]]:
+    """:func:`measure_pipeline` for several policies in one launch (one list of stage timelines per policy, in
+    order); ``timeout`` bounds the whole launch."""
+
+    parsed = [Policy.parse(p) if isinstance(p, str) else p for p in policies]
+    if not parsed:
+        raise PipelineError("no policy to measure: give at least one, e.g. 'none'")
+    schedule = check_schedule(schedule, pp, microbatches, vpp, "torch")
+    partial = check_partial(partial_checkpoint_microbatches)
+    specs = partition(config, pp, vpp, layout)
+    for policy in parsed:
+        for spec in specs:
+            if policy.granularity == "full" and policy.num_layers > spec.num_layers:
+                raise PipelineError(f"policy {policy} groups {policy.num_layers} layers but chunk {spec.index} has "
+                                    f"{spec.num_layers} layers: use --recompute-num-layers <= {spec.num_layers}")
+    if device not in ("cpu", "cuda"):
+        raise PipelineError(f"device={device!r}: use 'cpu' (gloo) or 'cuda' (NCCL, one GPU per rank)")
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < pp:
+            raise PipelineError(f"device='cuda' runs one rank per GPU: pp={pp} needs {pp} GPUs, this machine has "
+                                f"{torch.cuda.device_count()}; use a smaller pp or device='cpu'")
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise PipelineError(f"timeout={timeout!r}: must be a positive number of seconds")
+    job = {
+        "config": config.to_dict(), "policies": [str(p) for p in parsed], "pp": pp, "microbatches": microbatches,
+        "schedule": schedule, "vpp": vpp, "layout": [s.num_layers for s in specs], "partial": partial,
+        "device": device, "seed": seed, "fault": fault, "timeout": float(timeout),
+    }
+    results = launch_job(job, pp, timeout)
+    per_policy: list[list[Timeline]] = [[] for _ in parsed]
+    for rank in range(pp):
+        for i, data in enumerate(results[rank]):
+            per_policy[i].append(Timeline.from_dict(data))
+    return per_policy
+
+
+# ------------------------------------------------------------------------------------------------ compare
+def compare_pipeline(config: ModelConfig, policies: Sequence[Policy | str], pp: int, microbatches: int,
+                     schedule: str = "1f1b", vpp: int = 1, layout: Sequence[int] | None = None,
+                     partial_checkpoint_microbatches: int | None = None, *, device: str = "cpu",
+                     timeout: float = DEFAULT_TIMEOUT) -> list[dict[str, Any]]:
+    """Per stage and policy: the measured peak, the predicted peak (``runtime='torch'``) and
+    ``error = (predicted - measured) / measured``. Rows have ``stage``, ``policy``, ``predicted_bytes``,
+    ``measured_bytes``, ``error``, ``max_in_flight``, ``in_flight_at_peak`` and ``why`` (measured)."""
+
+    measured = measure_pipeline_many(config, policies, pp, microbatches, schedule, vpp, layout,
+                                     partial_checkpoint_microbatches, device=device, timeout=timeout)
+    rows = []
+    for policy, stages in zip(policies, measured):
+        predicted = predict_pipeline(config, policy, pp, microbatches, schedule, vpp, layout,
+                                     partial_checkpoint_microbatches, runtime="torch", device=device)
+        for real, guess in zip(stages, predicted):
+            summary = stage_summary(real)
+            rows.append({"stage": summary["stage"], "policy": str(policy), "predicted_bytes": guess.peak_bytes,
+                         "measured_bytes": real.peak_bytes, "error": peak_error(real.peak_bytes, guess.peak_bytes),
+                         "max_in_flight": summary["max_in_flight"],
+                         "in_flight_at_peak": summary["in_flight_at_peak"],
+                         "predicted_phase": guess.peak_phase.label, "measured_phase": real.peak_phase.label,
+                         "why": summary["why"]})
+    return rows
+
+
+def measure_pipeline_rank(job: dict[str, Any], policy_text: str, rank: int) -> Timeline:
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+
+    config = ModelConfig.from_dict(job["config"])
+    pp, m, vpp, schedule = job["pp"], job["microbatches"], job["vpp"], job["schedule"]
+    device = torch.device(f"cuda:{rank}" if job["device"] == "cuda" else "cpu")
+    specs = partition(config, pp, vpp, job["layout"])
+    mine = rank_chunks(specs, pp, rank)
+    chunks = build_stage_modules(config, mine, device=device, seed=job["seed"])
+    policy = Policy.parse(policy_text)
+    for chunk in chunks:
+        apply(chunk, policy)
+    stages = [PipelineStage(chunk, chunk.spec.index, len(specs), device) for chunk in chunks]
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return output  # the last chunk computes the loss itself, as Megatron's last stage does
+
+    if schedule == "gpipe":
+        runner: Any = ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
+    elif schedule == "1f1b":
+        runner = Schedule1F1B(stages[0], m, loss_fn=loss_fn)
+    else:
+        runner = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+
+    expected = schedule_actions(schedule, pp, m, vpp, rank, runtime="torch")
+    window = warmup_forwards(schedule, pp, m, vpp, rank, "megatron") + 1
+    checkpointed = checkpointed_forwards(expected, job["partial"], window)
+    by_index = {chunk.spec.index: chunk for chunk in chunks}
+    ran: list[str] = []
+    active: list[PipelineRecorder] = []  # the recorder while the recorded step runs
+
+    for stage in stages:
+        spec = by_index[stage.stage_index].spec
+
+        def forward_one_chunk(mb: int, *args: Any, _stage: Any = stage, _f: Any = stage.forward_one_chunk,
+                              _spec: Any = spec, **kwargs: Any) -> Any:
+            ran.append(f"F{mb}" + (f"c{_spec.index}" if _spec.index else ""))
+            for recorder in active:
+                recorder.begin_op("forward", _spec, mb)
+            ctx = (contextlib.nullcontext() if checkpointed.get((_spec.index, mb), True)
+                   else checkpointing_disabled(_stage.submod))
+            try:
+                with ctx:
+                    return _f(mb, *args, **kwargs)
+            finally:
+                for recorder in active:
+                    recorder.end_op()
+
+        def backward_one_chunk(mb: int, *args: Any, _f: Any = stage.backward_one_chunk, _spec: Any = spec,
+                               **kwargs: Any) -> Any:
+            ran.append(f"B{mb}" + (f"c{_spec.index}" if _spec.index else ""))
+            for recorder in active:
+                recorder.begin_op("backward", _spec, mb)
+            try:
+                return _f(mb, *args, **kwargs)
+            finally:
+                for recorder in active:
+                    recorder.end_op()
+
+        stage.forward_one_chunk = forward_one_chunk  # type: ignore[method-assign]
+        stage.backward_one_chunk = backward_one_chunk  # type: ignore[method-assign]
+
+    first = any(c.spec.is_first for c in chunks)
+    last = any(c.spec.is_last for c in chunks)
+    tokens, labels = sample_batch(config.replace(micro_batch_size=m * config.micro_batch_size), device=device,
+                                  seed=job["seed"])
+    tokens = tokens if first else None
+    labels = labels if last else None
+    fault = job.get("fault") or {}
+
+    def step() -> None:
+        args = (tokens,) if first else ()
+        kwargs = {"labels": labels} if last else {}
+        runner.step(*args, target=labels, return_outputs=False, **kwargs)
+
+    step()  # allocates the pipeline's buffers and infers the stages' shapes: not recorded
+    if fault.get("rank") == rank and fault.get("when", "step") == "step":
+        inject_fault(fault, rank)
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+    ran.clear()
+    named: list[tuple[str, Any]] = []
+    for stage in stages:
+        for mb in range(m):
+            named += [(f"pipeline.stage{stage.stage_index}.recv_activation", info.buffer)
+                      for info in stage.args_recv_info.get(mb, ()) if not info.is_root_arg]
+        for mb in range(m):
+            named += [(f"pipeline.stage{stage.stage_index}.recv_grad", info.buffer)
+                      for info in stage.grad_recv_info.get(mb, ())]
+    named += [("tokens", tokens), ("labels", labels)]
+    container = container_of(chunks)
+    recorder = PipelineRecorder(container, chunks, block_bytes=CUDA_BLOCK if device.type == "cuda" else 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    with gc_paused(), recorder:
+        recorder.track_setup(named)
+        active.append(recorder)
+        try:
+            step()
+        finally:
+            active.clear()
+        recorder.set_phase("setup", "end")
+    recorder.categorize(None)
+    tl = recorder.timeline
+    tl.meta["phase_flops"] = recorder.phase_flops
+    tl.meta.update({"backend": device.type, "device": str(device), "policy": str(policy), "rank": rank,
+                    "config": config.to_dict(), "num_layers": sum(c.spec.num_layers for c in chunks),
+                    "record_seconds": time.perf_counter() - start, "regions": []})
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        tl.meta["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+    info = pipeline_meta(schedule, pp, m, vpp, rank, [c.spec for c in chunks], "torch", job["partial"], expected)
+    info["order"] = " ".join(ran)
+    info["expected_order"] = " ".join(str(a) for a in expected)
+    tl.meta["pipeline"] = info
+    describe_stage(tl)
+    return tl

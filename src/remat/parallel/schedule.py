@@ -1,0 +1,247 @@
+"""Pipeline partitions and schedules (GPipe, 1F1B, interleaved 1F1B): which microbatches a stage holds when."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from remat.config import ModelConfig
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+RUNTIMES = ("torch", "megatron")
+# what the saved tensors of a microbatch are: they are what pipelining multiplies by the microbatches in flight
+SAVED_CATEGORIES = ("saved_activations", "group_inputs", "head_loss")
+
+
+class PipelineError(ValueError):
+    """A pipeline setting that cannot run; the message names the setting and the fix."""
+
+
+# ------------------------------------------------------------------------------------------------ partition
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise PipelineError(f"{name}={value!r}: must be a positive integer")
+    return int(value)
+
+
+def chunk_layout(num_layers: int, pp: int, vpp: int = 1, layout: Sequence[int] | None = None) -> list[int]:
+    """Layers per global model chunk (``pp * vpp`` of them, chunk g on rank ``g % pp``).
+
+    Without ``layout`` the layers are split evenly and ``num_layers`` must be divisible by ``pp * vpp``. A
+    ``layout`` lists the layer count of each chunk in global order (``pp * vpp`` counts >= 1 adding up to
+    ``num_layers``), e.g. Megatron's uneven first/last stages.
+    """
+    pp = _positive_int("pp", pp)
+    vpp = _positive_int("vpp", vpp)
+    chunks = pp * vpp
+    if layout is None:
+        if num_layers % chunks:
+            divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+            raise PipelineError(
+                f"num_layers={num_layers} is not divisible by pp * vpp = {pp} * {vpp} = {chunks} model chunks: "
+                f"use pp * vpp in {divisors}, or give layout=[layers of chunk 0, ..., chunk {chunks - 1}] "
+                f"(--layout {','.join(str(n) for n in _even_layout(num_layers, chunks))}, say)")
+        return [num_layers // chunks] * chunks
+    counts = list(layout)
+    if len(counts) != chunks:
+        raise PipelineError(f"layout {counts} has {len(counts)} entries but pp * vpp = {chunks} model chunks: give "
+                            "one layer count per chunk, in global chunk order (chunk g runs on rank g % pp)")
+    for n in counts:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise PipelineError(f"layout {counts}: every chunk needs at least one layer (a positive integer), "
+                                f"got {n!r}")
+    if sum(counts) != num_layers:
+        raise PipelineError(f"layout {counts} adds up to {sum(counts)} layers but the model has "
+                            f"num_layers={num_layers}: make the counts add up to {num_layers}")
+    return [int(n) for n in counts]
+
+
+def _even_layout(num_layers: int, chunks: int) -> list[int]:
+    base, extra = divmod(num_layers, chunks)
+    return [max(1, base + (1 if i < extra else 0)) for i in range(chunks)]
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One model chunk: global chunk ``index`` (torch's stage index) of ``num_chunks``, its layers
+    ``layer_offset .. layer_offset + num_layers - 1`` of the whole model."""
+
+    index: int
+    num_chunks: int
+    layer_offset: int
+    num_layers: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_chunks - 1
+
+    def rank(self, pp: int) -> int:
+        return self.index % pp
+
+    def local_index(self, pp: int) -> int:
+        return self.index // pp
+
+    @property
+    def kind(self) -> tuple[bool, bool, int]:
+        """What a chunk's trace depends on: (has the embedding, has the head, layer count)."""
+        return (self.is_first, self.is_last, self.num_layers)
+
+
+def partition(config: ModelConfig, pp: int, vpp: int = 1, layout: Sequence[int] | None = None) -> list[ChunkSpec]:
+    """The ``pp * vpp`` model chunks of ``config``'s GPT, in global order (see :func:`chunk_layout`)."""
+    counts = chunk_layout(config.num_layers, pp, vpp, layout)
+    if config.tie_embeddings and len(counts) > 1:
+        raise PipelineError("tie_embeddings=True shares the embedding with the output layer, which are in different "
+                            "pipeline chunks: use tie_embeddings=False with pp * vpp > 1")
+    specs, offset = [], 0
+    for g, n in enumerate(counts):
+        specs.append(ChunkSpec(g, len(counts), offset, n))
+        offset += n
+    return specs
+
+
+def rank_chunks(specs: Sequence[ChunkSpec], pp: int, rank: int) -> list[ChunkSpec]:
+    """The chunks rank ``rank`` runs, in local order (chunk r, r + pp, ...)."""
+    return [s for s in specs if s.rank(pp) == rank]
+
+
+# ------------------------------------------------------------------------------------------------ schedules
+@dataclass(frozen=True)
+class Action:
+    """One compute step of a rank: ``kind`` 'F' (forward) or 'B' (backward) of global ``chunk`` on
+    ``microbatch``."""
+
+    kind: str
+    chunk: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
+
+
+def check_schedule(schedule: str, pp: int, microbatches: int, vpp: int = 1, runtime: str = "torch") -> str:
+    """Validate a schedule's settings; return the schedule name in lower case. Errors name the fix."""
+    if not isinstance(schedule, str) or schedule.strip().lower() not in SCHEDULES:
+        raise PipelineError(f"unknown pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    schedule = schedule.strip().lower()
+    if runtime not in RUNTIMES:
+        raise PipelineError(f"unknown pipeline runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
+    pp = _positive_int("pp", pp)
+    m = _positive_int("microbatches", microbatches)
+    vpp = _positive_int("vpp", vpp)
+    if schedule != "interleaved" and vpp != 1:
+        raise PipelineError(f"vpp={vpp} model chunks per stage need the interleaved schedule: use "
+                            f"schedule='interleaved' (--schedule interleaved), or vpp=1 with {schedule}")
+    if schedule == "interleaved":
+        if vpp < 2:
+            raise PipelineError("the interleaved schedule needs vpp >= 2 model chunks per stage (--vpp 2): with one "
+                                "chunk per stage use schedule='1f1b'")
+        if pp < 2:
+            raise PipelineError("the interleaved schedule needs pp >= 2 stages: with one stage use schedule='1f1b' "
+                                "(or gpipe) and vpp=1")
+        if m % pp:
+            raise PipelineError(f"Megatron's interleaved schedule needs the microbatch count to be divisible by pp: "
+                                f"microbatches={m}, pp={pp}; use microbatches={max(pp, m - m % pp)} or "
+                                f"{m + pp - m % pp}")
+    if schedule == "1f1b" and runtime == "torch" and m < pp:
+        raise PipelineError(f"torch.distributed.pipelining's Schedule1F1B needs microbatches >= pp: got "
+                            f"microbatches={m} < pp={pp}; use microbatches >= {pp}, or schedule='gpipe' "
+                            "(runtime='megatron' models Megatron's 1F1B, which runs min(pp - r - 1, m) warm-ups)")
+    return schedule
+
+
+def warmup_forwards(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int = 0,
+                    runtime: str = "torch") -> int:
+    """Forwards rank ``rank`` runs before its first backward, by Megatron's count: ``m`` (GPipe),
+    ``min(pp - r - 1, m)`` (1F1B), ``min((pp - r - 1) * 2 + (vpp - 1) * pp, m * vpp)`` (interleaved; Megatron runs
+    all ``m * vpp`` forwards first when ``m == pp``, torch does not)."""
+    schedule = check_schedule(schedule, pp, microbatches, vpp, runtime)
+    m = microbatches
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(pp - rank - 1, m)
+    total = m * vpp
+    if runtime == "megatron" and m == pp:
+        return total
+    return min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+
+
+def schedule_actions(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int = 0, *,
+                     runtime: str = "torch") -> list[Action]:
+    """The forwards and backwards rank ``rank`` runs, in order (chunks are global chunk indices).
+
+    1F1B: the warm-up forwards (:func:`warmup_forwards`), then one forward and one backward at a time, then the
+    remaining backwards. Interleaved: the same over ``m * vpp`` virtual microbatches; virtual microbatch k is
+    chunk ``(k // pp) % vpp`` (backward: ``vpp - 1 -`` that) of the rank, and microbatch
+    ``(k // (pp * vpp)) * pp + k % pp``.
+    """
+    schedule = check_schedule(schedule, pp, microbatches, vpp, runtime)
+    if not isinstance(rank, numbers.Integral) or not 0 <= rank < pp:
+        raise PipelineError(f"rank={rank!r}: must be in 0..{pp - 1}")
+    m = microbatches
+    if schedule == "gpipe":
+        return [Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)]
+    if schedule == "1f1b":
+        w = warmup_forwards(schedule, pp, m, vpp, rank, runtime)
+        acts = [Action("F", rank, i) for i in range(w)]
+        for i in range(m - w):
+            acts += [Action("F", rank, w + i), Action("B", rank, i)]
+        return acts + [Action("B", rank, i) for i in range(m - w, m)]
+    total = m * vpp
+    w = warmup_forwards(schedule, pp, m, vpp, rank, runtime)
+
+    def virtual(k: int, forward: bool) -> Action:
+        local = (k // pp) % vpp
+        if not forward:
+            local = vpp - 1 - local
+        return Action("F" if forward else "B", local * pp + rank, (k // (pp * vpp)) * pp + k % pp)
+
+    acts = [virtual(k, True) for k in range(w)]
+    for k in range(total - w):
+        acts += [virtual(w + k, True), virtual(k, False)]
+    return acts + [virtual(k, False) for k in range(total - w, total)]
+
+
+def in_flight_profile(actions: Sequence[Action]) -> list[int]:
+    """Microbatch-chunks whose forward has run and backward has not, after each action."""
+    alive, out = 0, []
+    for a in actions:
+        alive += 1 if a.kind == "F" else -1
+        out.append(alive)
+    return out
+
+
+def max_in_flight(actions: Sequence[Action]) -> int:
+    """The most microbatch-chunks a rank holds at once (forward done, backward not yet)."""
+    return max(in_flight_profile(actions), default=0)
+
+
+def checkpointed_forwards(actions: Sequence[Action], partial: int | None, window: int) -> dict[tuple[int, int], bool]:
+    """(chunk, microbatch) -> whether its forward runs the recompute policy.
+
+    None: all of them. Otherwise Megatron's rule for ``num_microbatches_with_partial_activation_checkpoints``:
+    the rank's k-th forward is checkpointed iff ``k % window >= partial`` (``window`` = warm-up forwards + 1).
+    """
+    out: dict[tuple[int, int], bool] = {}
+    k = 0
+    for a in actions:
+        if a.kind == "F":
+            out[(a.chunk, a.microbatch)] = partial is None or k % window >= partial
+            k += 1
+    return out
+
+
+def check_partial(partial: int | None) -> int | None:
+    if partial is None:
+        return None
+    if isinstance(partial, bool) or not isinstance(partial, numbers.Integral) or partial < 0:
+        raise PipelineError(f"partial_checkpoint_microbatches={partial!r}: must be an integer >= 0 "
+                            "(or None: every microbatch runs the policy)")
+    return int(partial)

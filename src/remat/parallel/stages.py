@@ -1,0 +1,199 @@
+"""Pipeline stage modules cut from the reference GPT, and the recorder that labels their phases."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from remat.config import ModelConfig
+from remat.memory.measure import StepRecorder
+from remat.models.gpt import GPT, Embedding, LMHead, TransformerLayer, build_model, building
+from remat.parallel.schedule import ChunkSpec, PipelineError
+from remat.recompute.apply import applied
+
+
+class StageModule(nn.Module):
+    """One model chunk of the reference GPT: [embedding] -> ``layers`` -> [final norm, output layer, loss].
+
+    ``forward(x, labels=None)`` takes token ids (first chunk) or hidden states [b, s, h] and returns the hidden
+    states, or the loss on the last chunk (which needs ``labels``). Like :class:`remat.models.gpt.GPT`, every chunk
+    makes its own causal mask and rotary tables, and the same operations run in the same order, so one chunk
+    that holds the whole model is the GPT step for step.
+    """
+
+    def __init__(self, config: ModelConfig, spec: ChunkSpec, *, _modules_from: GPT | None = None):
+        super().__init__()
+        self.config = config
+        self.spec = spec
+        span = range(spec.layer_offset, spec.layer_offset + spec.num_layers)
+        if _modules_from is not None:
+            source = _modules_from
+            self.embedding = source.embedding if spec.is_first else None
+            self.layers = nn.ModuleList(source.layers[i] for i in span)
+            self.head = source.head if spec.is_last else None
+        else:
+            self.embedding = Embedding(config) if spec.is_first else None
+            self.layers = nn.ModuleList(TransformerLayer(config) for _ in span)
+            self.head = LMHead(config) if spec.is_last else None
+            if config.tie_embeddings and self.embedding is not None and self.head is not None:
+                self.head.output_layer.weight = self.embedding.word_embeddings.weight
+
+    def rotary_tables(self, seq_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return GPT.rotary_tables(self, seq_length, device)  # type: ignore[arg-type]  # uses only .config
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        s = x.shape[1]
+        causal_mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril_().view(1, 1, s, s)
+        rotary = self.rotary_tables(s, x.device)
+        hidden = self.embedding(x) if self.embedding is not None else x
+        for layer in self.layers:
+            hidden = layer(hidden, causal_mask, rotary)
+        if self.head is None:
+            return hidden
+        if labels is None:
+            raise PipelineError(f"chunk {self.spec.index} computes the loss and needs labels=")
+        return self.head(hidden, labels)
+
+
+def build_stage_module(config: ModelConfig, spec: ChunkSpec, device: torch.device | str = "cpu") -> StageModule:
+    """A chunk with freshly initialised weights in ``config.dtype`` (parameters made in place; works under
+    ``FakeTensorMode``)."""
+    with building(config, device):
+        return StageModule(config, spec).train()
+
+
+def build_stage_modules(config: ModelConfig, specs: Sequence[ChunkSpec], device: torch.device | str = "cpu",
+                        seed: int | None = 0) -> list[StageModule]:
+    """The chunks ``specs`` cut from one :func:`remat.models.gpt.build_model` (same ``seed``: the same weights as the
+    unsplit GPT; the other chunks' parameters are dropped)."""
+    model = build_model(config, device=device, seed=seed)
+    return [StageModule(config, spec, _modules_from=model).train() for spec in specs]
+
+
+# ------------------------------------------------------------------------------------------------ recorder
+def phase_detail(microbatch: int, chunk: int, inner: str = "") -> str:
+    """How phases name the microbatch and chunk: ``'microbatch 3, chunk 1'`` (``': <inner>'`` appended)."""
+    text = f"microbatch {microbatch}, chunk {chunk}"
+    return f"{text}: {inner}" if inner else text
+
+
+_DETAIL = re.compile(r"^microbatch (\d+), chunk (\d+)(?::|$)")
+
+
+def parse_phase_detail(detail: str) -> tuple[int, int] | None:
+    """(microbatch, chunk) named by a phase detail written by :func:`phase_detail`, else None."""
+    match = _DETAIL.match(detail)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+class PipelineRecorder(StepRecorder):
+    """:class:`~remat.memory.measure.StepRecorder` for a rank's model chunks: layer phases name global layer indices,
+    the head phase belongs to the last chunk only, and while :meth:`begin_op` has set a (microbatch, chunk)
+    every phase's detail names them (:func:`phase_detail`)."""
+
+    def __init__(self, model: nn.Module, chunks: Sequence[StageModule], *, block_bytes: int = 1):
+        self.context: tuple[int, int] | None = None
+        super().__init__(model, [layer for chunk in chunks for layer in chunk.layers], block_bytes=block_bytes)
+        self.chunks = list(chunks)
+        self.layer_index = {}
+        self.layer_chunk: dict[int, ChunkSpec] = {}
+        self.layer_names: dict[int, str] = {}
+        for chunk in chunks:
+            for i, layer in enumerate(chunk.layers):
+                g = chunk.spec.layer_offset + i
+                self.layer_index[id(layer)] = g
+                self.layer_chunk[id(layer)] = chunk.spec
+                self.layer_names[g] = self.module_names.get(id(layer), f"layers.{i}")
+
+    def set_phase(self, kind: str, region: str, detail: str = "") -> None:
+        context = getattr(self, "context", None)
+        if context is not None:
+            detail = phase_detail(*context, detail)
+        super().set_phase(kind, region, detail)
+
+    def begin_op(self, kind: str, spec: ChunkSpec, microbatch: int) -> None:
+        """A forward or backward of ``spec``'s chunk on ``microbatch`` starts."""
+        self.context = (microbatch, spec.index)
+        if kind == "forward":
+            self.set_phase("forward", "embedding" if spec.is_first else "")
+        else:
+            self.set_phase("backward", "head" if spec.is_last else "")
+
+    def end_op(self) -> None:
+        """The current forward or backward ended; what follows is the pipeline runtime's own work."""
+        self.context = None
+        self.set_phase("setup", "pipeline")
+
+    def _default_module(self) -> str:
+        region = self._phase.region if self._phase else ""
+        if region.startswith("layer "):
+            return self.layer_names.get(int(region[6:]), region)
+        return region
+
+    def _starts_stack(self, layer: nn.Module, index: int) -> bool:
+        spec = self.layer_chunk[id(layer)]
+        return spec.is_first and index == spec.layer_offset
+
+    def _ends_stack(self, layer: nn.Module, index: int) -> bool:
+        spec = self.layer_chunk[id(layer)]
+        return spec.is_last and index == spec.layer_offset + spec.num_layers - 1
+
+    def track_setup(self, named: Sequence[tuple[str, torch.Tensor | None]] = ()) -> None:
+        """Record what exists before the step: every parameter and buffer (named by its module), then
+        ``named`` tensors (batch, pipeline buffers), each under the given module name."""
+        for name, module in self.model.named_modules():
+            self.module_stack.append(name)
+            for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+                self.track(t)
+            self.module_stack.pop()
+        for name, tensor in named:
+            if tensor is not None:
+                self.module_stack.append(name)
+                self.track(tensor)
+                self.module_stack.pop()
+
+
+def container_of(chunks: Sequence[StageModule]) -> nn.Module:
+    """The module a rank's recorder sees: the chunk itself, or ``chunk<g>`` children when the rank has several
+    (so parameter rows are named ``layers.3.mlp...`` or ``chunk5.layers.3.mlp...``)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return nn.ModuleDict({f"chunk{c.spec.index}": c for c in chunks})
+
+
+@contextlib.contextmanager
+def gc_paused(collect: bool = True) -> Iterator[None]:
+    """Pause Python's cycle collector (after a collection when ``collect``): it runs at moments that depend on how
+    many Python objects were made (which differs between real and fake tensors); with it paused every storage is
+    freed when its last reference goes, so a recorded step frees the same tensors at the same events."""
+    import gc
+
+    if collect:
+        gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def checkpointing_disabled(module: nn.Module) -> Iterator[None]:
+    """Run ``module``'s forward as if no policy were applied (for a microbatch that Megatron's partial
+    recompute leaves un-checkpointed): every region of the applied policy calls its modules' own forwards."""
+    state = applied(module)
+    regions = state.regions if state is not None else []
+    saved = [r._running for r in regions]
+    for r in regions:
+        r._running = True
+    try:
+        yield
+    finally:
+        for r, value in zip(regions, saved):
+            r._running = value

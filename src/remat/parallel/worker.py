@@ -1,0 +1,104 @@
+"""The worker process that parallel.launch starts: runs one rank's job and writes its timeline."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from remat.parallel.launch import inject_fault
+from remat.parallel.pipeline_measure import measure_pipeline_rank
+from remat.parallel.tensor import measure_tensor_parallel_rank
+from remat.timeline import write_atomic
+
+
+# ------------------------------------------------------------------------------------------------ worker
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watchdog(launcher: int, deadline: float, folder: Path, rank: int) -> None:
+    """End this worker when the process that launched it is gone or the run's time is over (the launcher
+    normally kills it first)."""
+    while True:
+        time.sleep(0.2)
+        gone = not _alive(launcher)
+        if gone or time.time() > deadline:
+            reason = "the launching process is gone" if gone else "the run's timeout passed"
+            with contextlib.suppress(Exception):
+                _report_error(folder, rank, f"worker stopped: {reason}", "")
+            os._exit(4)
+
+
+def _report_error(folder: Path, rank: int, error: str, trace: str) -> None:
+    write_atomic(folder / f"rank{rank}.error.json",
+                 json.dumps({"rank": rank, "error": error, "traceback": trace, "time": time.time()}))
+
+
+def _worker(folder: Path, rank: int, launcher: int) -> int:
+    job = json.loads((folder / "job.json").read_text(encoding="utf-8"))
+    threading.Thread(target=_watchdog, args=(launcher, time.time() + job["timeout"] + 5.0, folder, rank),
+                     daemon=True).start()
+    try:
+        fault = job.get("fault") or {}
+        if fault.get("rank") == rank and fault.get("when") == "start":
+            inject_fault(fault, rank)
+        if sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the run stays on 127.0.0.1
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        cuda = job["device"] == "cuda"
+        if cuda:
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{job['port']}",
+                                rank=rank, world_size=job.get("world", job["pp"]),
+                                timeout=datetime.timedelta(seconds=max(job["timeout"], 1.0)))
+        try:
+            tensor_parallel = job.get("kind") == "tensor_parallel"
+            measure_one = measure_tensor_parallel_rank if tensor_parallel else measure_pipeline_rank
+            results = [measure_one(job, policy, rank).to_dict() for policy in job["policies"]]
+            dist.barrier()  # every rank is done with its collectives before any tears its connections down
+        finally:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        write_atomic(folder / f"rank{rank}.json", json.dumps(results, separators=(",", ":")))
+        return 0
+    except BaseException as err:  # noqa: BLE001 - every failure is reported to the parent
+        message = "".join(traceback.format_exception_only(type(err), err)).strip()
+        _report_error(folder, rank, message, traceback.format_exc())
+        return 1
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="remat pipeline worker (started by remat.parallel.launch)")
+    parser.add_argument("--worker", nargs=3, metavar=("FOLDER", "RANK", "PARENT_PID"), required=True)
+    args = parser.parse_args(argv)
+    folder, rank, parent = args.worker
+    return _worker(Path(folder), int(rank), int(parent))
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown: the results are written (atomically) and the process group destroyed, and a
+    # communication library's static destructors at exit could still abort the process (seen once on gloo as
+    # "terminate called without an active exception"), which the launcher would report as a failed rank.
+    os._exit(code)

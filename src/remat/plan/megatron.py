@@ -1,0 +1,141 @@
+"""Megatron-expressible policies: the sweep, and the predicted peak of each for planning."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from remat.config import ModelConfig
+from remat.memory.compose import CompositionError, ShallowTrace, compose, layer_roles
+from remat.memory.predict import predict_config, predict_many, trace_rank
+from remat.plan.space import MEGATRON_MODULES
+from remat.policy import Policy
+from remat.recompute.plan_format import Plan, PlanError, Unit
+from remat.timeline import Timeline
+
+MEGATRON_SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")  # the dense-model modules Megatron offers
+
+
+def megatron_sweep(num_layers: int, engine: str | None = None) -> list[str]:
+    """Every Megatron recompute setting of a ``num_layers`` stack, in the short form of :class:`Policy`.
+
+    ``none``; ``full/uniform/K`` for K = 1..L; ``full/block/K`` for K = 1..L (K = 0 is ``none``); ``selective``
+    with each non-empty set of Megatron's dense-model modules (core_attn, mlp, layernorm). ``engine`` (None:
+    Megatron's reentrant) is appended as ``@engine`` to every policy but ``none``.
+    """
+    from itertools import combinations
+
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers={num_layers!r}: a sweep needs a stack of at least one layer")
+    names = [f"full/uniform/{k}" for k in range(1, num_layers + 1)]
+    names += [f"full/block/{k}" for k in range(1, num_layers + 1)]
+    mods = MEGATRON_SELECTIVE_MODULES
+    names += ["selective/" + "+".join(c) for n in range(1, len(mods) + 1) for c in combinations(mods, n)]
+    suffix = f"@{engine}" if engine not in (None, "reentrant") else ""
+    return ["none", *(name + suffix for name in names)]
+
+
+# ------------------------------------------------------------------------------------------------ prediction
+_STAND_INS: dict[tuple[ModelConfig, Plan, str], ShallowTrace] = {}
+
+
+def stand_in(plan: Plan) -> Plan | None:
+    """A shallow plan with every layer role (:func:`remat.memory.compose.layer_roles`) of ``plan``, for composing its
+    timeline from a shallow trace: groups of more than 3 layers shrink to 3 and runs of more than 3 equal units
+    to 3 (a role sees only its neighbours and region sizes up to 3). None when that is not shallower, or when the
+    plan offloads (composition does not tell offload groups from checkpoint groups)."""
+    if any(s.mode == "offload" for s in plan.segments):
+        return None
+    small: list[Unit] = []
+    for unit in plan.units():
+        u = Unit(unit.mode, min(unit.size, 3), unit.modules) if unit.is_group else unit
+        if len(small) >= 3 and small[-1] == small[-2] == small[-3] == u:
+            continue
+        small.append(u)
+    shallow = Plan.from_units(small, plan.engine)
+    if shallow.num_layers >= plan.num_layers:
+        return None
+    if not set(layer_roles(plan, plan.num_layers)) <= set(layer_roles(shallow, shallow.num_layers)):
+        return None
+    return shallow
+
+
+def predict_plan(config: ModelConfig, plan: Plan, *, device: str = "cpu", tp: int = 1, sp: bool = False) -> Timeline:
+    """Predict (fake trace, exact bytes) one training step of the reference GPT of ``config`` under ``plan`` (of
+    one tensor-parallel rank with ``tp``/``sp``).
+
+    A Megatron-expressible plan goes through :func:`remat.memory.predict.predict_config`; another plan is composed from
+    the trace of its :func:`stand_in` (:func:`remat.memory.compose.compose`), or traced whole when composition is
+    refused or the plan offloads. ``meta['plan']`` holds the plan's text.
+    """
+    if plan.num_layers != config.num_layers:
+        raise PlanError(f"the plan is for {plan.num_layers} layers but the config has {config.num_layers}")
+    policy, _ = plan.megatron_policy()
+    if policy is not None:
+        tl = predict_config(config, policy, device=device, tp=tp, sp=sp)
+    else:
+        tl = None
+        shallow = stand_in(plan)
+        if shallow is not None:
+            key = (config.replace(num_layers=shallow.num_layers), shallow, device, tp, sp)
+            try:
+                if key not in _STAND_INS:
+                    if len(_STAND_INS) >= 32:
+                        del _STAND_INS[next(iter(_STAND_INS))]
+                    _STAND_INS[key] = ShallowTrace(trace_rank(key[0], shallow, device, tp, sp), shallow)
+                tl = compose(_STAND_INS[key], shallow, plan, plan.num_layers)
+                tl.meta["config"] = config.to_dict()
+            except CompositionError as err:
+                tl = None
+                refused = str(err)
+        if tl is None:
+            tl = trace_rank(config, plan, device, tp, sp)
+            if shallow is not None:
+                tl.meta["composition_refused"] = refused
+    tl.meta["plan"] = str(plan)
+    return tl
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """What a prediction says about a step: the peak, the phase it is in, the bytes alive there by category
+    (adding up to the peak) and the FLOPs per phase kind."""
+
+    peak_bytes: int
+    peak_phase: str
+    at_peak: dict[str, int]
+    flops: dict[str, int]
+
+    @classmethod
+    def of(cls, tl: Timeline) -> Predicted:
+        return cls(tl.peak_bytes, tl.peak_phase.label, dict(tl.at_peak),
+                   {k: int(v) for k, v in tl.meta.get("flops", {}).items()})
+
+
+def megatron_policies(num_layers: int, engine: str = "reentrant") -> list[Policy]:
+    """Every Megatron-LM recompute setting of a ``num_layers`` stack: none, full/uniform/K and full/block/K for
+    K = 1..L, and selective with each non-empty set of core_attn, mlp, layernorm."""
+    out = [Policy(engine=engine)]
+    out += [Policy("full", "uniform", k, engine=engine) for k in range(1, num_layers + 1)]
+    out += [Policy("full", "block", k, engine=engine) for k in range(1, num_layers + 1)]
+    out += [Policy("selective", modules=c, engine=engine) for n in range(1, 4)
+            for c in itertools.combinations(MEGATRON_MODULES, n)]
+    return out
+
+
+_MEGATRON: dict[tuple[ModelConfig, str, str, int, bool], list[tuple[Policy, Predicted]]] = {}
+
+
+def megatron_table(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
+                   sp: bool = False) -> list[tuple[Policy, Predicted]]:
+    """Every Megatron setting (:func:`megatron_policies`) with its prediction
+    (:func:`remat.memory.predict.predict_many`);
+    cached per config."""
+    key = (config, device, engine, tp, sp)
+    if key not in _MEGATRON:
+        policies = megatron_policies(config.num_layers, engine)
+        predicted = predict_many(config, policies, device=device, tp=tp, sp=sp)
+        _MEGATRON[key] = [(p, Predicted.of(tl)) for p, tl in zip(policies, predicted)]
+        if len(_MEGATRON) > 16:
+            del _MEGATRON[next(iter(_MEGATRON))]
+    return _MEGATRON[key]

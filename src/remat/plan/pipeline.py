@@ -1,0 +1,230 @@
+"""Planning each stage of a pipeline-parallel job under one budget."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from remat.config import ModelConfig
+from remat.memory.predict import predict_config
+from remat.parallel.chunk_trace import trace_chunk
+from remat.parallel.pipeline_predict import compose_stage, predict_pipeline
+from remat.parallel.pipeline_runtime import StagePlan
+from remat.parallel.schedule import (
+    check_schedule,
+    checkpointed_forwards,
+    max_in_flight,
+    partition,
+    rank_chunks,
+    schedule_actions,
+    warmup_forwards,
+)
+from remat.plan.costs import CostModel, candidate_units
+from remat.plan.megatron import Predicted, megatron_policies
+from remat.plan.solver import Solution, solve, tidy
+from remat.plan.unit_model import UnitModel, unit_model
+from remat.policy import Policy
+from remat.recompute.plan_format import KEEP, Plan, PlanError, Unit
+from remat.timeline import Timeline
+from remat.units import CUDA_BLOCK, format_bytes, format_seconds
+
+
+# ------------------------------------------------------------------------------------------------ pipelines
+def stage_timeline(config: ModelConfig, rank: int, chunk_plan: Plan | Policy, *, pp: int, microbatches: int,
+                   schedule: str = "1f1b", device: str = "cpu", runtime: str = "torch") -> Timeline:
+    """The predicted timeline of pipeline stage ``rank`` (one model chunk per stage) running ``chunk_plan`` on its
+    own layers, composed by :mod:`remat.parallel` from fake traces of its chunk, exactly as
+    :func:`remat.parallel.pipeline_predict.predict_pipeline` composes a uniform policy's stages."""
+
+    schedule = check_schedule(schedule, pp, microbatches, 1, runtime)
+    specs = partition(config, pp, 1)
+    chunks = rank_chunks(specs, pp, rank)
+    actions = schedule_actions(schedule, pp, microbatches, 1, rank, runtime=runtime)
+    window = warmup_forwards(schedule, pp, microbatches, 1, rank, "megatron") + 1
+    checkpointed = checkpointed_forwards(actions, None, window)
+    traces = {(spec.index, True): trace_chunk(config, spec.kind, chunk_plan, device) for spec in chunks}
+    stage = StagePlan(config, pp, microbatches, 1, rank, schedule, runtime, chunks, actions, checkpointed, traces,
+                          block=CUDA_BLOCK if device == "cuda" else 1)
+    return compose_stage(stage, chunk_plan, None)
+
+
+def plan_pipeline(config: ModelConfig, budget: int, *, pp: int, microbatches: int, schedule: str = "1f1b",
+                  vpp: int = 1, cost: CostModel | None = None, device: str = "cpu", engine: str = "reentrant",
+                  offload: bool = True, runtime: str = "torch", max_resolves: int = 4) -> dict[str, Any]:
+    """Plan each pipeline stage separately and compare with the best uniform (Megatron) setting.
+
+    Stage r of a 1F1B pipeline holds up to ``min(pp - r, m)`` microbatches' saved tensors at once, so stage 0
+    needs the most recompute; one policy for every stage (what Megatron's flags give) recomputes as much on the
+    last stage as the first one needs. For each stage this searches the extended space with the unit model of
+    the stage's layers plus what the other microbatches in flight keep (``(in flight - 1) x`` the plan's stored
+    bytes, over a grid of caps on them) plus a per-stage offset calibrated on the no-recompute stage timeline;
+    each stage's plan is then checked with :func:`stage_timeline` (the exact composed stage timeline of
+    :mod:`remat.parallel`) and re-solved below the excess if it does not fit. A stage never gets a plan costlier
+    than the best uniform setting's (that one is kept when cheaper). The uniform candidates are every Megatron
+    setting, each predicted with :func:`remat.parallel.pipeline_predict.predict_pipeline`.
+
+    Step time uses the pipeline's critical path: the slowest stage's time per microbatch, (forward + backward +
+    recompute FLOPs) / ``cost.flops_per_second``, times ``microbatches + pp - 1``. Only ``vpp=1`` (one model chunk
+    per stage) is planned per stage.
+    """
+
+    if vpp != 1:
+        raise PlanError(f"per-stage plans need one model chunk per stage (vpp=1), got vpp={vpp}")
+    cost = cost or CostModel()
+    start = time.perf_counter()
+    specs = partition(config, pp, 1)
+    schedule = check_schedule(schedule, pp, microbatches, 1, runtime)
+    model = unit_model(config, device=device, engine=engine)
+    fps = cost.flops_per_second
+    baseline = Predicted.of(predict_config(config.replace(num_layers=1), Policy(engine=engine), device=device))
+    head_fwd = baseline.flops.get("forward", 0) - model.layer_forward_flops
+    head_bwd = baseline.flops.get("backward", 0) - model.layer_backward_flops
+    in_flight = [max_in_flight(schedule_actions(schedule, pp, microbatches, 1, r, runtime=runtime))
+                 for r in range(pp)]
+
+    def stage_seconds(rank: int, recompute_flops: int) -> float:
+        spec = specs[rank]
+        flops = spec.num_layers * (model.layer_forward_flops + model.layer_backward_flops) + recompute_flops
+        if spec.is_last:
+            flops += head_fwd + head_bwd
+        return flops / fps
+
+    # the uniform settings: every Megatron policy that fits the smallest chunk, each stage predicted
+    smallest = min(s.num_layers for s in specs)
+    uniform: list[tuple[Policy, list[int], int]] = []
+    for policy in megatron_policies(smallest, engine):
+        tls = predict_pipeline(config, policy, pp, microbatches, schedule, runtime=runtime, device=device)
+        flops = sum(model.shape(u).recompute_flops for spec in specs
+                    for u in Plan.from_policy(policy, spec.num_layers).units() if u.mode != "keep")
+        uniform.append((policy, [tl.peak_bytes for tl in tls], flops))
+    none_peaks = uniform[0][1]
+    fits = [u for u in uniform if max(u[1]) <= budget]
+
+    def rebuilt(p: Plan) -> int:  # ties in FLOPs (norms count none) go to what rebuilds the fewest bytes
+        return sum(model.shape(u).recompute_bytes for u in p.units())
+
+    best_uniform = min(fits, key=lambda u: (u[2], sum(rebuilt(Plan.from_policy(u[0], s.num_layers)) for s in specs),
+                                            max(u[1]))) if fits else None
+
+    def stored(us: Sequence[Unit]) -> int:
+        return sum(model.shape(u).forward.net for u in us)
+
+    stages: list[dict[str, Any]] = []
+    for rank, spec in enumerate(specs):
+        Lc, n = spec.num_layers, in_flight[rank]
+        units = candidate_units(Lc, offload=offload, engine=engine, contractions=model.contractions)
+        keep_plan = [KEEP] * Lc
+        delta = none_peaks[rank] - (model.peak(keep_plan) + (n - 1) * stored(keep_plan))
+        chosen = None
+        tries = 0
+        while tries <= max_resolves:
+            sol = _solve_stage(model, Lc, budget - delta, n, cost, units, stored(keep_plan))
+            if sol is None:
+                break
+            d = delta
+
+            def estimate(us: list[Unit], n: int = n, d: int = d) -> int:
+                return model.peak(us) + (n - 1) * stored(us) + d
+
+            p = Plan.from_units(tidy(model, sol.units, budget, cost, estimate), engine)
+            peak = stage_timeline(config, rank, p, pp=pp, microbatches=microbatches, schedule=schedule,
+                                  device=device, runtime=runtime).peak_bytes
+            if peak <= budget:
+                chosen = (p, peak)
+                break
+            delta += peak - budget
+            tries += 1
+        entry: dict[str, Any] = {"stage": rank, "layers": [spec.layer_offset, spec.layer_offset + Lc - 1],
+                                 "in_flight": n, "resolves": tries}
+        candidates = []
+        if chosen is not None:
+            candidates.append(("extended", chosen[0], chosen[1]))
+        if best_uniform is not None:
+            candidates.append(("uniform", Plan.from_policy(best_uniform[0], Lc), best_uniform[1][rank]))
+        if not candidates:
+            entry.update(plan=None, fits=False)
+            stages.append(entry)
+            continue
+        source, p, peak = min(candidates, key=lambda c: (sum(cost.cost(model, u) for u in c[1].units()),
+                                                         rebuilt(c[1]), c[2]))
+        flops = sum(model.shape(u).recompute_flops for u in p.units() if u.mode != "keep")
+        policy, why = p.megatron_policy()
+        entry.update(fits=True, source=source, plan=str(p), plan_json=p.to_dict(), peak_bytes=peak,
+                     recompute_flops=flops, seconds_per_microbatch=stage_seconds(rank, flops),
+                     megatron_policy=None if policy is None else str(policy), why_not_megatron=why)
+        stages.append(entry)
+
+    report: dict[str, Any] = {"pp": pp, "microbatches": microbatches, "schedule": schedule, "runtime": runtime,
+                              "budget_bytes": budget, "stages": stages}
+    if best_uniform is not None:
+        per = [stage_seconds(r, sum(model.shape(u).recompute_flops
+                                    for u in Plan.from_policy(best_uniform[0], specs[r].num_layers).units()
+                                    if u.mode != "keep")) for r in range(pp)]
+        report["uniform"] = {"policy": str(best_uniform[0]), "stage_peaks": best_uniform[1],
+                             "recompute_flops": best_uniform[2], "seconds_per_microbatch": per,
+                             "critical_path_seconds": max(per) * (microbatches + pp - 1),
+                             "megatron_args": best_uniform[0].to_megatron_args()}
+    else:
+        lowest = min(uniform, key=lambda u: max(u[1]))
+        report["uniform"] = None
+        report["uniform_note"] = f"no uniform setting fits: the lowest is {lowest[0]} at {format_bytes(max(lowest[1]))}"
+    if all(st.get("fits") for st in stages):
+        per = [st["seconds_per_microbatch"] for st in stages]
+        report["critical_path_seconds"] = max(per) * (microbatches + pp - 1)
+        if report["uniform"] is not None:
+            u = report["uniform"]["critical_path_seconds"]
+            report["step_time_saving_pct"] = 100 * (1 - report["critical_path_seconds"] / u) if u else 0.0
+    report["seconds"] = time.perf_counter() - start
+    report["summary"] = _pipeline_summary(report)
+    return report
+
+
+def _solve_stage(model: UnitModel, num_layers: int, budget: int, in_flight: int, cost: CostModel,
+                 units: list[Unit], max_stored: int) -> Solution | None:
+    """The cheapest plan of a stage's layers when ``in_flight - 1`` other microbatches keep the plan's stored bytes
+    each: the least cost over a grid of caps T on the stored bytes of ``solve(budget - (in_flight - 1) T,
+    stored_cap=T)``, refined around the best cap."""
+    if in_flight <= 1:
+        return solve(model, num_layers, budget, cost, units=units)
+    best: Solution | None = None
+    grid = sorted({int(max_stored * k / 32) for k in range(33)})
+    for _ in range(2):
+        found = []
+        for cap in grid:
+            sol = solve(model, num_layers, budget - (in_flight - 1) * cap, cost, units=units, stored_cap=cap)
+            if sol is not None:
+                found.append(cap)
+                if best is None or sol.cost < best.cost:
+                    best = sol
+        if best is None:
+            return None
+        used = sum(model.shape(u).forward.net for u in best.units)
+        step = max(1, (grid[1] - grid[0]) if len(grid) > 1 else 1)
+        grid = sorted({max(0, used + int(step * k / 16)) for k in range(-16, 17)})
+    return best
+
+
+def _pipeline_summary(report: dict[str, Any]) -> str:
+    lines = [f"Pipeline ({report['pp']} stages, {report['microbatches']} microbatches, {report['schedule']}): "
+             "one plan per stage"]
+    for st in report["stages"]:
+        if not st.get("fits"):
+            lines.append(f"  stage {st['stage']}: nothing fits")
+            continue
+        lines.append(f"  stage {st['stage']} (layers {st['layers'][0]}-{st['layers'][1]}, {st['in_flight']} in "
+                     f"flight): {st['plan']} [{st['source']}], peak {format_bytes(st['peak_bytes'])}, "
+                     f"{st['recompute_flops']:,} recomputed FLOPs per microbatch")
+    u = report.get("uniform")
+    if u is not None:
+        lines.append(f"  best uniform setting: {u['policy']} (stage peaks "
+                     f"{', '.join(format_bytes(p) for p in u['stage_peaks'])})")
+    else:
+        lines.append(f"  {report.get('uniform_note', '')}")
+    if "critical_path_seconds" in report:
+        text = f"  critical path {format_seconds(report['critical_path_seconds'])} per step"
+        if "step_time_saving_pct" in report:
+            text += (f" vs {format_seconds(report['uniform']['critical_path_seconds'])} with the uniform setting: "
+                     f"{report['step_time_saving_pct']:.1f}% shorter")
+        lines.append(text)
+    return "\n".join(lines)

@@ -1,0 +1,439 @@
+"""The unit model: a layer's memory cut from fake traces into units that a plan keeps, recomputes or offloads."""
+
+from __future__ import annotations
+
+import bisect
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+from remat.config import ModelConfig
+from remat.memory.measure import StepRecorder, record_step
+from remat.memory.predict import rank_model_factory
+from remat.models.gpt import sample_batch
+from remat.plan.space import SELECTIVE_SETS, contraction_sets
+from remat.policy import ENGINES
+from remat.recompute.apply import apply
+from remat.recompute.engines import in_backward
+from remat.recompute.operators import contraction
+from remat.recompute.plan_format import KEEP, Plan, PlanError, Unit
+from remat.timeline import Timeline
+from remat.units import CUDA_BLOCK
+
+NO_EVENT = -(1 << 62)  # the "highest point" of a block without events
+SIDE_MASK, SIDE_ROTARY = "mask", "rotary"  # side inputs of a layer a unit may depend on
+
+
+def unit_holds(unit: Unit, classes: Iterable[str]) -> frozenset[str]:
+    """The side inputs ``unit`` keeps for its backward. Every layer keeps the rotary tables (rope multiplies the
+    queries and keys by them outside the attention core, and a checkpoint keeps its inputs); the causal mask is
+    kept only by checkpoints whose inputs include it: groups, and selective layers that recompute core_attn or
+    checkpoint the whole layer (non_matmul)."""
+    out = set()
+    whole_or_core = unit.is_group or (unit.mode == "selective" and bool({"core_attn", "non_matmul"} &
+                                                                         set(unit.modules)))
+    for c in classes:
+        if c == SIDE_ROTARY or (c == SIDE_MASK and whole_or_core):
+            out.add(c)
+    return frozenset(out)
+
+
+@dataclass(frozen=True)
+class Block:
+    """A run of a step's events: ``net`` bytes it leaves allocated, ``high`` its highest point (both relative to
+    the live bytes when it starts; ``high`` is :data:`NO_EVENT` for an empty block)."""
+
+    net: int
+    high: int
+
+    @staticmethod
+    def of(deltas: np.ndarray) -> Block:
+        if len(deltas) == 0:
+            return Block(0, NO_EVENT)
+        c = np.cumsum(deltas)
+        return Block(int(c[-1]), int(c.max()))
+
+    def then(self, other: Block) -> Block:
+        high = self.high if other.high == NO_EVENT else max(self.high, self.net + other.high)
+        return Block(self.net + other.net, high)
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    """What one unit does to the live bytes: its forward block, its backward block (recomputation included, side
+    inputs alive throughout), and the FLOPs it recomputes."""
+
+    forward: Block
+    backward: Block
+    recompute_flops: int
+    recompute_bytes: int = 0  # bytes the recomputation allocates (a proxy for its element-wise work)
+
+
+@dataclass
+class _Piece:
+    offset: int | None  # layer within the unit (None: before its first layer's phases)
+    block: Block
+    flops: int          # FLOPs recomputed in it
+    remat_bytes: int    # bytes allocated by recomputation in it
+
+
+@dataclass
+class _Marks:
+    forward: dict[int, int]   # unit index -> event at which the unit's forward starts
+    backward: dict[int, int]  # unit index -> event at which the gradient of its output is ready
+    head: int = -1            # the head's forward starts
+    embedding: int = -1       # the gradient of the embedding's output is ready
+
+
+def _recorder() -> Any:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+
+    mode = _get_current_dispatch_mode()
+    if isinstance(mode, StepRecorder):
+        return mode
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, StepRecorder):
+            return mode
+    raise RuntimeError("remat.plan: no step recorder is active")
+
+
+def marked_trace(config: ModelConfig, units: Sequence[Unit], *, device: str = "cpu",
+                 engine: str = "reentrant", tp: int = 1, sp: bool = False) -> tuple[Timeline, _Marks]:
+    """Trace the reference GPT under the plan of ``units`` (fake tensors) and mark where each unit's forward and
+    backward start, by module hooks that read the recorder's event count."""
+    plan = Plan.from_units(units, engine)
+    cfg = config.replace(num_layers=plan.num_layers)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    at = 0
+    for u, unit in enumerate(units):
+        first[at], last[at + unit.size - 1] = u, u
+        at += unit.size
+    marks = _Marks({}, {})
+    tokens, labels = sample_batch(cfg)
+    with FakeTensorMode(allow_non_fake_inputs=False) as fake:
+        model = rank_model_factory(cfg, tp, sp)()
+        state = apply(model, plan)
+        index = {id(layer): i for i, layer in enumerate(state.layers)}
+
+        def outer(module: nn.Module) -> bool:
+            region = module.__dict__.get("_remat_region")
+            return not in_backward() and not (region is not None and region.kind == "layers" and region._running)
+
+        def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if module is model.head and not in_backward() and marks.head < 0:
+                marks.head = _recorder().timeline.num_events
+            i = index.get(id(module))
+            if i is None or not outer(module):
+                return
+            if i in first and first[i] not in marks.forward:
+                marks.forward[first[i]] = _recorder().timeline.num_events
+            if i == 0 and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                args[0].register_hook(lambda g: setattr(marks, "embedding", _recorder().timeline.num_events))
+
+        def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            i = index.get(id(module))
+            if i is None or not outer(module) or i not in last:
+                return
+            u = last[i]
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda g: marks.backward.__setitem__(u, _recorder().timeline.num_events))
+
+        handles = [nn.modules.module.register_module_forward_pre_hook(pre),
+                   nn.modules.module.register_module_forward_hook(post)]
+        try:
+            batch = (fake.from_tensor(tokens), fake.from_tensor(labels))
+            timeline, _ = record_step(model, batch, layers=state.layers,
+                                      block_bytes=CUDA_BLOCK if device == "cuda" else 1)
+        finally:
+            for handle in handles:
+                handle.remove()
+    missing = [u for u in range(len(units)) if u not in marks.forward or u not in marks.backward]
+    if missing or marks.head < 0 or marks.embedding < 0:
+        raise RuntimeError(f"remat.plan: unit boundaries were not all seen in the trace (units {missing})")
+    return timeline, marks
+
+
+def _deltas(tl: Timeline) -> np.ndarray:
+    d = np.zeros(tl.num_events, dtype=np.int64)
+    nbytes = np.asarray(tl.nbytes, dtype=np.int64)
+    np.add.at(d, np.asarray(tl.alloc_at, dtype=np.int64), nbytes)
+    free = np.asarray(tl.free_at, dtype=np.int64)
+    freed = free >= 0
+    np.add.at(d, free[freed], -nbytes[freed])
+    return d
+
+
+def _pieces(tl: Timeline, d: np.ndarray, lo: int, hi: int, first_layer: int) -> list[_Piece]:
+    """The events ``lo .. hi-1`` cut at the recorder's phase starts; each piece names its layer within the unit."""
+    flops = tl.meta.get("phase_flops", [0] * len(tl.phases))
+    starts = [p.start for p in tl.phases]
+    cuts = sorted({lo, hi, *(s for s in starts if lo < s < hi)})
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        p = max(0, bisect.bisect_right(starts, a) - 1)
+        phase = tl.phases[p]
+        offset = int(phase.region[6:]) - first_layer if phase.region.startswith("layer ") else None
+        if offset is not None and offset < 0:
+            offset = None
+        counted = flops[p] if phase.kind == "recompute" and phase.start == a else 0
+        remat = int(d[a:b][d[a:b] > 0].sum()) if phase.kind == "recompute" else 0
+        out.append(_Piece(offset, Block.of(d[a:b]), counted, remat))
+    return out
+
+
+def _expand(pieces: list[_Piece], size: int, traced_size: int) -> tuple[Block, int, int]:
+    """A group's block for ``size`` layers from the pieces of a traced group of ``traced_size`` >= 3 layers: the
+    pieces of its middle layers (offsets 1 .. traced_size-2) stand for any middle layer."""
+    if traced_size < 3 or size < 3:
+        raise ValueError("group expansion needs traced and target groups of at least 3 layers")
+    block, flops, remat = Block(0, NO_EVENT), 0, 0
+    i = 0
+    while i < len(pieces):
+        piece = pieces[i]
+        if piece.offset is not None and 1 <= piece.offset <= traced_size - 2:
+            run = [piece]
+            while i + 1 < len(pieces) and pieces[i + 1].offset is not None and \
+                    1 <= pieces[i + 1].offset <= traced_size - 2:
+                i += 1
+                run.append(pieces[i])
+            # the run covers traced_size-2 middle layers, in order or reversed; one layer's share repeats
+            per_layer = [p for p in run if p.offset == run[0].offset]
+            for _ in range(size - 2):
+                for p in per_layer:
+                    block, flops, remat = block.then(p.block), flops + p.flops, remat + p.remat_bytes
+        else:
+            block, flops, remat = block.then(piece.block), flops + piece.flops, remat + piece.remat_bytes
+        i += 1
+    return block, flops, remat
+
+
+@dataclass
+class UnitModel:
+    """The memory model of one training step of the reference GPT, assembled from unit blocks (see the module
+    docstring). Built by :func:`unit_model` from fake traces; exact where the tests say so."""
+
+    config: ModelConfig
+    device: str
+    engine: str
+    setup_fixed: int                 # bytes allocated before the forward outside the layers (embedding, head...)
+    setup_per_layer: int             # ... and per layer (parameters, buffers)
+    embedding: Block                 # the embedding's forward
+    head_forward: dict[frozenset[str], Block]  # by the side inputs some unit keeps
+    head_backward: Block
+    tail: Block                      # the embedding's backward to the end of the step
+    grad_per_layer: int              # bytes a layer leaves allocated after its forward and backward (its .grad)
+    side: dict[str, int]             # bytes of each side input
+    hidden_bytes: int                # one group input (the hidden states): what offloading moves
+    layer_forward_flops: int
+    layer_backward_flops: int
+    contractions: tuple[int, ...] = ()  # the layer's matmul contraction sizes (its matmul_k<K> options)
+    tp: int = 1                         # one tensor-parallel rank of tp (sp: sequence-parallel)
+    sp: bool = False
+    shapes: dict[Unit, UnitShape] = field(default_factory=dict)
+    group_pieces: dict[str, tuple[list[_Piece], list[_Piece], int]] = field(default_factory=dict)
+    build_seconds: float = 0.0
+
+    def setup(self, num_layers: int) -> int:
+        return self.setup_fixed + self.setup_per_layer * num_layers
+
+    def holds(self, unit: Unit) -> frozenset[str]:
+        return unit_holds(unit, self.side)
+
+    def shape(self, unit: Unit) -> UnitShape:
+        """The unit's shape; groups larger than the traced ones are expanded from their middle layers."""
+        found = self.shapes.get(unit)
+        if found is not None:
+            return found
+        if not unit.is_group or unit.mode not in self.group_pieces:
+            raise PlanError(f"the unit model has no {unit} (engine {self.engine})")
+        fwd_pieces, bwd_pieces, traced = self.group_pieces[unit.mode]
+        fwd, _, _ = _expand(fwd_pieces, unit.size, traced)
+        bwd, flops, remat = _expand(bwd_pieces, unit.size, traced)
+        shape = UnitShape(fwd, bwd, flops, remat)
+        self.shapes[unit] = shape
+        return shape
+
+    def peak(self, units: Sequence[Unit]) -> int:
+        """The modelled peak of the plan ``units`` (bottom-up): the step's blocks in execution order."""
+        return self.walk(units)[0]
+
+    def walk(self, units: Sequence[Unit]) -> tuple[int, str]:
+        """``(peak, where)``: the modelled peak and the block it is in."""
+        L = sum(u.size for u in units)
+        level = self.setup(L)
+        best = (level + max(self.embedding.high, 0), "forward embedding")
+
+        def visit(block: Block, where: str) -> None:
+            nonlocal level, best
+            if block.high != NO_EVENT and level + block.high > best[0]:
+                best = (level + block.high, where)
+            level += block.net
+
+        visit(self.embedding, "forward embedding")
+        shapes = [self.shape(u) for u in units]
+        at = 0
+        for unit, shape in zip(units, shapes):
+            visit(shape.forward, f"forward {unit} at layer {at}")
+            at += unit.size
+        holds = [self.holds(u) for u in units]
+        below: list[frozenset[str]] = []
+        held: frozenset[str] = frozenset()
+        for h in holds:
+            below.append(held)
+            held = held | h
+        visit(self.head_forward[held], "forward head")
+        visit(self.head_backward, "backward head")
+        for j in reversed(range(len(units))):
+            at -= units[j].size
+            visit(shapes[j].backward, f"backward {units[j]} at layer {at}")
+            for c in holds[j] - below[j]:  # the lowest holder frees the side input at its end
+                level -= self.side[c]
+        visit(self.tail, "backward embedding")
+        return best
+
+
+_MODELS: dict[tuple[ModelConfig, str, str, int, bool], UnitModel] = {}
+
+
+def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
+               sp: bool = False) -> UnitModel:
+    """The :class:`UnitModel` of ``config``'s layers (any depth), built from two fake traces and cached; with
+    ``tp``/``sp``, of one tensor-parallel rank."""
+    key = (config.replace(num_layers=1), device, engine, tp, sp)
+    if key in _MODELS:
+        return _MODELS[key]
+    if device not in ("cpu", "cuda"):
+        raise PlanError(f"device={device!r}: plans are predicted for 'cpu' (exact bytes) or 'cuda' (512-byte blocks)")
+    if engine not in ENGINES:
+        raise PlanError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
+    start = time.perf_counter()
+    group_modes = ("checkpoint", "offload") if engine == "reentrant" else ("checkpoint",)
+    # the profile stack: a checkpointed layer at the bottom keeps every side input, so no unit above is the lowest
+    # holder; then every unit kind once (groups of 1, 2 and 3 layers: a middle layer first appears at 3)
+    contractions = layer_contractions(config, tp, sp)
+    units = [Unit("checkpoint", 1), KEEP, *(Unit("selective", 1, s) for s in SELECTIVE_SETS + contraction_sets(
+        contractions))]
+    units += [Unit(m, k) for m in group_modes for k in (1, 2, 3)]
+    tl, marks = marked_trace(config, units, device=device, engine=engine, tp=tp, sp=sp)
+    d = _deltas(tl)
+    n = len(units)
+    L = sum(u.size for u in units)
+    fwd_end = [marks.forward[u + 1] if u + 1 < n else marks.head for u in range(n)]
+    bwd_end = [marks.backward[u - 1] if u > 0 else marks.embedding for u in range(n)]
+    head_bwd = next(p.start for p in tl.phases if p.kind == "backward" and p.region == "head")
+
+    # the plain two-layer stack: what the head does when no unit keeps the mask, and the side inputs' bytes
+    plain, plain_marks = marked_trace(config, [KEEP, KEEP], device=device, engine=engine, tp=tp, sp=sp)
+    pd = _deltas(plain)
+    plain_head_bwd = next(p.start for p in plain.phases if p.kind == "backward" and p.region == "head")
+    side = {SIDE_MASK: 0, SIDE_ROTARY: 0}
+    setup_end = next(p.start for p in plain.phases if p.kind == "forward")
+    for row in range(len(plain)):
+        a, f = plain.alloc_at[row], plain.free_at[row]
+        if setup_end <= a < plain_marks.forward[0] and plain.module[row] == "" and (
+                f < 0 or f >= plain_marks.forward[0]):
+            side[SIDE_MASK if plain_marks.head <= f < plain_head_bwd else SIDE_ROTARY] += plain.nbytes[row]
+    side = {c: b for c, b in side.items() if b}
+
+    setup_rows = [r for r in range(len(tl)) if tl.alloc_at[r] < setup_end_of(tl)]
+    per_layer = sum(tl.nbytes[r] for r in setup_rows if re.match(r"layers\.0(\.|$)", tl.module[r]))
+    setup_total = int(d[:setup_end_of(tl)].sum())
+    model = UnitModel(
+        config=config.replace(num_layers=1), device=device, engine=engine,
+        setup_fixed=setup_total - per_layer * L, setup_per_layer=per_layer,
+        embedding=Block.of(d[setup_end_of(tl):marks.forward[0]]),
+        head_forward={}, head_backward=Block.of(d[head_bwd:marks.backward[n - 1]]),
+        tail=Block.of(d[marks.embedding:]), grad_per_layer=0, side=side, hidden_bytes=0,
+        layer_forward_flops=0, layer_backward_flops=0, contractions=contractions, tp=tp, sp=sp)
+    all_held = frozenset(side)
+    model.head_forward[all_held] = Block.of(d[marks.head:head_bwd])
+    plain_held = unit_holds(KEEP, side)
+    if plain_held != all_held:
+        model.head_forward[plain_held] = Block.of(pd[plain_marks.head:plain_head_bwd])
+        freed = sum(side[c] for c in all_held - plain_held)
+        if model.head_forward[plain_held].net != model.head_forward[all_held].net - freed:
+            raise RuntimeError("remat.plan: the head's forward frees other bytes than the unkept side inputs; the "
+                               "unit model does not describe this model")
+
+    flops = tl.meta.get("phase_flops", [0] * len(tl.phases))
+    at = 0
+    for u, unit in enumerate(units):
+        fwd = _pieces(tl, d, marks.forward[u], fwd_end[u], at)
+        bwd = _pieces(tl, d, marks.backward[u], bwd_end[u], at)
+        shape = UnitShape(_chain(fwd), _chain(bwd), sum(p.flops for p in bwd), sum(p.remat_bytes for p in bwd))
+        if u == 0:
+            shape = model.shapes.get(unit, shape)  # the bottom copy is the lowest holder: use the one above
+        else:
+            model.shapes[unit] = shape
+        if unit.is_group and unit.size == 3:
+            model.group_pieces[unit.mode] = (fwd, bwd, 3)
+        if unit == KEEP:
+            starts = [p.start for p in tl.phases]
+            for p, phase in enumerate(tl.phases):
+                if marks.forward[u] <= starts[p] < fwd_end[u] and phase.kind == "forward":
+                    model.layer_forward_flops += flops[p]
+                if marks.backward[u] <= starts[p] < bwd_end[u] and phase.kind == "backward":
+                    model.layer_backward_flops += flops[p]
+        at += unit.size
+    keep = model.shapes[KEEP]
+    model.grad_per_layer = keep.forward.net + keep.backward.net
+    for unit, shape in model.shapes.items():
+        if shape.forward.net + shape.backward.net != model.grad_per_layer * unit.size:
+            raise RuntimeError(f"remat.plan: unit {unit} leaves {shape.forward.net + shape.backward.net} bytes after "
+                               f"its step, not {unit.size} x {model.grad_per_layer}; the unit model does not describe "
+                               "this model")
+    model.hidden_bytes = model.shapes[Unit("checkpoint", 1)].forward.net - (
+        model.shapes[Unit("offload", 1)].forward.net if Unit("offload", 1) in model.shapes else 0)
+    model.build_seconds = time.perf_counter() - start
+    _MODELS[key] = model
+    return model
+
+
+class _ContractionCollector(TorchDispatchMode):
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.inside, self.sizes = 0, set()
+        layer.register_forward_pre_hook(lambda m, a: setattr(self, "inside", self.inside + 1))
+        layer.register_forward_hook(lambda m, a, o: setattr(self, "inside", self.inside - 1))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        k = contraction(func, args)
+        if k is not None and self.inside:
+            self.sizes.add(k)
+        return func(*args, **(kwargs or {}))
+
+
+def layer_contractions(config: ModelConfig, tp: int = 1, sp: bool = False) -> tuple[int, ...]:
+    """The contraction sizes K of the matrix multiplies in one layer's forward (of one tensor-parallel rank),
+    ascending (a fake forward)."""
+    cfg = config.replace(num_layers=1)
+    tokens, labels = sample_batch(cfg)
+    with FakeTensorMode(allow_non_fake_inputs=False) as fake:
+        model = rank_model_factory(cfg, tp, sp)()
+        collector = _ContractionCollector(model.layers[0])
+        with collector:
+            model(fake.from_tensor(tokens), fake.from_tensor(labels))
+    return tuple(sorted(collector.sizes))
+
+
+def setup_end_of(tl: Timeline) -> int:
+    """The first event after setup (the forward's start)."""
+    return next(p.start for p in tl.phases if p.kind == "forward")
+
+
+def _chain(pieces: Sequence[_Piece]) -> Block:
+    block = Block(0, NO_EVENT)
+    for p in pieces:
+        block = block.then(p.block)
+    return block

@@ -1,0 +1,254 @@
+"""Apply a recompute :class:`~remat.policy.Policy` to a PyTorch layer stack.
+
+``apply(model, policy)`` turns runs of modules into *checkpoint regions*, with Megatron-LM's semantics:
+
+* ``full/uniform/k``: consecutive groups of k layers (the last one shorter when k does not divide the depth).
+  A group's forward runs without keeping activations; only the group's input tensors (hidden states, attention
+  mask, rotary tables, ...) are kept. In backward the whole group is recomputed, then backpropagated, so while a
+  group's backward runs all k layers' activations exist at once.
+* ``full/block/k``: the first k layers, each its own region; the other layers keep all activations.
+* ``selective/<modules>``: the named submodules of every layer (attention core, MLP, norms, MLP activation).
+* ``selective/non_matmul`` (alone or with ``core_attn``/``mlp``): each layer is one checkpoint under torch's
+  selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``, always
+  the non-reentrant engine): the outputs of its matrix multiplies (:data:`MATMUL_OPS`) are kept, every other
+  operator is recomputed in backward from them, and inside the named modules the matrix multiplies too; with
+  ``matmul_k<N>`` also every ``mm``/``addmm``/``bmm``/``baddbmm`` whose contraction dimension is <= N.
+
+Regions need no change to the model's code. The first module of a region runs the whole region under one
+checkpoint; the later modules of a multi-layer region, when the model's own loop calls them, hand back the
+region's output (they check that they were given the previous layer's output, i.e. that the loop is a plain
+chain ``h = layer(h, ...)``). Forwards are replaced on the instances, so parameter names, ``state_dict`` keys
+and module hooks are those of the plain model.
+
+Engines: ``reentrant`` mirrors Megatron's ``CheckpointFunction`` (forward under ``no_grad``; backward restores
+the RNG state, recomputes the region with grad enabled and backpropagates through it); ``non-reentrant`` uses
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with early stop. Both restore the RNG state so
+dropout masks are the same in the recomputation, and gradients equal the plain model's bit for bit.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+import remat.recompute.hf as hf
+from remat.policy import CONTRACTION_PREFIX, NON_MATMUL_INCLUDES, Policy, contraction_limit
+from remat.recompute.region import (
+    LAYER_STACK_PATHS,
+    SELECTIVE_TARGETS,
+    AppliedPolicy,
+    ApplyError,
+    RecomputeLayout,
+    Region,
+)
+
+
+def find_layer_stack(model: nn.Module, layers: str | Sequence[nn.Module] | nn.Module | None = None,
+                     ) -> tuple[str, list[nn.Module]]:
+    """Return ``(path, layers)`` of the model's decoder layer stack.
+
+    ``layers`` may name the container (``"model.layers"``), or be the container or a list of the layers.
+    Without it, the common layouts (:data:`LAYER_STACK_PATHS`) are tried, then the one largest
+    ``nn.ModuleList``/``nn.ModuleDict`` of same-typed modules.
+    """
+    if layers is not None:
+        if isinstance(layers, str):
+            try:
+                container = model.get_submodule(layers)
+            except AttributeError as err:
+                raise ApplyError(f"layers={layers!r}: the model has no submodule at that path") from err
+            return layers, _stack_members(container, layers)
+        if isinstance(layers, nn.Module):
+            path = next((n for n, m in model.named_modules() if m is layers), "<layers>")
+            return path, _stack_members(layers, path)
+        members = list(layers)
+        if not members or not all(isinstance(m, nn.Module) for m in members):
+            raise ApplyError("layers= must be a path, a ModuleList/ModuleDict, or a non-empty list of modules")
+        return "<layers>", members
+    for path in LAYER_STACK_PATHS:
+        try:
+            container = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(container, (nn.ModuleList, nn.ModuleDict)) and len(container) > 0:
+            return path, _stack_members(container, path)
+    candidates = [(n, m) for n, m in model.named_modules()
+                  if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) > 1
+                  and len({type(c) for c in m.children()}) == 1]
+    if candidates:
+        path, container = max(candidates, key=lambda c: len(c[1]))
+        return path, _stack_members(container, path)
+    raise ApplyError(f"could not find the layer stack of {type(model).__name__}: none of the usual paths "
+                     f"({', '.join(LAYER_STACK_PATHS[:5])}, ...) holds an nn.ModuleList; pass "
+                     "layers='path.to.the.ModuleList' (or the layers themselves)")
+
+
+def _stack_members(container: nn.Module, path: str) -> list[nn.Module]:
+    if isinstance(container, nn.ModuleDict):
+        return list(container.values())
+    if isinstance(container, nn.ModuleList):
+        return list(container)
+    raise ApplyError(f"layers={path!r} is a {type(container).__name__}, not an nn.ModuleList or "
+                     "nn.ModuleDict: name the container that holds the layers")
+
+
+def _selective_targets(layer: nn.Module, layer_name: str, module: str) -> list[tuple[str, nn.Module]]:
+    found = []
+    for rel in SELECTIVE_TARGETS[module]:
+        try:
+            found.append((f"{layer_name}.{rel}", layer.get_submodule(rel)))
+        except AttributeError:
+            continue
+    if not found:
+        children = ", ".join(n for n, _ in layer.named_modules() if n) or "none"
+        raise ApplyError(f"selective module {module!r}: {layer_name} ({type(layer).__name__}) has none of "
+                         f"{', '.join(SELECTIVE_TARGETS[module])}; its submodules are: {children}")
+    return found
+
+
+def applied(model: nn.Module) -> AppliedPolicy | None:
+    """The policy currently applied to ``model`` by :func:`apply`, or None."""
+    return model.__dict__.get("_remat_applied")
+
+
+def remove(model: nn.Module) -> None:
+    """Undo :func:`apply`: every module runs its own forward again."""
+    state = model.__dict__.pop("_remat_applied", None)
+    if state is not None:
+        for region in state.regions:
+            region.uninstall()
+
+
+def apply(model: nn.Module, policy: RecomputeLayout | str,
+          layers: str | Sequence[nn.Module] | nn.Module | None = None) -> AppliedPolicy:
+    """Apply ``policy`` to ``model``'s layer stack, replacing any policy applied before.
+
+    ``policy`` may be a :class:`Policy`, its string form (``"full/uniform/4"``), or any
+    :class:`RecomputeLayout` (e.g. a plan with unequal groups). ``layers`` names the stack
+    when it is not found automatically (see :func:`find_layer_stack`). ``Policy.parse("none")`` restores the
+    plain model. Returns what was applied; the same object is available later through :func:`applied`.
+    """
+    if isinstance(policy, str):
+        policy = Policy.parse(policy)
+    hf = _hugging_face(model)
+    if hf is None and getattr(model, "is_gradient_checkpointing", False):
+        raise ApplyError(f"{type(model).__name__} has Hugging Face gradient checkpointing enabled: call "
+                         "model.gradient_checkpointing_disable() first so that recompute is not stacked")
+    stack_path, stack = find_layer_stack(model, layers)
+    names = _layer_names(model, stack, stack_path)
+    if hf is not None:  # refuses HF's own checkpointing; gives attention modules a core_attention submodule
+        hf.prepare(model, stack, names, policy)
+    distribute = _distribute_group(model, policy)
+    regions: list[Region] = []
+    grouped: set[int] = set()
+    for group in policy.layer_groups(len(stack)):
+        regions.append(Region(len(regions), "layers", [stack[i] for i in group], [names[i] for i in group],
+                              policy.engine, layer_indices=tuple(group), distribute=distribute))
+        grouped.update(group)
+    for i, layer in enumerate(stack):
+        modules = policy.selective_modules(i)
+        if modules and i in grouped:
+            raise ApplyError(f"layer {i} is both in a recomputed group and selectively recomputed: a group already "
+                             "recomputes everything in it; drop one of the two")
+        if "non_matmul" in modules:
+            regions.append(_operator_level_region(len(regions), layer, names[i], i, modules))
+            continue
+        for module in modules:
+            for name, target in _selective_targets(layer, names[i], module):
+                regions.append(Region(len(regions), f"selective:{module}", [target], [name], policy.engine,
+                                      layer_indices=(i,)))
+    _mark_offloaded(policy, len(stack), regions)
+    seen: dict[int, str] = {}
+    for region in regions:
+        for module, name in zip(region.modules, region.names):
+            if id(module) in seen:
+                raise ApplyError(f"{name} and {seen[id(module)]} are the same module instance: a stack that "
+                                 "repeats one layer object cannot be checkpointed region by region; build "
+                                 "distinct layers (e.g. copy.deepcopy)")
+            seen[id(module)] = name
+    remove(model)
+    installed: list[Region] = []
+    try:
+        for region in regions:
+            region.install()
+            installed.append(region)
+    except BaseException:
+        for region in installed:
+            region.uninstall()
+        raise
+    state = AppliedPolicy(policy, stack_path, stack, regions)
+    model.__dict__["_remat_applied"] = state
+    if hf is not None:  # keeps the KV cache out of recomputed layers; drops cores no region uses
+        hf.installed(model, state)
+    return state
+
+
+def _operator_level_region(index: int, layer: nn.Module, name: str, i: int, modules: Sequence[str]) -> Region:
+    """The non_matmul region of one layer; its other modules (core_attn, mlp) recompute their matmuls too."""
+    redundant = [m for m in modules if m in NON_MATMUL_INCLUDES]
+    if redundant:
+        raise ApplyError(f"layer {i}: non_matmul already recomputes {'+'.join(redundant)} (no matrix multiply in "
+                         "them): drop them from the selective modules")
+    inside = [target for module in modules if module != "non_matmul" and not module.startswith(CONTRACTION_PREFIX)
+              for _, target in _selective_targets(layer, name, module)]
+    return Region(index, "selective:" + "+".join(modules), [layer], [name], "non-reentrant", layer_indices=(i,),
+                  matmuls_inside=inside, max_contraction=contraction_limit(modules))
+
+
+def _mark_offloaded(policy: RecomputeLayout, depth: int, regions: list[Region]) -> None:
+    """Set ``offload_inputs`` on the group regions that ``policy.offload_groups(depth)`` names (a plan's offload
+    segments, :mod:`remat.plan`); a layout without that method offloads nothing."""
+    offload_groups = getattr(policy, "offload_groups", None)
+    if offload_groups is None:
+        return
+    groups = {tuple(g) for g in offload_groups(depth)}
+    if not groups:
+        return
+    if policy.engine != "reentrant":
+        raise ApplyError("offloading group inputs works with the reentrant engine (the inputs are kept by remat's "
+                         "own checkpoint function): use engine='reentrant' for a plan with offload segments")
+    found = set()
+    for region in regions:
+        if region.kind == "layers" and region.layer_indices in groups:
+            if region.distribute is not None:
+                raise ApplyError(f"{region.label}: a group input cannot be both offloaded and distributed across "
+                                 "tensor-parallel ranks; drop one of the two")
+            region.offload_inputs = True
+            found.add(region.layer_indices)
+    missing = sorted(groups - found)
+    if missing:
+        raise ApplyError(f"offload_groups names {missing}, which are not checkpoint groups of layer_groups(): an "
+                         "offloaded group must also be one of the layout's layer groups")
+
+
+def _hugging_face(model: nn.Module) -> Any:
+    """:mod:`remat.recompute.hf` for a Hugging Face model, else None (nothing is imported unless transformers already
+    is)."""
+    if "transformers" not in sys.modules:
+        return None
+    return hf if hf.is_hf_model(model) else None
+
+
+def _distribute_group(model: nn.Module, policy: RecomputeLayout) -> Any:
+    """The tensor-parallel group that --distribute-saved-activations splits group inputs over, if asked."""
+    if not getattr(policy, "distribute_saved_activations", False):
+        return None
+    group = getattr(model, "tp_group", None)
+    if group is None or group.size == 1:
+        raise ApplyError("distribute_saved_activations splits each group's input across tensor-parallel ranks: it "
+                         "needs a tensor-parallel model with tp > 1 (remat.models.tensor_parallel.build_tp_model)")
+    if getattr(model, "sp", False):
+        raise ApplyError("distribute_saved_activations is refused with sequence parallelism (as in Megatron): the "
+                         "group inputs are already split; drop one of the two")
+    if policy.engine != "reentrant":
+        raise ApplyError("distribute_saved_activations works with the reentrant engine (Megatron's "
+                         "CheckpointFunction); drop '@non-reentrant'")
+    return group
+
+
+def _layer_names(model: nn.Module, stack: list[nn.Module], stack_path: str) -> list[str]:
+    by_module = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    return [by_module.get(id(layer), f"{stack_path}.{i}") for i, layer in enumerate(stack)]

@@ -1,0 +1,268 @@
+"""A recomputed region of a layer stack, and the types that describe what apply() did."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from remat.policy import Policy
+from remat.recompute.engines import (
+    OutputSpec,
+    ReentrantCheckpoint,
+    first_tensor,
+    first_tensor_index,
+    in_backward,
+    observers,
+    same_side_inputs,
+    side_inputs,
+)
+from remat.recompute.offload import OffloadedCheckpoint
+from remat.recompute.operators import MATMUL_OPS, contraction
+
+# Where common model families keep their decoder layers, most specific first.
+LAYER_STACK_PATHS = (
+    "layers",                 # remat's reference GPT, torchtitan (ModuleDict)
+    "model.layers",           # Llama, Mistral, Qwen2, Gemma (Hugging Face)
+    "transformer.h",          # GPT-2, nanoGPT, Falcon
+    "model.decoder.layers",   # OPT
+    "gpt_neox.layers",        # GPT-NeoX, Pythia
+    "transformer.blocks",     # MPT
+    "decoder.layers",
+    "encoder.layers",
+    "h",
+    "blocks",
+)
+# Selective module name -> candidate submodule paths inside one layer; every candidate present is recomputed.
+# Hugging Face attention has no core submodule: remat.recompute.hf inserts "<attention>.core_attention" (see its
+# docstring).
+SELECTIVE_TARGETS: dict[str, tuple[str, ...]] = {
+    "core_attn": ("self_attention.core_attention", "attn.core_attention", "self_attn.core_attention",
+                  "attention.core_attention",   # GPT-NeoX
+                  "attention.sdpa"),            # torchtitan (its ScaledDotProductAttention module)
+    "mlp": ("mlp", "feed_forward", "ffn"),
+    "layernorm": ("input_layernorm", "pre_mlp_layernorm", "post_attention_layernorm", "ln_1", "ln_2",
+                  "attention_norm", "ffn_norm",
+                  "self_attn_layer_norm", "final_layer_norm",      # OPT
+                  "ln_attn", "ln_mlp",                              # Falcon (new decoder architecture)
+                  "pre_feedforward_layernorm", "post_feedforward_layernorm"),  # Gemma 2/3
+    "act": ("mlp.activation", "mlp.act_fn", "mlp.act", "feed_forward.act_fn",
+            "activation_fn",  # OPT
+            "mlp.gelu"),      # nanoGPT
+}
+
+
+class ApplyError(ValueError):
+    """The policy cannot be applied to this model; the message says what to change."""
+
+
+class RecomputeLayout(Protocol):
+    """What :func:`apply` needs from a policy or a plan: which layers are checkpointed together and which
+    submodules are checkpointed inside the others. :class:`~remat.policy.Policy` is one."""
+
+    engine: str
+
+    def layer_groups(self, depth: int) -> list[tuple[int, ...]]: ...
+
+    def selective_modules(self, layer: int) -> tuple[str, ...]: ...
+
+
+def group_label(index: int, layers: Sequence[int]) -> str:
+    """How reports name a full-recompute group: 'group 1 (layers 4-7)', 'group 0 (layer 0)'."""
+    first, last = layers[0], layers[-1]
+    return f"group {index} (layers {first}-{last})" if last > first else f"group {index} (layer {first})"
+
+
+@dataclass(eq=False)
+class Region:
+    """A run of modules that is checkpointed as one unit (a layer group, or one submodule)."""
+
+    index: int
+    kind: str                       # "layers", "selective:<module>", or "selective:<modules with non_matmul>"
+    modules: list[nn.Module]
+    names: list[str]
+    engine: str
+    layer_indices: tuple[int, ...] = ()
+    distribute: Any = None          # a tensor-parallel group: keep 1/tp of the hidden input (reentrant only)
+    offload_inputs: bool = False    # keep the hidden-states input in host memory (remat.plan; reentrant)
+    # non_matmul regions: submodules whose matrix multiplies are recomputed too (the layer's core_attn / mlp), and
+    # the largest contraction dimension of the matmuls recomputed anywhere in the layer (matmul_k<N>; 0: none)
+    matmuls_inside: list[nn.Module] = field(default_factory=list)
+    max_contraction: int = 0
+    _originals: list[Any] = field(default_factory=list, repr=False)
+    _running: bool = field(default=False, repr=False)
+    _pending: Any = field(default=None, repr=False)
+    _next_member: int = field(default=0, repr=False)
+    side_inputs: Any = field(default=None, repr=False)
+    _inside: int = field(default=0, repr=False)  # how deep the running code is in matmuls_inside modules
+    _hooks: list[Any] = field(default_factory=list, repr=False)
+
+    @property
+    def operator_level(self) -> bool:
+        """A non_matmul region: one layer under selective activation checkpointing."""
+        return self.kind.startswith("selective:") and "non_matmul" in self.kind.split(":", 1)[1].split("+")
+
+    @property
+    def whole_layers(self) -> bool:
+        """Whether the region re-runs whole layers (a group, or a non_matmul layer)."""
+        return self.kind == "layers" or self.operator_level
+
+    @property
+    def label(self) -> str:
+        if self.kind == "layers":
+            return group_label(self.index, self.layer_indices)
+        return f"{self.kind.split(':', 1)[1]} in {self.names[0]}"
+
+    # -- installation -------------------------------------------------------------------------------------
+    def install(self) -> None:
+        for position, module in enumerate(self.modules):
+            if "_remat_region" in module.__dict__:
+                raise ApplyError(f"module {self.names[position]} is already in a recompute region: "
+                                 "nested regions are not supported; use one policy")
+            self._originals.append(module.__dict__.get("forward"))
+            module.__dict__["forward"] = functools.partial(self._forward, position)
+            module.__dict__["_remat_region"] = self
+        for module in self.matmuls_inside:
+            self._hooks += [module.register_forward_pre_hook(self._enter_inside),
+                            module.register_forward_hook(self._leave_inside, always_call=True)]
+
+    def uninstall(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        for module, original in zip(self.modules, self._originals):
+            del module.__dict__["_remat_region"]
+            if original is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = original
+        self._originals.clear()
+
+    def _original_forward(self, position: int) -> Callable[..., Any]:
+        original = self._originals[position]
+        module = self.modules[position]
+        return original if original is not None else type(module).forward.__get__(module)
+
+    def _enter_inside(self, module: nn.Module, args: Any) -> None:
+        self._inside += 1
+
+    def _leave_inside(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._inside -= 1
+
+    def _keep_output(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
+        """The selective-checkpoint policy of a non_matmul region: keep matmul outputs outside matmuls_inside."""
+        if self._inside == 0 and func.overloadpacket in MATMUL_OPS:
+            k = contraction(func, args)
+            if k is None or k > self.max_contraction:
+                return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+        return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+    # -- running ------------------------------------------------------------------------------------------
+    def _forward(self, position: int, *args: Any, **kwargs: Any) -> Any:
+        if self._running:  # inside this region's own computation or recomputation
+            return self._original_forward(position)(*args, **kwargs)
+        if position == 0:
+            output = self._run_checkpointed(args, kwargs) if torch.is_grad_enabled() else self._run(args, kwargs)
+            if len(self.modules) > 1:
+                self._pending, self._next_member = output, 1
+                self._side_inputs = side_inputs(args, kwargs)
+            return output
+        return self._pass_through(position, args, kwargs)
+
+    def _pass_through(self, position: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        output = self._pending
+        if output is None or position != self._next_member:
+            raise ApplyError(f"{self.names[position]} was called before the first module of its group "
+                             f"({self.names[0]}): the model does not run its layers in order; use "
+                             "full/uniform/1 or full/block")
+        if first_tensor((args, kwargs)) is not first_tensor(output):
+            raise ApplyError(f"{self.names[position]} was not given the output of {self.names[position - 1]}: "
+                             "the model's loop does work between layers, so a multi-layer group cannot "
+                             "be recomputed as one; use full/uniform/1 or full/block")
+        if not same_side_inputs(side_inputs(args, kwargs), self._side_inputs):
+            self._pending = None
+            raise ApplyError(f"{self.names[position]} was given other inputs besides the hidden states (e.g. its "
+                             f"own attention mask) than {self.names[0]}, but its group ran every layer with the "
+                             "first layer's inputs; use full/uniform/1 or full/block for this model")
+        self._next_member += 1
+        if self._next_member == len(self.modules):
+            self._pending = self._side_inputs = None
+        return output
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        recompute = in_backward()
+        if recompute:
+            for observer in observers:
+                observer.on_recompute(self, True)
+        self._running = True
+        try:
+            output = self.modules[0](*args, **kwargs)
+            for module in self.modules[1:]:
+                leaves, spec = tree_flatten((args, kwargs))
+                leaves[first_tensor_index(leaves)] = first_tensor(output)
+                args, kwargs = tree_unflatten(leaves, spec)
+                output = module(*args, **kwargs)
+        finally:
+            self._running = False
+            if recompute:
+                for observer in observers:
+                    observer.on_recompute(self, False)
+        return output
+
+    def _run_checkpointed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        leaves, spec = tree_flatten((args, kwargs))
+        tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        tensors = [leaves[i] for i in tensor_positions]
+        if not tensors:
+            raise ApplyError(f"{self.label} has no tensor inputs to checkpoint")
+        template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        for observer in observers:
+            observer.on_checkpoint_inputs(self, tensors)
+
+        def run(*inputs: torch.Tensor) -> Any:
+            filled = list(template)
+            for i, tensor in zip(tensor_positions, inputs):
+                filled[i] = tensor
+            call_args, call_kwargs = tree_unflatten(filled, spec)
+            return self._run(call_args, call_kwargs)
+
+        if self.operator_level:
+            contexts = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
+                                         self._keep_output)
+            return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True,
+                                                     context_fn=contexts)
+        if self.engine == "non-reentrant":
+            return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False,
+                                                     preserve_rng_state=True)
+        if not any(t.requires_grad for t in tensors) and any(
+                p.requires_grad for m in self.modules for p in m.parameters()):
+            raise ApplyError(f"{self.label}: no input requires grad, so a reentrant checkpoint would give its "
+                             "parameters no gradient (as Megatron's and torch's reentrant checkpoints do); use "
+                             "the non-reentrant engine ('@non-reentrant') or make the inputs require grad")
+        out = OutputSpec(self)
+        if self.offload_inputs:
+            outputs = iter(OffloadedCheckpoint.apply(run, out, *tensors))
+        else:
+            outputs = iter(ReentrantCheckpoint.apply(run, out, self.distribute, *tensors))
+        leaves_out = [next(outputs) if isinstance(leaf, torch.Tensor) else leaf for leaf in out.leaves]
+        return tree_unflatten(leaves_out, out.spec)
+
+
+@dataclass
+class AppliedPolicy:
+    """What :func:`apply` did: the policy, where the layer stack is, and the checkpoint regions."""
+
+    policy: Policy
+    stack_path: str
+    layers: list[nn.Module]
+    regions: list[Region]
+
+    @property
+    def depth(self) -> int:
+        return len(self.layers)
