@@ -70,7 +70,7 @@ import torch
 
 import remat
 from remat import ModelConfig, build_model, measure, sample_batch
-from remat.plan.api import BudgetError, plan
+from remat.plan.api import BudgetError, PlanOptions, plan
 from remat.plan.costs import CostModel, candidate_units, measure_layer_times
 from remat.plan.megatron import megatron_policies
 from remat.plan.solver import min_peak, solve
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row["remat_megatron_sweep_seconds"] = result.stats["megatron_seconds"]
         row["remat_validate_seconds"] = result.stats["validate_seconds"]
         row["remat_model_seconds"] = result.stats["model_seconds"]
-        timed = plan(cfg, budget, objective="time", measured_times=layer_times)
+        timed = plan(cfg, budget, PlanOptions(objective="time", measured_times=layer_times))
         variants: dict[str, Any] = {"eager none": build_model(cfg, seed=0)}
         baselines = {}
         for key, choice in (("megatron", result.megatron), ("extended", result.extended),

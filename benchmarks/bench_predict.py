@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from remat import predict as predict_module
-from remat.cli.compare import part_errors
+import remat.memory.predict as predict_module
 from remat.config import ModelConfig
+from remat.memory.comparison import part_errors
 from remat.memory.measure import measure
 from remat.memory.predict import predict, predict_config, predict_many
 from remat.models.gpt import build_model, sample_batch
@@ -162,18 +162,18 @@ def speed(quick: bool) -> dict[str, Any]:
     print("-" * len(header))
     rows = []
     for policy in policies:
-        predict_module._SHALLOW.clear()
+        predict_module.SHALLOW_TRACES.clear()
         t0 = time.perf_counter()
         full = predict_config(config, policy, compose_layers=False)
         t_full = time.perf_counter() - t0
-        predict_module._SHALLOW.clear()
+        predict_module.SHALLOW_TRACES.clear()
         t0 = time.perf_counter()
         cold = predict_config(config, policy)
         t_cold = time.perf_counter() - t0
         t0 = time.perf_counter()
         warm = predict_config(config, policy)
         t_warm = time.perf_counter() - t0
-        predict_module._SHALLOW.clear()
+        predict_module.SHALLOW_TRACES.clear()
         gc.collect()
         gc.freeze()  # as remat predict runs: the gc.collect() before each recorded step skips start-up objects
         t0 = time.perf_counter()
@@ -200,17 +200,17 @@ def speed(quick: bool) -> dict[str, Any]:
           "remat.measure's gc.collect() before the trace skips start-up objects; warm: the stand-in is cached)")
 
     sweep = megatron_sweep(config.num_layers)
-    predict_module._SHALLOW.clear()
+    predict_module.SHALLOW_TRACES.clear()
     t0 = time.perf_counter()
     timelines = predict_many(config, sweep)
     t_sweep = time.perf_counter() - t0
-    shallow = len(predict_module._SHALLOW)
+    shallow = len(predict_module.SHALLOW_TRACES)
     t0 = time.perf_counter()
     predict_many(config, sweep)
     t_again = time.perf_counter() - t0
     # as `remat predict --sweep megatron` runs it: the objects alive after start-up frozen (gc.freeze), so the
     # gc.collect() that remat.measure runs before every recorded step does not rescan them
-    predict_module._SHALLOW.clear()
+    predict_module.SHALLOW_TRACES.clear()
     gc.collect()
     gc.freeze()
     t0 = time.perf_counter()

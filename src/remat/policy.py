@@ -1,75 +1,12 @@
-"""Recompute policies with Megatron-LM's semantics.
-
-A :class:`Policy` says which activations of a stack of ``depth`` transformer layers are kept
-for backward and which are dropped and recomputed. The granularities and methods are
-Megatron-LM's (``--recompute-granularity``, ``--recompute-method``, ``--recompute-num-layers``,
-``--recompute-modules``, ``--distribute-saved-activations``):
-
-* ``none``: nothing is recomputed; every layer keeps all activations its backward needs.
-* ``full/uniform/K``: the layers are split into consecutive groups of ``K`` (the last group is
-  shorter when ``K`` does not divide ``depth``: ``end = min(start + K, depth)``). Each group is
-  one checkpoint: its forward runs without saving activations and only the group's input tensors
-  (hidden states and side inputs such as the attention mask and rotary tensors) are kept. In
-  backward the group's forward is re-run with the forward's RNG state restored, so all
-  activations of its ``K`` layers exist at once, and are freed layer by layer as backward moves
-  down the group.
-* ``full/block/K``: the first ``K`` layers of the stack (of each pipeline stage, or model chunk
-  under virtual pipelining, in Megatron) are checkpointed one layer at a time; the remaining
-  ``depth - K`` layers keep all activations. ``K = 0`` checkpoints nothing.
-* ``selective/M1+M2...``: in every layer, only the listed submodules are checkpointed; the rest
-  of the layer keeps its activations. ``core_attn`` (Megatron's default) drops the attention
-  scores, softmax and attention dropout (the terms quadratic in sequence length) and recomputes
-  them from Q, K, V; ``mlp`` checkpoints the whole dense MLP; ``layernorm`` discards the norms'
-  outputs once consumed and rematerialises them in backward (Megatron's output-discarding
-  ``CheckpointWithoutOutput``); ``act`` discards the MLP activation function's output the same
-  way. ``act`` is remat's own: Megatron only offers it for MoE experts (``moe_act``), so a
-  policy using it has no Megatron flags.
-  ``non_matmul`` is remat's own too, and works at the level of operators rather than modules:
-  the whole layer is one checkpoint (torch's non-reentrant engine with
-  ``create_selective_checkpoint_contexts``, whatever ``engine`` says) that keeps the outputs of its
-  matrix multiplies (``mm``, ``addmm``, ``bmm``, ``baddbmm``, fused attention) and recomputes every
-  other operator (norms, softmax, dropout, activations, rotary, residual adds) from them in
-  backward. It recomputes no FLOPs (FLOP counters count only matmul-like operators) yet drops
-  most of a layer's activations, much as a compiler's min-cut partitioner does. Combined with
-  ``core_attn`` or ``mlp`` it also recomputes those modules' matrix multiplies; combined with
-  ``layernorm`` or ``act`` it is refused (it already recomputes them). ``matmul_k<N>`` (with
-  ``non_matmul`` only) also recomputes the matrix multiplies whose contraction dimension K is at most
-  N: a matmul's output holds ``element_size / (2 K)`` bytes per FLOP, so the smallest K (the attention
-  scores Q·K^T, K = head dim) frees the most bytes per recomputed FLOP, e.g.
-  ``selective/non_matmul+matmul_k128``.
-
-``engine`` picks the checkpoint implementation: ``reentrant`` is Megatron's
-``CheckpointFunction`` (forward under ``no_grad`` keeping only inputs and RNG states, the whole
-segment re-run in backward); ``non-reentrant`` is ``torch.utils.checkpoint(use_reentrant=False)``
-(saved-tensor hooks, recomputation triggered when backward first needs a dropped tensor).
-Megatron is always reentrant, so the engine is not a Megatron flag.
-
-``distribute_saved_activations`` (full only) splits each checkpoint's saved input across the
-tensor-parallel ranks and all-gathers it before recompute; Megatron also requires TP > 1 and
-refuses it with sequence parallelism, which a policy alone cannot check.
-
-remat refuses, with the fix in the message, some inputs Megatron silently accepts or ignores:
-method/num_layers without a granularity, modules with full granularity, an empty module list,
-``--recompute-activations`` together with ``--recompute-granularity full`` (Megatron overrides it
-to selective) and, in :meth:`Policy.layer_groups`, ``num_layers`` above the stack's depth.
-
-Short form (``str(policy)`` / :meth:`Policy.parse`)::
-
-    none | full/uniform/K | full/block/K | selective | selective/M1+M2+...
-    followed optionally by ",distribute" (full only) and then "@reentrant" or "@non-reentrant"
-
-e.g. ``full/uniform/2``, ``full/block/4,distribute@non-reentrant``, ``selective/core_attn+mlp``.
-Flags: ``full/uniform/2`` is ``--recompute-granularity full --recompute-method uniform
---recompute-num-layers 2``; ``selective/core_attn+mlp`` is ``--recompute-granularity selective
---recompute-modules core_attn mlp``; ``,distribute`` is ``--distribute-saved-activations``.
-"""
+"""Recompute policies with Megatron-LM's semantics: :class:`Policy` (which activations of a layer stack are kept
+for backward and which are recomputed), its short form (``full/uniform/2``) and its Megatron-LM flags."""
 
 from __future__ import annotations
 
 import numbers
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 GRANULARITIES = ("none", "full", "selective")
@@ -119,6 +56,16 @@ def contraction_limit(modules: Sequence[str]) -> int:
     return max((int(m[len(CONTRACTION_PREFIX):]) for m in modules if m.startswith(CONTRACTION_PREFIX)), default=0)
 
 
+def _ascii_int(text: str, *, signed: bool = True) -> int | None:
+    """``text`` as an int when it is written with the digits 0-9 (and, when ``signed``, an optional sign), else
+    None. ``str.isdigit()`` and ``\\d`` also accept superscripts and other scripts' digits,
+    which ``int()`` refuses or reads in ways a flag should not; 18 digits are plenty for any count here."""
+    sign = "[+-]?" if signed else ""
+    if not isinstance(text, str) or not re.fullmatch(rf"{sign}[0-9]{{1,18}}", text):
+        return None
+    return int(text)
+
+
 def _module_name(name: object) -> str:
     if not isinstance(name, str):
         raise PolicyError(f"recompute module names must be strings, got {name!r}")
@@ -126,11 +73,12 @@ def _module_name(name: object) -> str:
     if key in SELECTIVE_MODULES:
         return key
     if key.startswith(CONTRACTION_PREFIX):
-        digits = key[len(CONTRACTION_PREFIX):]
-        if not digits.isdigit() or int(digits) < 1:
-            raise PolicyError(f"recompute module {name!r}: write {CONTRACTION_PREFIX}<N> with N >= 1, the largest "
-                              "contraction dimension of the matrix multiplies to recompute, e.g. matmul_k128")
-        return f"{CONTRACTION_PREFIX}{int(digits)}"
+        limit = _ascii_int(key[len(CONTRACTION_PREFIX):], signed=False)
+        if limit is None or limit < 1:
+            raise PolicyError(f"recompute module {name!r}: write {CONTRACTION_PREFIX}<N> with N >= 1 in digits 0-9, "
+                              "the largest contraction dimension of the matrix multiplies to recompute, e.g. "
+                              "matmul_k128")
+        return f"{CONTRACTION_PREFIX}{limit}"
     valid = f"valid modules are {', '.join(SELECTIVE_MODULES)} and, with non_matmul, {CONTRACTION_PREFIX}<N>"
     if key in _MEGATRON_ONLY_MODULES:
         kind = _MEGATRON_ONLY_MODULES[key]
@@ -156,9 +104,77 @@ def normalise_modules(value: object) -> tuple[str, ...]:
     return tuple(m for m in SELECTIVE_MODULES if m in names) + tuple(limits)
 
 
+# NOTE [what remat refuses that Megatron accepts]
+# remat refuses, with the fix in the message, some inputs Megatron silently accepts or ignores: method/num_layers
+# without a granularity, modules with full granularity, an empty module list, --recompute-activations together
+# with --recompute-granularity full (Megatron overrides it to selective) and, in Policy.layer_groups,
+# num_layers above the stack's depth.
 @dataclass(frozen=True)
 class Policy:
-    """One recompute policy; see the module docstring for what each field means."""
+    """Which activations of a stack of ``depth`` transformer layers are kept for backward and which are dropped
+    and recomputed. The granularities and methods are Megatron-LM's (``--recompute-granularity``,
+    ``--recompute-method``, ``--recompute-num-layers``, ``--recompute-modules``,
+    ``--distribute-saved-activations``):
+
+    * ``none``: nothing is recomputed; every layer keeps all activations its backward needs.
+    * ``full/uniform/K``: the layers are split into consecutive groups of ``K`` (the last group is shorter when
+      ``K`` does not divide ``depth``: ``end = min(start + K, depth)``). Each group is one checkpoint: its forward
+      runs without saving activations and only the group's input tensors (hidden states and side inputs such as
+      the attention mask and rotary tensors) are kept. In backward the group's forward is re-run with the
+      forward's RNG state restored, so all activations of its ``K`` layers exist at once, and are freed layer by
+      layer as backward moves down the group.
+    * ``full/block/K``: the first ``K`` layers of the stack (of each pipeline stage, or model chunk under
+      virtual pipelining, in Megatron) are checkpointed one layer at a time; the remaining ``depth - K`` layers
+      keep all activations. ``K = 0`` checkpoints nothing.
+    * ``selective/M1+M2...``: in every layer, only the listed submodules are checkpointed; the rest of the layer
+      keeps its activations. ``core_attn`` (Megatron's default) drops the attention scores, softmax and
+      attention dropout (the terms quadratic in sequence length) and recomputes them from Q, K, V; ``mlp``
+      checkpoints the whole dense MLP; ``layernorm`` discards the norms' outputs once consumed and
+      rematerialises them in backward (Megatron's output-discarding ``CheckpointWithoutOutput``); ``act``
+      discards the MLP activation function's output the same way. ``act`` is remat's own: Megatron only offers
+      it for MoE experts (``moe_act``), so a policy using it has no Megatron flags.
+    * ``non_matmul`` is remat's own too, and works at the level of operators rather than modules: the whole
+      layer is one checkpoint (torch's non-reentrant engine with ``create_selective_checkpoint_contexts``,
+      whatever ``engine`` says) that keeps the outputs of its matrix multiplies (``mm``, ``addmm``, ``bmm``,
+      ``baddbmm``, fused attention) and recomputes every other operator (norms, softmax, dropout, activations,
+      rotary, residual adds) from them in backward. It recomputes no FLOPs (FLOP counters count only
+      matmul-like operators) yet drops most of a layer's activations, much as a compiler's min-cut partitioner
+      does. Combined with ``core_attn`` or ``mlp`` it also recomputes those modules' matrix multiplies;
+      combined with ``layernorm`` or ``act`` it is refused (it already recomputes them). ``matmul_k<N>`` (with
+      ``non_matmul`` only) also recomputes the matrix multiplies whose contraction dimension K is at most N: a
+      matmul's output holds ``element_size / (2 K)`` bytes per FLOP, so the smallest K (the attention scores
+      Q·K^T, K = head dim) frees the most bytes per recomputed FLOP, e.g. ``selective/non_matmul+matmul_k128``.
+
+    ``engine`` picks the checkpoint implementation: ``reentrant`` is Megatron's ``CheckpointFunction`` (forward
+    under ``no_grad`` keeping only inputs and RNG states, the whole segment re-run in backward);
+    ``non-reentrant`` is ``torch.utils.checkpoint(use_reentrant=False)`` (saved-tensor hooks, recomputation
+    triggered when backward first needs a dropped tensor). Megatron is always reentrant, so the engine is not a
+    Megatron flag.
+
+    ``distribute_saved_activations`` (full only) splits each checkpoint's saved input across the tensor-parallel
+    ranks and all-gathers it before recompute; Megatron also requires TP > 1 and refuses it with sequence
+    parallelism, which a policy alone cannot check.
+
+    Args:
+        granularity: ``'none'``, ``'full'`` or ``'selective'`` (None means ``'none'``).
+        method: full only: ``'uniform'`` or ``'block'``.
+        num_layers: full only: the uniform group size K >= 1, or block's first K >= 0 layers.
+        modules: selective only: names from :data:`SELECTIVE_MODULES` (and ``matmul_k<N>`` with ``non_matmul``);
+            stored deduplicated, in :data:`SELECTIVE_MODULES` order.
+        engine: ``'reentrant'`` (Megatron's) or ``'non-reentrant'``.
+        distribute_saved_activations: full only; see above.
+
+    Raises:
+        PolicyError: a field or combination Megatron-LM (or remat) refuses; the message says how to fix it.
+
+    Example::
+
+        >>> Policy("full", "uniform", 2) == Policy.parse("full/uniform/2")
+        True
+        >>> Policy("selective", modules=("mlp", "core_attn"))
+        Policy(granularity='selective', method=None, num_layers=None, modules=('core_attn', 'mlp'), \
+engine='reentrant', distribute_saved_activations=False)
+    """
 
     granularity: str = "none"
     method: str | None = None  # full only
@@ -255,7 +271,38 @@ class Policy:
 
     @classmethod
     def parse(cls, text: str) -> Policy:
-        """Parse the short form (see the module docstring); ``Policy.parse(str(p)) == p``."""
+        """Read a policy's short form (what ``str(policy)`` writes).
+
+        The grammar (:data:`GRAMMAR`)::
+
+            none | full/uniform/K | full/block/K | selective | selective/M1+M2+...
+            followed optionally by ",distribute" (full only) and then "@reentrant" or "@non-reentrant"
+
+        Case and spaces around ``/ + , @`` are ignored; ``selective`` alone means ``selective/core_attn``. The
+        Megatron flags each form stands for: ``full/uniform/2`` is ``--recompute-granularity full
+        --recompute-method uniform --recompute-num-layers 2``; ``selective/core_attn+mlp`` is
+        ``--recompute-granularity selective --recompute-modules core_attn mlp``; ``,distribute`` is
+        ``--distribute-saved-activations``.
+
+        Args:
+            text: the short form, e.g. ``'full/uniform/2'``, ``'full/block/4,distribute@non-reentrant'``,
+                ``'selective/core_attn+mlp'``.
+
+        Returns:
+            The :class:`Policy`; ``Policy.parse(str(p)) == p`` for every policy ``p``.
+
+        Raises:
+            PolicyError: text outside the grammar (the message quotes the grammar) or a policy the
+                :class:`Policy` checks refuse (the message says the fix).
+
+        Example::
+
+            >>> Policy.parse("full/uniform/2")
+            Policy(granularity='full', method='uniform', num_layers=2, modules=(), engine='reentrant', \
+distribute_saved_activations=False)
+            >>> str(Policy.parse(" Selective / MLP + core_attn @ non-reentrant "))
+            'selective/core_attn+mlp@non-reentrant'
+        """
         if not isinstance(text, str):
             raise PolicyError(f"a recompute policy string is expected, got {text!r}\n{GRAMMAR}")
         norm = re.sub(r"\s*([/@+,])\s*", r"\1", text.strip().lower())
@@ -281,9 +328,10 @@ class Policy:
         elif parts[0] == "full":
             if len(parts) != 3 or parts[1] not in METHODS:
                 raise bad("full needs a method and a layer count, e.g. full/uniform/1")
-            if not re.fullmatch(r"[+-]?\d+", parts[2]):
-                raise bad(f"layer count {parts[2]!r} is not an integer")
-            fields.update(granularity="full", method=parts[1], num_layers=int(parts[2]))
+            count = _ascii_int(parts[2])
+            if count is None:
+                raise bad(f"layer count {parts[2]!r} is not an integer (digits 0-9)")
+            fields.update(granularity="full", method=parts[1], num_layers=count)
         elif parts[0] == "selective" and len(parts) <= 2:
             mods = parts[1].split("+") if len(parts) == 2 else list(DEFAULT_SELECTIVE_MODULES)
             if "" in mods:
@@ -302,13 +350,35 @@ class Policy:
     # ----------------------------------------------------------------- Megatron flags
     @classmethod
     def from_megatron_args(cls, argv: Sequence[str] | str) -> Policy:
-        """The policy a Megatron-LM command line asks for (a list of tokens or one string).
+        """The policy a Megatron-LM command line asks for.
 
-        Flags not starting with ``--recompute`` or ``--distribute-saved-activations`` are
-        ignored, so a whole pasted command line works; an unknown ``--recompute-*`` flag is an
-        error. The result's engine is ``reentrant`` (Megatron's only engine).
+        Reads ``--recompute-granularity``, ``--recompute-method``, ``--recompute-num-layers``,
+        ``--recompute-modules`` (several values, or one with ``=``), ``--recompute-activations`` (selective with
+        Megatron's default module, core_attn) and ``--distribute-saved-activations``, as ``--flag value`` or
+        ``--flag=value``. Flags not starting with ``--recompute`` or ``--distribute-saved-activations`` are
+        ignored, so a whole pasted command line works; an unknown ``--recompute-*`` flag, the removed
+        ``--checkpoint-activations`` and the MoE-only ``--moe-layer-recompute`` are errors.
+
+        Args:
+            argv: the command line as one string (split like a shell: quotes group words) or a list of tokens.
+
+        Returns:
+            The :class:`Policy`, engine ``reentrant`` (Megatron's only engine); ``none`` without recompute flags.
+            ``Policy.from_megatron_args(p.to_megatron_args())`` gives ``p`` back (with engine reentrant).
+
+        Raises:
+            PolicyError: argv that is neither a string nor a list of strings, a string with an unclosed quote, a
+                flag without its value, or a combination Megatron (or remat) refuses; the message says the fix.
+
+        Example::
+
+            >>> str(Policy.from_megatron_args("pretrain_gpt.py --num-layers 24 --recompute-granularity full "
+            ...                               "--recompute-method block --recompute-num-layers 4"))
+            'full/block/4'
+            >>> str(Policy.from_megatron_args(["--recompute-activations"]))
+            'selective/core_attn'
         """
-        tokens = shlex.split(argv) if isinstance(argv, str) else list(argv)
+        tokens = _megatron_tokens(argv)
         opts: dict = {}
         activations = False
         i = 0
@@ -365,9 +435,11 @@ class Policy:
             granularity = "selective"
         if "num_layers" in opts:
             raw = opts["num_layers"]
-            if not re.fullmatch(r"\s*[+-]?\d+\s*", raw):
-                raise PolicyError(f"--recompute-num-layers needs an integer, got {raw!r}")
-            opts["num_layers"] = int(raw)
+            count = _ascii_int(raw.strip())
+            if count is None:
+                raise PolicyError(f"--recompute-num-layers needs an integer (digits 0-9), got {raw!r}: e.g. "
+                                  "--recompute-num-layers 1")
+            opts["num_layers"] = count
         if granularity == "selective" and "modules" not in opts:
             opts["modules"] = DEFAULT_SELECTIVE_MODULES
         return cls(granularity=granularity or "none", **opts)
@@ -420,3 +492,20 @@ class Policy:
         if self.method == "block":
             return [(i,) for i in range(k)]
         return [tuple(range(s, min(s + k, depth))) for s in range(0, depth, k)]
+
+
+def _megatron_tokens(argv: object) -> list[str]:
+    """The tokens of a Megatron command line given as one string (split like a shell) or a list of strings."""
+    if isinstance(argv, str):
+        try:
+            return shlex.split(argv)
+        except ValueError as err:  # shlex: "No closing quotation", "No escaped character"
+            raise PolicyError(f"cannot split the Megatron command line {argv!r}: {err}; close the quote (or escape "
+                              "the character), or pass the flags as a list of tokens") from None
+    if isinstance(argv, Iterable) and not isinstance(argv, (bytes, bytearray, Mapping)):
+        tokens = list(argv)
+        if all(isinstance(tok, str) for tok in tokens):
+            return tokens
+    raise PolicyError(f"Megatron flags must be one string or a list of strings, got {type(argv).__name__} "
+                      f"{argv!r:.60}: e.g. '--recompute-granularity full --recompute-method uniform "
+                      "--recompute-num-layers 1'")

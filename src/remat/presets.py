@@ -1,34 +1,11 @@
-"""Named model configurations, and reading a :class:`~remat.config.ModelConfig` from a YAML or JSON file.
-
-Presets (``remat predict --preset NAME``; :func:`get_preset`):
-
-* ``gpt-small``: ``ModelConfig()``, the 8-layer test model (h=256, s=256, b=4, vocab 512, fp32).
-* ``gpt3-175b``: GPT-3 175B (Brown et al. 2020) as Megatron-LM trains it and as Korthikanti et al. 2022 analyse
-  it: 96 layers, h=12288, 96 heads (d=128), s=2048, FFN 4h=49152, vocabulary 51200 (GPT-2's 50257 padded by
-  Megatron), GeLU, LayerNorm, learned positions, biases, input and output embeddings tied (Megatron's
-  default), hidden and attention dropout 0.1 (Megatron's defaults, GPT-2/3's value), unfused ``math``
-  attention (the paper's 5as²b score terms), bf16, micro-batch 1.
-* ``llama3-8b`` / ``llama3-70b``: Meta Llama 3 (the published ``config.json`` shapes): 32 / 80 layers,
-  h=4096 / 8192, 32 / 64 heads with 8 key/value groups (GQA), SwiGLU with ffn 14336 / 28672, RMSNorm, rotary
-  positions, vocabulary 128256, untied embeddings, no biases, no dropout, ``sdpa`` attention, bf16,
-  micro-batch 1, and **s = 8192**, the context both were pre-trained with (override ``seq_length`` for other
-  lengths). The reference model's rotary base is 10000 where Llama 3 uses 500000, which changes values, not
-  memory.
-
-A config file (:func:`load_config`) is a mapping of :class:`ModelConfig` field names to values, optionally with
-``preset: NAME``, whose fields the other keys override::
-
-    preset: llama3-8b
-    num_layers: 4
-    seq_length: 2048
-
-Keys may be written with ``-`` instead of ``_`` (``num-layers``). Files are read with ``yaml.safe_load`` (YAML,
-which also reads JSON) or ``json`` (``.json`` files); nothing is ever unpickled or executed.
-"""
+"""Named model configurations (:data:`PRESETS`: GPT-3 175B, Llama 3 8B/70B, the small test model; described in
+the NOTE beside them) and reading a :class:`~remat.config.ModelConfig` from a YAML or JSON file
+(:func:`load_config`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -39,6 +16,18 @@ from remat.config import ConfigError, ModelConfig
 
 __all__ = ["PRESETS", "get_preset", "load_config", "config_from_mapping", "preset_names"]
 
+# NOTE [the presets] (remat predict --preset NAME; get_preset)
+# * gpt-small: ModelConfig(), the 8-layer test model (h=256, s=256, b=4, vocab 512, fp32).
+# * gpt3-175b: GPT-3 175B (Brown et al. 2020) as Megatron-LM trains it and as Korthikanti et al. 2022 analyse it:
+#   96 layers, h=12288, 96 heads (d=128), s=2048, FFN 4h=49152, vocabulary 51200 (GPT-2's 50257 padded by
+#   Megatron), GeLU, LayerNorm, learned positions, biases, input and output embeddings tied (Megatron's default),
+#   hidden and attention dropout 0.1 (Megatron's defaults, GPT-2/3's value), unfused math attention (the paper's
+#   5as^2b score terms), bf16, micro-batch 1.
+# * llama3-8b / llama3-70b: Meta Llama 3 (the published config.json shapes): 32 / 80 layers, h=4096 / 8192,
+#   32 / 64 heads with 8 key/value groups (GQA), SwiGLU with ffn 14336 / 28672, RMSNorm, rotary positions,
+#   vocabulary 128256, untied embeddings, no biases, no dropout, sdpa attention, bf16, micro-batch 1, and
+#   s = 8192, the context both were pre-trained with (override seq_length for other lengths). The reference
+#   model's rotary base is 10000 where Llama 3 uses 500000, which changes values, not memory.
 _GPT3_175B = ModelConfig(
     num_layers=96, hidden_size=12288, num_attention_heads=96, ffn_hidden_size=4 * 12288, vocab_size=51200,
     seq_length=2048, micro_batch_size=1, activation="gelu", normalization="layernorm", position="learned",
@@ -123,11 +112,30 @@ def config_from_mapping(data: Any, source: str = "config") -> ModelConfig:
 
 
 def load_config(path: str | os.PathLike[str]) -> ModelConfig:
-    """Read a :class:`ModelConfig` from a YAML or JSON file (see the module docstring for the format).
+    """Read a :class:`ModelConfig` from a YAML or JSON file.
 
-    ``.json`` files are parsed as JSON, anything else with ``yaml.safe_load``. Every problem raises
-    :class:`ConfigError` starting with the file name: a missing or unreadable file, a syntax error (with its
-    line), an unknown field, a bad value (naming the field).
+    The file is a mapping of :class:`ModelConfig` field names to values, optionally with ``preset: NAME``, whose
+    fields the other keys override (:func:`config_from_mapping`); keys may be written with ``-`` instead of
+    ``_`` (``num-layers``). ``.json`` files are parsed as JSON, anything else as YAML (which also reads JSON)
+    with a ``yaml.SafeLoader`` that refuses a key given twice; nothing is ever unpickled or executed.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The :class:`ModelConfig`.
+
+    Raises:
+        ConfigError: starting with the file name: a missing or unreadable file, a syntax error (with its line), a
+            key given twice, an unknown field, a bad value (naming the field).
+
+    Example: a file ``llama-short.yaml`` holding::
+
+        preset: llama3-8b
+        num_layers: 4
+        seq_length: 2048
+
+    gives ``get_preset("llama3-8b").replace(num_layers=4, seq_length=2048)``.
     """
     import yaml
 
@@ -140,15 +148,58 @@ def load_config(path: str | os.PathLike[str]) -> ModelConfig:
         raise ConfigError(f"{path}: cannot read the config file ({err})") from None
     if path.suffix.lower() == ".json":
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys_object)
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
+        except _DuplicateKey as err:
+            raise ConfigError(f"{path}: key {err.args[0]!r} is given twice: keep one") from None
     else:
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_unique_key_loader())  # a SafeLoader: builds plain data only
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"{path}: not valid YAML ({where}{problem})") from None
     return config_from_mapping(data, str(path))
+
+
+class _DuplicateKey(Exception):
+    """A JSON object with a key given twice (json keeps the last one silently)."""
+
+
+def _unique_keys_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+@functools.cache
+def _unique_key_loader() -> type:
+    """``yaml.SafeLoader`` that refuses a mapping with a key given twice (YAML forbids it; PyYAML keeps the last
+    value silently). Merge keys (``<<: *base``) still override, as YAML defines them to."""
+    import yaml
+    from yaml.constructor import ConstructorError
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            if isinstance(node, yaml.MappingNode):
+                seen: set[Any] = set()
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=deep)
+                    try:
+                        duplicate = key in seen
+                    except TypeError:  # an unhashable key: SafeLoader's own check names it
+                        break
+                    if duplicate:
+                        raise ConstructorError("while constructing a mapping", node.start_mark,
+                                               f"key {key!r} is given twice: keep one", key_node.start_mark)
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader

@@ -1,13 +1,5 @@
-"""The memory timeline of one training step: the data model that measure and predict both return.
-
-A :class:`Timeline` is a table of *allocations* (one row per storage: its bytes, the event at which it was
-allocated and the one at which it was freed, the phase and module that made it, and its category) plus the list
-of *phases* (forward of layer i, head, backward of layer i, recompute of a group, ...). Events are numbered
-0, 1, 2, ...: every allocation and every free is one event. Bytes live after event t are those of the rows with
-``alloc_at <= t < free_at`` (``free_at == -1``: still alive when the step ended). Everything else - the live
-curve, the peak, what is alive at the peak, per-phase peaks - is derived from that table, so the parts always
-add up to the total.
-"""
+"""The memory timeline of one training step (:class:`Timeline`): the data model that measure and predict both
+return, every report reads, and that is saved as JSON."""
 
 from __future__ import annotations
 
@@ -56,7 +48,36 @@ class Phase:
 
 @dataclass
 class Timeline:
-    """Allocations of one training step, and the phases they happened in. See the module docstring."""
+    """The memory of one training step: every allocation, when it was made and freed, and the phases of the step.
+
+    A timeline is a table of *allocations*, one row per storage (the list fields below, all of the same length),
+    plus the list of *phases* (forward of layer i, head, backward of layer i, recompute of a group, ...). Events
+    are numbered 0, 1, 2, ...: every allocation and every free is one event. The bytes live after event t are
+    those of the rows with ``alloc_at <= t < free_at`` (``free_at == -1``: still alive when the step ended).
+    Everything else - the live curve, the peak, what is alive at the peak, per-phase peaks - is derived from that
+    table, so the parts always add up to the total.
+
+    Args:
+        nbytes: bytes of each allocation (rounded to the allocator's blocks where the backend has them).
+        alloc_at: the event at which each row was allocated.
+        free_at: the event at which each row was freed, or -1.
+        phase_index: index into ``phases`` of the phase that made each row.
+        module: the module (qualified name) that made each row.
+        category: each row's category, one of :data:`CATEGORIES`.
+        phases: the step's :class:`Phase` list, in event order.
+        num_events: how many events the step had.
+        meta: what made the timeline (policy, config, backend, FLOPs per phase, ...); JSON-serialisable.
+
+    Example::
+
+        >>> tl = Timeline(nbytes=[100, 40], alloc_at=[0, 1], free_at=[-1, 2], phase_index=[0, 1],
+        ...               module=["w", "h"], category=["parameters", "saved_activations"],
+        ...               phases=[Phase(0, "setup", ""), Phase(1, "forward", "layer 0")], num_events=3)
+        >>> tl.live_bytes().tolist(), tl.peak_bytes, tl.peak_event, tl.peak_phase.label
+        ([100, 140, 100], 140, 1, 'forward layer 0')
+        >>> tl.at_peak["saved_activations"], sum(tl.at_peak.values())
+        (40, 140)
+    """
 
     nbytes: list[int] = field(default_factory=list)
     alloc_at: list[int] = field(default_factory=list)
@@ -73,7 +94,8 @@ class Timeline:
         return len(self.nbytes)
 
     def live_bytes(self) -> np.ndarray:
-        """Bytes alive after each event (length ``num_events``)."""
+        """The live curve: an int64 array of length ``num_events`` whose entry t is the bytes alive after event t
+        (the rows with ``alloc_at <= t`` and ``free_at`` -1 or ``> t``)."""
         delta = np.zeros(self.num_events + 1, dtype=np.int64)
         nbytes = np.asarray(self.nbytes, dtype=np.int64)
         np.add.at(delta, np.asarray(self.alloc_at, dtype=np.int64), nbytes)
@@ -89,6 +111,7 @@ class Timeline:
 
     @property
     def peak_bytes(self) -> int:
+        """The highest point of :meth:`live_bytes` (0 for an empty step)."""
         return int(self.live_bytes().max()) if self.num_events else 0
 
     def alive_at(self, event: int) -> np.ndarray:
@@ -98,7 +121,15 @@ class Timeline:
         return np.nonzero((alloc <= event) & ((free < 0) | (free > event)))[0]
 
     def breakdown(self, event: int) -> dict[str, int]:
-        """Bytes alive after ``event`` by category; the values add up to the live bytes exactly."""
+        """Bytes alive after ``event`` by category.
+
+        Args:
+            event: an event number in ``[0, num_events)``.
+
+        Returns:
+            ``{category: bytes}`` for every category of :data:`CATEGORIES`, in that order (0 where none is
+            alive); the values add up to ``live_bytes()[event]`` exactly.
+        """
         parts = dict.fromkeys(CATEGORIES, 0)
         for row in self.alive_at(event):
             parts[self.category[row]] += self.nbytes[row]
@@ -106,6 +137,7 @@ class Timeline:
 
     @property
     def at_peak(self) -> dict[str, int]:
+        """:meth:`breakdown` at :attr:`peak_event`: what the peak is made of; adds up to :attr:`peak_bytes`."""
         return self.breakdown(self.peak_event)
 
     @property
@@ -115,11 +147,13 @@ class Timeline:
         return max(0, (min(starts) if starts else self.num_events) - 1)
 
     def phase_at(self, event: int) -> Phase:
+        """The phase ``event`` belongs to (the last phase starting at or before it)."""
         starts = [p.start for p in self.phases]
         return self.phases[max(0, int(np.searchsorted(starts, event, side="right")) - 1)]
 
     @property
     def peak_phase(self) -> Phase:
+        """The phase of :attr:`peak_event`."""
         return self.phase_at(self.peak_event)
 
     def phase_spans(self) -> list[tuple[Phase, int, int]]:
@@ -132,7 +166,14 @@ class Timeline:
         return spans
 
     def peak_in(self, kinds: tuple[str, ...] | str) -> tuple[int, int] | None:
-        """(event, bytes) of the highest live point inside phases of the given kind(s); None if there is none."""
+        """The highest live point inside phases of the given kind(s).
+
+        Args:
+            kinds: one kind of :data:`PHASE_KINDS` (``'backward'``) or a tuple of them.
+
+        Returns:
+            ``(event, bytes)`` (the first such event on ties), or None when no phase of those kinds has events.
+        """
         kinds = (kinds,) if isinstance(kinds, str) else kinds
         live = self.live_bytes()
         best: tuple[int, int] | None = None
@@ -151,6 +192,9 @@ class Timeline:
 
     # -- JSON ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The JSON form (``format: 'remat.timeline'``, ``version`` :data:`FORMAT_VERSION`): the allocation table
+        as columns, modules and categories as indices into ``modules`` / ``categories`` tables, phases as
+        ``[start, kind, region, detail]``, plus ``meta``, ``num_events`` and ``peak_bytes``."""
         modules = sorted(set(self.module))
         module_id = {m: i for i, m in enumerate(modules)}
         return {
@@ -174,6 +218,12 @@ class Timeline:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Timeline:
+        """Read :meth:`to_dict`'s form back, checked by :meth:`validate`.
+
+        Raises:
+            TimelineError: not a remat timeline, another version, a missing or malformed field, an index outside
+                its table; the message names the field.
+        """
         if not isinstance(data, dict) or data.get("format") != "remat.timeline":
             raise TimelineError("not a remat timeline: the field 'format' must be 'remat.timeline'")
         if data.get("version") != FORMAT_VERSION:
@@ -205,6 +255,12 @@ class Timeline:
         return timeline
 
     def validate(self) -> None:
+        """Check the table's invariants: every column has one entry per row, bytes are >= 0, categories are
+        known, every allocation is inside the step and freed after it was made, every phase index exists.
+
+        Raises:
+            TimelineError: the first violation, naming the field (and the row).
+        """
         n = len(self.nbytes)
         for name in ("alloc_at", "free_at", "phase_index", "module", "category"):
             if len(getattr(self, name)) != n:
@@ -217,15 +273,21 @@ class Timeline:
             if not 0 <= self.alloc_at[row] < max(self.num_events, 1):
                 raise TimelineError(f"allocation {row}: alloc_at {self.alloc_at[row]} outside the step")
             if self.free_at[row] != -1 and not self.alloc_at[row] < self.free_at[row] < self.num_events:
-                raise TimelineError(f"allocation {row}: free_at {self.free_at[row]} is not after alloc_at")
+                raise TimelineError(f"allocation {row}: free_at {self.free_at[row]} is not after alloc_at "
+                                    f"{self.alloc_at[row]} and inside the step ({self.num_events} events), nor -1")
             if not 0 <= self.phase_index[row] < len(self.phases):
-                raise TimelineError(f"allocation {row}: phase {self.phase_index[row]} does not exist")
+                raise TimelineError(f"allocation {row}: phase_index {self.phase_index[row]} names no phase (there are "
+                                    f"{len(self.phases)})")
 
     def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write :meth:`to_dict` as compact JSON to ``path`` atomically (:func:`write_atomic`, folders made as
+        needed); returns the path. :meth:`load` reads it back equal."""
         return write_atomic(path, json.dumps(self.to_dict(), separators=(",", ":")))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Timeline:
+        """Read a file :meth:`save` wrote (:meth:`from_dict`); :class:`TimelineError` names the file when it is
+        not JSON."""
         with open(path, encoding="utf-8") as f:
             try:
                 data = json.load(f)

@@ -94,7 +94,7 @@ def test_cli_json_output(capsys, tmp_path):
     (["--dropout", "1.5"], ["dropout"]),
     (["--layers", "four"], ["--layers", "four"]),
     (["--attention", "flash"], ["--attention", "flash"]),
-    (["--vocab", "0"], ["vocab_size=0"]),
+    (["--vocab", "0"], ["--vocab", "0"]),
     pytest.param(["--device", "cuda"], ["cuda"],
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
 ])
@@ -184,7 +184,7 @@ def test_whole_stack_saves_with_large_vocabulary(big_vocab):
     text = " ".join(big_vocab.sentences)
     verdict = next(s for s in big_vocab.sentences if "whole-stack group" in s and "memory" in s)
     assert "saves memory" in verdict and "does not" not in verdict
-    assert "logits" in verdict and "8.0 MiB" in verdict  # b x s x vocab x 4 bytes = 4 x 64 x 8192 x 4
+    assert "logits" in verdict and "8.00 MiB" in verdict  # b x s x vocab x 4 bytes = 4 x 64 x 8192 x 4
     assert "pipeline" in text
 
 

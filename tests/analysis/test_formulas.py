@@ -219,7 +219,7 @@ def test_reasons_are_quantified_from_the_config():
     m = {x.key: x.nbytes for x in megatron.reasons}
     assert m["megatron_formula"] == 5 * as2b(c) == korthikanti_layer_bytes(c) - megatron.estimate_bytes
     assert "4,096 bytes" not in paper.reasons[0].detail  # details carry numbers, not templates
-    assert any(ch.startswith("+1,024 ~attention_mask") for x in paper.reasons for ch in x.changes)
+    assert any(ch.startswith("+1.00 KiB ~attention_mask") for x in paper.reasons for ch in x.changes)
 
 
 def test_fused_and_llama_reasons():

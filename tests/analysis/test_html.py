@@ -21,6 +21,7 @@ from remat.analysis.html import render_html, write_html
 from remat.analysis.snapshot import snapshot_live_bytes, to_memory_snapshot, write_memory_snapshot
 from remat.cli import main
 from remat.config import ModelConfig
+from remat.units import format_bytes
 
 TINY = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                    vocab_size=256)
@@ -81,7 +82,7 @@ def test_peak_markers_sit_at_each_peak():
         marker = re.search(rf'<circle class="peak-marker" data-policy="{re.escape(row.policy)}"[^>]*>'
                            r"<title>([^<]*)</title>", text)
         assert marker is not None
-        assert f"peak {row.peak_bytes / (1 << 20):.1f} MiB" in marker.group(1)
+        assert f"peak {format_bytes(row.peak_bytes)}" in marker.group(1)
         assert row.peak_phase.replace("'", "&#x27;") in marker.group(1)
 
 
@@ -222,10 +223,15 @@ def test_every_subcommand_errors_in_one_line(name, tmp_path, capsys):
     from remat.config import ConfigError
 
     args = _tiny_args(name, tmp_path)
-    args[args.index("--layers") + 1] = "0"
+    args[args.index("--layers") + 1] = "0"  # refused by the flag's type: a usage error naming the flag
     assert main([name, *args]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("remat: error: ") and err.count("\n") == 1 and "num_layers" in err, err
+    assert err.startswith("remat: error: ") and err.count("\n") == 1 and "--layers" in err, err
+    args[args.index("--layers") + 1] = "2"
+    args[args.index("--heads") + 1] = "3"  # a valid number, a model that cannot be: ConfigError names the fields
+    assert main([name, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("remat: error: ") and err.count("\n") == 1 and "num_attention_heads=3" in err, err
     with pytest.raises(ConfigError):
         main(["--debug", name, *args])
 
@@ -241,3 +247,7 @@ def test_an_unwritable_output_is_a_one_line_error(tmp_path, capsys):
         assert main(args) == 2, flag
         err = capsys.readouterr().err
         assert err.startswith("remat: error: ") and err.count("\n") == 1, err
+        # the flag is named, no temporary file is, and nothing of the run was written
+        assert err.startswith(f"remat: error: {flag} {blocker / 'sub' / 'x'}: {blocker} is a file"), err
+        assert ".tmp" not in err
+        assert not (tmp_path / "out").exists()

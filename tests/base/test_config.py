@@ -1,12 +1,16 @@
-"""Tests for remat.config and the reference model's construction (remat.models.gpt.build_model, sample_batch)."""
+"""Tests for remat.config, remat.presets (named configs, YAML/JSON config files) and the reference model's construction
+(remat.models.gpt.build_model, sample_batch)."""
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from remat.config import ConfigError, ModelConfig
 from remat.models.gpt import GPT, build_model, sample_batch
+from remat.presets import PRESETS, config_from_mapping, get_preset, load_config
 
 TINY = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, micro_batch_size=3,
                    vocab_size=20)
@@ -212,3 +216,119 @@ def test_sample_batch_is_seeded():
     before = torch.get_rng_state()
     sample_batch(TINY, seed=1)
     assert torch.equal(before, torch.get_rng_state())  # the global RNG is untouched
+
+
+# ------------------------------------------------------------------------ presets and config files
+SMALL_GPT = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
+                        vocab_size=64)
+
+
+def test_presets_have_the_published_shapes() -> None:
+    assert PRESETS["gpt-small"] == ModelConfig()
+    gpt3 = PRESETS["gpt3-175b"]
+    assert (gpt3.num_layers, gpt3.hidden_size, gpt3.num_attention_heads, gpt3.seq_length, gpt3.vocab_size) == \
+        (96, 12288, 96, 2048, 51200)
+    assert (gpt3.activation, gpt3.normalization, gpt3.position, gpt3.dtype, gpt3.micro_batch_size) == \
+        ("gelu", "layernorm", "learned", "bf16", 1)
+    assert gpt3.hidden_dropout == gpt3.attention_dropout == 0.1 and gpt3.ffn_size == 4 * 12288
+    for name, layers, h, heads, ffn in (("llama3-8b", 32, 4096, 32, 14336), ("llama3-70b", 80, 8192, 64, 28672)):
+        c = PRESETS[name]
+        assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.query_groups, c.ffn_size) == \
+            (layers, h, heads, 8, ffn)
+        assert (c.vocab_size, c.seq_length, c.micro_batch_size, c.dtype) == (128256, 8192, 1, "bf16")
+        assert (c.activation, c.normalization, c.position, c.attention) == ("swiglu", "rmsnorm", "rope", "sdpa")
+        assert c.hidden_dropout == c.attention_dropout == 0.0 and not c.add_bias_linear and not c.tie_embeddings
+    with pytest.raises(ConfigError, match="llama3-8b"):
+        get_preset("llama-9b")
+
+
+
+
+@pytest.mark.parametrize("fields,field", [
+    ({"hidden_size": 30, "num_attention_heads": 4}, "hidden_size"),
+    ({"num_attention_heads": 4, "num_query_groups": 3}, "num_query_groups"),
+    ({"num_layers": 0}, "num_layers"),
+    ({"hidden_size": -64}, "hidden_size"),
+    ({"seq_length": 0}, "seq_length"),
+    ({"micro_batch_size": 0}, "micro_batch_size"),
+    ({"vocab_size": -1}, "vocab_size"),
+    ({"ffn_hidden_size": 0}, "ffn_hidden_size"),
+    ({"dtype": "fp8"}, "dtype"),
+    ({"hidden_dropout": 1.5}, "hidden_dropout"),
+])
+def test_bad_configs_name_the_field(fields: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        SMALL_GPT.replace(**fields)
+    with pytest.raises(ConfigError, match=f"^cfg.yaml: .*{field}"):
+        config_from_mapping({**SMALL_GPT.to_dict(), **fields}, "cfg.yaml")
+
+
+def test_load_yaml_and_json(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "model.yaml"
+    yaml_file.write_text("num_layers: 3\nhidden_size: 32\nnum_attention_heads: 4\ndtype: bf16\n"
+                         "tie_embeddings: true\nhidden_dropout: 0\n")
+    assert load_config(yaml_file) == ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, dtype="bf16",
+                                                 tie_embeddings=True, hidden_dropout=0)
+    json_file = tmp_path / "model.json"
+    json_file.write_text(json.dumps(SMALL_GPT.to_dict()))
+    assert load_config(json_file) == SMALL_GPT
+    yml = tmp_path / "dashes.yml"
+    yml.write_text("num-layers: 2\nseq-length: 8\n")
+    assert load_config(yml) == ModelConfig(num_layers=2, seq_length=8)
+
+
+def test_load_preset_with_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "llama.yaml"
+    f.write_text("preset: llama3-8b\nnum_layers: 4\nseq_length: 2048\n")
+    assert load_config(f) == PRESETS["llama3-8b"].replace(num_layers=4, seq_length=2048)
+    j = tmp_path / "gpt3.json"
+    j.write_text('{"preset": "gpt3-175b", "micro_batch_size": 2}')
+    assert load_config(j) == PRESETS["gpt3-175b"].replace(micro_batch_size=2)
+
+
+@pytest.mark.parametrize("name,text,pattern", [
+    ("unknown.yaml", "num_layers: 2\nhiden_size: 64\n", r"unknown\.yaml: unknown field\(s\) 'hiden_size'"),
+    ("bad.yaml", "num_layers: [2\n", r"bad\.yaml: not valid YAML \(line"),
+    ("bad.json", '{"num_layers": 2,}', r"bad\.json: not valid JSON \(line 1"),
+    ("list.yaml", "- 1\n- 2\n", r"list\.yaml: expected a mapping"),
+    ("empty.yaml", "", r"empty\.yaml: empty"),
+    ("preset.yaml", "preset: gpt5\n", r"preset\.yaml: preset='gpt5': unknown preset"),
+    ("type.yaml", "num_layers: eight\n", r"type\.yaml: num_layers='eight'"),
+    ("float.yaml", "hidden_size: 64.0\n", r"float\.yaml: hidden_size=64\.0: must be an integer"),
+    ("bool.yaml", "tie_embeddings: 3\n", r"bool\.yaml: tie_embeddings=3: must be true or false"),
+    ("heads.yaml", "preset: llama3-8b\nnum_query_groups: 5\n", r"heads\.yaml: num_attention_heads=32 .*"
+                                                                r"num_query_groups=5"),
+    ("pickle.yaml", "!!python/object:os.system {}\n", r"pickle\.yaml: not valid YAML"),
+])
+def test_load_config_errors_name_file_and_field(tmp_path: Path, name: str, text: str, pattern: str) -> None:
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=f"^{tmp_path}/{pattern}"):
+        load_config(f)
+
+
+def test_load_config_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("name,text,key", [
+    ("twice.yaml", "num_layers: 2\nhidden_size: 64\nnum_layers: 4\n", "num_layers"),
+    ("nested.yaml", "preset: llama3-8b\nseq_length: 8\npreset: gpt3-175b\n", "preset"),
+    ("twice.json", '{"num_layers": 2, "num_layers": 3}', "num_layers"),
+])
+def test_a_key_given_twice_is_refused_naming_it(tmp_path, name, text, key):
+    """YAML forbids duplicate keys and JSON discourages them; both parsers keep the last value silently."""
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/{name}: .*key '{key}' is given twice") as err:
+        load_config(f)
+    assert "line 3" in str(err.value) or name.endswith(".json")
+
+
+def test_yaml_merge_keys_still_override(tmp_path):
+    """A merge key (<<) is YAML's way to override on purpose: not a duplicate."""
+    f = tmp_path / "merge.yaml"
+    f.write_text("<<: {num_layers: 2, seq_length: 8}\nnum_layers: 3\n")
+    assert load_config(f) == ModelConfig(num_layers=3, seq_length=8)
+

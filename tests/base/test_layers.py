@@ -14,10 +14,10 @@ REPO = SRC.parent
 # Each module's layer: a module may import only from its own layer or the ones below.
 LAYERS = {
     "remat.config": 0, "remat.policy": 0, "remat.timeline": 0, "remat.units": 0, "remat.presets": 0,
-    "remat.job": 0, "remat.version": 0, "remat.models": 0,
+    "remat.job": 0, "remat.job_flags": 0, "remat.version": 0, "remat.models": 0,
     "remat.recompute": 1,
     "remat.memory": 2,
-    "remat.parallel": 3,
+    "remat.parallel": 3, "remat.megatron": 3,
     "remat.plan": 4,
     "remat.analysis": 5,
     "remat.cli": 6,
@@ -56,6 +56,20 @@ def imports_of(path: Path) -> list[tuple[str, str, int]]:
         elif isinstance(node, ast.Import):
             found += [(a.name, "", node.lineno) for a in node.names if a.name.split(".")[0] == "remat"]
     return found
+
+
+def private_attributes(path: Path) -> list[str]:
+    """``module._name`` uses where ``module`` is a remat module bound by an import (``import remat.x as m``)."""
+    tree = ast.parse(path.read_text())
+    aliases = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.asname and a.name.split(".")[0] == "remat"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "remat":
+            aliases |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in MODULES}
+    return [f"{node.lineno}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+            and node.attr.startswith("_") and not node.attr.startswith("__")]
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -110,6 +124,12 @@ def test_function_level_imports_are_part_of_the_graph(tmp_path: Path) -> None:
     assert ("remat.memory.predict", "predict", 2) in imports_of(source)
 
 
+def test_private_attribute_use_is_found(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("import remat.memory.predict as p\np._cache.clear()\np.public()\n")
+    assert private_attributes(source) == ["2: p._cache"]
+
+
 def test_no_import_cycles() -> None:
     assert cycles(import_graph()) == []
 
@@ -135,6 +155,7 @@ def test_no_private_name_is_used_outside_its_module() -> None:
         for target, name, line in imports_of(path):
             if name.startswith("_") and not name.startswith("__"):
                 leaks.append(f"{path.relative_to(REPO)}:{line} imports {target}.{name}")
+        leaks += [f"{path.relative_to(REPO)}:{use}" for use in private_attributes(path)]
     assert leaks == []
 
 

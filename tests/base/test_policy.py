@@ -182,6 +182,39 @@ def test_parse_needs_a_string():
         Policy.parse(3)
 
 
+# Digits str.isdigit() (or the regex \d) accepts that are not 0-9: superscripts int() refuses, and other scripts'
+# digits int() would read; a policy is written in 0-9.
+NON_ASCII_DIGITS = ["\u00b2", "\u00b9\u00b2\u00b3", "\u0661\u0662\u0668", "\u096a", "\uff11\uff12"]
+
+
+@pytest.mark.parametrize("digits", NON_ASCII_DIGITS)
+def test_matmul_k_needs_digits_0_to_9(digits):
+    text = f"selective/non_matmul+matmul_k{digits}"
+    with pytest.raises(PolicyError, match=r"write matmul_k<N> with N >= 1 in digits 0-9") as info:
+        Policy.parse(text)
+    assert repr(text) in str(info.value)
+    with pytest.raises(PolicyError, match="digits 0-9"):
+        Policy("selective", modules=("non_matmul", f"matmul_k{digits}"))
+
+
+@pytest.mark.parametrize("digits", NON_ASCII_DIGITS)
+def test_layer_counts_need_digits_0_to_9(digits):
+    with pytest.raises(PolicyError, match=r"layer count .* is not an integer \(digits 0-9\)"):
+        Policy.parse(f"full/uniform/{digits}")
+    with pytest.raises(PolicyError, match=r"--recompute-num-layers needs an integer \(digits 0-9\)"):
+        Policy.from_megatron_args(["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                   "--recompute-num-layers", digits])
+
+
+def test_counts_with_thousands_of_digits_are_refused():
+    """int() refuses strings of more than 4300 digits with a ValueError of its own."""
+    with pytest.raises(PolicyError, match="matmul_k<N>"):
+        Policy.parse("selective/non_matmul+matmul_k" + "1" * 5000)
+    with pytest.raises(PolicyError, match="layer count"):
+        Policy.parse("full/uniform/" + "1" * 5000)
+    assert Policy.parse("selective/non_matmul+matmul_k0128").modules == ("non_matmul", "matmul_k128")
+
+
 # ------------------------------------------------------------------------ Megatron flags
 LONG_COMMAND = """
 torchrun --nproc_per_node 8 pretrain_gpt.py \\
@@ -259,6 +292,27 @@ def test_from_megatron_args_refusals(argv, phrase):
     with pytest.raises(PolicyError) as info:
         Policy.from_megatron_args(argv)
     assert phrase in str(info.value)
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    ('--recompute-granularity "full', r"cannot split the Megatron command line .*No closing quotation; close the "
+                                      r"quote .*or pass the flags as a list of tokens"),
+    ("--recompute-granularity full\\", r"cannot split .*No escaped character"),
+    (None, r"Megatron flags must be one string or a list of strings, got NoneType None: e\.g\. "
+           r"'--recompute-granularity full"),
+    (42, r"got int 42"),
+    (b"--recompute-activations", r"got bytes"),
+    (["--recompute-granularity", None], r"got list"),
+    ({"--recompute-granularity": "full"}, r"got dict"),
+])
+def test_from_megatron_args_refuses_what_is_not_a_command_line(argv, pattern):
+    with pytest.raises(PolicyError, match=pattern):
+        Policy.from_megatron_args(argv)
+
+
+def test_from_megatron_args_takes_any_sequence_of_tokens():
+    tokens = ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2")
+    assert Policy.from_megatron_args(tokens) == Policy.from_megatron_args(iter(tokens)) == Policy("full", "block", 2)
 
 
 @pytest.mark.parametrize("policy", VALID, ids=str)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from remat.config import ModelConfig
-from remat.memory.measure import measure
+from remat.memory.measure import MeasureError, measure
 from remat.models.gpt import build_model, sample_batch
 from remat.policy import Policy
 from remat.recompute.apply import apply
@@ -442,3 +442,68 @@ def test_cpu_sdpa_flops_count_as_the_math_attention_does():
     sdpa, math_ = flops("sdpa", "selective/core_attn"), flops("math", "selective/core_attn")
     assert sdpa["forward"] == math_["forward"] > 0 and sdpa["backward"] == math_["backward"]
     assert sdpa["recompute"] == math_["recompute"] > 0
+
+
+# ------------------------------------------------------------------------ steps that cannot be measured
+TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
+                   vocab_size=64)
+
+
+def tiny_model() -> nn.Module:
+    return build_model(TINY, seed=0)
+
+
+def test_measure_refuses_a_model_without_parameters():
+    with pytest.raises(MeasureError, match=r"^measure: Sequential has no parameters"):
+        measure(nn.Sequential(nn.ReLU()), (torch.ones(2, 3),))
+    with pytest.raises(MeasureError, match=r"^measure: model must be a torch.nn.Module, got int"):
+        measure(42, (torch.ones(2, 3),))
+
+
+def test_measure_refuses_gradients_disabled():
+    model, batch = tiny_model(), sample_batch(TINY)
+    with torch.no_grad(), pytest.raises(MeasureError, match=r"gradients are disabled .*call it outside that block"):
+        measure(model, batch)
+    with torch.inference_mode(), pytest.raises(MeasureError, match="gradients are disabled"):
+        measure(model, batch)
+    assert measure(model, batch).peak_bytes > 0  # outside, the same step runs
+
+
+def test_measure_refuses_all_parameters_frozen():
+    model = tiny_model().requires_grad_(False)
+    with pytest.raises(MeasureError, match=r"every parameter of GPT has requires_grad=False .*requires_grad_\(True\)"):
+        measure(model, sample_batch(TINY))
+    model.layers[0].mlp.requires_grad_(True)  # fine-tuning part of a model is a training step
+    tl = measure(model, sample_batch(TINY))
+    mlp_bytes = sum(p.numel() * p.element_size() for p in model.layers[0].mlp.parameters())
+    assert tl.breakdown(tl.num_events - 1)["gradients"] == mlp_bytes
+
+
+def wrong_batches() -> list[tuple[str, object, str]]:
+    tokens, labels = sample_batch(TINY)
+    return [
+        ("tensor", tokens, r"batch must be a tuple or list .* got Tensor"),
+        ("one item", (tokens,), r"batch must be \(tokens, labels\).*got 1 item"),
+        ("float ids", (tokens.float(), labels), r"batch tokens are torch.float32, not token ids"),
+        ("3-d", (tokens[None], labels[None]), r"batch tokens have shape \[1, 2, 16\]"),
+        ("shapes differ", (tokens[:, :8], labels), r"tokens \[2, 8\] and labels \[2, 16\] differ in shape"),
+        ("too long", (torch.zeros(2, 17, dtype=torch.long),) * 2, r"sequence length 17 exceeds seq_length=16"),
+        ("id too large", (tokens, labels + TINY.vocab_size), r"labels hold id \d+, outside the vocabulary \[0, 64\)"),
+        ("negative id", (tokens - 100, labels), r"tokens hold id -\d+, outside the vocabulary"),
+    ]
+
+
+@pytest.mark.parametrize("name,batch,pattern", wrong_batches(), ids=[w[0] for w in wrong_batches()])
+def test_measure_refuses_a_wrong_batch_before_running(name, batch, pattern):
+    model = tiny_model()
+    with pytest.raises(MeasureError, match=pattern) as err:
+        measure(model, batch)
+    assert str(err.value).startswith("measure: batch")
+    assert all(p.grad is None for p in model.parameters())  # refused before anything ran
+
+
+def test_measure_takes_a_shorter_sequence_and_a_keyword_batch():
+    tokens, labels = sample_batch(TINY)
+    short = measure(tiny_model(), (tokens[:, :8], labels[:, :8]))
+    full = measure(tiny_model(), {"labels": labels, "tokens": tokens})
+    assert 0 < short.peak_bytes < full.peak_bytes

@@ -1,10 +1,9 @@
-"""Tests for remat.predict (fake traces, composition), remat.presets (named configs, YAML/JSON files) and the
-``remat predict`` / ``remat compare`` commands.
+"""Tests for remat.memory.predict (fake traces of the reference GPT and of user models, predicted against measured)
+and the ``remat predict`` / ``remat compare`` commands. The composition of deep stacks from shallow traces is
+tested in test_compose.py.
 
-Fast by design (tiny models; the whole file well under a minute on 2 cores): the composed-vs-full check covers
-its grid with a design in which every policy runs with each engine, and the two runs of a policy are on
-*complementary* configs (other style, other dtype, other depth), so every policy meets both styles, both dtypes,
-both depths and both engines. ``REMAT_FULL_GRID=1`` runs the whole product instead (a few minutes);
+Fast by design (tiny models): each policy and engine is measured on one config and its other engine on the
+complementary config (other style, size and dtype). ``REMAT_FULL_GRID=1`` runs the whole product instead;
 ``benchmarks/bench_predict.py`` runs a bigger predicted-vs-measured grid.
 """
 
@@ -18,21 +17,20 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from remat.cli import main
-from remat.cli.compare import part_errors
-from remat.config import ConfigError, ModelConfig
-from remat.memory.measure import measure
+from remat.config import ModelConfig
+from remat.memory.comparison import part_errors
+from remat.memory.measure import MeasureError, measure
 from remat.memory.optimizer import adam_steady_state
-from remat.memory.predict import predict, predict_config
+from remat.memory.predict import predict
 from remat.models.gpt import build_model, sample_batch
 from remat.plan.megatron import megatron_sweep
 from remat.policy import Policy
-from remat.presets import PRESETS, config_from_mapping, get_preset, load_config
+from remat.presets import get_preset, load_config
 from remat.recompute.apply import apply
 from remat.timeline import Timeline
 
@@ -50,98 +48,6 @@ def with_engine(policy: str, engine: str) -> str:
     return policy if engine == "reentrant" or policy == "none" else f"{policy}@{engine}"
 
 
-# ================================================================================ composed == full fake trace
-# The grid's full traces are the slowest part of this file, so they run in a background process, started by the
-# first test of the module, while the other tests run here; the grid's tests come last and read its results.
-GRID_CONFIGS = [(style, dtype, depth) for style in STYLES for dtype in ("fp32", "bf16") for depth in (10, 13)]
-GRID_SELECTIVE = ["selective/core_attn", "selective/mlp", "selective/layernorm+act", "selective/non_matmul",
-                  "selective/core_attn+non_matmul",
-                  "selective/core_attn+mlp+layernorm"]
-
-
-def grid_policies(depth: int) -> list[str]:
-    """none, uniform k = 1, 2, 3, 4, L-1, L, block k = 1, 3, L, selective sets (the same count at any depth)."""
-    uniform = [f"full/uniform/{k}" for k in (1, 2, 3, 4, depth - 1, depth)]
-    block = [f"full/block/{k}" for k in (1, 3, depth)]
-    return ["none", *uniform, *block, *GRID_SELECTIVE]
-
-
-def grid_cases() -> list[tuple[str, str, int, int, str]]:
-    """(style, dtype, depth, policy index, engine): see the module docstring for the design."""
-    cases = []
-    for i in range(len(grid_policies(10))):
-        for e, engine in enumerate(ENGINES):
-            if FULL_GRID:
-                if not (i == 0 and e):  # none has no engine
-                    cases += [(*c, i, engine) for c in GRID_CONFIGS]
-            else:
-                # configs are indexed by 3 bits (style, dtype, depth); the other engine gets the complement
-                c = GRID_CONFIGS[(i * 3) % 8 if e == 0 else 7 - (i * 3) % 8]
-                cases.append((*c, i, engine))
-    return cases
-
-
-def grid_case_id(case: tuple[str, str, int, int, str]) -> str:
-    style, dtype, depth, index, engine = case
-    return f"{style}-{dtype}-L{depth}-{with_engine(grid_policies(depth)[index], engine)}"
-
-
-def assert_same_timeline(composed: Timeline, full: Timeline) -> None:
-    assert composed.num_events == full.num_events, (composed.num_events, full.num_events)
-    assert np.array_equal(composed.live_bytes(), full.live_bytes()), "live curves differ"
-    assert composed.peak_bytes == full.peak_bytes, (composed.peak_bytes, full.peak_bytes)
-    assert composed.peak_event == full.peak_event, (composed.peak_event, full.peak_event)
-    assert composed.peak_phase.label == full.peak_phase.label, (composed.peak_phase, full.peak_phase)
-    assert composed.at_peak == full.at_peak, (composed.at_peak, full.at_peak)
-    assert composed.meta["flops"] == full.meta["flops"], (composed.meta["flops"], full.meta["flops"])
-
-
-def check_grid_case(case: tuple[str, str, int, int, str]) -> str:
-    """'' when predict_config's composition equals the full fake trace for ``case``, else what differs."""
-    style, dtype, depth, index, engine = case
-    config = STYLES[style].replace(num_layers=depth, dtype=dtype)
-    policy = with_engine(grid_policies(depth)[index], engine)
-    try:
-        composed = predict_config(config, policy)
-        assert "composition_refused" not in composed.meta, composed.meta["composition_refused"]
-        assert "composed_from" in composed.meta, "not composed: traced in full"
-        assert composed.meta["composed_from"]["num_layers"] < depth, composed.meta["composed_from"]
-        full = predict_config(config, policy, compose_layers=False)
-        assert "composed_from" not in full.meta
-        assert_same_timeline(composed, full)
-    except Exception as err:  # reported by the test of this case
-        return f"{type(err).__name__}: {err}"
-    return ""
-
-
-def _grid_worker(out: str) -> None:
-    torch.set_num_threads(1)
-    gc.freeze()  # see _frozen_gc
-    results = {grid_case_id(case): check_grid_case(case) for case in grid_cases()}
-    Path(out).write_text(json.dumps(results))
-
-
-class _Grid:
-    def __init__(self, directory: Path):
-        self.out = directory / "grid.json"
-        self.proc = subprocess.Popen([sys.executable, __file__, "--grid-worker", str(self.out)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
-        self._results: dict[str, str] | None = None
-
-    def results(self) -> dict[str, str]:
-        if self._results is None:
-            output, _ = self.proc.communicate(timeout=900)
-            assert self.proc.returncode == 0, output
-            self._results = json.loads(self.out.read_text())
-        return self._results
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate()
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _frozen_gc():
     """Move the objects alive now (torch, pytest, ...) out of the cycle collector's way: every recorded step starts
@@ -149,29 +55,6 @@ def _frozen_gc():
     gc.freeze()
     yield
     gc.unfreeze()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def grid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """The background grid run, started before this module's first test when any grid test is selected."""
-    if not any(getattr(item, "originalname", "") == "test_composed_equals_full_trace"
-               for item in request.session.items):
-        yield None
-        return
-    running = _Grid(tmp_path_factory.mktemp("grid"))
-    yield running
-    running.stop()
-
-
-def test_grid_design_covers_every_policy_engine_style_dtype_and_depth() -> None:
-    seen: dict[str, set] = {}
-    for style, dtype, depth, index, engine in grid_cases():
-        name = grid_policies(10)[index].replace("/10", "/L").replace("/9", "/L-1")
-        seen.setdefault(name, set()).update({style, dtype, depth, engine})
-    assert len(seen) == len(grid_policies(10))
-    for policy, values in seen.items():
-        assert {"gpt", "llama", "fp32", "bf16", 10, 13, *ENGINES} <= values, policy
-    assert len({grid_case_id(c) for c in grid_cases()}) == len(grid_cases())
 
 
 # ================================================================================ predicted == measured (CPU)
@@ -266,25 +149,6 @@ def test_gpt3_175b_predicts_in_little_memory() -> None:
     assert out["full/uniform/1"]["at_peak"]["saved_activations"] < out["none"]["at_peak"]["saved_activations"]
 
 
-def test_presets_have_the_published_shapes() -> None:
-    assert PRESETS["gpt-small"] == ModelConfig()
-    gpt3 = PRESETS["gpt3-175b"]
-    assert (gpt3.num_layers, gpt3.hidden_size, gpt3.num_attention_heads, gpt3.seq_length, gpt3.vocab_size) == \
-        (96, 12288, 96, 2048, 51200)
-    assert (gpt3.activation, gpt3.normalization, gpt3.position, gpt3.dtype, gpt3.micro_batch_size) == \
-        ("gelu", "layernorm", "learned", "bf16", 1)
-    assert gpt3.hidden_dropout == gpt3.attention_dropout == 0.1 and gpt3.ffn_size == 4 * 12288
-    for name, layers, h, heads, ffn in (("llama3-8b", 32, 4096, 32, 14336), ("llama3-70b", 80, 8192, 64, 28672)):
-        c = PRESETS[name]
-        assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.query_groups, c.ffn_size) == \
-            (layers, h, heads, 8, ffn)
-        assert (c.vocab_size, c.seq_length, c.micro_batch_size, c.dtype) == (128256, 8192, 1, "bf16")
-        assert (c.activation, c.normalization, c.position, c.attention) == ("swiglu", "rmsnorm", "rope", "sdpa")
-        assert c.hidden_dropout == c.attention_dropout == 0.0 and not c.add_bias_linear and not c.tie_embeddings
-    with pytest.raises(ConfigError, match="llama3-8b"):
-        get_preset("llama-9b")
-
-
 # ================================================================================ user models, optimizer
 class Block(nn.Module):
     def __init__(self) -> None:
@@ -329,8 +193,30 @@ def test_factory_model_with_batch_function() -> None:
 
 
 def test_factory_model_without_batch_is_refused() -> None:
-    with pytest.raises(ValueError, match="batch="):
+    with pytest.raises(MeasureError, match="batch="):
         predict(TinyNet, "none")
+
+
+@pytest.mark.parametrize("factory,pattern", [
+    (lambda: 5, r"the factory returned int, not a torch.nn.Module: it must build and return the model"),
+    (lambda: None, r"the factory returned NoneType"),
+    (TinyNet(), r"got TinyNet \(a TinyNet instance: pass the function that builds it"),
+    (42, r"takes a ModelConfig or a zero-argument function that builds the model, got int"),
+])
+def test_a_factory_that_builds_no_module_is_refused(factory, pattern: str) -> None:
+    with pytest.raises(MeasureError, match=pattern):
+        predict(factory, "none", batch=(torch.randn(8, 16),))
+
+
+def test_predict_refuses_a_step_without_gradients() -> None:
+    with torch.no_grad(), pytest.raises(MeasureError, match=r"gradients are disabled .*torch.no_grad"):
+        predict(TinyNet, "none", batch=(torch.randn(8, 16),))
+
+    def frozen() -> nn.Module:
+        return TinyNet().requires_grad_(False)
+
+    with pytest.raises(MeasureError, match=r"every parameter of TinyNet has requires_grad=False"):
+        predict(frozen, "none", batch=(torch.randn(8, 16),))
 
 
 def _param_counts(config: ModelConfig) -> tuple[int, int]:
@@ -354,75 +240,6 @@ def test_adam_adds_two_moments_and_step_counters(dtype: str) -> None:
     first_forward = next(p.start for p in steady.phases if p.kind == "forward")
     assert steady.breakdown(first_forward)["optimizer_state"] == 2 * nbytes + 4 * count
     assert steady.peak_bytes >= tl.peak_bytes
-
-
-# ================================================================================ configs
-@pytest.mark.parametrize("fields,field", [
-    ({"hidden_size": 30, "num_attention_heads": 4}, "hidden_size"),
-    ({"num_attention_heads": 4, "num_query_groups": 3}, "num_query_groups"),
-    ({"num_layers": 0}, "num_layers"),
-    ({"hidden_size": -64}, "hidden_size"),
-    ({"seq_length": 0}, "seq_length"),
-    ({"micro_batch_size": 0}, "micro_batch_size"),
-    ({"vocab_size": -1}, "vocab_size"),
-    ({"ffn_hidden_size": 0}, "ffn_hidden_size"),
-    ({"dtype": "fp8"}, "dtype"),
-    ({"hidden_dropout": 1.5}, "hidden_dropout"),
-])
-def test_bad_configs_name_the_field(fields: dict, field: str) -> None:
-    with pytest.raises(ConfigError, match=field):
-        GPT.replace(**fields)
-    with pytest.raises(ConfigError, match=f"^cfg.yaml: .*{field}"):
-        config_from_mapping({**GPT.to_dict(), **fields}, "cfg.yaml")
-
-
-def test_load_yaml_and_json(tmp_path: Path) -> None:
-    yaml_file = tmp_path / "model.yaml"
-    yaml_file.write_text("num_layers: 3\nhidden_size: 32\nnum_attention_heads: 4\ndtype: bf16\n"
-                         "tie_embeddings: true\nhidden_dropout: 0\n")
-    assert load_config(yaml_file) == ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, dtype="bf16",
-                                                 tie_embeddings=True, hidden_dropout=0)
-    json_file = tmp_path / "model.json"
-    json_file.write_text(json.dumps(GPT.to_dict()))
-    assert load_config(json_file) == GPT
-    yml = tmp_path / "dashes.yml"
-    yml.write_text("num-layers: 2\nseq-length: 8\n")
-    assert load_config(yml) == ModelConfig(num_layers=2, seq_length=8)
-
-
-def test_load_preset_with_overrides(tmp_path: Path) -> None:
-    f = tmp_path / "llama.yaml"
-    f.write_text("preset: llama3-8b\nnum_layers: 4\nseq_length: 2048\n")
-    assert load_config(f) == PRESETS["llama3-8b"].replace(num_layers=4, seq_length=2048)
-    j = tmp_path / "gpt3.json"
-    j.write_text('{"preset": "gpt3-175b", "micro_batch_size": 2}')
-    assert load_config(j) == PRESETS["gpt3-175b"].replace(micro_batch_size=2)
-
-
-@pytest.mark.parametrize("name,text,pattern", [
-    ("unknown.yaml", "num_layers: 2\nhiden_size: 64\n", r"unknown\.yaml: unknown field\(s\) 'hiden_size'"),
-    ("bad.yaml", "num_layers: [2\n", r"bad\.yaml: not valid YAML \(line"),
-    ("bad.json", '{"num_layers": 2,}', r"bad\.json: not valid JSON \(line 1"),
-    ("list.yaml", "- 1\n- 2\n", r"list\.yaml: expected a mapping"),
-    ("empty.yaml", "", r"empty\.yaml: empty"),
-    ("preset.yaml", "preset: gpt5\n", r"preset\.yaml: preset='gpt5': unknown preset"),
-    ("type.yaml", "num_layers: eight\n", r"type\.yaml: num_layers='eight'"),
-    ("float.yaml", "hidden_size: 64.0\n", r"float\.yaml: hidden_size=64\.0: must be an integer"),
-    ("bool.yaml", "tie_embeddings: 3\n", r"bool\.yaml: tie_embeddings=3: must be true or false"),
-    ("heads.yaml", "preset: llama3-8b\nnum_query_groups: 5\n", r"heads\.yaml: num_attention_heads=32 .*"
-                                                                r"num_query_groups=5"),
-    ("pickle.yaml", "!!python/object:os.system {}\n", r"pickle\.yaml: not valid YAML"),
-])
-def test_load_config_errors_name_file_and_field(tmp_path: Path, name: str, text: str, pattern: str) -> None:
-    f = tmp_path / name
-    f.write_text(text)
-    with pytest.raises(ConfigError, match=f"^{tmp_path}/{pattern}"):
-        load_config(f)
-
-
-def test_load_config_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="no such config file"):
-        load_config(tmp_path / "nope.yaml")
 
 
 # ================================================================================ CLI
@@ -522,14 +339,3 @@ def test_cli_bad_config_file_names_it(capsys: pytest.CaptureFixture, tmp_path: P
     f.write_text("num_layers: 2\nhidden: 64\n")
     code, _, err = run_cli(capsys, "predict", "--config", str(f))
     assert code == 2 and f"{f}: unknown field(s) 'hidden'" in err
-
-
-# ================================================================================ composed == full: the results
-@pytest.mark.parametrize("case", grid_cases(), ids=grid_case_id)
-def test_composed_equals_full_trace(grid: _Grid, case: tuple[str, str, int, int, str]) -> None:
-    """The background process's verdict; check_grid_case(case) reproduces a failure here, with its traceback."""
-    assert grid.results()[grid_case_id(case)] == ""
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--grid-worker"]:
-    _grid_worker(sys.argv[2])

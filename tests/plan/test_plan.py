@@ -21,6 +21,7 @@ from remat.memory.predict import trace_rank
 from remat.plan.api import BudgetError, plan
 from remat.plan.costs import CostModel, candidate_units
 from remat.plan.megatron import megatron_policies, predict_plan, stand_in
+from remat.plan.options import ParallelOptions, PlanOptions
 from remat.plan.solver import min_peak, solve
 from remat.plan.space import SELECTIVE_SETS, contraction_sets, selective_sets
 from remat.plan.unit_model import unit_model
@@ -31,6 +32,7 @@ from remat.units import GIB, GPU_PRESETS, MIB, SizeError, parse_budget, parse_by
 TINY = ModelConfig(num_layers=6, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                    vocab_size=128)
 SMALL = TINY.replace(num_layers=4)  # what plan() runs on: its Megatron sweep traces every setting
+TP2_SP = ParallelOptions(tp=2, sp=True)
 
 
 @functools.cache
@@ -394,7 +396,7 @@ def test_pipeline_stages_fit_and_beat_uniform():
     cfg = TINY.replace(num_layers=2)
     none = [tl.peak_bytes for tl in predict_pipeline(cfg, "none", 2, 2, "1f1b")]
     budget = min(none)  # stage 0 (two microbatches in flight) must recompute, stage 1 need not
-    report = plan_pipeline(cfg, budget, pp=2, microbatches=2)
+    report = plan_pipeline(cfg, budget, ParallelOptions(pp=2, microbatches=2))
     assert [s["in_flight"] for s in report["stages"]] == [2, 1]
     for st in report["stages"]:
         p = Plan.from_dict(st["plan_json"])
@@ -443,7 +445,7 @@ def test_operator_level_plan_needs_no_flops_where_module_level_does():
     result = plan(SMALL, budget)
     assert result.extended.recompute_flops == 0 and measured_peak(SMALL, result.extended.plan) <= budget
     assert result.extended.recompute_bytes > 0 and "rebuilt in backward" in result.format()  # the work FLOPs miss
-    module_level = plan(SMALL, budget, selective_sets=selective_sets("core_attn,mlp,layernorm,act"))
+    module_level = plan(SMALL, budget, PlanOptions(selective_sets=selective_sets("core_attn,mlp,layernorm,act")))
     assert module_level.extended.recompute_flops > 0
     assert not any("non_matmul" in u.modules for u in module_level.extended.plan.units())
     with pytest.raises(PlanError, match="valid modules are"):
@@ -483,7 +485,7 @@ def test_tensor_parallel_plans_fit_on_real_ranks():
     model = unit_model(SMALL, tp=2, sp=True)
     lo = min_peak(model, 4, candidate_units(4, contractions=model.contractions))
     budget = (lo + model.peak([KEEP] * 4)) // 2
-    result = plan(SMALL, budget, tp=2, sp=True)
+    result = plan(SMALL, budget, parallel=TP2_SP)
     margin = result.stats["collective_margin_bytes"]
     assert margin == SMALL.micro_batch_size * SMALL.seq_length * SMALL.hidden_size * 4 and result.tp == 2
     for choice in (result.extended, result.megatron):
@@ -491,9 +493,9 @@ def test_tensor_parallel_plans_fit_on_real_ranks():
         ranks = measure_tensor_parallel(SMALL, choice.plan, tp=2, sp=True, timeout=240)
         assert all(t.peak_bytes <= budget for t in ranks), (str(choice.plan), [t.peak_bytes for t in ranks])
     with pytest.raises(BudgetError) as info:
-        plan(SMALL, lo + margin - 1, tp=2, sp=True)
+        plan(SMALL, lo + margin - 1, parallel=TP2_SP)
     assert info.value.min_peak_bytes == lo + margin and "collectives" in str(info.value)
-    assert plan(SMALL, lo + margin, tp=2, sp=True).extended.peak_bytes == lo
+    assert plan(SMALL, lo + margin, parallel=TP2_SP).extended.peak_bytes == lo
 
 
 def test_tensor_parallel_cli(capsys):

@@ -632,6 +632,38 @@ class SharedLayers(nn.Module):
 
 def test_shared_layer_instances_are_refused_without_patching():
     model = SharedLayers()
-    with pytest.raises(ApplyError, match="same module instance"):
+    # the model names a shared layer once (layers.3): the message names two of its positions instead
+    with pytest.raises(ApplyError, match=r"^layers\.0 and layers\.1 \(and 2 more\) are the same module instance"):
         apply(model, "full/uniform/1")
     assert not any("forward" in m.__dict__ or "_remat_region" in m.__dict__ for m in model.modules())
+
+
+def test_a_repeated_layer_is_named_at_both_positions():
+    block = Block()
+    model = SharedLayers()
+    model.layers = nn.ModuleList([block, Block(), block, Block()])
+    with pytest.raises(ApplyError, match=r"^layers\.0 and layers\.2 are the same module instance"):
+        apply(model, "full/block/4")
+
+
+def test_a_submodule_shared_by_two_layers_is_named_in_both():
+    model = SharedLayers()
+    model.layers = nn.ModuleList([Block(), Block(), Block(), Block()])
+    model.layers[3].mlp = model.layers[1].mlp
+    with pytest.raises(ApplyError, match=r"^layers\.1\.mlp \(in layer 1\) and layers\.3\.mlp \(in layer 3\) are the "
+                                         r"same module instance"):
+        apply(model, "selective/mlp")
+
+
+@pytest.mark.parametrize("policy", [42, None, 2.5, ["full/uniform/1"], Policy])
+def test_apply_refuses_what_is_not_a_policy(policy):
+    model = build_model(SMALL)
+    with pytest.raises(ApplyError, match=r"^apply\(policy=\.\.\.\) takes a remat.Policy, its short form such as "
+                                         r"'full/uniform/4', or a RecomputeLayout .*; got " + type(policy).__name__):
+        apply(model, policy)
+    assert applied(model) is None
+
+
+def test_apply_refuses_what_is_not_a_module():
+    with pytest.raises(ApplyError, match=r"^apply\(model=\.\.\.\) takes a torch.nn.Module, got int"):
+        apply(42, "full/uniform/1")

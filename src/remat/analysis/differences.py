@@ -17,6 +17,7 @@ from remat.analysis.formulas import (
 from remat.analysis.inventory import SavedTensor, build_inventory, check_device, config_layout, paper_layout
 from remat.config import ModelConfig
 from remat.timeline import Timeline
+from remat.units import format_bytes
 
 
 # =====================================================================================================
@@ -79,8 +80,9 @@ class Difference:
                 "reasons": [r.to_dict() for r in self.reasons]}
 
 
-def _fmt(n: int | float) -> str:
-    return f"{n:+,.0f}" if n else "0"
+def _signed(n: int) -> str:
+    """A byte change with its sign, e.g. ``'+1.00 KiB'``, ``'-48.00 KiB'``, ``'0 B'``."""
+    return ("+" if n > 0 else "") + format_bytes(n)
 
 
 def _changes(before: list[SavedTensor], after: list[SavedTensor]) -> tuple[str, ...]:
@@ -89,13 +91,13 @@ def _changes(before: list[SavedTensor], after: list[SavedTensor]) -> tuple[str, 
     out = []
     for t in after:
         if t.key not in old:
-            out.append(f"{_fmt(t.nbytes)} {t.name} {list(t.shape)} {t.dtype}")
+            out.append(f"{_signed(t.nbytes)} {t.name} {list(t.shape)} {t.dtype}")
         elif old[t.key].nbytes != t.nbytes or old[t.key].dtype != t.dtype:
             o = old[t.key]
             was = f"{list(o.shape)} {o.dtype}"
             now = f"{list(t.shape) if t.shape != o.shape else ''} {t.dtype if t.dtype != o.dtype else ''}".strip()
-            out.append(f"{_fmt(t.nbytes - o.nbytes)} {t.name} {was} -> {now}")
-    out.extend(f"{_fmt(-t.nbytes)} {t.name} {list(t.shape)} {t.dtype} (not kept)" for t in before
+            out.append(f"{_signed(t.nbytes - o.nbytes)} {t.name} {was} -> {now}")
+    out.extend(f"{_signed(-t.nbytes)} {t.name} {list(t.shape)} {t.dtype} (not kept)" for t in before
                if t.key not in new)
     return tuple(out)
 
@@ -128,7 +130,7 @@ def _step_reasons(config: ModelConfig, tp: int, sp: bool, device: str) -> list[R
     step("dtype", f"activation dtype {config.dtype}",
          (f"{config.dtype} activations take {e} bytes per element where the paper assumes 2: the {elems:,} "
           f"non-mask elements it counts per layer (16sbh + 2as²b{t_heads}, the softmax output included, which "
-          f"the model keeps in {config.dtype}) change by {e - 2:+d} bytes each = {_fmt(elems * (e - 2))} bytes")
+          f"the model keeps in {config.dtype}) change by {e - 2:+d} bytes each = {_signed(elems * (e - 2))}")
          if e != 2 else f"{config.dtype} is 2 bytes per element, as the paper assumes: no change",
          act=target.act, e=target.e)
     # 2-3. dropout
@@ -253,7 +255,7 @@ def explain_differences(config: ModelConfig, traced_layer_bytes: int, tp: int = 
     if meg_bytes != selective:
         why = ("it scales the MLP by ffn/h" if meg["function"] == "compute_activation_memory"
                else "it uses the no-SP formula sbh(10 + 24/t) although sp=True")
-        detail += (f"; its selective formula is {_fmt(meg_bytes - selective)} bytes off the paper's "
+        detail += (f"; its selective formula is {_signed(meg_bytes - selective)} off the paper's "
                    f"{selective:,} ({why})")
     detail += "; its 1.05 overhead factor applies to the model total, not per layer"
     first = Reason("megatron_formula", "Megatron prices layers at the selective formula", paper.total - meg_bytes,

@@ -13,7 +13,7 @@ from remat.parallel.pipeline_predict import predict_pipeline
 from remat.parallel.pipeline_report import peak_error, stage_summary
 from remat.parallel.schedule import partition
 from remat.policy import Policy
-from remat.units import MIB
+from remat.units import format_bytes
 
 
 def explain_pipeline(config: ModelConfig, pp: int, microbatches: int, schedule: str = "1f1b", vpp: int = 1,
@@ -65,10 +65,10 @@ def _explain_sentences(by_stage: dict[int, dict[str, dict[str, Any]]], policies:
         plain, r1 = rows[none], rows[one]
         n = plain["max_in_flight"]
         text = (f"Stage {stage} holds up to {n} microbatch{'es' if n != 1 else ''} in flight under {schedule}; "
-                f"without recompute it peaks at {plain['measured_bytes'] / MIB:.2f} MiB with "
-                f"{plain['in_flight_at_peak']} in flight keeping {plain['saved_per_microbatch'] / MIB:.2f} MiB of "
-                f"saved tensors each. {one} keeps {r1['saved_per_microbatch'] / MIB:.2f} MiB per in-flight "
-                f"microbatch (each layer's inputs): {r1['measured_bytes'] / MIB:.2f} MiB "
+                f"without recompute it peaks at {format_bytes(plain['measured_bytes'])} with "
+                f"{plain['in_flight_at_peak']} in flight keeping {format_bytes(plain['saved_per_microbatch'])} of "
+                f"saved tensors each. {one} keeps {format_bytes(r1['saved_per_microbatch'])} per in-flight "
+                f"microbatch (each layer's inputs): {format_bytes(r1['measured_bytes'])} "
                 f"({_pct_change(r1['measured_bytes'], plain['measured_bytes'])}).")
         best = r1
         if whole:
@@ -77,10 +77,10 @@ def _explain_sentences(by_stage: dict[int, dict[str, dict[str, Any]]], policies:
             rest_more = (rw["measured_bytes"] - r1["measured_bytes"]) + stored_less
             verdict = "lower" if rw["measured_bytes"] < r1["measured_bytes"] else "higher"
             text += (f" {whole} (one group per chunk) keeps only the chunk's input, "
-                     f"{rw['saved_per_microbatch'] / MIB:.2f} MiB per microbatch: at its peak it stores "
-                     f"{stored_less / MIB:.2f} MiB less than {one}, but rebuilding {k} layers of one microbatch at "
-                     f"once costs {rest_more / MIB:.2f} MiB more working set, so it ends {verdict}: "
-                     f"{rw['measured_bytes'] / MIB:.2f} MiB "
+                     f"{format_bytes(rw['saved_per_microbatch'])} per microbatch: at its peak it stores "
+                     f"{format_bytes(stored_less)} less than {one}, but rebuilding {k} layers of one microbatch at "
+                     f"once costs {format_bytes(rest_more)} more working set, so it ends {verdict}: "
+                     f"{format_bytes(rw['measured_bytes'])} "
                      f"({_pct_change(rw['measured_bytes'], plain['measured_bytes'])}).")
             best = min((r1, rw), key=lambda r: r["measured_bytes"])
         gains[stage] = (1 - best["measured_bytes"] / plain["measured_bytes"], n, best["policy"])

@@ -1,21 +1,5 @@
-"""``remat explain --html report.html``: the whole explanation as ONE self-contained page.
-
-Everything is inline - CSS in a ``<style>`` element, the charts as SVG drawn here - and nothing is fetched: no
-script, font, image or stylesheet from the network, so the file opens offline, from an e-mail attachment or a CI
-artifact. The page has, in order:
-
-1. the memory timelines: one line per policy (MiB alive through one step, forward on the left half, backward and
-   recompute on the right half, as in ``timelines.png``), each policy's peak marked with a circle whose tooltip
-   names the phase;
-2. the per-policy table (the text report's columns);
-3. what is alive at each policy's peak, by category, as stacked bars and as a table (the parts add up to the
-   peak exactly);
-4. the user's-formula check (for ``full/uniform/K`` policies) and the plain-words explanation.
-
-Element ids a test or a script can rely on: ``memory-timeline`` (the chart's ``<svg>``), ``policy-table``,
-``peak-breakdown`` (its rows ``tr.breakdown-row``), ``formula-table``, ``explanation``; every policy row is a
-``tr.policy-row`` with ``data-policy``.
-"""
+"""``remat explain --html report.html``: the whole explanation as one self-contained page (inline CSS and SVG
+charts, nothing fetched), so it opens offline, from an e-mail attachment or a CI artifact."""
 
 from __future__ import annotations
 
@@ -27,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from remat.analysis.report import COLUMN_NOTES, EXPLAIN_COLUMNS, FORMULA_COLUMNS, Column, as_mapping, step_axis
+from remat.analysis.report import COLUMN_NOTES, EXPLAIN_COLUMNS, FORMULA_COLUMNS, Column, as_mapping, mib_cell
+from remat.analysis.timeline_plot import step_axis
 from remat.timeline import CATEGORIES, Timeline, write_atomic
-from remat.units import MIB
+from remat.units import format_bytes
 
 # matplotlib's tab10, so the page and timelines.png give a policy the same colour
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
@@ -60,10 +45,6 @@ svg .boundary { stroke: #555; stroke-dasharray: 4 3; }
 
 def _color(i: int) -> str:
     return PALETTE[i % len(PALETTE)]
-
-
-def _mib(nbytes: float) -> str:
-    return f"{nbytes / MIB:.1f}"
 
 
 def downsample_curve(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
@@ -133,7 +114,7 @@ def timeline_svg(timelines: Mapping[str, Timeline], width: int = 1040, height: i
                      f'stroke-width="1.4" points="{points}"><title>{escape(name)}</title></polyline>')
     for i, name, tl, x, y in series:
         k = int(np.argmax(y))
-        tip = f"{name}: peak {_mib(tl.peak_bytes)} MiB in '{tl.peak_phase.label}'"
+        tip = f"{name}: peak {format_bytes(tl.peak_bytes)} in '{tl.peak_phase.label}'"
         parts.append(f'<circle class="peak-marker" data-policy="{escape(name)}" cx="{sx(x[k]):.1f}" '
                      f'cy="{sy(y[k]):.1f}" r="4.5" fill="{_color(i)}" stroke="black" stroke-width="1">'
                      f'<title>{escape(tip)}</title></circle>')
@@ -143,7 +124,7 @@ def timeline_svg(timelines: Mapping[str, Timeline], width: int = 1040, height: i
 
 def _legend(names: Sequence[str], timelines: Mapping[str, Timeline]) -> str:
     items = [f'<span style="margin-right:16px"><span class="swatch" style="background:{_color(i)}"></span>'
-             f'{escape(name)} (peak {_mib(timelines[name].peak_bytes)} MiB)</span>' for i, name in enumerate(names)]
+             f'{escape(name)} (peak {format_bytes(timelines[name].peak_bytes)})</span>' for i, name in enumerate(names)]
     return f'<p class="legend">{"".join(items)} &nbsp;o = peak</p>'
 
 
@@ -180,11 +161,11 @@ def breakdown_html(timelines: Mapping[str, Timeline]) -> str:
         for c in used:
             w = bar_w * parts[c] / largest
             if w > 0:
-                tip = f"{name}: {c} {_mib(parts[c])} MiB"
+                tip = f"{name}: {c} {format_bytes(parts[c])}"
                 svg.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row_h - 6}" '
                            f'fill="{CATEGORY_COLORS[c]}"><title>{escape(tip)}</title></rect>')
                 x += w
-        svg.append(f'<text x="{x + 6:.1f}" y="{y + 14}">{_mib(tl.peak_bytes)} MiB</text>')
+        svg.append(f'<text x="{x + 6:.1f}" y="{y + 14}">{format_bytes(tl.peak_bytes)}</text>')
     svg.append("</svg>")
     key = "".join(f'<span style="margin-right:14px"><span class="swatch" style="background:{CATEGORY_COLORS[c]}">'
                   f"</span>{escape(c)}</span>" for c in used)
@@ -192,16 +173,30 @@ def breakdown_html(timelines: Mapping[str, Timeline]) -> str:
     body = []
     for name in names:
         tl = timelines[name]
-        cells = "".join(f"<td>{_mib(tl.at_peak[c])}</td>" for c in used)
+        cells = "".join(f"<td>{mib_cell(tl.at_peak[c])}</td>" for c in used)
+        total = mib_cell(tl.peak_bytes)
         body.append(f'<tr class="breakdown-row" data-policy="{escape(name)}"><td class="text">{escape(name)}</td>'
-                    f'<td class="text">{escape(tl.peak_phase.label)}</td>{cells}<td>{_mib(tl.peak_bytes)}</td></tr>')
+                    f'<td class="text">{escape(tl.peak_phase.label)}</td>{cells}<td>{total}</td></tr>')
     table = (f'<table id="peak-breakdown"><thead><tr><th class="text">policy</th><th class="text">peak in</th>{head}'
-             f'<th>total</th></tr></thead><tbody>{"".join(body)}</tbody></table>')
+             f'<th>total MiB</th></tr></thead><tbody>{"".join(body)}</tbody></table>')
     return f'<div class="chart">{"".join(svg)}</div><p>{key}</p>{table}'
 
 
+# NOTE [The report page]
+# The page has, in order:
+# 1. the short answer (ul#short-answer), as the text report opens;
+# 2. the memory timelines: one line per policy (MiB alive through one step, forward on the left half, backward and
+#    recompute on the right half), each policy's peak marked with a circle whose tooltip names the phase;
+# 3. the per-policy table (the text report's columns);
+# 4. what is alive at each policy's peak, by category, as stacked bars and as a table (the parts add up to the
+#    peak exactly);
+# 5. the user's-formula check (for full/uniform/K policies) and the plain-words explanation.
+# Element ids a test or a script can rely on: short-answer, memory-timeline (the chart's <svg>), policy-table,
+# peak-breakdown (its rows tr.breakdown-row), formula-table, explanation; every policy row is a tr.policy-row
+# with data-policy. Everything is inline - CSS in a <style> element, charts as SVG drawn here - and nothing is
+# fetched: no script, font, image or stylesheet from the network.
 def render_html(explanation: Any, title: str | None = None) -> str:
-    """The report page of a :class:`remat.analysis.explain.Explanation` (see the module docstring), as a string."""
+    """The report page of a :class:`remat.analysis.explain.Explanation` (see NOTE [The report page]), as a string."""
     config = explanation.config
     timelines: Mapping[str, Timeline] = explanation.timelines
     names = [row.policy for row in explanation.rows]
@@ -213,9 +208,15 @@ def render_html(explanation: Any, title: str | None = None) -> str:
              f"{config.attention} attention")
     meta = explanation.meta
     run = ", ".join(f"{k} {meta[k]}" for k in ("device", "engine", "torch") if k in meta)
+    short = list(getattr(explanation, "short_answer", []) or [])
     sections = [
         f"<h1>{escape(heading)}</h1>",
         f'<p class="sub">{escape(model)}; one forward+backward step per policy. {escape(run)}</p>',
+    ]
+    if short:
+        points = "".join(f"<li>{escape(line)}</li>" for line in short[1:])
+        sections += [f"<h2>{escape(short[0].rstrip(':'))}</h2>", f'<ul id="short-answer">{points}</ul>']
+    sections += [
         "<h2>Memory through one training step</h2>",
         _legend(list(ordered), ordered),
         f'<div class="chart">{timeline_svg(ordered)}</div>',

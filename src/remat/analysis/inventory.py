@@ -103,6 +103,90 @@ def _per_rank(n: int, t: int, what: str) -> int:
     return n // t
 
 
+# NOTE [Inventory of one reference layer]
+# What "one layer's traced bytes" means: the storages allocated while layer ``i`` ran its forward and still
+# alive when backward starts (:func:`traced_layer_bytes`). The layer's *input* was allocated by the previous
+# layer (or the embedding), so it is not counted; the layer's *output*, which the next layer's input norm keeps,
+# is counted instead. Both are ``[b, s, h]`` in the activation dtype, so this equals the paper's convention of
+# counting a layer's input norm input.
+#
+# Inventory of one layer (reference GPT, fp32, ``attention='math'``, dropout 0.1, GeLU, LayerNorm, on CPU)
+# -----------------------------------------------------------------------------------------------------
+# s = seq_length, b = micro_batch_size, h = hidden, a = heads, d = h/a, f = ffn_hidden_size (4h), e = 4 bytes.
+# Each row is one storage (views count once); "kept by" is the autograd node that saves it.
+#
+# ====  ==========================================  ===============  ======  ==============================
+#  #    tensor (module that makes it)                shape            dtype   kept by / why
+# ====  ==========================================  ===============  ======  ==============================
+#  1    input_layernorm mean                         [b, s, 1]        fp32    NativeLayerNormBackward0: the
+#                                                                            input gradient needs the
+#                                                                            per-token mean (*)
+#  2    input_layernorm rstd                         [b, s, 1]        fp32    same, 1/sqrt(var + eps) (*)
+#  3    input_layernorm output                       [b, s, h]        fp32    linear_qkv (addmm): weight
+#                                                                            gradient = grad^T @ input
+#  4    q, copied contiguous by matmul               [b, a, s, d]     fp32    BmmBackward0 (q @ k^T): q is a
+#                                                                            transposed view of the qkv
+#                                                                            output, so matmul's reshape
+#                                                                            copies it, and keeps the copy
+#  5    k^T, copied the same way                     [b, a, d, s]     fp32    BmmBackward0 (q @ k^T)
+#  6    ~attention_mask                              [1, 1, s, s]     bool    MaskedFillBackward0: the
+#                                                                            negated causal mask is a new
+#                                                                            tensor in every layer (s^2 B)
+#  7    softmax output (probabilities)               [b, a, s, s]     fp32    SoftmaxBackward0 (result)
+#  8    attention-dropout noise                      [b, a, s, s]     fp32    MulBackward0: CPU dropout is
+#                                                                            input * noise with a float
+#                                                                            noise tensor (CUDA keeps a
+#                                                                            1-byte bool mask)
+#  9    dropped probabilities                        [b, a, s, s]     fp32    BmmBackward0 (probs @ v)
+#  10   v, copied contiguous by matmul               [b, a, s, d]     fp32    BmmBackward0 (probs @ v)
+#  11   context.transpose(1, 2).reshape copy         [b, s, h]        fp32    linear_proj (addmm) input
+#  12   hidden-dropout noise after attention         [b, s, h]        fp32    MulBackward0 (float noise)
+#  13   residual hidden + dropout(attn)              [b, s, h]        fp32    pre_mlp_layernorm input
+#  14   pre_mlp_layernorm mean, rstd                 2 x [b, s, 1]    fp32    NativeLayerNormBackward0 (*)
+#  15   pre_mlp_layernorm output                     [b, s, h]        fp32    linear_fc1 (addmm) input
+#  16   linear_fc1 output                            [b, s, f]        fp32    GeluBackward0 (its input)
+#  17   GeLU output                                  [b, s, f]        fp32    linear_fc2 (addmm) input
+#  18   hidden-dropout noise after the MLP           [b, s, h]        fp32    MulBackward0 (float noise)
+#  19   layer output hidden + dropout(mlp)           [b, s, h]        fp32    next layer's input_layernorm
+# ====  ==========================================  ===============  ======  ==============================
+#
+# (*) on CPU LayerNorm's statistics are in the activation dtype; on CUDA they are fp32 whatever the dtype.
+#
+# Total: ``16·sbh·e + 2·sbh·e_mask + as²b·(2e + e_mask) + 4·sb·e_stat + s²`` bytes, which for s=32, b=2, h=64,
+# a=4 is 395,264 bytes, exactly what remat traces; Korthikanti's ``sbh(34 + 5as/h)`` is 180,224.
+# Not kept: the qkv projection output (its q/k/v views are copied by matmul), the raw scores and the masked /
+# scaled scores (softmax keeps its output, mul by a constant and masked_fill keep no input), the attention
+# output of linear_proj and of linear_fc2 (dropout keeps only its noise, the add keeps nothing), biases (their
+# gradient is a sum of the output gradient). The causal mask itself and the rotary cos/sin tables are made once
+# by ``GPT.forward`` outside the layers and shared, so no layer counts them.
+#
+# Variants (all traced in tests/analysis/test_formulas.py):
+#
+# * dropout 0: F.dropout returns its input; rows 8, 12, 18 disappear and row 9 *is* row 7.
+# * ``attention='sdpa'`` on CPU, attention dropout 0: ``_scaled_dot_product_flash_attention_for_cpu`` keeps
+#   q, k, v (views of the qkv output, so the whole ``[b, s, (a+2g)d]`` qkv output is kept), the bool mask
+#   converted to a float additive mask ``[1, 1, s, s]`` in the activation dtype, its output (whose layout follows
+#   q: with q a transposed view, linear_proj's input is a view of it; with a contiguous q (rotary) linear_proj
+#   gets a copy) and the logsumexp ``[b, a, s]`` fp32 (4·a·s·b bytes). No s x s tensor.
+# * ``attention='sdpa'`` on CPU with attention dropout > 0: the flash kernel refuses dropout and the math
+#   fallback runs; it keeps the same q, k, probabilities, noise, dropped probabilities and v as rows 4-10 but no
+#   mask, and computes them in fp32 even for bf16/fp16 activations (torch upcasts the math kernel unless
+#   ``allow_fp16_bf16_reduction_math_sdp(True)``).
+# * SwiGLU: linear_fc1 makes ``[b, s, 2f]`` (gate and up, kept whole: silu keeps the gate view, the gating
+#   multiply keeps the up view), silu(gate) ``[b, s, f]`` (kept by the multiply) and the product ``[b, s, f]``
+#   (linear_fc2's input): 4f·sb elements instead of GeLU's 2f·sb.
+# * RMSNorm (torch's composite ``rms_norm`` on CPU): keeps the fp32 rstd ``[b, s, 1]`` and the fp32 normalised
+#   ``x·rstd`` ``[b, s, h]`` (for the weight multiply); when activations are not fp32 it keeps the fp32 upcast of
+#   its input ``[b, s, h]`` *instead of* the input, so the residual (row 13) and the layer output (row 19) are
+#   freed. On CUDA torch 2.13 runs ``_fused_rms_norm``, which keeps its input and the rstd.
+# * GQA: K and V are projected for g groups but repeated to a heads (``repeat_interleave``) before attention;
+#   the repeated copies are what is kept, so the saved K, V stay 2·sbh elements.
+# * Rotary: the rotated q and k (``torch.cat`` outputs, contiguous) are kept by the matmul instead of copies;
+#   the cos/sin multiplies keep only the (shared) tables.
+#
+# The CUDA branch (``device='cuda'``) applies what differs on CUDA - 1-byte bool dropout masks, fp32 LayerNorm
+# statistics, the fused RMSNorm, the memory-efficient SDPA kernel, 512-byte allocator blocks - and is marked
+# unverified: it has not been checked against a CUDA trace here.
 def build_inventory(lay: _Layout, tp: int = 1, sp: bool = False) -> list[SavedTensor]:
     """The storages one layer keeps, in the order the forward makes them. See the module docstring."""
     s, b, h, e, act = lay.s, lay.b, lay.h, lay.e, lay.act

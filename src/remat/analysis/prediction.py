@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from remat.analysis.differences import explain_differences, traced_layer_bytes
 from remat.analysis.formulas import korthikanti_layer_bytes, megatron_estimate
-from remat.analysis.report import format_table
+from remat.analysis.report import format_table, size_cell
 from remat.config import ModelConfig
+from remat.units import GIB, KIB, MIB, format_bytes
 
 # Parts of the bytes alive at the peak, as the tables show them: (category, column header).
 PART_COLUMNS = (("parameters", "params"), ("gradients", "grads"), ("optimizer_state", "optim"),
@@ -42,13 +43,9 @@ def prediction_row(policy: Any, timeline: Any, seconds: float | None = None) -> 
 
 def table_unit(largest: int) -> tuple[str, int]:
     """The unit a table of sizes up to ``largest`` bytes is printed in: GiB, MiB or KiB."""
-    if largest >= 10 << 30:
-        return "GiB", 1 << 30
-    return ("MiB", 1 << 20) if largest >= 10 << 20 else ("KiB", 1 << 10)
-
-
-def size_cell(divisor: int) -> Callable[[Any], str]:
-    return lambda v: "-" if v is None else f"{v / divisor:.{2 if divisor > 1 << 20 else 1}f}"
+    if largest >= 10 * GIB:
+        return "GiB", GIB
+    return ("MiB", MIB) if largest >= 10 * MIB else ("KiB", KIB)
 
 
 def format_prediction_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -103,5 +100,5 @@ def format_formula_report(report: dict[str, Any], config: ModelConfig, width: in
         if diff["unexplained_bytes"]:
             lines.append(f"  ({diff['unexplained_bytes']:+,} bytes unexplained)")
     lines += ["", f"Megatron's whole-model activation estimate (theoretical_memory_usage, 1 pipeline stage): "
-                  f"{report['megatron_total_bytes'] / (1 << 20):,.1f} MiB."]
+                  f"{format_bytes(report['megatron_total_bytes'])}."]
     return "\n".join(lines)

@@ -1,13 +1,8 @@
-"""Output of remat's commands: aligned text tables, the timelines plot (PNG) and JSON files.
-
-Every file is written atomically (through a temporary file in the same folder, then renamed), so an
-interrupted run never leaves a half-written report behind. Sizes in tables are MiB (2**20 bytes) with one
-decimal.
-"""
+"""Text and JSON output of remat's commands: aligned tables (sizes in one fixed unit per column), the
+``remat explain`` report, and JSON files written atomically."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import textwrap
@@ -18,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from remat.timeline import Timeline, write_atomic
-from remat.units import MIB
+from remat.timeline import write_atomic
+from remat.units import GIB, MIB
 
 Column = tuple[str, str, Callable[[Any], str]]
 
@@ -29,8 +24,16 @@ def cell(fmt: Callable[[Any], str]) -> Callable[[Any], str]:
     return lambda value: "-" if value is None else fmt(value)
 
 
+def size_cell(divisor: int = MIB) -> Callable[[Any], str]:
+    """A column of byte counts in one fixed unit (``divisor`` bytes: MIB, GIB, ...), so a column lines up: one
+    decimal, two from GiB up, ``'-'`` for None. The header names the unit; text uses
+    :func:`remat.units.format_bytes` instead."""
+    digits = 2 if divisor >= GIB else 1
+    return cell(lambda value: f"{value / divisor:.{digits}f}")
+
+
 text_cell = cell(str)
-_mib = cell(lambda value: f"{value / MIB:.1f}")
+mib_cell = size_cell(MIB)
 _pct = cell(lambda value: f"{value:.1f}")
 _seconds = cell(lambda value: f"{value:.3f}")
 _ratio = cell(lambda value: f"{value:.2f}x")
@@ -38,24 +41,26 @@ error_pct = cell(lambda error: f"{100 * error:+.2f}")  # a relative error, as a 
 # (row key, header, formatter) of the explain table, in order; headers say the unit.
 EXPLAIN_COLUMNS: list[Column] = [
     ("policy", "policy", text_cell),
-    ("peak_bytes", "peak MiB", _mib),
+    ("peak_bytes", "peak MiB", mib_cell),
     ("peak_phase", "peak in", text_cell),
-    ("activations_at_peak", "act@peak", _mib),
-    ("group_inputs_at_peak", "inputs@peak", _mib),
-    ("group_inputs_stored", "inputs stored", _mib),
-    ("recompute_max_bytes", "recompute max", _mib),
-    ("head_loss_at_peak", "head@peak", _mib),
+    ("activations_at_peak", "act@peak", mib_cell),
+    ("group_inputs_at_peak", "inputs@peak", mib_cell),
+    ("group_inputs_stored", "inputs stored", mib_cell),
+    ("recompute_max_bytes", "recompute max", mib_cell),
+    ("head_loss_at_peak", "head@peak", mib_cell),
     ("extra_forward_pct", "extra fwd %", _pct),
     ("step_seconds", "step s", _seconds),
     ("step_ratio", "vs none", _ratio),
 ]
+CONTRAST_COLUMNS: list[Column] = [column for column in EXPLAIN_COLUMNS
+                                   if column[0] not in ("extra_forward_pct", "step_seconds", "step_ratio")]
 FORMULA_COLUMNS: list[Column] = [
     ("policy", "policy", text_cell),
     ("group", "first recomputed", text_cell),
-    ("stored_group_inputs", "inputs stored", _mib),
-    ("group_activation_bytes", "group act (plain)", _mib),
-    ("predicted_bytes", "predicted MiB", _mib),
-    ("measured_bytes", "measured MiB", _mib),
+    ("stored_group_inputs", "inputs stored", mib_cell),
+    ("group_activation_bytes", "group act (plain)", mib_cell),
+    ("predicted_bytes", "predicted MiB", mib_cell),
+    ("measured_bytes", "measured MiB", mib_cell),
     ("error", "error %", error_pct),
 ]
 COLUMN_NOTES = (
@@ -121,78 +126,29 @@ def format_sentences(sentences: Sequence[str], width: int = 110) -> str:
     return "\n".join(textwrap.fill(s, width=width, initial_indent="- ", subsequent_indent="  ") for s in sentences)
 
 
+def format_short_answer(lines: Sequence[str], width: int = 110) -> str:
+    """The short answer: its heading line, then its points as a wrapped bullet list."""
+    if not lines:
+        return ""
+    return "\n".join([lines[0], format_sentences(lines[1:], width)])
+
+
 def format_explanation(explanation: Any, width: int = 110) -> str:
-    """The full text report of :func:`remat.analysis.explain.explain`: table, column notes, formula check, sentences."""
-    parts = [format_table(explanation.rows), "", textwrap.fill(COLUMN_NOTES, width=width)]
+    """The full text report of :func:`remat.analysis.explain.explain`: the short answer, then the detail (table,
+    column notes, the contrast run's table, the formula check, sentences)."""
+    parts = []
+    if explanation.short_answer:
+        parts += [format_short_answer(explanation.short_answer, width), "", "In detail:", ""]
+    parts += [format_table(explanation.rows), "", textwrap.fill(COLUMN_NOTES, width=width)]
+    contrast = getattr(explanation, "contrast", None)
+    if contrast is not None:
+        parts += ["", f"The same model at vocab={contrast.config.vocab_size} (untimed):",
+                  format_table(contrast.rows, CONTRAST_COLUMNS)]
     if explanation.formula:
         parts += ["", "User's formula: stored group inputs + the first recomputed group's activations (plain run), "
                       "vs measured at the end of that recomputation", format_formula_table(explanation.formula)]
     parts += ["", format_sentences(explanation.sentences, width)]
     return "\n".join(parts)
-
-
-# ------------------------------------------------------------------------------------------------ plot
-def step_axis(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
-    """(x, MiB) of a timeline's live curve with forward mapped onto [0, 1] and backward onto [1, 2].
-
-    The setup events before the forward (parameters and the batch being registered) are left out; aligning on
-    the forward/backward boundary lets policies whose forwards have different event counts be compared.
-    """
-    live = tl.live_bytes().astype(np.float64) / MIB
-    forward = [p.start for p in tl.phases if p.kind == "forward"]
-    backward = [p.start for p in tl.phases if p.kind in ("backward", "recompute")]
-    start = min(forward) if forward else 0
-    boundary = min(backward) if backward else tl.num_events
-    events = np.arange(tl.num_events, dtype=np.float64)
-    x = np.where(events < boundary,
-                 (events - start) / max(boundary - start, 1),
-                 1.0 + (events - boundary) / max(tl.num_events - boundary, 1))
-    keep = events >= start
-    return x[keep], live[keep]
-
-
-def plot_timelines(timelines: Mapping[str, Timeline], path: str | os.PathLike[str], title: str = "") -> Path:
-    """Write a PNG of live memory through one training step: one line per policy, its peak marked.
-
-    x runs over the step with forward on [0, 1] and backward on [1, 2] (a dashed line marks where backward
-    starts); y is MiB alive. The legend gives each policy's peak. Uses matplotlib's Agg canvas directly, so no
-    display or global backend is needed.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 6), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    colors = _colors(len(timelines))
-    for (name, tl), color in zip(timelines.items(), colors):
-        x, y = step_axis(tl)
-        if not len(x):
-            continue
-        ax.plot(x, y, color=color, linewidth=1.3, label=f"{name} (peak {tl.peak_bytes / MIB:.1f} MiB)")
-        i = int(np.argmax(y))
-        ax.plot([x[i]], [y[i]], marker="o", color=color, markersize=6, markeredgecolor="black")
-    ax.axvline(1.0, color="0.3", linestyle="--", linewidth=1)
-    top = ax.get_ylim()[1]
-    ax.text(0.5, top, "forward", ha="center", va="bottom", fontsize=9)
-    ax.text(1.5, top, "backward (and recompute)", ha="center", va="bottom", fontsize=9)
-    ax.set_xlim(0, 2)
-    ax.set_xticks([0, 1, 2], ["forward starts", "backward starts", "end"])
-    ax.set_ylabel("MiB alive")
-    ax.set_title(title or "Memory through one training step (o = peak)", pad=18)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return write_atomic(path, buffer.getvalue())
-
-
-def _colors(n: int) -> list[Any]:
-    from matplotlib import colormaps
-
-    cmap = colormaps["tab10" if n <= 10 else "tab20"]
-    return [cmap(i % cmap.N) for i in range(n)]
 
 
 # ------------------------------------------------------------------------------------------------ JSON

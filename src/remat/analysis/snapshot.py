@@ -1,24 +1,6 @@
-"""Export a :class:`~remat.timeline.Timeline` as a CUDA memory snapshot, the format of
-``torch.cuda.memory._snapshot()`` that PyTorch's memory viewer (https://pytorch.org/memory_viz) and the functions of
-``torch.cuda._memory_viz`` read.
-
-The snapshot is a dict:
-
-* ``device_traces[0]``: one event per timeline event, in order: ``alloc`` for an allocation, ``free_requested``
-  then ``free_completed`` for a free (as the caching allocator records them), each with ``addr``, ``size``,
-  ``stream`` 0, ``time_us`` (the timeline's event number) and ``frames``. The frames name, innermost first, the
-  module that made the tensor and its category, the phase (``forward layer 3``, ``recompute layer 4 [group 1
-  (layers 4-7)]``, ...) and the policy, so the viewer's stack pane says where each block comes from.
-* ``segments``: the allocator state at the end of the step: one segment holding every address the trace used,
-  its blocks ``active_allocated`` (alive at the end: parameters, gradients, ...) or ``inactive``.
-
-Addresses are made up: a first-fit allocator over one growing segment places the allocations in event order and
-reuses freed ranges, so the segment's size is the address space such an allocator needs (at least the peak). Block
-sizes are the timeline's bytes (on CUDA already rounded to the allocator's 512-byte blocks, so ``requested_size``
-equals ``size``). Bytes alive after any event of the trace equal :meth:`Timeline.live_bytes` at that event; the
-highest is :attr:`Timeline.peak_bytes`.
-
-Writing is pickle, the viewer's format (:func:`write_memory_snapshot`); remat never reads pickle.
+"""Export a :class:`~remat.timeline.Timeline` as a CUDA memory snapshot (the format of
+``torch.cuda.memory._snapshot()``), which https://pytorch.org/memory_viz and ``torch.cuda._memory_viz`` read.
+Writing is pickle, the viewer's format; remat never reads pickle.
 """
 
 from __future__ import annotations
@@ -86,8 +68,26 @@ def _frames(tl: Timeline, row: int, policy: str) -> list[dict[str, Any]]:
     ]
 
 
+# NOTE [The snapshot's layout]
+# The snapshot is a dict:
+#
+# * ``device_traces[0]``: one event per timeline event, in order: ``alloc`` for an allocation, ``free_requested``
+#   then ``free_completed`` for a free (as the caching allocator records them), each with ``addr``, ``size``,
+#   ``stream`` 0, ``time_us`` (the timeline's event number) and ``frames``. The frames name, innermost first, the
+#   module that made the tensor and its category, the phase (``forward layer 3``, ``recompute layer 4 [group 1
+#   (layers 4-7)]``, ...) and the policy, so the viewer's stack pane says where each block comes from.
+# * ``segments``: the allocator state at the end of the step: one segment holding every address the trace used,
+#   its blocks ``active_allocated`` (alive at the end: parameters, gradients, ...) or ``inactive``.
+#
+# Addresses are made up: a first-fit allocator over one growing segment places the allocations in event order and
+# reuses freed ranges, so the segment's size is the address space such an allocator needs (at least the peak). Block
+# sizes are the timeline's bytes (on CUDA already rounded to the allocator's 512-byte blocks, so ``requested_size``
+# equals ``size``). Bytes alive after any event of the trace equal :meth:`Timeline.live_bytes` at that event; the
+# highest is :attr:`Timeline.peak_bytes`.
+#
+# Writing is pickle, the viewer's format (:func:`write_memory_snapshot`); remat never reads pickle.
 def to_memory_snapshot(tl: Timeline) -> dict[str, Any]:
-    """``tl`` as a ``torch.cuda.memory._snapshot()``-style dict (see the module docstring), device 0."""
+    """``tl`` as a ``torch.cuda.memory._snapshot()``-style dict (NOTE [The snapshot's layout]), device 0."""
     policy = str(tl.meta.get("policy", "?"))
     n = len(tl.nbytes)
     frames = [_frames(tl, row, policy) for row in range(n)]

@@ -6,12 +6,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from remat.cli.common import USAGE_ERROR, USER_ERRORS, Parser, add_debug
+from remat.cli.common import USAGE_ERROR, USER_ERRORS, Parser, add_debug, check_pipeline_flags
 from remat.cli.compare import compare_command
 from remat.cli.explain import explain_command
 from remat.cli.measure import measure_command
 from remat.cli.plan import plan_command
 from remat.cli.predict import predict_command
+from remat.memory.kernels import KERNELS, use_kernels
 from remat.version import __version__
 
 # Each adds its subparser and returns its runner; this order is the order of `remat --help`.
@@ -29,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
         runner = register(sub)
         # The subparser just added is the last one; its runner is stored on the namespace it fills.
         list(sub.choices.values())[-1].set_defaults(run=runner)
+        list(sub.choices.values())[-1].add_argument(
+            "--kernels", choices=KERNELS, default=None,
+            help="whose kernels' saved tensors predictions trace: cpu (exact CPU kernels), cuda (PyTorch eager on "
+                 "CUDA: fused dropout, fp32 norm statistics, CUDA attention backends), te (TransformerEngine's "
+                 "fused layers); default cuda with --device cuda, else cpu (docs/kernels.md)")
     return parser
 
 
@@ -40,7 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # --help, --version and usage errors
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else USAGE_ERROR)
     try:
-        return args.run(args)
+        check_pipeline_flags(args)
+        # every prediction below traces this kernel profile (--device cuda implies cuda)
+        kernels = args.kernels or ("cuda" if getattr(args, "device", None) == "cuda" else None)
+        with use_kernels(kernels):
+            return args.run(args)
     except USER_ERRORS as err:
         if args.debug:
             raise

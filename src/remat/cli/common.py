@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from remat.analysis.report import write_json
 from remat.config import ACTIVATIONS, ATTENTIONS, DTYPES, NORMALIZATIONS, POSITIONS, ConfigError, ModelConfig
 from remat.parallel.launch import DEFAULT_TIMEOUT
 from remat.parallel.schedule import RUNTIMES, SCHEDULES, PipelineError, check_schedule, partition
-from remat.plan.megatron import megatron_sweep
+from remat.plan.megatron import SWEEP_DESCRIPTION, SWEEPS, megatron_sweep
 from remat.policy import ENGINES, GRAMMAR, Policy, PolicyError
 from remat.presets import get_preset, load_config, preset_names
 from remat.recompute.region import ApplyError
@@ -36,26 +37,51 @@ class Parser(argparse.ArgumentParser):
         self.exit(USAGE_ERROR, f"remat: error: {message} (see '{self.prog} --help')\n")
 
 
+# ------------------------------------------------------------------------------------------------ number flags
+# argparse types: a bad value is a usage error that names the flag ("argument --pp: must be a positive integer").
+def _number_type(kind: type, accept: Callable[[Any], bool], requirement: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}: "
+                                             f"give {requirement}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = _number_type(int, lambda v: v >= 1, "a positive integer")
+non_negative_int = _number_type(int, lambda v: v >= 0, "an integer >= 0")
+positive_seconds = _number_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
+non_negative_number = _number_type(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+probability = _number_type(float, lambda v: 0 <= v < 1, "a probability in [0, 1)")
+
+
 # ------------------------------------------------------------------------------------------------ shared flags
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the reference GPT; an unset flag keeps :class:`ModelConfig`'s default."""
     d = ModelConfig()
     g = parser.add_argument_group("model (the reference GPT; defaults are a small 8-layer model)")
-    g.add_argument("--layers", type=int, metavar="L", help=f"transformer layers (default {d.num_layers})")
-    g.add_argument("--hidden", type=int, metavar="H", help=f"hidden size (default {d.hidden_size})")
-    g.add_argument("--heads", type=int, metavar="A", help=f"attention heads (default {d.num_attention_heads})")
-    g.add_argument("--query-groups", type=int, metavar="G", help="key/value groups (GQA; default: one per head)")
-    g.add_argument("--ffn", type=int, metavar="F", help="MLP hidden size (default 4H for gelu)")
-    g.add_argument("--seq", type=int, metavar="S", help=f"sequence length (default {d.seq_length})")
-    g.add_argument("--batch", type=int, metavar="B", help=f"micro-batch size (default {d.micro_batch_size})")
-    g.add_argument("--vocab", type=int, metavar="V", help=f"vocabulary size (default {d.vocab_size})")
+    g.add_argument("--layers", type=positive_int, metavar="L", help=f"transformer layers (default {d.num_layers})")
+    g.add_argument("--hidden", type=positive_int, metavar="H", help=f"hidden size (default {d.hidden_size})")
+    g.add_argument("--heads", type=positive_int, metavar="A",
+                   help=f"attention heads (default {d.num_attention_heads})")
+    g.add_argument("--query-groups", type=positive_int, metavar="G",
+                   help="key/value groups (GQA; default: one per head)")
+    g.add_argument("--ffn", type=positive_int, metavar="F", help="MLP hidden size (default 4H for gelu)")
+    g.add_argument("--seq", type=positive_int, metavar="S", help=f"sequence length (default {d.seq_length})")
+    g.add_argument("--batch", type=positive_int, metavar="B", help=f"micro-batch size (default {d.micro_batch_size})")
+    g.add_argument("--vocab", type=positive_int, metavar="V", help=f"vocabulary size (default {d.vocab_size})")
     g.add_argument("--activation", choices=ACTIVATIONS, help=f"MLP activation (default {d.activation})")
     g.add_argument("--normalization", choices=NORMALIZATIONS, help=f"default {d.normalization}")
     g.add_argument("--position", choices=POSITIONS, help=f"position embedding (default {d.position})")
     g.add_argument("--attention", choices=ATTENTIONS,
                    help=f"math materialises the s x s scores, sdpa uses fused kernels (default {d.attention})")
     g.add_argument("--dtype", choices=tuple(DTYPES), help=f"parameter/activation dtype (default {d.dtype})")
-    g.add_argument("--dropout", type=float, metavar="P",
+    g.add_argument("--dropout", type=probability, metavar="P",
                    help=f"hidden and attention dropout (default {d.hidden_dropout})")
 
 
@@ -149,7 +175,6 @@ def json_text(obj: Any) -> str:
 
 # ------------------------------------------------------------------------------------------------ predict / compare
 # Shared by predict and compare: where the model comes from, which policies, tensor/sequence parallelism.
-SWEEPS = ("megatron",)
 
 
 def add_model_source_arguments(parser: argparse.ArgumentParser) -> None:
@@ -184,7 +209,7 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     """Tensor/sequence-parallel flags (:mod:`remat.models.tensor_parallel`) and the pipeline flags
     (:mod:`remat.parallel`)."""
     g = parser.add_argument_group("tensor parallelism")
-    g.add_argument("--tp", type=int, default=1, metavar="T",
+    g.add_argument("--tp", type=positive_int, default=1, metavar="T",
                    help="tensor-parallel size: predict one rank (Megatron's sharding of heads, MLP and vocabulary)")
     g.add_argument("--sp", action="store_true",
                    help="sequence parallelism: norms, dropouts and residuals hold 1/tp of the tokens")
@@ -210,8 +235,7 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                         "comma-separated list (default: none, full/uniform/K for K = 1, 2, 4, ... and L, "
                         "full/block/L/4 and L/2, selective/core_attn, selective/core_attn+mlp)")
     g.add_argument("--sweep", choices=SWEEPS,
-                   help="megatron: none, every full/uniform/K and full/block/K (K = 1..L) and each set of "
-                        "selective modules (core_attn, mlp, layernorm); added to any --policy")
+                   help=f"megatron: {SWEEP_DESCRIPTION}; added to any --policy")
 
 
 def resolve_cli_policies(args: argparse.Namespace, num_layers: int) -> list[Any]:
@@ -228,7 +252,7 @@ def resolve_cli_policies(args: argparse.Namespace, num_layers: int) -> list[Any]
 
 
 def write_out(path: Path, obj: Any) -> Path:
-
+    """``--out FILE``: ``obj`` as JSON, atomically; an unwritable path is an error naming ``--out``."""
     try:
         return write_json(path, obj)
     except OSError as err:
@@ -261,7 +285,6 @@ def add_subcommand(sub: Subparsers, name: str, *, help: str, description: str,
 
 
 POLICY_LIST_EPILOG = "policy syntax (--policy takes one policy or a comma-separated list):\n" + GRAMMAR
-Runner = Any
 
 
 # ------------------------------------------------------------------------------------------------ flags
@@ -270,35 +293,65 @@ def _layout(text: str) -> list[int]:
     try:
         counts = [int(p) for p in pieces]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--layout {text!r}: give layer counts per model chunk, e.g. 3,5") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: give layer counts per model chunk, e.g. 3,5") from None
     if not counts:
-        raise argparse.ArgumentTypeError("--layout is empty: give layer counts per model chunk, e.g. 3,5")
+        raise argparse.ArgumentTypeError("is empty: give layer counts per model chunk, e.g. 3,5")
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every model chunk needs at least one layer, e.g. 3,5")
     return counts
 
 
-def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the pipeline-parallel flags. ``--pp`` defaults to None (no pipeline: the caller's own path)."""
+# Pipeline flags default to None so that a flag given without a pipeline (--pp) can be told from its default.
+PIPELINE_DEFAULTS = {"pp": 1, "schedule": "1f1b", "vpp": 1, "pipeline_runtime": "torch", "timeout": DEFAULT_TIMEOUT}
+PIPELINE_FLAGS = ("microbatches", "schedule", "vpp", "layout", "partial_checkpoint_microbatches",
+                  "pipeline_runtime", "timeout")
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser, *, pp_optional: bool = False) -> None:
+    """Add the pipeline-parallel flags. ``--pp`` defaults to None (no pipeline: the caller's own path);
+    ``pp_optional``: the other pipeline flags are valid without ``--pp`` (which then means one stage)."""
     g = parser.add_argument_group("pipeline parallelism")
-    g.add_argument("--pp", type=int, metavar="P",
+    g.add_argument("--pp", type=positive_int, metavar="P",
                    help="pipeline stages (Megatron's --pipeline-model-parallel-size); per-stage memory")
-    g.add_argument("--microbatches", type=int, metavar="M",
+    g.add_argument("--microbatches", type=positive_int, metavar="M",
                    help="microbatches per step (default 2 x pp); --batch is the microbatch size")
-    g.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+    g.add_argument("--schedule", choices=SCHEDULES,
                    help="1f1b (default), gpipe, or interleaved (with --vpp model chunks per stage)")
-    g.add_argument("--vpp", type=int, default=1, metavar="V",
+    g.add_argument("--vpp", type=positive_int, metavar="V",
                    help="model chunks per stage for the interleaved schedule (Megatron's "
-                        "--num-layers-per-virtual-pipeline-stage gives layers / (pp x V))")
+                        "--num-layers-per-virtual-pipeline-stage gives layers / (pp x V)) (default 1)")
     g.add_argument("--layout", type=_layout, metavar="L0,L1,...",
                    help="layers of each model chunk in global order (default: even split)")
-    g.add_argument("--partial-checkpoint-microbatches", type=int, metavar="N",
+    g.add_argument("--partial-checkpoint-microbatches", type=non_negative_int, metavar="N",
                    help="Megatron's --num-microbatches-with-partial-activation-checkpoints: in each window of "
                         "in-flight microbatches the first N keep everything, the rest run the policy")
-    g.add_argument("--pipeline-runtime", choices=RUNTIMES, default="torch",
+    g.add_argument("--pipeline-runtime", choices=RUNTIMES,
                    help="whose pipeline buffers predict models: torch (torch.distributed.pipelining, what measure "
                         "runs; default) or megatron")
-    g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+    g.add_argument("--timeout", type=positive_seconds, metavar="S",
                    help=f"seconds a real multi-process run may take before every rank is killed "
                         f"(default {DEFAULT_TIMEOUT:g})")
+    parser.set_defaults(pp_optional=pp_optional)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_pipeline_flags(args: argparse.Namespace) -> None:
+    """Refuse pipeline flags that the command would ignore: given without ``--pp`` where ``--pp`` is what turns
+    the pipeline on. Called by :func:`remat.cli.main` for every command with the pipeline flags."""
+    if getattr(args, "pp", None) is not None or getattr(args, "pp_optional", True):
+        return
+    for name in PIPELINE_FLAGS:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        shown = ",".join(map(str, value)) if isinstance(value, list) else f"{value:g}" if isinstance(
+            value, float) else str(value)
+        fix = "--pp P --schedule interleaved --vpp V" if name == "vpp" else "--pp P (pipeline stages)"
+        raise PipelineError(f"{_flag(name)} {shown} is a pipeline setting, ignored without a pipeline: add {fix}, "
+                            f"or drop {_flag(name)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,27 +378,38 @@ class PipelineArgs:
         return text
 
 
-def pipeline_args(args: argparse.Namespace, runtime: str | None = None) -> PipelineArgs:
-    """Read and check the pipeline flags (``--pp`` absent means 1); raises PipelineError naming the fix."""
-    pp = getattr(args, "pp", None) or 1
-    m = getattr(args, "microbatches", None)
+def pipeline_args(args: argparse.Namespace, config: ModelConfig, runtime: str | None = None) -> PipelineArgs:
+    """Read and check the pipeline flags (``--pp`` absent means 1) for ``config``'s model. ``runtime``: the runtime
+    a real run uses (``'torch'``; None for a prediction, which reads ``--pipeline-runtime`` and has no
+    ``--timeout``). Raises PipelineError naming the flag and the fix (the partition is checked first, so that the
+    fix a schedule error suggests has enough layers)."""
+
+    def value(name: str) -> Any:
+        given = getattr(args, name, None)
+        return PIPELINE_DEFAULTS.get(name) if given is None else given
+
+    pp = value("pp")  # absent: one stage
+    m = value("microbatches")
     m = 2 * pp if m is None else m
-    schedule = getattr(args, "schedule", None) or "1f1b"
-    vpp = getattr(args, "vpp", None) or 1
-    runtime = runtime or getattr(args, "pipeline_runtime", None) or "torch"
-    timeout = getattr(args, "timeout", None) or DEFAULT_TIMEOUT
-    if timeout <= 0:
-        raise PipelineError(f"--timeout {timeout:g}: must be a positive number of seconds")
-    schedule = check_schedule(schedule, pp, m, vpp, runtime)
-    return PipelineArgs(pp, m, schedule, vpp, getattr(args, "layout", None),
-                        getattr(args, "partial_checkpoint_microbatches", None), runtime, timeout)
+    asked = getattr(args, "pipeline_runtime", None)
+    if runtime is not None and asked not in (None, runtime):
+        raise PipelineError(f"--pipeline-runtime {asked}: a real run measures the {runtime} runtime "
+                            "(torch.distributed.pipelining); drop --pipeline-runtime, or use 'remat predict' to "
+                            f"model {asked}")
+    if runtime is None and getattr(args, "timeout", None) is not None:
+        raise PipelineError(f"--timeout {args.timeout:g} bounds real multi-process runs, and a prediction runs none: "
+                            "drop --timeout (or measure with 'remat measure' / 'remat compare')")
+    runtime = runtime or value("pipeline_runtime")
+    partition(config, pp, value("vpp"), getattr(args, "layout", None))
+    schedule = check_schedule(value("schedule"), pp, m, value("vpp"), runtime, config.num_layers)
+    return PipelineArgs(pp, m, schedule, value("vpp"), getattr(args, "layout", None),
+                        getattr(args, "partial_checkpoint_microbatches", None), runtime, value("timeout"))
 
 
 def config_from_args(args: argparse.Namespace) -> ModelConfig:
     """The model: ``--preset``/``--config`` with the model flags applied when the parser has them
     (:func:`remat.cli.common.resolve_model_config`), else the model flags alone."""
     if hasattr(args, "preset") or hasattr(args, "config"):
-
         return resolve_model_config(args)
     return model_config_from_args(args)
 
@@ -365,7 +429,6 @@ def policies_from_args(args: argparse.Namespace, config: ModelConfig, pipe: Pipe
             texts.extend(value)
     names = [n for text in texts for n in (parse_policy_list(text) or [])]
     if getattr(args, "sweep", None) == "megatron":
-
         names += megatron_sweep(min(s.num_layers for s in partition(config, pipe.pp, pipe.vpp, pipe.layout)))
     engine = getattr(args, "engine", None)
     out: list[Policy] = []

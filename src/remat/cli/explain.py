@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
-from remat.analysis.explain import explain
+from remat.analysis.capacity import MemoryCheckError
+from remat.analysis.explain import Explanation, explain
 from remat.analysis.html import write_html
-from remat.analysis.report import format_explanation, plot_timelines, write_json
+from remat.analysis.outputs import RunFolder, foreign_entries, path_problem
+from remat.analysis.report import format_explanation, write_json
 from remat.analysis.snapshot import write_memory_snapshot
+from remat.analysis.timeline_plot import plot_timelines
 from remat.cli.common import (
     ProgressBar,
     Runner,
@@ -24,6 +28,9 @@ from remat.cli.common import (
     parse_policy_list,
 )
 from remat.cli.pipeline import run_pipeline_explain
+from remat.config import ModelConfig
+from remat.memory.kernels import resolve_kernels
+from remat.memory.reserved import REPLAY_NOTE, explain_reserved, format_reserved
 from remat.policy import GRAMMAR
 
 
@@ -47,8 +54,13 @@ def explain_command(sub: Subparsers) -> Runner:
                         "selective/core_attn+mlp); none is always measured as the baseline")
     g.add_argument("--repeats", type=int, default=3, metavar="N",
                    help="timed steps per policy, median reported (default 3; 0: no timing)")
+    g.add_argument("--contrast-vocab", type=int, default=32000, metavar="V",
+                   help="also measure none, full/uniform/1 and full/uniform/L (untimed) with vocabulary V, the other "
+                        "regime of the question: large logits make the whole-stack group save memory (default "
+                        "32000; 0: no contrast run; none when --vocab is V)")
     g.add_argument("--out", type=Path, default=Path("remat-out"), metavar="DIR",
-                   help="where explain.json, timelines.png and timeline-<policy>.json go (default ./remat-out)")
+                   help="where explain.json, timelines.png and timeline-<policy>.json go (default ./remat-out); the "
+                        "folder is written aside and replaced whole at the end")
     g.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     g.add_argument("--no-plot", action="store_true", help="do not write timelines.png")
     g.add_argument("--html", type=Path, metavar="FILE",
@@ -60,49 +72,116 @@ def explain_command(sub: Subparsers) -> Runner:
     return run_explain
 
 
+# Model flags that set a size (flag -> ModelConfig attribute): a run too large for this machine names those given
+# above their default.
+SIZE_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "ffn": "ffn_size", "seq": "seq_length",
+              "batch": "micro_batch_size", "vocab": "vocab_size", "heads": "num_attention_heads"}
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse, naming the flag, an --out/--html/--snapshot path that cannot be written, before anything runs."""
+    for flag, path, folder in (("--out", args.out, True), ("--html", args.html, False),
+                               ("--snapshot", args.snapshot, False)):
+        if path is None:
+            continue
+        problem = path_problem(path, folder=folder)
+        if problem is None and folder and not args.pp:
+            if Path.cwd().resolve().is_relative_to(Path(path).resolve()):
+                problem = "is the current folder or holds it, and remat explain replaces the folder: give a new one"
+            else:
+                own = [Path(p).name for p in (args.html, args.snapshot) if p is not None]
+                foreign = foreign_entries(path, own)
+                if foreign:
+                    shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+                    problem = (f"holds files remat explain did not write ({shown}) and the folder is replaced "
+                               "whole: give a new or empty folder")
+        if problem is not None:
+            raise ValueError(f"{flag} {path}: {problem}")
+
+
+def _too_big(args: argparse.Namespace, config: ModelConfig, err: MemoryCheckError) -> ValueError:
+    """The memory check's refusal, naming the flags that made the run that large."""
+    if err.config is not None and err.config.vocab_size != config.vocab_size:
+        return ValueError(f"--contrast-vocab {args.contrast_vocab}: {err}; or --contrast-vocab 0 (no contrast run)")
+    default = ModelConfig()
+    given = {flag: getattr(args, flag) for flag in SIZE_FLAGS if getattr(args, flag, None) is not None}
+    larger = [f"--{flag} {value}" for flag, value in given.items() if value > getattr(default, SIZE_FLAGS[flag])]
+    named = larger or [f"--{flag} {value}" for flag, value in given.items()]
+    return ValueError(f"{' '.join(named) or 'the default model'}: {err}")
+
+
 def run_explain(args: argparse.Namespace) -> int:
-
+    check_output_paths(args)
     if args.pp:
-
         return run_pipeline_explain(args)
     config = model_config_from_args(args)
     policies = parse_policy_list(args.policies)
     if args.repeats < 0:
         raise ValueError(f"--repeats {args.repeats}: must be >= 0")
+    if args.contrast_vocab < 0:
+        raise ValueError(f"--contrast-vocab {args.contrast_vocab}: must be a vocabulary size, or 0 for no contrast run")
     bar = ProgressBar("remat explain")
     try:
         result = explain(config, policies, engine=args.engine, device=args.device, repeats=args.repeats,
-                         progress=bar)
+                         progress=bar, contrast_vocab=args.contrast_vocab or None)
+    except MemoryCheckError as err:
+        raise _too_big(args, config, err) from None
     finally:
         bar.close()
 
-    out: Path = args.out
-    files: dict[str, str] = {}
-    for name, timeline in result.timelines.items():
-        files[name] = str(timeline.save(out / f"timeline-{file_name(name)}.json").name)
-    report = result.to_dict()
-    report["files"] = {"timelines": files}
-    written = []
-    if not args.no_plot:
-        title = (f"{config.num_layers} layers, h={config.hidden_size}, s={config.seq_length}, "
-                 f"b={config.micro_batch_size}, vocab={config.vocab_size}, {config.dtype}: MiB alive through one step")
-        plot_timelines(result.timelines, out / "timelines.png", title=title)
-        report["files"]["plot"] = "timelines.png"
-        written.append(out / "timelines.png")
-    if args.html is not None:
-
-        written.append(write_html(result, args.html))
-    if args.snapshot is not None:
-
-        for name, timeline in result.timelines.items():
-            path = args.snapshot if len(result.timelines) == 1 else \
-                args.snapshot.with_name(f"{args.snapshot.stem}-{file_name(name)}{args.snapshot.suffix}")
-            written.append(write_memory_snapshot(timeline, path))
-    written.insert(0, write_json(out / "explain.json", report))
+    with RunFolder(args.out) as run:
+        files, report = _write_run(args, config, result, run)
+        out = run.commit()
 
     if args.json:
         print(json_text(report))
     else:
         print(format_explanation(result))
+        if "allocator_replay" in report:
+            print(f"\nReserved memory ({REPLAY_NOTE}):")
+            for name, figures in report["allocator_replay"].items():
+                print(f"  {name} ({figures['source']}): {format_reserved(figures)}")
+    written = [out / "explain.json"] + ([out / "timelines.png"] if not args.no_plot else []) + \
+        [Path(p) for p in report["files"].get("html", [])] + [Path(p) for p in report["files"].get("snapshots", [])]
     info(f"wrote {', '.join(str(p) for p in written)} and {len(files)} timeline JSON file(s) in {out}")
     return 0
+
+
+def _write_run(args: argparse.Namespace, config: ModelConfig, result: Explanation,
+               run: RunFolder) -> tuple[dict[str, str], dict[str, Any]]:
+    """Write every file of the run into ``run`` (staged); returns the timeline files and the report."""
+    files: dict[str, str] = {}
+    for name, timeline in result.timelines.items():
+        files[name] = timeline.save(run.path(f"timeline-{file_name(name)}.json")).name
+    report = result.to_dict()
+    report["files"] = {"timelines": files}
+    kernels = resolve_kernels(None, args.device)
+    if kernels != "cpu" or args.device == "cuda":  # what runs out on a GPU: the caching allocator, replayed
+        report["allocator_replay"] = explain_reserved(config, result.timelines, args.device, kernels)
+    panels = dict(result.timelines)
+    if result.contrast is not None:
+        vocab = result.contrast.config.vocab_size
+        report["files"]["contrast_timelines"] = {
+            name: timeline.save(run.path(f"timeline-vocab{vocab}-{file_name(name)}.json")).name
+            for name, timeline in result.contrast.timelines.items()}
+        panels = {f"{name} (vocab {config.vocab_size})": tl for name, tl in result.timelines.items()}
+        panels.update({f"{name} (vocab {vocab})": tl for name, tl in result.contrast.timelines.items()})
+    if not args.no_plot:
+        title = (f"{config.num_layers} layers, h={config.hidden_size}, s={config.seq_length}, "
+                 f"b={config.micro_batch_size}, vocab={config.vocab_size}, {config.dtype}: MiB alive through one step")
+        if result.contrast is not None:
+            title += f" (and at vocab={result.contrast.config.vocab_size}, the last panels)"
+        plot_timelines(panels, run.path("timelines.png"), title=title)
+        report["files"]["plot"] = "timelines.png"
+    if args.html is not None:
+        write_html(result, run.outside(args.html))
+        report["files"]["html"] = [str(args.html)]
+    if args.snapshot is not None:
+        report["files"]["snapshots"] = []
+        for name, timeline in result.timelines.items():
+            path = args.snapshot if len(result.timelines) == 1 else \
+                args.snapshot.with_name(f"{args.snapshot.stem}-{file_name(name)}{args.snapshot.suffix}")
+            write_memory_snapshot(timeline, run.outside(path))
+            report["files"]["snapshots"].append(str(path))
+    write_json(run.path("explain.json"), report)
+    return files, report

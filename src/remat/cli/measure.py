@@ -25,7 +25,7 @@ def measure_command(sub: Any) -> Runner:
                     "stage's measured peak next to the prediction, with what is in flight at the peak.")
     add_model_arguments(parser)
     add_measure_arguments(parser)
-    add_pipeline_arguments(parser)
+    add_pipeline_arguments(parser, pp_optional=True)  # measure without --pp: one stage, one process
     g = parser.add_argument_group("measure")
     g.add_argument("--policies", metavar="LIST", default="none",
                    help="comma-separated recompute policies, e.g. none,full/uniform/1 (default none)")

@@ -1,30 +1,29 @@
-"""Pipeline-parallel variants of predict, compare and explain output."""
+"""Pipeline-parallel variants of predict, compare, measure and explain: flags in, library call, text out."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
-import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from remat.analysis.explain_pipeline import explain_pipeline
-from remat.analysis.report import cell, error_pct, format_table, text_cell, write_json
+from remat.analysis.report import cell, error_pct, format_sentences, format_table, text_cell, write_json
 from remat.cli.common import PipelineArgs, config_from_args, file_name, pipeline_args, policies_from_args
 from remat.config import ModelConfig
 from remat.parallel.launch import DistributedError
-from remat.parallel.pipeline_measure import compare_pipeline, measure_pipeline_many
-from remat.parallel.pipeline_predict import predict_pipeline
-from remat.parallel.pipeline_report import peak_error, stage_summary
+from remat.parallel.pipeline_measure import compare_pipeline, measure_pipeline_many, measured_stage_rows
+from remat.parallel.pipeline_peaks import stage_peaks
 from remat.policy import Policy
 from remat.timeline import Timeline
-from remat.units import MIB
+from remat.units import format_mib
 
 # ------------------------------------------------------------------------------------------------ formatting
-_mib = cell(lambda value: f"{value / MIB:.2f}")  # stages are small: two decimals
+_mib = cell(lambda value: format_mib(value, 2, suffix=False))  # stages are small: two decimals
 STAGE_COLUMNS = [
     ("stage", "stage", text_cell), ("policy", "policy", text_cell), ("peak_bytes", "peak MiB", _mib),
     ("peak_phase", "peak in", text_cell), ("max_in_flight", "in flight max", text_cell),
@@ -37,13 +36,8 @@ COMPARE_COLUMNS = [
 ]
 
 
-def _table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, Any]]) -> str:
-
-    return format_table(rows, columns)
-
-
-def _bullets(sentences: Sequence[str], width: int = 110) -> str:
-    return "\n".join(textwrap.fill(s, width=width, initial_indent="- ", subsequent_indent="  ") for s in sentences)
+def _why(rows: Sequence[dict[str, Any]]) -> str:
+    return format_sentences([f"[{row['policy']}] {row['why']}" for row in rows])
 
 
 def _model_line(config: ModelConfig, pipe: PipelineArgs) -> str:
@@ -51,38 +45,35 @@ def _model_line(config: ModelConfig, pipe: PipelineArgs) -> str:
             f"microbatch {config.micro_batch_size}, vocab={config.vocab_size}, {config.dtype}; {pipe.describe()}")
 
 
-def _save(out: Any, kind: str, policy: Policy, timelines: Sequence[Timeline]) -> list[str]:
-    if not out:
+def _save(out: Path | None, kind: str, policy: Policy, timelines: Sequence[Timeline]) -> list[str]:
+    """``--timelines DIR``: each stage's timeline as ``<kind>-<policy>-stage<r>.json``."""
+    if out is None:
         return []
     names = []
     for tl in timelines:
         stage = tl.meta.get("pipeline", {}).get("stage", 0)
-        path = Path(out) / f"{kind}-{file_name(str(policy))}-stage{stage}.json"
-        tl.save(path)
-        names.append(str(path))
+        names.append(str(tl.save(Path(out) / f"{kind}-{file_name(str(policy))}-stage{stage}.json")))
     return names
 
 
 def _write_report(args: argparse.Namespace, report: Any) -> None:
     """``--out FILE``: the JSON report, written atomically (as ``remat predict``/``compare`` do)."""
     out = getattr(args, "out", None)
-    if out:
+    if out is not None:
+        try:
+            write_json(Path(out), report)
+        except OSError as err:
+            raise ValueError(f"--out {out}: cannot write ({err.strerror or err})") from None
 
-        write_json(Path(out), report)
 
-
-def _print(args: argparse.Namespace, report: dict[str, Any], text: str) -> None:
-    if getattr(args, "json", False):
-        print(json.dumps(report, indent=2))
-    else:
-        print(text)
+def _print(args: argparse.Namespace, report: Any, text: str) -> None:
+    print(json.dumps(report, indent=2) if getattr(args, "json", False) else text)
 
 
 # ------------------------------------------------------------------------------------------------ runners
 def _real_run(runner: Any) -> Any:
     """A failed or timed-out multi-process run is one line on stderr and exit status 1 (the processes are
     already gone)."""
-    import functools
 
     @functools.wraps(runner)
     def wrapped(args: argparse.Namespace) -> int:
@@ -100,23 +91,17 @@ def _real_run(runner: Any) -> Any:
 def run_pipeline_predict(args: argparse.Namespace) -> int:
     """``remat predict --pp P``: each stage's predicted peak per policy, what is in flight, and why."""
     config = config_from_args(args)
-    pipe = pipeline_args(args)
-    device = getattr(args, "device", None) or "cpu"
-    policies = policies_from_args(args, config, pipe)
-    rows, whys, files = [], [], []
-    for policy in policies:
-        stages = predict_pipeline(config, policy, pipe.pp, pipe.microbatches, pipe.schedule, pipe.vpp, pipe.layout,
-                                  pipe.partial, runtime=pipe.runtime, device=device)
-        files += _save(getattr(args, "timelines", None), "predicted", policy, stages)
-        for tl in stages:
-            summary = stage_summary(tl)
-            rows.append(summary)
-            whys.append(f"[{policy}] {summary['why']}")
+    pipe = pipeline_args(args, config)
+    device = getattr(args, "device", "cpu")
+    rows = []
+    for policy in policies_from_args(args, config, pipe):
+        rows += stage_peaks(config, policy, pipe.pp, pipe.microbatches, pipe.schedule, pipe.vpp, pipe.layout,
+                            pipe.partial, runtime=pipe.runtime, device=device)
     report = {"command": "predict", "model": config.to_dict(), "pipeline": dataclasses.asdict(pipe),
-              "device": device, "stages": rows, "files": files}
+              "device": device, "stages": rows, "files": []}
     _write_report(args, report)
     text = "\n".join([f"Predicted per-stage memory ({pipe.runtime} runtime): {_model_line(config, pipe)}",
-                      _table(rows, STAGE_COLUMNS), "", _bullets(whys)])
+                      format_table(rows, STAGE_COLUMNS), "", _why(rows)])
     _print(args, report, text)
     return 0
 
@@ -125,28 +110,25 @@ def run_pipeline_predict(args: argparse.Namespace) -> int:
 def run_pipeline_measure(args: argparse.Namespace) -> int:
     """``remat measure --pp P``: measure each stage in a real multi-process run, next to the prediction."""
     config = config_from_args(args)
-    pipe = pipeline_args(args, runtime="torch")
-    device = getattr(args, "device", None) or "cpu"
+    pipe = pipeline_args(args, config, runtime="torch")
+    device = getattr(args, "device", "cpu")
     policies = policies_from_args(args, config, pipe)
     measured = measure_pipeline_many(config, policies, pipe.pp, pipe.microbatches, pipe.schedule, pipe.vpp,
                                      pipe.layout, pipe.partial, device=device, timeout=pipe.timeout)
-    rows, whys, files = [], [], []
+    rows = measured_stage_rows(config, policies, measured, pipe.pp, pipe.microbatches, pipe.schedule, pipe.vpp,
+                               pipe.layout, pipe.partial, device=device)
+    files = []
     for policy, stages in zip(policies, measured):
-        predicted = predict_pipeline(config, policy, pipe.pp, pipe.microbatches, pipe.schedule, pipe.vpp,
-                                     pipe.layout, pipe.partial, runtime="torch", device=device)
-        files += _save(getattr(args, "timelines", None), "measured", policy, stages)
-        for real, guess in zip(stages, predicted):
-            summary = stage_summary(real)
-            summary.update(measured_bytes=real.peak_bytes, predicted_bytes=guess.peak_bytes,
-                           error=peak_error(real.peak_bytes, guess.peak_bytes), pid=real.meta.get("pid"))
-            rows.append(summary)
-            whys.append(f"[{policy}] {summary['why']}")
+        try:
+            files += _save(getattr(args, "timelines", None), "measured", policy, stages)
+        except OSError as err:
+            raise ValueError(f"--timelines {args.timelines}: cannot write ({err.strerror or err})") from None
     report = {"command": "measure", "model": config.to_dict(), "pipeline": dataclasses.asdict(pipe),
               "device": device, "stages": rows, "files": files}
     _write_report(args, report)
     text = "\n".join([f"Measured per-stage memory ({pipe.pp} process{'es' if pipe.pp > 1 else ''}, "
                       f"torch.distributed.pipelining): {_model_line(config, pipe)}",
-                      _table(rows, COMPARE_COLUMNS + [("peak_phase", "peak in", text_cell)]), "", _bullets(whys)])
+                      format_table(rows, COMPARE_COLUMNS + [("peak_phase", "peak in", text_cell)]), "", _why(rows)])
     _print(args, report, text)
     return 0
 
@@ -156,19 +138,17 @@ def run_pipeline_compare(args: argparse.Namespace) -> int:
     """``remat compare --pp P --microbatches M --schedule S --policies a,b [--json]``: measured vs predicted peak
     per stage and policy; ``error`` is (predicted - measured) / measured."""
     config = config_from_args(args)
-    pipe = pipeline_args(args, runtime="torch")
-    device = getattr(args, "device", None) or "cpu"
+    pipe = pipeline_args(args, config, runtime="torch")
+    device = getattr(args, "device", "cpu")
     policies = policies_from_args(args, config, pipe, default=("none", "full/uniform/1"))
     rows = compare_pipeline(config, policies, pipe.pp, pipe.microbatches, pipe.schedule, pipe.vpp, pipe.layout,
                             pipe.partial, device=device, timeout=pipe.timeout)
     _write_report(args, rows)
     worst = max(rows, key=lambda r: abs(r["error"]))
-    if getattr(args, "json", False):
-        print(json.dumps(rows, indent=2))
-    else:
-        print(f"Measured vs predicted per-stage peak: {_model_line(config, pipe)}")
-        print(_table(rows, COMPARE_COLUMNS))
-        print(f"largest error: {100 * worst['error']:+.3f}% (stage {worst['stage']}, {worst['policy']})")
+    text = "\n".join([f"Measured vs predicted per-stage peak: {_model_line(config, pipe)}",
+                      format_table(rows, COMPARE_COLUMNS),
+                      f"largest error: {100 * worst['error']:+.3f}% (stage {worst['stage']}, {worst['policy']})"])
+    _print(args, rows, text)
     limit = getattr(args, "max_error", None)
     return 1 if limit is not None and abs(worst["error"]) > limit else 0
 
@@ -178,16 +158,18 @@ def run_pipeline_explain(args: argparse.Namespace) -> int:
     """``remat explain --pp P``: per stage, none vs full/uniform/1 vs whole-chunk groups, measured in a real
     multi-process run (with the prediction), and the in-flight effect in words."""
     config = config_from_args(args)
-    pipe = pipeline_args(args, runtime="torch")
+    pipe = pipeline_args(args, config, runtime="torch")
     result = explain_pipeline(config, pipe.pp, pipe.microbatches, pipe.schedule, pipe.vpp, pipe.layout,
-                              engine=getattr(args, "engine", None), device=getattr(args, "device", None) or "cpu",
+                              engine=getattr(args, "engine", None), device=getattr(args, "device", "cpu"),
                               timeout=pipe.timeout)
     report = {"command": "explain", "model": config.to_dict(), "pipeline": dataclasses.asdict(pipe), **result}
-    if getattr(args, "out", None):
-
-        report["file"] = str(write_json(Path(args.out) / "explain-pipeline.json", report))
+    if getattr(args, "out", None) is not None:
+        try:
+            report["file"] = str(write_json(Path(args.out) / "explain-pipeline.json", report))
+        except OSError as err:
+            raise ValueError(f"--out {args.out}: cannot write ({err.strerror or err})") from None
     columns = COMPARE_COLUMNS + [("saved_per_microbatch", "saved/mb MiB", _mib)]
     text = "\n".join([f"Recompute under pipeline parallelism, measured: {_model_line(config, pipe)}",
-                      _table(result["rows"], columns), "", _bullets(result["sentences"])])
+                      format_table(result["rows"], columns), "", format_sentences(result["sentences"])])
     _print(args, report, text)
     return 0

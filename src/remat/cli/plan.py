@@ -15,10 +15,13 @@ from remat.cli.common import (
     resolve_model_config,
     write_out,
 )
+from remat.memory.reserved import REPLAY_NOTE, format_reserved
 from remat.plan.api import BudgetError, plan
-from remat.plan.space import OBJECTIVES, selective_sets
+from remat.plan.options import ParallelOptions, PlanOptions
+from remat.plan.reserved import plan_reserved
+from remat.plan.space import OBJECTIVES
 from remat.policy import ENGINES, SELECTIVE_MODULES
-from remat.units import DEFAULT_RESERVE, GPU_PRESETS
+from remat.units import DEFAULT_RESERVE, GPU_PRESETS, format_bytes
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -49,6 +52,9 @@ def plan_command(sub: Subparsers) -> Runner:
                    help="checkpoint implementation (default reentrant, Megatron's; offload needs it)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: exact storage bytes; cuda: 512-byte allocator blocks (default cpu)")
+    g.add_argument("--budget-reserved", action="store_true",
+                   help="budget reserved memory (the CUDA caching allocator's segments, replayed from the plan's "
+                        "predicted step), not only allocated memory: what runs out on a GPU")
     g.add_argument("--no-offload", action="store_true", help="do not offload group inputs to host memory")
     g.add_argument("--bandwidth", type=float, default=25.0, metavar="GB/S",
                    help="host-device bandwidth for offload, GB/s (default 25, PCIe 4 x16)")
@@ -70,16 +76,28 @@ def plan_command(sub: Subparsers) -> Runner:
     return run_plan
 
 
+def plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The :class:`PlanOptions` of ``remat plan``'s flags."""
+    return PlanOptions(reserve=args.reserve, objective=args.objective, engine=args.engine, device=args.device,
+                       offload=not args.no_offload, selective_sets=args.selective_modules,
+                       measured_times=args.measured_times, flops_per_second=args.throughput * 1e12,
+                       bandwidth=args.bandwidth * 1e9, memory_bandwidth=args.memory_bandwidth * 1e9)
+
+
+def parallel_options(args: argparse.Namespace) -> ParallelOptions:
+    """The :class:`ParallelOptions` of ``remat plan``'s --tp/--sp/--pp/--microbatches/--schedule."""
+    return ParallelOptions(tp=args.tp, sp=args.sp, pp=args.pp, microbatches=args.microbatches,
+                           schedule=args.schedule)
+
+
 def run_plan(args: argparse.Namespace) -> int:
 
     config = resolve_model_config(args)
     try:
-        result = plan(config, args.budget, objective=args.objective, engine=args.engine, device=args.device,
-                      offload=not args.no_offload, bandwidth=args.bandwidth * 1e9,
-                      flops_per_second=args.throughput * 1e12, memory_bandwidth=args.memory_bandwidth * 1e9,
-                      measured_times=args.measured_times, selective_sets=selective_sets(args.selective_modules),
-                      reserve=args.reserve, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule,
-                      tp=args.tp, sp=args.sp)
+        if args.budget_reserved:
+            result, reserved = plan_reserved(config, args.budget, plan_options(args), parallel_options(args))
+        else:
+            result, reserved = plan(config, args.budget, plan_options(args), parallel_options(args)), None
     except BudgetError as err:
         report = {"format": "remat.plan-result", "version": 1, "config": config.to_dict(), "fits": False,
                   "budget_bytes": err.budget_bytes, "min_peak_bytes": err.min_peak_bytes,
@@ -94,8 +112,13 @@ def run_plan(args: argparse.Namespace) -> int:
         return 1
     report = result.to_dict()
     report["fits"] = True
+    if reserved is not None:
+        report["allocator_replay"] = reserved
     if args.out is not None:
         written = write_out(args.out, report)
         info(f"wrote {written}")
     print(json_text(report) if args.json else result.format())
+    if reserved is not None and not args.json:
+        print(f"\nreserved (--budget-reserved, {REPLAY_NOTE}): {format_reserved(reserved)}; planned under an "
+              f"allocated budget of {format_bytes(reserved['allocated_budget_bytes'])}")
     return 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+import time
 from pathlib import Path
-from typing import Any
 
 from remat.analysis.prediction import format_formula_report, format_prediction_table, formula_report, prediction_row
 from remat.cli.common import (
@@ -26,8 +26,10 @@ from remat.cli.common import (
     write_out,
 )
 from remat.cli.pipeline import run_pipeline_predict
-from remat.memory.optimizer import adam_steady_state
-from remat.memory.predict import predict, predict_config
+from remat.memory.comparison import predict_policies
+from remat.memory.kernels import resolve_kernels
+from remat.memory.predict import predict_config
+from remat.memory.reserved import REPLAY_NOTE, format_reserved, reserved_figures
 from remat.policy import ENGINES
 
 
@@ -59,40 +61,30 @@ def predict_command(sub: Subparsers) -> Runner:
 
 
 def run_predict(args: argparse.Namespace) -> int:
-    import time
-
-
-    if args.pp:
-
+    if args.pp is not None:
         return run_pipeline_predict(args)
     config = resolve_model_config(args)
     policies = resolve_cli_policies(args, config.num_layers)
     parallel = parallel_kwargs(args)
     started = time.perf_counter()
-    rows: list[dict[str, Any]] = []
-    plain_cpu = None  # a no-recompute trace on CPU without optimizer: what the formulas are compared with
     bar = ProgressBar("remat predict")
     try:
-        for i, policy in enumerate(policies):
-            if len(policies) > 1:
-                bar(i, len(policies), str(policy))
-            t0 = time.perf_counter()
-            if args.adam:  # a full trace: composition does not cover optimizer.step() (nor, yet, tp/sp here)
-                timeline = predict(config, policy, optimizer=adam_steady_state, device=args.device, **parallel)
-            else:
-                timeline = predict_config(config, policy, device=args.device, **parallel)
-                if policy.is_none and args.device == "cpu":
-                    plain_cpu = timeline
-            rows.append(prediction_row(policy, timeline, time.perf_counter() - t0))
-        if len(policies) > 1:
-            bar(len(policies), len(policies), "")
+        predicted = predict_policies(config, policies, device=args.device, adam=args.adam, **parallel,
+                                     progress=bar if len(policies) > 1 else None)
     finally:
         bar.close()
-    if plain_cpu is None:
-        plain_cpu = predict_config(config, "none", device="cpu", **parallel)
+    rows = [prediction_row(policy, timeline, seconds) for policy, (timeline, seconds) in zip(policies, predicted)]
+    kernels = resolve_kernels(None, args.device)
+    if kernels != "cpu" or args.device == "cuda":  # GPU bytes: the caching allocator's reserved memory too
+        for row, (timeline, _) in zip(rows, predicted):
+            row["allocator_replay"] = reserved_figures(timeline)
+    # the formulas are compared with a no-recompute trace on CPU without optimizer (reused when there is one)
+    plain_cpu = next((tl for policy, (tl, _) in zip(policies, predicted) if policy.is_none), None)
+    if plain_cpu is None or args.adam or args.device != "cpu" or kernels != "cpu":
+        plain_cpu = predict_config(config, "none", device="cpu", kernels="cpu", **parallel)
     formulas = formula_report(config, plain_cpu, **parallel)
     report = {
-        "format": "remat.predict", "version": 1, "config": config.to_dict(), "device": args.device,
+        "format": "remat.predict", "version": 1, "config": config.to_dict(), "device": args.device, "kernels": kernels,
         "optimizer": "adam (states alive through the step)" if args.adam else None,
         "parallel": parallel, "rows": rows, "formulas": formulas, "seconds": time.perf_counter() - started,
     }
@@ -106,13 +98,16 @@ def run_predict(args: argparse.Namespace) -> int:
                  "logits, loss and their gradients; other: activation gradients, temporaries, the batch. extra "
                  "compute %: recompute FLOPs over forward + backward FLOPs (torch.utils.flop_counter; it counts 0 "
                  "for CPU fused attention, so sdpa models under-count recomputed attention).")
-        if args.device == "cuda":
-            notes += (" --device cuda rounds storages to 512-byte blocks but traces CPU kernels: float dropout "
-                      "noise instead of 1-byte masks, LayerNorm statistics in the activation dtype, CPU attention "
-                      "kernels.")
+        if kernels != "cpu":
+            notes += (f" kernels={kernels}: dropout, norms and attention keep what the {kernels} kernels keep "
+                      "(docs/kernels.md); the formulas below compare the CPU-kernel trace.")
         print(f"{model_summary(config)}; predicted on {args.device}"
               + (", with Adam" if args.adam else "") + "\n")
         print(format_prediction_table(rows))
+        if "allocator_replay" in rows[0]:
+            print("\n" + textwrap.fill(f"Reserved memory (what runs out on a GPU): {REPLAY_NOTE}.", width=110))
+            for row in rows:
+                print(f"  {row['policy']}: {format_reserved(row['allocator_replay'])}")
         print("\n" + textwrap.fill(notes, width=110) + "\n")
         print(format_formula_report(formulas, config))
     if args.out is not None:

@@ -1,24 +1,5 @@
-"""Compose a deep model's step timeline from the fake trace of a shallow one.
-
-The layers of a decoder stack are identical, so what a layer allocates and frees in each phase (its forward,
-its recomputation, its backward) depends only on its *role*: whether it is recomputed, and whether its
-neighbours are in the same checkpoint region. A trace of a shallow stack that contains every role of the deep
-one therefore holds, event for event, everything the deep step does; only the order of the phases and which
-layer frees whose tensors must be laid out for the deep stack.
-
-:func:`compose` does that layout:
-
-* the phase order follows Megatron's semantics: forward layer 0..L-1, head, then each checkpoint region from the
-  top down: a full-recompute group recomputes its layers in order and backpropagates them in reverse; a plain
-  or selective layer repeats its template's backward phases (which contain the selective recomputations);
-* each phase of layer J copies the events of the same phase of a shallow layer j of the same role; a free names
-  the tensor it frees by (layer offset, phase, allocation ordinal), which is resolved in the deep stack at
-  layer J + offset. Every resolved free is checked (bytes and category); a mismatch raises
-  :class:`CompositionError` and the caller falls back to a full trace.
-
-The result is a :class:`~remat.timeline.Timeline` like any other: the deep trace's peak and at-peak parts are
-reproduced exactly when the layers are homogeneous (the tests check this against full fake traces).
-"""
+"""Compose a deep model's step timeline from the fake trace of a shallow one (:func:`compose`), so that predicting
+an 80-layer model costs a few shallow traces; see the NOTE beside :func:`compose` for how and when it is exact."""
 
 from __future__ import annotations
 
@@ -258,12 +239,54 @@ class ShallowTrace:
         return order
 
 
+# NOTE [composing a deep step from a shallow trace]
+# The layers of a decoder stack are identical, so what a layer allocates and frees in each phase (its forward, its
+# recomputation, its backward) depends only on its *role*: whether it is recomputed, and whether its neighbours
+# are in the same checkpoint region. A trace of a shallow stack that contains every role of the deep one therefore
+# holds, event for event, everything the deep step does; only the order of the phases and which layer frees whose
+# tensors must be laid out for the deep stack. compose() does that layout:
+#
+# * the phase order follows Megatron's semantics: forward layer 0..L-1, head, then each checkpoint region from
+#   the top down: a full-recompute group recomputes its layers in order and backpropagates them in reverse; a
+#   plain or selective layer repeats its template's backward phases (which contain the selective
+#   recomputations);
+# * each phase of layer J copies the events of the same phase of a shallow layer j of the same role; a free names
+#   the tensor it frees by (layer offset, phase, allocation ordinal), which is resolved in the deep stack at layer
+#   J + offset. Every resolved free is checked (bytes and category); a mismatch raises CompositionError and the
+#   caller falls back to a full trace.
+#
+# The result is a Timeline like any other: the deep trace's peak and at-peak parts are reproduced exactly when the
+# layers are homogeneous (tests/memory/test_compose.py checks this against full fake traces, byte for byte).
 def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, policy: RecomputeLayout,
             depth: int) -> Timeline:
-    """Lay out ``shallow`` (the trace of ``shallow_policy`` on a shallow reference stack) for ``depth`` layers.
+    """Lay out the fake trace of a shallow reference stack as the step of a ``depth``-layer stack (see the NOTE
+    above).
 
-    See the module docstring. Raises :class:`CompositionError` when the shallow trace is not laid out as the
-    policy's semantics say, or a copied free does not find the same tensor in the deep stack.
+    Args:
+        shallow: the trace of ``shallow_policy`` on a shallow stack (a :class:`ShallowTrace` is reused as is; a
+            :class:`~remat.timeline.Timeline` is analysed first), e.g. from :func:`shallow_stand_in`.
+        shallow_policy: the policy the shallow trace ran with.
+        policy: the deep stack's policy; its layers' roles must all occur in the shallow trace.
+        depth: the deep stack's layer count.
+
+    Returns:
+        The deep step's :class:`~remat.timeline.Timeline`, with ``meta['composed_from']`` naming the shallow
+        policy and depth; its events, live curve, peak and at-peak parts are those of a full trace.
+
+    Raises:
+        CompositionError: the shallow trace is not laid out as the policy's semantics say, lacks a role the deep
+            stack needs, or a copied free does not find the same tensor in the deep stack (trace in full then).
+
+    Example::
+
+        >>> from remat.config import ModelConfig
+        >>> from remat.memory.predict import trace
+        >>> config = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16)
+        >>> stand_in, small = shallow_stand_in(Policy.parse("full/uniform/2"), 12)
+        >>> shallow = trace(config.replace(num_layers=small), stand_in)
+        >>> deep = compose(shallow, stand_in, Policy.parse("full/uniform/2"), 12)
+        >>> deep.peak_bytes == trace(config.replace(num_layers=12), "full/uniform/2").peak_bytes
+        True
     """
     trace = shallow if isinstance(shallow, ShallowTrace) else ShallowTrace(shallow, shallow_policy)
     small = trace.timeline

@@ -1,14 +1,5 @@
-"""Record one training step's memory timeline: every storage allocated and freed, tagged with its phase.
-
-The recorder is a ``TorchDispatchMode``: every operator's output storages are seen once, when first made, and
-a ``weakref.finalize`` on the storage records its free when its last reference goes. A storage counts once
-however many views share it. Phases come from module hooks: a layer's forward, the same layer run again by a
-checkpoint in backward (recompute), and gradient hooks on layer outputs for backward.
-
-The same recorder runs on real CPU tensors (exact bytes), on CUDA tensors (storage bytes rounded up to the
-caching allocator's 512-byte blocks, with ``torch.cuda.max_memory_allocated`` kept beside them), and under
-``FakeTensorMode``, where nothing is allocated at all (that is how :mod:`remat.memory.predict` works).
-"""
+"""Measure one training step's memory: a recorder that sees every storage allocated and freed, tagged with the
+phase (forward, backward, recompute of a layer) that made it, and :func:`measure`, which runs a step under it."""
 
 from __future__ import annotations
 
@@ -25,6 +16,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
+from remat.config import ModelConfig
+from remat.models.tensor_parallel import TPGPT
 from remat.recompute.apply import applied, find_layer_stack
 from remat.recompute.engines import add_observer, in_backward, remove_observer
 from remat.recompute.region import Region
@@ -59,21 +52,93 @@ def _ceil_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+class MeasureError(ValueError):
+    """A training step that cannot be measured or predicted as given; the message says what to change."""
+
+
 def loss_of(output: Any) -> torch.Tensor:
     """The scalar loss in a model's output: a tensor, or an object/dict with ``loss`` (Hugging Face)."""
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", output)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError("the model's output is not a scalar loss: return the loss from forward, or pass "
-                        "loss_fn=lambda output, batch: ... to measure/predict")
+        raise MeasureError("the model's output is not a scalar loss: return the loss from forward, or pass "
+                           "loss_fn=lambda output, batch: ... to measure/predict")
     return loss
+
+
+def check_step(model: Any, batch: Any, who: str = "measure") -> None:
+    """Refuse, before anything runs, a step that cannot be recorded: ``model`` not a module or without trainable
+    parameters, gradients disabled, ``batch`` not a tuple/list/dict. ``who`` names the caller in the messages."""
+    if not isinstance(model, nn.Module):
+        raise MeasureError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
+    params = list(model.parameters())
+    name = type(model).__name__
+    if not params:
+        raise MeasureError(f"{who}: {name} has no parameters, so a training step has nothing to train: give the "
+                           "model whose step you want to measure (its parameters, gradients and activations)")
+    if not any(p.requires_grad for p in params):
+        raise MeasureError(f"{who}: every parameter of {name} has requires_grad=False (frozen), so backward "
+                           "computes nothing: unfreeze what you train (p.requires_grad_(True)) before measuring")
+    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+        raise MeasureError(f"{who}: gradients are disabled here (torch.no_grad() or torch.inference_mode()), but a "
+                           "training step runs backward: call it outside that block")
+    if not isinstance(batch, (tuple, list, dict)):
+        raise MeasureError(f"{who}: batch must be a tuple or list of the model's positional inputs or a dict of "
+                           f"its keyword inputs, got {type(batch).__name__}: e.g. batch=(tokens, labels)")
+
+
+def check_reference_batch(config: ModelConfig, batch: Batch, who: str = "measure", exact_shape: bool = False) -> None:
+    """Refuse a batch the reference GPT of ``config`` cannot take: ``(tokens, labels)``, integer tensors of the
+    same shape ``[micro_batch, seq]`` (seq at most ``config.seq_length`` with learned positions; exactly
+    ``[micro_batch_size, seq_length]`` with ``exact_shape``, as a tensor-parallel rank needs) whose ids are in
+    ``[0, vocab_size)``. The ids are read, so call it on real tensors only."""
+    want = ("(tokens, labels): two integer tensors of shape [micro_batch, seq], e.g. "
+            "remat.models.sample_batch(config)")
+    if isinstance(batch, dict):
+        values = [batch.get("tokens"), batch.get("labels")] if set(batch) == {"tokens", "labels"} else [*batch.values()]
+    else:
+        values = list(batch)
+    if len(values) != 2 or not all(isinstance(t, torch.Tensor) for t in values):
+        raise MeasureError(f"{who}: batch must be {want} for the reference GPT; got {len(values)} item(s)")
+    tokens, labels = values
+    for label, t in (("tokens", tokens), ("labels", labels)):
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise MeasureError(f"{who}: batch {label} are {t.dtype}, not token ids: the reference GPT takes {want}")
+        if t.dim() != 2 or t.numel() == 0:
+            raise MeasureError(f"{who}: batch {label} have shape {list(t.shape)}; the reference GPT takes {want}")
+    if tokens.shape != labels.shape:
+        raise MeasureError(f"{who}: batch tokens {list(tokens.shape)} and labels {list(labels.shape)} differ in "
+                           "shape: labels are the tokens shifted by one, of the same shape")
+    if exact_shape and tuple(tokens.shape) != (config.micro_batch_size, config.seq_length):
+        raise MeasureError(f"{who}: batch shape {list(tokens.shape)} is not [micro_batch_size, seq_length] = "
+                           f"[{config.micro_batch_size}, {config.seq_length}], which a tensor-parallel rank needs: "
+                           "use remat.models.sample_batch(config)")
+    if config.position == "learned" and tokens.shape[1] > config.seq_length:
+        raise MeasureError(f"{who}: batch sequence length {tokens.shape[1]} exceeds seq_length={config.seq_length}, "
+                           "the learned position table's size: cut the batch or raise seq_length")
+    for label, t in (("tokens", tokens), ("labels", labels)):
+        low, high = int(t.min()), int(t.max())
+        if low < 0 or high >= config.vocab_size:
+            bad = low if low < 0 else high
+            raise MeasureError(f"{who}: batch {label} hold id {bad}, outside the vocabulary [0, {config.vocab_size}) "
+                               "(vocab_size): use ids below vocab_size, or raise vocab_size")
 
 
 def run_model(model: nn.Module, batch: Batch) -> Any:
     return model(**batch) if isinstance(batch, dict) else model(*batch)
 
 
+# NOTE [how a step is recorded]
+# The recorder is a TorchDispatchMode: every operator's output storages are seen once, when first made, and a
+# weakref.finalize on the storage records its free when its last reference goes. A storage counts once however
+# many views share it. Phases come from module hooks: a layer's forward, the same layer run again by a
+# checkpoint in backward (recompute), and gradient hooks on layer outputs for backward.
+#
+# The same recorder runs on real CPU tensors (exact bytes), on CUDA tensors (storage bytes rounded up to the
+# caching allocator's 512-byte blocks, with torch.cuda.max_memory_allocated kept beside them), and under
+# FakeTensorMode, where nothing is allocated at all (that is how remat.memory.predict works: a prediction is a
+# measurement of a fake run).
 class StepRecorder(TorchDispatchMode):
-    """Records allocations, frees, phases and FLOPs while one training step runs inside it."""
+    """Records allocations, frees, phases and FLOPs while one training step runs inside it (see the NOTE above)."""
 
     def __init__(self, model: nn.Module, layers: list[nn.Module], *, block_bytes: int = 1):
         super().__init__()
@@ -356,14 +421,54 @@ def _record(recorder: StepRecorder, model: nn.Module, batch: Batch, optimizer: t
 def measure(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimizer | None = None,
             loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
             layers: str | Sequence[nn.Module] | nn.Module | None = None) -> Timeline:
-    """Measure one training step of ``model`` on ``batch`` and return its memory :class:`Timeline`.
+    """Run one training step of ``model`` on ``batch`` and return its memory :class:`~remat.timeline.Timeline`.
 
-    The step is forward (``model(*batch)`` or ``model(**batch)``), the loss (the output itself, its ``.loss``,
-    or ``loss_fn(output, batch)``), ``backward()`` and, when ``optimizer`` is given, ``optimizer.step()``.
-    Gradients are reset to None first. The backend follows the parameters' device: on CPU the bytes are the
-    exact storage sizes; on CUDA they are rounded to the caching allocator's blocks and the allocator's own
-    peak (``torch.cuda.max_memory_allocated`` over the step) is kept in ``meta['cuda_max_memory_allocated']``.
+    The step is: gradients reset to None, forward (``model(*batch)`` or ``model(**batch)``), the loss, ``backward()``
+    and, when ``optimizer`` is given, ``optimizer.step()``. Every storage allocated and freed on the way is one
+    row of the timeline, tagged with its phase (forward/backward/recompute of layer i, head, optimizer) and its
+    category (parameters, gradients, saved activations, ...). A recompute policy is whatever
+    :func:`remat.recompute.apply` put on the model (or none). The bytes follow the parameters' device: on CPU
+    the exact storage sizes; on CUDA the sizes rounded up to the caching allocator's 512-byte blocks, with the
+    allocator's own peak over the step (``torch.cuda.max_memory_allocated``) in
+    ``meta['cuda_max_memory_allocated']``.
+
+    Args:
+        model: the model, in training mode, with at least one parameter that requires grad.
+        batch: the model's inputs: a tuple/list of positional arguments or a dict of keyword arguments. For
+            the reference GPT (:mod:`remat.models.gpt`), ``(tokens, labels)`` of shape ``[micro_batch, seq]``
+            with ids below ``vocab_size``; it is checked before anything runs.
+        optimizer: optional; its ``step()`` becomes part of the step (its states are category
+            ``optimizer_state``).
+        loss_fn: ``loss_fn(output, batch)`` gives the scalar loss; by default the output itself, or its
+            ``.loss`` / ``['loss']`` (Hugging Face).
+        layers: the decoder layer stack when it is not found automatically (see
+            :func:`remat.recompute.find_layer_stack`); by default that of the applied policy.
+
+    Returns:
+        The step's :class:`~remat.timeline.Timeline`; ``meta`` holds ``backend``, ``device``, ``policy``,
+        ``num_layers``, ``flops`` per phase kind, ``loss`` and ``record_seconds``.
+
+    Raises:
+        MeasureError: a model that is not a module, has no trainable parameters, is run with gradients disabled
+            (``torch.no_grad()``), a batch that is not a tuple/list/dict, or a reference-GPT batch of the wrong
+            shape, dtype or with ids outside the vocabulary; an output that is not a scalar loss.
+
+    Example::
+
+        >>> from remat.config import ModelConfig
+        >>> from remat.models import build_model, sample_batch
+        >>> from remat import apply
+        >>> config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+        >>> model = build_model(config)
+        >>> _ = apply(model, "full/uniform/1")
+        >>> timeline = measure(model, sample_batch(config))
+        >>> timeline.meta["policy"], sum(timeline.at_peak.values()) == timeline.peak_bytes
+        ('full/uniform/1', True)
     """
+    check_step(model, batch, "measure")
+    config = getattr(model, "config", None)
+    if isinstance(config, ModelConfig) and loss_fn is None:
+        check_reference_batch(config, batch, "measure", exact_shape=isinstance(model, TPGPT))
     device = next(model.parameters()).device
     meta: dict[str, Any] = {"backend": device.type, "device": str(device)}
     if device.type == "cuda":

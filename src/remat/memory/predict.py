@@ -1,15 +1,6 @@
-"""Predict a training step's memory timeline without running it.
-
-``predict`` runs the user's real model code under ``FakeTensorMode``: parameters, activations and gradients
-are fake tensors that carry shapes, dtypes and storages but own no memory, so a 175B-parameter config traces on
-a laptop. The step is recorded by the same :class:`~remat.memory.measure.StepRecorder` that :func:`remat.measure`
-uses on real tensors, so the result is the same :class:`~remat.timeline.Timeline`, phase for phase and byte for
-byte: prediction is a measurement of a fake run.
-
-For the reference model, a deep stack is not traced layer by layer: :mod:`remat.memory.compose` lays out the step from
-the trace of a shallow stack that has every layer role of the deep one (a few layers), and each shallow trace is
-cached, so a sweep over every Megatron policy of an 80-layer model costs a handful of shallow traces.
-"""
+"""Predict a training step's memory timeline without running it: the model's code under ``FakeTensorMode``
+(:func:`predict`, :func:`trace`), and the reference GPT's deep stacks composed from cached shallow traces
+(:func:`predict_config`, :func:`predict_many`)."""
 
 from __future__ import annotations
 
@@ -23,7 +14,8 @@ from torch.utils._pytree import tree_map
 
 from remat.config import ModelConfig
 from remat.memory.compose import CompositionError, ShallowTrace, compose, shallow_stand_ins
-from remat.memory.measure import Batch, record_step
+from remat.memory.kernels import kernel_trace, prepare_model, resolve_kernels, use_kernels
+from remat.memory.measure import Batch, MeasureError, check_step, record_step
 from remat.models.gpt import build_model, sample_batch
 from remat.models.tensor_parallel import SimulatedGroup, build_tp_model, check_tensor_parallel
 from remat.policy import Policy
@@ -36,6 +28,15 @@ ModelSource = ModelConfig | Callable[[], nn.Module]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
 
+# NOTE [prediction is a measurement of a fake run]
+# predict runs the user's real model code under FakeTensorMode: parameters, activations and gradients are fake
+# tensors that carry shapes, dtypes and storages but own no memory, so a 175B-parameter config traces on a
+# laptop. The step is recorded by the same StepRecorder that remat.memory.measure uses on real tensors, so the
+# result is the same Timeline, phase for phase and byte for byte.
+#
+# For the reference model, a deep stack is not traced layer by layer: remat.memory.compose lays out the step from
+# the trace of a shallow stack that has every layer role of the deep one (a few layers), and each shallow trace is
+# cached (SHALLOW_TRACES), so a sweep over every Megatron policy of an 80-layer model costs a handful of shallow traces.
 def _fake_batch(fake_mode: FakeTensorMode, batch: Batch | Callable[[], Batch]) -> Batch:
     if callable(batch):
         return batch()  # called inside the fake mode: whatever it makes is fake
@@ -45,38 +46,117 @@ def _fake_batch(fake_mode: FakeTensorMode, batch: Batch | Callable[[], Batch]) -
 def predict(model: ModelSource, policy: Policy | str = "none", *, batch: Batch | Callable[[], Batch] | None = None,
             optimizer: OptimizerFactory | None = None,
             loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
-            layers: str | Sequence[nn.Module] | None = None, device: str = "cpu") -> Timeline:
-    """Predict the memory :class:`Timeline` of one training step of ``model`` under ``policy``.
+            layers: str | Sequence[nn.Module] | None = None, device: str = "cpu", kernels: str | None = None,
+            ) -> Timeline:
+    """Predict the memory timeline of one training step of ``model`` under ``policy``, allocating nothing.
 
-    ``model`` is a :class:`ModelConfig` (the reference GPT is built from it) or a zero-argument factory that
-    builds the user's model; the factory is called under the fake mode, so its parameters are fake too. For a
-    factory, ``batch`` is required: real tensors (converted to fake ones of the same shape) or a zero-argument
-    callable called under the fake mode. ``optimizer`` is an optional factory ``params -> Optimizer``
-    (e.g. ``torch.optim.Adam``) whose ``step()`` becomes part of the step. ``device='cuda'`` rounds every
-    storage to the CUDA caching allocator's 512-byte blocks. Nothing is allocated for real.
+    The model's own code runs under ``FakeTensorMode`` and is recorded exactly as :func:`~remat.memory.measure`
+    records a real step, so the result is the :class:`~remat.timeline.Timeline` that measuring would give, byte
+    for byte on CPU (NOTE [prediction is a measurement of a fake run]). A :class:`~remat.config.ModelConfig`
+    without the other options goes to :func:`predict_config` (deep stacks composed from shallow traces).
+
+    Args:
+        model: a :class:`~remat.config.ModelConfig` (the reference GPT is built from it) or a zero-argument
+            function that builds and returns the user's ``nn.Module``; it is called under the fake mode, so its
+            parameters are fake too.
+        policy: a :class:`~remat.policy.Policy` or its short form, applied with :func:`remat.recompute.apply`.
+        batch: required with a factory: the model's inputs as real tensors (converted to fake ones of the same
+            shape), or a zero-argument function called under the fake mode that makes them. With a config, the
+            reference batch :func:`~remat.models.gpt.sample_batch`.
+        optimizer: a factory ``params -> Optimizer`` (e.g. ``torch.optim.Adam``, or
+            :func:`~remat.memory.optimizer.adam_steady_state` for a step after the first) whose ``step()`` becomes
+            part of the step.
+        loss_fn: ``loss_fn(output, batch)`` gives the scalar loss (default: the output, or its ``.loss``).
+        layers: the layer stack when it is not found automatically (see :func:`remat.recompute.find_layer_stack`).
+        device: ``'cpu'`` (exact storage bytes) or ``'cuda'`` (every storage rounded up to the CUDA caching
+            allocator's 512-byte blocks).
+        kernels: whose kernels' saved tensors to trace: ``'cpu'``, ``'cuda'`` or ``'te'``
+            (:mod:`remat.memory.kernels`); default ``'cuda'`` for ``device='cuda'``, else ``'cpu'``.
+
+    Returns:
+        The step's :class:`~remat.timeline.Timeline`, ``meta['backend'] == 'fake'`` (or ``meta['composed_from']``
+        for a composed config).
+
+    Raises:
+        MeasureError: a model that is neither a config nor a function, a factory that does not return an
+            ``nn.Module``, a factory without ``batch``, an unknown ``device``, or a step that cannot run
+            backward (no trainable parameters, gradients disabled).
+        PolicyError, ApplyError: a policy that does not parse or cannot be applied to the model.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from remat.config import ModelConfig
+        >>> config = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16)
+        >>> predict(config, "full/uniform/2").peak_bytes < predict(config, "none").peak_bytes
+        True
+        >>> class Net(nn.Module):  # any model whose forward runs a ModuleList of layers in a chain
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(4))
+        ...     def forward(self, x):
+        ...         for layer in self.layers:
+        ...             x = layer(x)
+        ...         return x.square().mean()
+        >>> tl = predict(Net, "full/uniform/2@non-reentrant", batch=(torch.randn(8, 16),))
+        >>> tl.meta["num_layers"], tl.meta["backend"]
+        (4, 'fake')
     """
     if isinstance(policy, str):
         policy = Policy.parse(policy)
     if isinstance(model, ModelConfig) and batch is None and optimizer is None and loss_fn is None and layers is None:
-        return predict_config(model, policy, device=device)
-    return trace(model, policy, batch=batch, optimizer=optimizer, loss_fn=loss_fn, layers=layers, device=device)
+        return predict_config(model, policy, device=device, kernels=kernels)
+    return trace(model, policy, batch=batch, optimizer=optimizer, loss_fn=loss_fn, layers=layers, device=device,
+                 kernels=kernels)
 
 
 def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "cpu", tp: int = 1,
-                   sp: bool = False, compose_layers: bool = True) -> Timeline:
-    """Predict the reference model of ``config`` under ``policy``, composing deep stacks from shallow traces.
+                   sp: bool = False, compose_layers: bool = True, kernels: str | None = None) -> Timeline:
+    """Predict one training step of the reference GPT of ``config`` under ``policy``.
 
-    ``tp``/``sp``: predict one tensor-parallel rank (Megatron's sharding, :mod:`remat.models.tensor_parallel`), with or
-    without sequence parallelism; ``policy.distribute_saved_activations`` splits group inputs over the ranks.
-    With ``compose_layers=False`` (or when composition is refused) the whole stack is traced.
+    A deep stack is composed from the cached fake trace of a shallow one with every layer role of the deep one
+    (:func:`remat.memory.compose.compose`, exact for the reference model); when composition is refused the whole
+    stack is traced and the reason is kept in ``meta['composition_refused']``.
+
+    Args:
+        config: the reference model's configuration.
+        policy: a :class:`~remat.policy.Policy` or its short form; ``num_layers`` above ``config.num_layers`` is
+            refused, naming the depth.
+        device: ``'cpu'`` (exact bytes) or ``'cuda'`` (512-byte blocks).
+        tp: tensor-parallel size: predict one rank of Megatron's sharding (:mod:`remat.models.tensor_parallel`);
+            ``policy.distribute_saved_activations`` splits group inputs over the ranks.
+        sp: with ``tp``, sequence parallelism.
+        compose_layers: False traces the whole stack (slower; the same timeline).
+
+    Returns:
+        The step's :class:`~remat.timeline.Timeline`; ``meta`` holds ``config``, ``tp``, ``sp`` and, when
+        composed, ``composed_from``.
+
+    Raises:
+        PolicyError: a policy that does not parse or does not fit the depth.
+        ConfigError: a ``tp``/``sp`` that does not divide the config (naming the field).
+
+    Example::
+
+        >>> from remat.config import ModelConfig
+        >>> config = ModelConfig(num_layers=24, hidden_size=32, num_attention_heads=4, seq_length=16)
+        >>> tl = predict_config(config, "full/uniform/4")
+        >>> tl.meta["num_layers"], tl.meta["composed_from"]["num_layers"] < 24
+        (24, True)
     """
+    if kernels is not None:  # the profile of every trace below (remat.memory.kernels.use_kernels)
+        with use_kernels(kernels):
+            return predict_config(config, policy, device=device, tp=tp, sp=sp, compose_layers=compose_layers)
     if isinstance(policy, str):
         policy = Policy.parse(policy)
     policy.layer_groups(config.num_layers)  # refuses k > depth, naming the depth
     check_tensor_parallel(config, tp, sp)
     stand_ins = list(shallow_stand_ins(policy, config.num_layers)) if compose_layers else []
     # a stand-in already traced (for another policy of a sweep) beats a shallower one still to trace
-    stand_ins.sort(key=lambda c: ((config.replace(num_layers=c[1]), c[0], device, tp, sp) not in _SHALLOW, c[1]))
+    kernels = resolve_kernels(None, device)
+    stand_ins.sort(key=lambda c: (
+        (config.replace(num_layers=c[1]), c[0], device, tp, sp, kernels) not in SHALLOW_TRACES, c[1]))
     if stand_ins and stand_ins[0][1] < config.num_layers:
         shallow_policy, shallow_depth = stand_ins[0]
         try:
@@ -117,49 +197,81 @@ def trace_rank(config: ModelConfig, layout: RecomputeLayout, device: str = "cpu"
 
 def predict_many(config: ModelConfig, policies: Iterable[Policy | str], *, device: str = "cpu", tp: int = 1,
                  sp: bool = False) -> list[Timeline]:
-    """:func:`predict_config` for each policy; shallow traces are shared between policies."""
+    """:func:`predict_config` for each of ``policies``; the shallow traces are shared between them, so a sweep
+    costs a handful of shallow traces.
+
+    Args:
+        config, device, tp, sp: as for :func:`predict_config`.
+        policies: policies or their short forms.
+
+    Returns:
+        One :class:`~remat.timeline.Timeline` per policy, in order.
+
+    Example::
+
+        >>> from remat.config import ModelConfig
+        >>> config = ModelConfig(num_layers=8, hidden_size=32, num_attention_heads=4, seq_length=16)
+        >>> peaks = [tl.peak_bytes for tl in predict_many(config, ["none", "full/uniform/1", "selective"])]
+        >>> peaks[1] < peaks[0]
+        True
+    """
     return [predict_config(config, policy, device=device, tp=tp, sp=sp) for policy in policies]
 
 
-_SHALLOW: dict[tuple[ModelConfig, Policy, str, int, bool], ShallowTrace] = {}
-_SHALLOW_CAPACITY = 64
+SHALLOW_TRACES: dict[tuple[ModelConfig, Policy, str, int, bool, str], ShallowTrace] = {}  # ..., kernel profile
+SHALLOW_TRACES_CAPACITY = 64
 
 
 def _shallow_trace(config: ModelConfig, policy: Policy, device: str, tp: int, sp: bool) -> ShallowTrace:
-    key = (config, policy, device, tp, sp)
-    if key not in _SHALLOW:
-        if len(_SHALLOW) >= _SHALLOW_CAPACITY:
-            del _SHALLOW[next(iter(_SHALLOW))]
-        _SHALLOW[key] = ShallowTrace(trace_rank(config, policy, device, tp, sp), policy)
-    return _SHALLOW[key]
+    key = (config, policy, device, tp, sp, resolve_kernels(None, device))
+    if key not in SHALLOW_TRACES:
+        if len(SHALLOW_TRACES) >= SHALLOW_TRACES_CAPACITY:
+            del SHALLOW_TRACES[next(iter(SHALLOW_TRACES))]
+        SHALLOW_TRACES[key] = ShallowTrace(trace_rank(config, policy, device, tp, sp), policy)
+    return SHALLOW_TRACES[key]
 
 
 def trace(model: ModelSource, policy: Policy | str, *, batch: Batch | Callable[[], Batch] | None = None,
            optimizer: OptimizerFactory | None = None, loss_fn: Callable[[Any, Batch], torch.Tensor] | None = None,
-           layers: str | Sequence[nn.Module] | None = None, device: str = "cpu") -> Timeline:
-    """Trace the whole step under FakeTensorMode (see :func:`predict`)."""
+           layers: str | Sequence[nn.Module] | None = None, device: str = "cpu", kernels: str | None = None,
+           ) -> Timeline:
+    """Trace the whole step under ``FakeTensorMode``, layer by layer (never composed); arguments, result and errors
+    as for :func:`predict`. The public way to get a full trace of any model, e.g. to check a composition."""
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: predict models 'cpu' (exact bytes) or 'cuda' (512-byte blocks)")
+        raise MeasureError(f"device={device!r}: predict models 'cpu' (exact bytes) or 'cuda' (512-byte blocks)")
     if isinstance(model, ModelConfig):
         config = model
         factory: Callable[[], nn.Module] = lambda: build_model(config)
         if batch is None:
             batch = sample_batch(config)  # a few KiB of token ids, made for real and then faked
     else:
-        if not callable(model):
-            raise TypeError("predict(model=...) takes a ModelConfig or a zero-argument function that builds the "
-                            "model")
+        if isinstance(model, nn.Module) or not callable(model):
+            hint = (f" (a {type(model).__name__} instance: pass the function that builds it, e.g. "
+                    f"lambda: {type(model).__name__}(...), so that its parameters are made fake)"
+                    if isinstance(model, nn.Module) else "")
+            raise MeasureError(f"predict(model=...) takes a ModelConfig or a zero-argument function that builds the "
+                               f"model, got {type(model).__name__}{hint}")
         factory = model
         if batch is None:
-            raise ValueError("predict(factory, ...) needs batch=: the model's inputs (real tensors, or a function "
-                             "that makes them)")
-    with FakeTensorMode(allow_non_fake_inputs=False) as fake_mode:
+            raise MeasureError("predict(factory, ...) needs batch=: the model's inputs (real tensors, or a function "
+                               "that makes them)")
+    profile = resolve_kernels(kernels, device)  # remat.memory.kernels: the CUDA/TE kernels' saved tensors
+    with FakeTensorMode(allow_non_fake_inputs=False) as fake_mode, kernel_trace(profile) as kernel_record:
         module = factory()
+        if not isinstance(module, nn.Module):
+            raise MeasureError(f"predict(model=...): the factory returned {type(module).__name__}, not a "
+                               "torch.nn.Module: it must build and return the model, e.g. "
+                               "predict(lambda: MyModel(...), policy, batch=...)")
+        fake_batch = _fake_batch(fake_mode, batch)
+        check_step(module, fake_batch, "predict")
+        prepare_model(module, profile)
         state = apply(module, policy, layers=layers)
         opt = optimizer(module.parameters()) if optimizer is not None else None
-        timeline, _ = record_step(module, _fake_batch(fake_mode, batch), optimizer=opt, loss_fn=loss_fn,
+        timeline, _ = record_step(module, fake_batch, optimizer=opt, loss_fn=loss_fn,
                                   layers=state.layers, block_bytes=CUDA_BLOCK if device == "cuda" else 1)
-    timeline.meta.update({"backend": "fake", "device": device})
+    timeline.meta.update({"backend": "fake", "device": device, "kernels": profile})
+    if kernel_record.messages:
+        timeline.meta["kernel_warnings"] = kernel_record.messages
     if isinstance(model, ModelConfig):
         timeline.meta["config"] = model.to_dict()
     return timeline

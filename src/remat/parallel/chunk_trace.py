@@ -11,6 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from remat.config import ModelConfig
 from remat.memory.compose import CompositionError
 from remat.models.gpt import sample_batch
+from remat.models.tensor_parallel import SimulatedGroup
+from remat.models.tp_stage import build_tp_stage_module, hidden_shape
 from remat.parallel.schedule import ChunkSpec, PipelineError
 from remat.parallel.stages import PipelineRecorder, build_stage_module, gc_paused
 from remat.policy import Policy
@@ -59,19 +61,20 @@ _TRACES_CAPACITY = 128
 
 
 def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy | str, device: str = "cpu",
-                ) -> ChunkTrace:
+                tp: int = 1, sp: bool = False) -> ChunkTrace:
     """Trace (fake) a chunk of ``kind`` = (has the embedding, has the head, layers) under ``policy``: two
     forwards whose outputs are kept, then their two backwards (each given the output gradient); cached."""
     policy = Policy.parse(policy) if isinstance(policy, str) else policy
-    key = (config, kind, policy, device)
+    key = (config, kind, policy, device, tp, sp)  # tp/sp: one tensor-parallel rank's chunk (models.tp_stage)
     if key not in _TRACES:
         if len(_TRACES) >= _TRACES_CAPACITY:
             del _TRACES[next(iter(_TRACES))]
-        _TRACES[key] = _trace_chunk(config, kind, policy, device)
+        _TRACES[key] = _trace_chunk(config, kind, policy, device, tp, sp)
     return _TRACES[key]
 
 
-def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, device: str) -> ChunkTrace:
+def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, device: str, tp: int = 1,
+                 sp: bool = False) -> ChunkTrace:
     if device not in ("cpu", "cuda"):
         raise PipelineError(f"device={device!r}: predict models 'cpu' (exact bytes) or 'cuda' (512-byte blocks)")
     first, last, layers = kind
@@ -79,18 +82,19 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
     spec = ChunkSpec(index, index + (1 if last else 2), 0, layers)
     policy.layer_groups(layers)  # refuses k > layers in the chunk, naming the depth
     tokens, labels = sample_batch(config)
-    b, s, h = config.micro_batch_size, config.seq_length, config.hidden_size
     with FakeTensorMode(allow_non_fake_inputs=False) as fake:
-        module = build_stage_module(config, spec)
+        module = (build_stage_module(config, spec) if tp == 1 and not sp else
+                  build_tp_stage_module(config, spec, SimulatedGroup(tp), sp, seed=None))
+        shape = hidden_shape(config, tp, sp)  # [b*s/tp, h] token shards under SP, else [b, s, h]
         apply(module, policy)
         xs, ys, gs = [], [], []
         for _ in range(2):
             if first:
                 xs.append(fake.from_tensor(tokens))
             else:
-                xs.append(torch.empty(b, s, h, dtype=config.torch_dtype).requires_grad_())
+                xs.append(torch.empty(*shape, dtype=config.torch_dtype).requires_grad_())
             ys.append(fake.from_tensor(labels) if last else None)
-            gs.append(None if last else torch.empty(b, s, h, dtype=config.torch_dtype))
+            gs.append(None if last else torch.empty(*shape, dtype=config.torch_dtype))
         recorder = PipelineRecorder(module, [module], block_bytes=CUDA_BLOCK if device == "cuda" else 1)
         bounds: list[int] = []
         outputs: list[torch.Tensor] = []

@@ -1,24 +1,5 @@
-"""Measure pipeline-parallel memory for real: one process per stage, ``torch.distributed.pipelining``.
-
-:func:`measure_pipeline` starts ``pp`` worker processes (``python -m remat.parallel.worker``) that meet through a TCP
-store on a free port of 127.0.0.1 and form a process group (gloo on CPU, NCCL with ``device='cuda'``, rank r on
-``cuda:r``). Each rank builds its model chunks with the same partition as
-:func:`remat.parallel.pipeline_predict.predict_pipeline`
-(cut from one seeded :func:`remat.models.gpt.build_model`, so the weights are the unsplit GPT's), applies the policy
-to each chunk, wraps them in ``PipelineStage`` and runs ``ScheduleGPipe`` / ``Schedule1F1B`` /
-``ScheduleInterleaved1F1B`` with the loss computed inside the last chunk. The first step allocates the
-pipeline's buffers (and infers the stages' shapes); the second step is recorded by
-:class:`remat.parallel.stages.PipelineRecorder` (real tensors, exact storage bytes on CPU), after every gradient is
-reset
-to None. Each rank sends its :class:`~remat.timeline.Timeline` back as JSON through a temporary folder (written
-atomically).
-
-Every launched process ends: each worker runs in its own session (process group); when a rank fails, the run
-stops with that rank's error (:class:`DistributedError`, the first rank to fail is named, with its message); when
-the run does not finish within ``timeout`` seconds it stops naming the ranks still running; either way every
-worker's process group is killed and reaped before the call returns. A worker also exits by itself when its
-parent goes away.
-"""
+"""The process launcher of real multi-process runs: one worker process per rank (``python -m remat.parallel.worker``),
+every one of them ended, and its temporary folder removed, before :func:`launch_job` returns or raises."""
 
 from __future__ import annotations
 
@@ -31,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +22,17 @@ from remat.timeline import write_atomic
 
 DEFAULT_TIMEOUT = 120.0
 _GRACE = 1.0  # after a rank fails, how long to wait for the others' errors (to name the first one)
+FOLDER_PREFIX = "remat-pp-"  # + the launching process's pid + "-": a folder whose launcher is gone is stale
+
+# NOTE [How a launch ends]
+# The workers meet through a TCP store on a free port of 127.0.0.1 (gloo on CPU, NCCL with device='cuda') and get
+# their job and send their results (timeline JSON, written atomically) through a temporary folder. Every launched
+# process ends: each worker runs in its own session; when a rank fails the run stops with the first failure
+# (first_failure), when the run does not finish within the timeout it stops naming the ranks still running; either
+# way every worker's process group is killed and reaped and the folder removed (a finally block, which a SIGTERM
+# of the launcher also runs: cleanup_on_sigterm). A worker exits by itself when its launcher is gone (a SIGKILL
+# runs no finally block), removing the folder; a folder that survives even that is removed by the next launch
+# (remove_stale_folders).
 
 
 class DistributedError(RuntimeError):
@@ -71,7 +64,8 @@ def _worker_env() -> dict[str, str]:
 
 def _launch(job: dict[str, Any], world: int, timeout: float) -> list[list[dict[str, Any]]]:
     """Run the workers; return each rank's results, or raise DistributedError after ending every worker."""
-    folder = Path(tempfile.mkdtemp(prefix="remat-pp-"))
+    remove_stale_folders()
+    folder = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
     procs: list[subprocess.Popen[bytes]] = []
     try:
         write_atomic(folder / "job.json", json.dumps(job))
@@ -97,7 +91,7 @@ def _launch(job: dict[str, Any], world: int, timeout: float) -> list[list[dict[s
             if any(c not in (None, 0) for c in codes):
                 failed_at = failed_at or time.monotonic()
                 if all(c is not None for c in codes) or time.monotonic() - failed_at >= _GRACE:
-                    rank, message = _first_error(folder, codes, exited)
+                    rank, message = first_failure(folder, codes, exited)
                     raise DistributedError(f"rank {rank} failed: {message}", rank, pids)
             if time.monotonic() >= deadline:
                 running = [r for r, c in enumerate(codes) if c is None]
@@ -143,26 +137,98 @@ def _errors(folder: Path) -> list[tuple[int, dict[str, Any]]]:
     return sorted(found, key=lambda item: item[1].get("time", 0.0))
 
 
-def _first_error(folder: Path, codes: Sequence[int | None], exited: dict[int, float]) -> tuple[int, str]:
-    """The rank that failed first and its message: a rank's reported error counts from when it was written, a
-    rank that died without one (killed, or exited directly) from when its exit was seen."""
+def first_failure(folder: Path, codes: Sequence[int | None], exited: dict[int, float]) -> tuple[int, str]:
+    """The rank whose failure stopped the run, and what happened to it.
+
+    Args:
+        folder: the run's folder, where ranks report their Python errors (``rank<r>.error.json``, with the time).
+        codes: each rank's exit status (None: still running; negative: killed by that signal).
+        exited: rank -> when the launcher first saw it exit (wall clock, as the error files).
+
+    Returns:
+        ``(rank, message)``. A rank that died without a Python error (killed by a signal other than SIGABRT, or
+        ``os._exit``) comes first: its peers' errors ("Connection reset by peer") are what its death did to them,
+        and they are often written before the launcher sees it die. Then the earliest reported error, then a rank
+        that aborted (SIGABRT).
+    """
     reported = dict(_errors(folder))
     failures = []
     for rank, code in enumerate(codes):
         if code in (None, 0):
             continue
         if rank in reported:
-            failures.append((float(reported[rank].get("time", 0.0)), rank, str(reported[rank]["error"])))
+            failures.append((1, float(reported[rank].get("time", 0.0)), rank, str(reported[rank]["error"])))
             continue
         tail = ""
         with contextlib.suppress(OSError):
             lines = (folder / f"rank{rank}.log").read_text(encoding="utf-8", errors="replace").strip().splitlines()
             tail = lines[-1] if lines else ""
-        how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        failures.append((exited.get(rank, time.time()), rank,
+        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
+        # a SIGABRT is what a communication library does when a peer's connection breaks: a symptom, blamed last
+        cause = 0 if code > 0 or -code != signal.SIGABRT else 2
+        failures.append((cause, exited.get(rank, time.time()), rank,
                          f"{how} without a Python error" + (f" (last output: {tail})" if tail else "")))
-    _, rank, message = min(failures)
+    _, _, rank, message = min(failures)
     return rank, message
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def remove_stale_folders(root: Path | None = None) -> list[Path]:
+    """Remove the launch folders (``remat-pp-<pid>-*`` in ``root``, default the temporary directory) of this user
+    whose launching process is gone; return them."""
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}*-*"):
+        pid = path.name[len(FOLDER_PREFIX):].split("-", 1)[0]
+        with contextlib.suppress(OSError, ValueError):
+            if pid.isdigit() and path.stat().st_uid == os.getuid() and not process_alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie counts as alive until reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LauncherTerminated(BaseException):
+    """SIGTERM arrived while workers ran (a BaseException, like KeyboardInterrupt: nothing should catch it)."""
+
+
+@contextlib.contextmanager
+def cleanup_on_sigterm() -> Any:
+    """Turn a SIGTERM of this process into an exception while the block runs, so that its finally blocks end the
+    workers and remove the folder; afterwards the process dies of the SIGTERM as it would have. Only in the main
+    thread, and only where SIGTERM has its default action (a program's own handler is left alone)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise LauncherTerminated()
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    except LauncherTerminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)  # cleaned up: now die of it
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def launch_job(job: dict[str, Any], world: int, timeout: float) -> list[list[dict[str, Any]]]:
@@ -171,7 +237,8 @@ def launch_job(job: dict[str, Any], world: int, timeout: float) -> list[list[dic
     for attempt in range(2):  # the free port may be taken between choosing it and rank 0 listening on it
         job["port"] = free_port()
         try:
-            return _launch(job, world, float(timeout))
+            with cleanup_on_sigterm():
+                return _launch(job, world, float(timeout))
         except DistributedError as err:
             if attempt or "address already in use" not in str(err).lower():
                 raise
@@ -179,10 +246,14 @@ def launch_job(job: dict[str, Any], world: int, timeout: float) -> list[list[dic
 
 
 def inject_fault(fault: dict[str, Any], rank: int) -> None:
+    """For tests: make this rank fail as ``fault['kind']`` says: 'raise' (a RuntimeError with ``fault['message']``),
+    'hang', 'exit' (status 3) or 'kill' (SIGKILL)."""
     kind = fault.get("kind", "raise")
     if kind == "hang":
         while True:
             time.sleep(1)
     if kind == "exit":
         os._exit(3)
+    if kind == "kill":  # as the kernel's OOM killer or a user's kill -9 would
+        os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(fault.get("message", f"fault injected on rank {rank}"))

@@ -15,6 +15,7 @@ from remat.parallel.pipeline_report import describe_stage, peak_error, stage_sum
 from remat.parallel.schedule import (
     PipelineError,
     check_partial,
+    check_policy_fits,
     check_schedule,
     checkpointed_forwards,
     partition,
@@ -68,10 +69,7 @@ def measure_pipeline_many(config: ModelConfig, policies: Sequence[Policy | str],
     partial = check_partial(partial_checkpoint_microbatches)
     specs = partition(config, pp, vpp, layout)
     for policy in parsed:
-        for spec in specs:
-            if policy.granularity == "full" and policy.num_layers > spec.num_layers:
-                raise PipelineError(f"policy {policy} groups {policy.num_layers} layers but chunk {spec.index} has "
-                                    f"{spec.num_layers} layers: use --recompute-num-layers <= {spec.num_layers}")
+        check_policy_fits(policy, specs)
     if device not in ("cpu", "cuda"):
         raise PipelineError(f"device={device!r}: use 'cpu' (gloo) or 'cuda' (NCCL, one GPU per rank)")
     if device == "cuda":
@@ -83,7 +81,8 @@ def measure_pipeline_many(config: ModelConfig, policies: Sequence[Policy | str],
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise PipelineError(f"timeout={timeout!r}: must be a positive number of seconds")
     job = {
-        "config": config.to_dict(), "policies": [str(p) for p in parsed], "pp": pp, "microbatches": microbatches,
+        "kind": "pipeline", "config": config.to_dict(), "policies": [str(p) for p in parsed], "world": pp, "pp": pp,
+        "microbatches": microbatches,
         "schedule": schedule, "vpp": vpp, "layout": [s.num_layers for s in specs], "partial": partial,
         "device": device, "seed": seed, "fault": fault, "timeout": float(timeout),
     }
@@ -118,6 +117,25 @@ def compare_pipeline(config: ModelConfig, policies: Sequence[Policy | str], pp: 
                          "in_flight_at_peak": summary["in_flight_at_peak"],
                          "predicted_phase": guess.peak_phase.label, "measured_phase": real.peak_phase.label,
                          "why": summary["why"]})
+    return rows
+
+
+def measured_stage_rows(config: ModelConfig, policies: Sequence[Policy | str], measured: Sequence[Sequence[Timeline]],
+                        pp: int, microbatches: int, schedule: str = "1f1b", vpp: int = 1,
+                        layout: Sequence[int] | None = None, partial_checkpoint_microbatches: int | None = None, *,
+                        device: str = "cpu") -> list[dict[str, Any]]:
+    """Per policy and stage: the measured stage's summary (:func:`~remat.parallel.pipeline_report.stage_summary`)
+    with ``measured_bytes``, ``predicted_bytes`` (``runtime='torch'``), ``error`` and the worker's ``pid``;
+    ``measured`` is what :func:`measure_pipeline_many` returned for ``policies``."""
+    rows = []
+    for policy, stages in zip(policies, measured):
+        predicted = predict_pipeline(config, policy, pp, microbatches, schedule, vpp, layout,
+                                     partial_checkpoint_microbatches, runtime="torch", device=device)
+        for real, guess in zip(stages, predicted):
+            summary = stage_summary(real)
+            summary.update(measured_bytes=real.peak_bytes, predicted_bytes=guess.peak_bytes,
+                           error=peak_error(real.peak_bytes, guess.peak_bytes), pid=real.meta.get("pid"))
+            rows.append(summary)
     return rows
 
 

@@ -1,49 +1,6 @@
-"""Pipeline-parallel memory: each stage's timeline with several microbatches in flight.
-
-Under pipeline parallelism a stage does not run one forward and one backward: it runs the forwards of several
-microbatches before the first backward comes back, so it holds several microbatches' saved activations (or
-checkpoint inputs) at once. How many depends on the schedule and on the stage's position. This module predicts,
-per stage, the memory timeline of one training step of the reference GPT (:mod:`remat.models.gpt`) split into
-``pp`` stages x ``vpp`` model chunks, exactly, from fake traces of one microbatch per chunk:
-
-* **Partition** (:func:`partition`): the layers are split evenly into ``pp * vpp`` model chunks (an explicit
-  ``layout`` of layer counts may be given instead); global chunk ``g`` runs on rank ``g % pp`` (Megatron's
-  virtual pipeline assignment: rank r holds chunks r, r + pp, r + 2 pp, ...). The embedding is in chunk 0;
-  the final norm, the output layer and the loss are in the last chunk. :class:`StageModule` runs one chunk
-  and keeps its layers in ``layers`` (an ``nn.ModuleList``), so :func:`remat.recompute.apply.apply` applies a policy per
-  chunk, as Megatron does: uniform groups and block counts count within the chunk.
-* **Schedules** (:func:`schedule_actions`): the order of forwards (F) and backwards (B) on each rank. GPipe runs
-  every forward, then every backward. 1F1B (non-interleaved) runs ``min(pp - r - 1, m)`` warm-up forwards on
-  rank r, then alternates one forward and one backward, then drains the backwards (so stage r holds up to
-  ``pp - r`` microbatches; torch's ``Schedule1F1B`` runs the same sequence). Interleaved 1F1B runs Megatron's
-  ``(pp - r - 1) * 2 + (vpp - 1) * pp`` warm-up forwards over its model chunks (microbatch group size = pp).
-* **Chunk traces**: each distinct chunk (first / middle / last, its layer count, its policy) is traced once
-  under ``FakeTensorMode`` with the same recorder as :func:`remat.memory.measure.measure`: two microbatches' forwards
-  (outputs kept, as in a pipeline) and their backwards (given the output's gradient; the first backward
-  creates the parameter gradients, later ones accumulate into them). The trace is cut into segments: forward,
-  first backward, later backward.
-* **Composition**: a stage's timeline copies the segments in its schedule's order, each free resolved to the
-  same microbatch's tensor (checked: a free must find a live tensor of the same size and category, or
-  :class:`~remat.memory.compose.CompositionError` is raised), plus what the pipeline runtime itself holds. With
-  ``runtime='torch'`` (what :func:`remat.parallel.pipeline_measure.measure_pipeline` runs) that is
-  ``torch.distributed.pipelining``'s: a receive buffer per microbatch for the activations and one for the output
-  gradients (allocated once, kept), the whole batch of token ids/labels on the first/last stage, and the stage
-  outputs and input gradients that its schedules and its gloo/NCCL send handles keep alive (modelled by
-  following the schedule code's references; see :func:`_torch_runtime`). With ``runtime='megatron'``,
-  Megatron-LM's: each received activation/gradient is a fresh tensor kept until the microbatch's backward ends,
-  an output is freed once sent (``deallocate_pipeline_outputs``), an input gradient once sent, and each
-  microbatch's token ids/labels are loaded at its forward and kept until its backward ends.
-* **Partial recompute** (``partial_checkpoint_microbatches=N``, Megatron's
-  ``num_microbatches_with_partial_activation_checkpoints``): Megatron checkpoints a forward k of a rank
-  (counting the rank's forwards from 0) iff ``k % window >= N`` with ``window = warm-up forwards + 1``
-  (``max_outstanding_backprops``); the first N of each window are the ones "where not all of the layers will be
-  checkpointed" - here they keep everything (policy ``none``), the others run ``policy``.
-
-Every returned :class:`~remat.timeline.Timeline` says in its phases which microbatch and chunk made each byte
-(``detail`` = ``"microbatch 3, chunk 1"`` or ``"microbatch 3, chunk 1: group 0 (layers 0-1)"``; regions name
-global layer indices), and in ``meta['pipeline']`` its stage, schedule, peak, which microbatches' saved tensors
-are alive at the peak, and ``meta['why']`` says it in plain words.
-"""
+"""Pipeline-parallel memory predicted per stage: each stage's timeline of one training step, with several
+microbatches in flight, composed exactly from fake traces of one microbatch per model chunk (see
+NOTE [Pipeline composition])."""
 
 from __future__ import annotations
 
@@ -60,6 +17,7 @@ from remat.parallel.schedule import (
     ChunkSpec,
     PipelineError,
     check_partial,
+    check_policy_fits,
     check_schedule,
     checkpointed_forwards,
     max_in_flight,
@@ -71,6 +29,55 @@ from remat.parallel.schedule import (
 from remat.policy import Policy
 from remat.timeline import Timeline
 from remat.units import CUDA_BLOCK
+
+# NOTE [Pipeline composition]
+# Under pipeline parallelism a stage does not run one forward and one backward: it runs the forwards of several
+# microbatches before the first backward comes back, so it holds several microbatches' saved activations (or
+# checkpoint inputs) at once. How many depends on the schedule and on the stage's position. This module predicts,
+# per stage, the memory timeline of one training step of the reference GPT (:mod:`remat.models.gpt`) split into
+# ``pp`` stages x ``vpp`` model chunks, exactly, from fake traces of one microbatch per chunk:
+#
+# * **Partition** (:func:`partition`): the layers are split evenly into ``pp * vpp`` model chunks (an explicit
+#   ``layout`` of layer counts may be given instead); global chunk ``g`` runs on rank ``g % pp`` (Megatron's
+#   virtual pipeline assignment: rank r holds chunks r, r + pp, r + 2 pp, ...). The embedding is in chunk 0;
+#   the final norm, the output layer and the loss are in the last chunk. :class:`StageModule` runs one chunk
+#   and keeps its layers in ``layers`` (an ``nn.ModuleList``), so :func:`remat.recompute.apply.apply` applies a
+#   policy per chunk, as Megatron does: uniform groups and block counts count within the chunk.
+# * **Schedules** (:func:`schedule_actions`): the order of forwards (F) and backwards (B) on each rank. GPipe runs
+#   every forward, then every backward. 1F1B (non-interleaved) runs ``min(pp - r - 1, m)`` warm-up forwards on
+#   rank r, then alternates one forward and one backward, then drains the backwards (so stage r holds up to
+#   ``pp - r`` microbatches; torch's ``Schedule1F1B`` runs the same sequence). Interleaved 1F1B runs Megatron's
+#   ``(pp - r - 1) * 2 + (vpp - 1) * pp`` warm-up forwards over its model chunks (microbatch group size = pp).
+# * **Chunk traces**: each distinct chunk (first / middle / last, its layer count, its policy) is traced once
+#   under ``FakeTensorMode`` with the same recorder as :func:`remat.memory.measure.measure`: two microbatches' forwards
+#   (outputs kept, as in a pipeline) and their backwards (given the output's gradient; the first backward
+#   creates the parameter gradients, later ones accumulate into them). The trace is cut into segments: forward,
+#   first backward, later backward.
+# * **Composition**: a stage's timeline copies the segments in its schedule's order, each free resolved to the
+#   same microbatch's tensor (checked: a free must find a live tensor of the same size and category, or
+#   :class:`~remat.memory.compose.CompositionError` is raised), plus what the pipeline runtime itself holds. With
+#   ``runtime='torch'`` (what :func:`remat.parallel.pipeline_measure.measure_pipeline` runs) that is
+#   ``torch.distributed.pipelining``'s: a receive buffer per microbatch for the activations and one for the output
+#   gradients (allocated once, kept), the whole batch of token ids/labels on the first/last stage, and the stage
+#   outputs and input gradients that its schedules and its gloo/NCCL send handles keep alive (modelled by
+#   following the schedule code's references; see :func:`torch_runtime`). With ``runtime='megatron'``,
+#   Megatron-LM's: each received activation/gradient is a fresh tensor kept until the microbatch's backward ends,
+#   an output is freed once sent (``deallocate_pipeline_outputs``), an input gradient once sent, and each
+#   microbatch's token ids/labels are loaded at its forward and kept until its backward ends.
+# * **Partial recompute** (``partial_checkpoint_microbatches=N``, Megatron's
+#   ``num_microbatches_with_partial_activation_checkpoints``): Megatron checkpoints a forward k of a rank
+#   (counting the rank's forwards from 0) iff ``k % window >= N`` with ``window = warm-up forwards + 1``
+#   (``max_outstanding_backprops``); the first N of each window are the ones "where not all of the layers will be
+#   checkpointed" - here they keep everything (policy ``none``), the others run ``policy``.
+#
+# Every returned :class:`~remat.timeline.Timeline` says in its phases which microbatch and chunk made each byte
+# (``detail`` = ``"microbatch 3, chunk 1"`` or ``"microbatch 3, chunk 1: group 0 (layers 0-1)"``; regions name
+# global layer indices), and in ``meta['pipeline']`` its stage, schedule, peak, which microbatches' saved tensors
+# are alive at the peak, and ``meta['why']`` says it in plain words.
+
+# A composed stage timeline has every microbatch's events (thousands per microbatch for a deep stage); longer steps
+# get their per-stage peaks from remat.parallel.pipeline_peaks, at a cost independent of the microbatch count.
+MAX_COMPOSED_MICROBATCHES = 2048
 
 
 # ------------------------------------------------------------------------------------------------ composition
@@ -96,29 +103,35 @@ def predict_pipeline(config: ModelConfig, policy: Policy | str, pp: int, microba
     """
     policy = Policy.parse(policy) if isinstance(policy, str) else policy
     schedule = check_schedule(schedule, pp, microbatches, vpp, runtime)
+    if microbatches > MAX_COMPOSED_MICROBATCHES:
+        raise PipelineError(f"microbatches={microbatches}: a composed stage timeline holds every microbatch's "
+                            f"events, so it is built for at most {MAX_COMPOSED_MICROBATCHES} microbatches; for the "
+                            "per-stage peaks of longer steps use remat.parallel.pipeline_peaks.stage_peaks (what "
+                            "'remat predict --pp' prints), whose cost does not grow with the microbatch count")
     partial = check_partial(partial_checkpoint_microbatches)
     specs = partition(config, pp, vpp, layout)
-    for spec in specs:
-        if policy.granularity == "full" and policy.num_layers > spec.num_layers:
-            raise PipelineError(f"policy {policy} groups {policy.num_layers} layers but chunk {spec.index} has "
-                                f"{spec.num_layers} layers (policies apply per model chunk, as in Megatron): use "
-                                f"--recompute-num-layers <= {min(s.num_layers for s in specs)}")
-    none = Policy()
-    out = []
-    for rank in range(pp):
-        chunks = rank_chunks(specs, pp, rank)
-        actions = schedule_actions(schedule, pp, microbatches, vpp, rank, runtime=runtime)
-        window = warmup_forwards(schedule, pp, microbatches, vpp, rank, "megatron") + 1  # Megatron's window
-        checkpointed = checkpointed_forwards(actions, partial, window)
-        traces = {}
-        for spec in chunks:
-            traces[(spec.index, True)] = trace_chunk(config, spec.kind, policy, device)
-            if partial is not None:
-                traces[(spec.index, False)] = trace_chunk(config, spec.kind, none, device)
-        plan = StagePlan(config, pp, microbatches, vpp, rank, schedule, runtime, chunks, actions, checkpointed,
-                          traces, block=CUDA_BLOCK if device == "cuda" else 1)
-        out.append(compose_stage(plan, policy, partial))
-    return out
+    check_policy_fits(policy, specs)
+    return [predict_stage(config, policy, specs, rank, pp, microbatches, schedule, vpp, partial, runtime=runtime,
+                          device=device) for rank in range(pp)]
+
+
+def predict_stage(config: ModelConfig, policy: Policy, specs: Sequence[ChunkSpec], rank: int, pp: int,
+                  microbatches: int, schedule: str, vpp: int, partial: int | None, *, runtime: str = "torch",
+                  device: str = "cpu") -> Timeline:
+    """Stage ``rank``'s timeline of :func:`predict_pipeline`, for settings it has already checked (``specs`` from
+    :func:`~remat.parallel.schedule.partition`); a stage's timeline depends on no other stage's."""
+    chunks = rank_chunks(specs, pp, rank)
+    actions = schedule_actions(schedule, pp, microbatches, vpp, rank, runtime=runtime)
+    window = warmup_forwards(schedule, pp, microbatches, vpp, rank, "megatron") + 1  # Megatron's window
+    checkpointed = checkpointed_forwards(actions, partial, window)
+    traces = {}
+    for spec in chunks:
+        traces[(spec.index, True)] = trace_chunk(config, spec.kind, policy, device)
+        if partial is not None:
+            traces[(spec.index, False)] = trace_chunk(config, spec.kind, Policy(), device)
+    plan = StagePlan(config, pp, microbatches, vpp, rank, schedule, runtime, chunks, actions, checkpointed,
+                     traces, block=CUDA_BLOCK if device == "cuda" else 1)
+    return compose_stage(plan, policy, partial)
 
 
 def compose_stage(plan: StagePlan, policy: Policy, partial: int | None = None) -> Timeline:

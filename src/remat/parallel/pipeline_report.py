@@ -8,7 +8,7 @@ from typing import Any
 from remat.parallel.schedule import SAVED_CATEGORIES
 from remat.parallel.stages import parse_phase_detail
 from remat.timeline import Timeline
-from remat.units import MIB
+from remat.units import format_mib
 
 
 # ------------------------------------------------------------------------------------------------ analysis
@@ -75,14 +75,14 @@ def describe_stage(tl: Timeline) -> str:
     schedule = info.get("schedule", "?")
     vpp = info.get("vpp", 1)
     names = ", ".join(f"{mb}" + (f" (chunk {c})" if vpp > 1 else "") for mb, c in flight)
-    words = [f"Stage {stage} peaks at {peak / MIB:.2f} MiB during {phase.label}."]
+    words = [f"Stage {stage} peaks at {format_mib(peak, 2)} during {phase.label}."]
     if flight:
         n = len(flight)
         what = ("microbatch-chunk" if vpp > 1 else "microbatch") + ("s" if n > 1 and vpp > 1 else "es" if n > 1
                                                                     else "")
         words.append(f"{n} {what} in flight (microbatch {names}) keep{'s' if n == 1 else ''} saved activations "
-                     f"and checkpoint inputs there: {saved / MIB:.2f} MiB"
-                     + (f", about {saved / n / MIB:.2f} MiB each" if n > 1 else "")
+                     f"and checkpoint inputs there: {format_mib(saved, 2)}"
+                     + (f", about {format_mib(saved / n, 2)} each" if n > 1 else "")
                      + f", {100 * saved / max(peak, 1):.0f}% of the peak.")
     warm = info.get("warmup_forwards")
     top = info.get("max_in_flight")
@@ -104,12 +104,12 @@ def describe_stage(tl: Timeline) -> str:
                  else "its activation gradients and temporaries")
         words.append(f"The peak comes while microbatch {running[0]}'s backward runs on top of them ({doing}).")
     if held:
-        words.append(f"The pipeline runtime still holds {held / MIB:.2f} MiB of outputs or input gradients of "
+        words.append(f"The pipeline runtime still holds {format_mib(held, 2)} of outputs or input gradients of "
                      f"{len(kept)} finished microbatch{'es' if len(kept) > 1 else ''} (kept by send handles or "
                      "schedule variables).")
-    words.append(f"Parameters {parts.get('parameters', 0) / MIB:.2f} MiB, gradients "
-                 f"{parts.get('gradients', 0) / MIB:.2f} MiB, receive buffers, batch and backward temporaries "
-                 f"{parts.get('other', 0) / MIB:.2f} MiB.")
+    words.append(f"Parameters {format_mib(parts.get('parameters', 0), 2)}, gradients "
+                 f"{format_mib(parts.get('gradients', 0), 2)}, receive buffers, batch and backward temporaries "
+                 f"{format_mib(parts.get('other', 0), 2)}.")
     text = " ".join(words)
     tl.meta["why"] = text
     return text

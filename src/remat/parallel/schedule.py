@@ -22,7 +22,7 @@ class PipelineError(ValueError):
 # ------------------------------------------------------------------------------------------------ partition
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise PipelineError(f"{name}={value!r}: must be a positive integer")
+        raise PipelineError(f"{name}={value!r}: must be a positive integer (--{name} N, N >= 1)")
     return int(value)
 
 
@@ -38,11 +38,8 @@ def chunk_layout(num_layers: int, pp: int, vpp: int = 1, layout: Sequence[int] |
     chunks = pp * vpp
     if layout is None:
         if num_layers % chunks:
-            divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
-            raise PipelineError(
-                f"num_layers={num_layers} is not divisible by pp * vpp = {pp} * {vpp} = {chunks} model chunks: "
-                f"use pp * vpp in {divisors}, or give layout=[layers of chunk 0, ..., chunk {chunks - 1}] "
-                f"(--layout {','.join(str(n) for n in _even_layout(num_layers, chunks))}, say)")
+            raise PipelineError(f"num_layers={num_layers} is not divisible by pp * vpp = {pp} * {vpp} = {chunks} "
+                                f"model chunks: {_layout_fix(num_layers, pp, vpp)}")
         return [num_layers // chunks] * chunks
     counts = list(layout)
     if len(counts) != chunks:
@@ -58,9 +55,28 @@ def chunk_layout(num_layers: int, pp: int, vpp: int = 1, layout: Sequence[int] |
     return [int(n) for n in counts]
 
 
-def _even_layout(num_layers: int, chunks: int) -> list[int]:
-    base, extra = divmod(num_layers, chunks)
-    return [max(1, base + (1 if i < extra else 0)) for i in range(chunks)]
+def _layout_fix(num_layers: int, pp: int, vpp: int) -> str:
+    """Settings that do run for a model of ``num_layers`` layers that ``pp * vpp`` does not divide: an uneven
+    ``--layout`` when every chunk can get a layer, else fewer stages (or chunks per stage)."""
+    chunks = pp * vpp
+    if num_layers >= chunks:
+        base, extra = divmod(num_layers, chunks)
+        counts = [base + (1 if i < extra else 0) for i in range(chunks)]
+        return (f"give layout=[layers of chunk 0, ..., chunk {chunks - 1}] (--layout {','.join(map(str, counts))}, "
+                f"say), or pp * vpp dividing {num_layers}")
+    # fewer chunks than layers are needed: every chunk holds at least one layer
+    if vpp > 1:
+        fits = [v for v in range(2, vpp) if pp * v <= num_layers and num_layers % (pp * v) == 0]
+        if fits:
+            return f"every chunk needs a layer: use vpp={fits[-1]} (--vpp {fits[-1]})"
+        stages = max((p for p in range(2, pp + 1) if 2 * p <= num_layers and num_layers % (2 * p) == 0), default=0)
+        if stages:
+            return f"every chunk needs a layer: use pp={stages}, vpp=2 (--pp {stages} --vpp 2)"
+        stages = max(p for p in range(1, pp + 1) if num_layers % p == 0)
+        return (f"every chunk needs a layer: use pp={stages} with one chunk per stage (--pp {stages} --vpp 1 "
+                "--schedule 1f1b)")
+    stages = max(p for p in range(1, pp + 1) if num_layers % p == 0)
+    return f"every stage needs a layer: use pp={stages} (--pp {stages}), or a deeper model"
 
 
 @dataclass(frozen=True)
@@ -106,6 +122,18 @@ def partition(config: ModelConfig, pp: int, vpp: int = 1, layout: Sequence[int] 
     return specs
 
 
+def check_policy_fits(policy: Any, specs: Sequence[ChunkSpec]) -> None:
+    """Refuse a full-recompute ``policy`` whose groups are deeper than a chunk (policies apply per model chunk, as
+    in Megatron), naming the deepest group that fits."""
+    smallest = min(s.num_layers for s in specs)
+    for spec in specs:
+        if policy.granularity == "full" and policy.num_layers > spec.num_layers:
+            fit = str(policy).replace(f"/{policy.num_layers}", f"/{smallest}", 1)
+            raise PipelineError(f"policy {policy} groups {policy.num_layers} layers but chunk {spec.index} has "
+                                f"{spec.num_layers} layers (policies apply per model chunk, as in Megatron): use "
+                                f"groups of <= {smallest} layers, e.g. {fit}")
+
+
 def rank_chunks(specs: Sequence[ChunkSpec], pp: int, rank: int) -> list[ChunkSpec]:
     """The chunks rank ``rank`` runs, in local order (chunk r, r + pp, ...)."""
     return [s for s in specs if s.rank(pp) == rank]
@@ -125,8 +153,10 @@ class Action:
         return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
 
 
-def check_schedule(schedule: str, pp: int, microbatches: int, vpp: int = 1, runtime: str = "torch") -> str:
-    """Validate a schedule's settings; return the schedule name in lower case. Errors name the fix."""
+def check_schedule(schedule: str, pp: int, microbatches: int, vpp: int = 1, runtime: str = "torch",
+                   num_layers: int | None = None) -> str:
+    """Validate a schedule's settings; return the schedule name in lower case. Errors name the fix, and only
+    fixes that pass this check (and, given the model's ``num_layers``, its even partition) are suggested."""
     if not isinstance(schedule, str) or schedule.strip().lower() not in SCHEDULES:
         raise PipelineError(f"unknown pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     schedule = schedule.strip().lower()
@@ -136,23 +166,28 @@ def check_schedule(schedule: str, pp: int, microbatches: int, vpp: int = 1, runt
     m = _positive_int("microbatches", microbatches)
     vpp = _positive_int("vpp", vpp)
     if schedule != "interleaved" and vpp != 1:
-        raise PipelineError(f"vpp={vpp} model chunks per stage need the interleaved schedule: use "
-                            f"schedule='interleaved' (--schedule interleaved), or vpp=1 with {schedule}")
+        interleaved = ("schedule='interleaved' (--schedule interleaved), or " if pp >= 2 and m % pp == 0 else "")
+        raise PipelineError(f"vpp={vpp} model chunks per stage need the interleaved schedule: use {interleaved}"
+                            f"vpp=1 (--vpp 1) with {schedule}")
     if schedule == "interleaved":
         if vpp < 2:
-            raise PipelineError("the interleaved schedule needs vpp >= 2 model chunks per stage (--vpp 2): with one "
-                                "chunk per stage use schedule='1f1b'")
+            two = (num_layers is not None and num_layers % (2 * pp) == 0 and pp >= 2 and m % pp == 0)
+            raise PipelineError("the interleaved schedule needs vpp >= 2 model chunks per stage"
+                                + (" (--vpp 2)" if two else "") + ": with one chunk per stage use "
+                                "schedule='1f1b' (--schedule 1f1b)")
         if pp < 2:
-            raise PipelineError("the interleaved schedule needs pp >= 2 stages: with one stage use schedule='1f1b' "
-                                "(or gpipe) and vpp=1")
+            raise PipelineError("the interleaved schedule needs pp >= 2 stages: with one stage use "
+                                "schedule='1f1b' and vpp=1 (--schedule 1f1b --vpp 1)")
         if m % pp:
+            lower, upper = max(pp, m - m % pp), m + pp - m % pp
             raise PipelineError(f"Megatron's interleaved schedule needs the microbatch count to be divisible by pp: "
-                                f"microbatches={m}, pp={pp}; use microbatches={max(pp, m - m % pp)} or "
-                                f"{m + pp - m % pp}")
+                                f"microbatches={m}, pp={pp}; use microbatches={lower} or {upper} (--microbatches "
+                                f"{lower})")
     if schedule == "1f1b" and runtime == "torch" and m < pp:
         raise PipelineError(f"torch.distributed.pipelining's Schedule1F1B needs microbatches >= pp: got "
-                            f"microbatches={m} < pp={pp}; use microbatches >= {pp}, or schedule='gpipe' "
-                            "(runtime='megatron' models Megatron's 1F1B, which runs min(pp - r - 1, m) warm-ups)")
+                            f"microbatches={m} < pp={pp}; use microbatches >= {pp} (--microbatches {pp}), or "
+                            "schedule='gpipe' (--schedule gpipe); runtime='megatron' models Megatron's 1F1B, which "
+                            "runs min(pp - r - 1, m) warm-ups")
     return schedule
 
 

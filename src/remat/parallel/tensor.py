@@ -8,7 +8,7 @@ from remat.config import ModelConfig
 from remat.memory.measure import measure
 from remat.models.gpt import sample_batch
 from remat.models.tensor_parallel import DistributedGroup, build_tp_model, check_tensor_parallel
-from remat.parallel.launch import launch_job
+from remat.parallel.launch import DEFAULT_TIMEOUT, launch_job
 from remat.policy import Policy
 from remat.recompute.apply import apply
 from remat.recompute.plan_format import Plan
@@ -31,7 +31,7 @@ def measure_tensor_parallel_rank(job: dict[str, Any], policy_text: str, rank: in
 
 
 def measure_tensor_parallel(config: ModelConfig, policy: Any, tp: int, sp: bool = False,
-                            timeout: float = 120.0, seed: int = 0) -> list[Any]:
+                            timeout: float = DEFAULT_TIMEOUT, seed: int = 0) -> list[Any]:
     """Measure one training step on ``tp`` real tensor-parallel ranks (gloo on CPU, one process each, every
     process ended before this returns); one Timeline per rank. ``policy``: a :class:`~remat.policy.Policy`, its
     text, or a :class:`remat.plan.Plan`."""
@@ -40,5 +40,5 @@ def measure_tensor_parallel(config: ModelConfig, policy: Any, tp: int, sp: bool 
     plan = policy.to_dict() if isinstance(policy, Plan) else None  # a plan travels as JSON, a policy as its text
     policy_text = str(Policy.parse(policy) if isinstance(policy, str) else policy)
     job = {"kind": "tensor_parallel", "config": config.to_dict(), "policies": [policy_text], "plan": plan,
-           "world": tp, "pp": tp, "sp": sp, "device": "cpu", "seed": seed, "fault": None, "timeout": float(timeout)}
+           "world": tp, "sp": sp, "device": "cpu", "seed": seed, "fault": None, "timeout": float(timeout)}
     return [Timeline.from_dict(results[0]) for results in launch_job(job, tp, timeout)]

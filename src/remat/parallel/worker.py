@@ -1,4 +1,4 @@
-"""The worker process that parallel.launch starts: runs one rank's job and writes its timeline."""
+"""The worker process that :mod:`remat.parallel.launch` starts: runs one rank's job and writes its timelines."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -14,33 +15,26 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from remat.parallel.launch import inject_fault
+from remat.parallel.job_measure import measure_job_rank
+from remat.parallel.launch import inject_fault, process_alive
 from remat.parallel.pipeline_measure import measure_pipeline_rank
 from remat.parallel.tensor import measure_tensor_parallel_rank
 from remat.timeline import write_atomic
 
 
 # ------------------------------------------------------------------------------------------------ worker
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _watchdog(launcher: int, deadline: float, folder: Path, rank: int) -> None:
     """End this worker when the process that launched it is gone or the run's time is over (the launcher
-    normally kills it first)."""
+    normally kills it first). A launcher that is gone ran no cleanup (it was SIGKILLed): remove its folder."""
     while True:
         time.sleep(0.2)
-        gone = not _alive(launcher)
-        if gone or time.time() > deadline:
-            reason = "the launching process is gone" if gone else "the run's timeout passed"
+        gone = not process_alive(launcher)
+        if gone:
+            shutil.rmtree(folder, ignore_errors=True)
+            os._exit(4)
+        if time.time() > deadline:
             with contextlib.suppress(Exception):
-                _report_error(folder, rank, f"worker stopped: {reason}", "")
+                _report_error(folder, rank, "worker stopped: the run's timeout passed", "")
             os._exit(4)
 
 
@@ -67,11 +61,13 @@ def _worker(folder: Path, rank: int, launcher: int) -> int:
         if cuda:
             torch.cuda.set_device(rank)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{job['port']}",
-                                rank=rank, world_size=job.get("world", job["pp"]),
+                                rank=rank, world_size=job["world"],
                                 timeout=datetime.timedelta(seconds=max(job["timeout"], 1.0)))
         try:
             tensor_parallel = job.get("kind") == "tensor_parallel"
             measure_one = measure_tensor_parallel_rank if tensor_parallel else measure_pipeline_rank
+            if job.get("kind") == "job":  # a whole Megatron job's rank (remat.parallel.job_measure)
+                measure_one = measure_job_rank
             results = [measure_one(job, policy, rank).to_dict() for policy in job["policies"]]
             dist.barrier()  # every rank is done with its collectives before any tears its connections down
         finally:
@@ -83,7 +79,6 @@ def _worker(folder: Path, rank: int, launcher: int) -> int:
         message = "".join(traceback.format_exception_only(type(err), err)).strip()
         _report_error(folder, rank, message, traceback.format_exc())
         return 1
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

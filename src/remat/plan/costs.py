@@ -36,7 +36,7 @@ class CostModel:
     :func:`measure_layer_times`) recompute is priced by those times instead (in FLOP-equivalents at
     ``flops_per_second`` for the FLOP objective).
     Offloading a group input of ``hidden_bytes`` costs ``hidden_bytes / bandwidth`` twice: the copy out overlaps
-    one layer's forward (only the excess is charged), the copy back is charged in full (see the module docstring).
+    one layer's forward (only the excess is charged), the copy back is charged in full (NOTE [offload charge]).
     """
 
     objective: str = "extra_flops"
@@ -62,6 +62,11 @@ class CostModel:
             return dict(self.measured)["layer"]
         return model.layer_forward_flops / self.flops_per_second
 
+    # NOTE [offload charge]: the copy of a group's input to the host runs on a side stream while the following
+    # layers' forward runs, so only what exceeds one layer's forward time is charged; the copy back is issued when
+    # the group's backward starts and is charged in full (remat restores just in time and does not prefetch, so
+    # nothing hides it; a prefetch during the previous group's backward would hide it but would also hold the input
+    # on the device during that backward, which the memory model would then have to charge).
     def offload_seconds(self, model: UnitModel) -> float:
         """Transfer time charged per offloaded group (see the class docstring)."""
         t = model.hidden_bytes / self.bandwidth
@@ -98,6 +103,18 @@ class CostModel:
         if unit.mode == "offload":
             base += self._seconds_to_cost(self.offload_seconds(model))
         return base
+
+    def extra_seconds(self, model: UnitModel, unit: Unit) -> float:
+        """Predicted seconds ``unit`` adds to a step: the time objective's value, or under the FLOP objective the
+        same roofline (recomputed FLOPs at ``flops_per_second``, rebuilt bytes at ``memory_bandwidth``, offload
+        transfers charged): what reports compare plans by besides FLOPs."""
+        if unit.mode == "keep":
+            return 0.0
+        if self.objective == "time":
+            return self.cost(model, unit) * 1e-9
+        shape = model.shape(unit)
+        seconds = shape.recompute_flops / self.flops_per_second + shape.recompute_bytes / self.memory_bandwidth
+        return seconds + (self.offload_seconds(model) if unit.mode == "offload" else 0.0)
 
     def describe(self) -> str:
         unit = "FLOPs" if self.objective == "extra_flops" else "ns"

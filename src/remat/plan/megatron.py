@@ -1,4 +1,4 @@
-"""Megatron-expressible policies: the sweep, and the predicted peak of each for planning."""
+"""Megatron-LM's recompute settings (the one definition of the sweep) and the traced prediction of any plan."""
 
 from __future__ import annotations
 
@@ -8,31 +8,57 @@ from dataclasses import dataclass
 from remat.config import ModelConfig
 from remat.memory.compose import CompositionError, ShallowTrace, compose, layer_roles
 from remat.memory.predict import predict_config, predict_many, trace_rank
-from remat.plan.space import MEGATRON_MODULES
 from remat.policy import Policy
 from remat.recompute.plan_format import Plan, PlanError, Unit
 from remat.timeline import Timeline
 
-MEGATRON_SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")  # the dense-model modules Megatron offers
+# NOTE [the Megatron space]: every setting Megatron-LM's flags can express for a dense model's layers: ``none``,
+# ``full/uniform/K`` and ``full/block/K`` for K = 1..L, and ``selective`` with each non-empty set of
+# MEGATRON_MODULES (remat's 'act' is MoE-only there; non_matmul is not Megatron's). plan() predicts each
+# (remat.memory.predict.predict_many: exact fake traces, composed for deep stacks) and answers with the setting of
+# least cost whose predicted peak fits; its cost also prunes the extended search (solve's incumbent).
+# This is the one definition of that set: `remat predict/compare --sweep megatron` list it too (megatron_sweep).
+MEGATRON_MODULES = ("core_attn", "mlp", "layernorm")
+SWEEPS = ("megatron",)  # the names --sweep takes: megatron = megatron_sweep
+SWEEP_DESCRIPTION = ("none, every full/uniform/K and full/block/K (K = 1..L) and each set of selective modules "
+                     f"({', '.join(MEGATRON_MODULES)})")
+
+
+def megatron_policies(num_layers: int, engine: str = "reentrant") -> list[Policy]:
+    """Every Megatron-LM recompute setting of a ``num_layers`` stack (NOTE [the Megatron space]).
+
+    Args:
+        num_layers: the stack's depth (>= 1).
+        engine: the checkpoint engine of every policy (Megatron's is ``'reentrant'``).
+
+    Returns:
+        ``none``, ``full/uniform/K`` for K = 1..L, ``full/block/K`` for K = 1..L, then ``selective`` with each
+        non-empty set of :data:`MEGATRON_MODULES`, as :class:`Policy` objects.
+    """
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers={num_layers!r}: a sweep needs a stack of at least one layer")
+    out = [Policy(engine=engine)]
+    out += [Policy("full", "uniform", k, engine=engine) for k in range(1, num_layers + 1)]
+    out += [Policy("full", "block", k, engine=engine) for k in range(1, num_layers + 1)]
+    out += [Policy("selective", modules=c, engine=engine) for n in range(1, len(MEGATRON_MODULES) + 1)
+            for c in itertools.combinations(MEGATRON_MODULES, n)]
+    return out
 
 
 def megatron_sweep(num_layers: int, engine: str | None = None) -> list[str]:
-    """Every Megatron recompute setting of a ``num_layers`` stack, in the short form of :class:`Policy`.
+    """:func:`megatron_policies` in the short form of :class:`Policy` (``'none'``, ``'full/uniform/1'``, ...), as
+    ``--sweep megatron`` lists them; ``engine`` (None: Megatron's reentrant) is appended as ``@engine`` to every
+    policy but ``none``.
 
-    ``none``; ``full/uniform/K`` for K = 1..L; ``full/block/K`` for K = 1..L (K = 0 is ``none``); ``selective``
-    with each non-empty set of Megatron's dense-model modules (core_attn, mlp, layernorm). ``engine`` (None:
-    Megatron's reentrant) is appended as ``@engine`` to every policy but ``none``.
+    Example::
+
+        >>> megatron_sweep(2)
+        ['none', 'full/uniform/1', 'full/uniform/2', 'full/block/1', 'full/block/2', 'selective/core_attn', \
+'selective/mlp', 'selective/layernorm', 'selective/core_attn+mlp', 'selective/core_attn+layernorm', \
+'selective/mlp+layernorm', 'selective/core_attn+mlp+layernorm']
     """
-    from itertools import combinations
-
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_layers={num_layers!r}: a sweep needs a stack of at least one layer")
-    names = [f"full/uniform/{k}" for k in range(1, num_layers + 1)]
-    names += [f"full/block/{k}" for k in range(1, num_layers + 1)]
-    mods = MEGATRON_SELECTIVE_MODULES
-    names += ["selective/" + "+".join(c) for n in range(1, len(mods) + 1) for c in combinations(mods, n)]
-    suffix = f"@{engine}" if engine not in (None, "reentrant") else ""
-    return ["none", *(name + suffix for name in names)]
+    policies = megatron_policies(num_layers, engine or "reentrant")
+    return ["none", *(str(p) for p in policies[1:])]
 
 
 # ------------------------------------------------------------------------------------------------ prediction
@@ -110,17 +136,6 @@ class Predicted:
     def of(cls, tl: Timeline) -> Predicted:
         return cls(tl.peak_bytes, tl.peak_phase.label, dict(tl.at_peak),
                    {k: int(v) for k, v in tl.meta.get("flops", {}).items()})
-
-
-def megatron_policies(num_layers: int, engine: str = "reentrant") -> list[Policy]:
-    """Every Megatron-LM recompute setting of a ``num_layers`` stack: none, full/uniform/K and full/block/K for
-    K = 1..L, and selective with each non-empty set of core_attn, mlp, layernorm."""
-    out = [Policy(engine=engine)]
-    out += [Policy("full", "uniform", k, engine=engine) for k in range(1, num_layers + 1)]
-    out += [Policy("full", "block", k, engine=engine) for k in range(1, num_layers + 1)]
-    out += [Policy("selective", modules=c, engine=engine) for n in range(1, 4)
-            for c in itertools.combinations(MEGATRON_MODULES, n)]
-    return out
 
 
 _MEGATRON: dict[tuple[ModelConfig, str, str, int, bool], list[tuple[Policy, Predicted]]] = {}

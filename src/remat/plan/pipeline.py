@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +23,8 @@ from remat.parallel.schedule import (
 )
 from remat.plan.costs import CostModel, candidate_units
 from remat.plan.megatron import Predicted, megatron_policies
+from remat.plan.options import ParallelOptions, PlanOptions
+from remat.plan.result import compared
 from remat.plan.solver import Solution, solve, tidy
 from remat.plan.unit_model import UnitModel, unit_model
 from remat.policy import Policy
@@ -49,9 +52,8 @@ def stage_timeline(config: ModelConfig, rank: int, chunk_plan: Plan | Policy, *,
     return compose_stage(stage, chunk_plan, None)
 
 
-def plan_pipeline(config: ModelConfig, budget: int, *, pp: int, microbatches: int, schedule: str = "1f1b",
-                  vpp: int = 1, cost: CostModel | None = None, device: str = "cpu", engine: str = "reentrant",
-                  offload: bool = True, runtime: str = "torch", max_resolves: int = 4) -> dict[str, Any]:
+def plan_pipeline(config: ModelConfig, budget: int | str, parallel: ParallelOptions,
+                  options: PlanOptions | None = None) -> dict[str, Any]:
     """Plan each pipeline stage separately and compare with the best uniform (Megatron) setting.
 
     Stage r of a 1F1B pipeline holds up to ``min(pp - r, m)`` microbatches' saved tensors at once, so stage 0
@@ -64,14 +66,41 @@ def plan_pipeline(config: ModelConfig, budget: int, *, pp: int, microbatches: in
     than the best uniform setting's (that one is kept when cheaper). The uniform candidates are every Megatron
     setting, each predicted with :func:`remat.parallel.pipeline_predict.predict_pipeline`.
 
-    Step time uses the pipeline's critical path: the slowest stage's time per microbatch, (forward + backward +
-    recompute FLOPs) / ``cost.flops_per_second``, times ``microbatches + pp - 1``. Only ``vpp=1`` (one model chunk
-    per stage) is planned per stage.
-    """
+    Step time uses the pipeline's critical path: the slowest stage's time per microbatch, forward + backward FLOPs
+    at ``options.flops_per_second`` plus the recompute's predicted seconds (:meth:`CostModel.extra_seconds`: its
+    FLOPs and rebuilt bytes, or measured times), times ``microbatches + pp - 1``. Only ``vpp=1`` (one model
+    chunk per stage) is planned per stage.
 
-    if vpp != 1:
-        raise PlanError(f"per-stage plans need one model chunk per stage (vpp=1), got vpp={vpp}")
-    cost = cost or CostModel()
+    Args:
+        config: the whole model (every stage's layers; :func:`remat.parallel.schedule.partition` splits them).
+        budget: one GPU's memory: bytes, or text as :func:`~remat.plan.plan` takes.
+        parallel: the pipeline (:class:`ParallelOptions` with ``pp``; ``microbatches``, ``schedule``, ``runtime``).
+        options: what to search and how to price it (:class:`PlanOptions`; default ``PlanOptions()``).
+
+    Returns:
+        The JSON-able report: ``stages`` (per stage: its ``layers``, ``plan`` and ``plan_json`` for its own
+        layers numbered from 0, ``peak_bytes``, ``recompute_flops``, ``seconds_per_microbatch``), ``uniform`` (the
+        best Megatron setting for every stage, or None), ``critical_path_seconds``, ``step_time_saving_pct``,
+        ``summary`` (text) and ``snippet`` (Python applying each stage's plan to its stage module).
+
+    Example::
+
+        >>> from remat.plan import ParallelOptions, plan_pipeline
+        >>> report = plan_pipeline(config, "70GiB", ParallelOptions(pp=4, microbatches=8))  # doctest: +SKIP
+        >>> [stage["plan"] for stage in report["stages"]]  # doctest: +SKIP
+    """
+    options = PlanOptions() if options is None else options
+    if not isinstance(options, PlanOptions):
+        raise PlanError(f"options={options!r}: give a PlanOptions (remat.plan.PlanOptions(...)) or None")
+    if not isinstance(parallel, ParallelOptions) or parallel.pp is None:
+        raise PlanError(f"parallel={parallel!r}: give ParallelOptions(pp=<stages>, ...) to plan a pipeline")
+    if parallel.vpp != 1:
+        raise PlanError(f"ParallelOptions.vpp={parallel.vpp}: per-stage plans need one model chunk per stage; "
+                        "set vpp=1")
+    budget, _ = options.budget(budget)
+    pp, microbatches, schedule, runtime = parallel.pp, parallel.num_microbatches, parallel.schedule, parallel.runtime
+    device, engine, offload, max_resolves = options.device, options.engine, options.offload, options.max_resolves
+    cost = options.cost_model(config)
     start = time.perf_counter()
     specs = partition(config, pp, 1)
     schedule = check_schedule(schedule, pp, microbatches, 1, runtime)
@@ -83,12 +112,12 @@ def plan_pipeline(config: ModelConfig, budget: int, *, pp: int, microbatches: in
     in_flight = [max_in_flight(schedule_actions(schedule, pp, microbatches, 1, r, runtime=runtime))
                  for r in range(pp)]
 
-    def stage_seconds(rank: int, recompute_flops: int) -> float:
+    def stage_seconds(rank: int, plan: Plan) -> float:  # forward + backward FLOPs at fps, plus the recompute
         spec = specs[rank]
-        flops = spec.num_layers * (model.layer_forward_flops + model.layer_backward_flops) + recompute_flops
+        flops = spec.num_layers * (model.layer_forward_flops + model.layer_backward_flops)
         if spec.is_last:
             flops += head_fwd + head_bwd
-        return flops / fps
+        return flops / fps + sum(cost.extra_seconds(model, u) for u in plan.units())
 
     # the uniform settings: every Megatron policy that fits the smallest chunk, each stage predicted
     smallest = min(s.num_layers for s in specs)
@@ -113,7 +142,8 @@ def plan_pipeline(config: ModelConfig, budget: int, *, pp: int, microbatches: in
     stages: list[dict[str, Any]] = []
     for rank, spec in enumerate(specs):
         Lc, n = spec.num_layers, in_flight[rank]
-        units = candidate_units(Lc, offload=offload, engine=engine, contractions=model.contractions)
+        units = candidate_units(Lc, offload=offload, engine=engine, selective_sets=options.selective_sets,
+                                contractions=model.contractions)
         keep_plan = [KEEP] * Lc
         delta = none_peaks[rank] - (model.peak(keep_plan) + (n - 1) * stored(keep_plan))
         chosen = None
@@ -151,16 +181,14 @@ def plan_pipeline(config: ModelConfig, budget: int, *, pp: int, microbatches: in
         flops = sum(model.shape(u).recompute_flops for u in p.units() if u.mode != "keep")
         policy, why = p.megatron_policy()
         entry.update(fits=True, source=source, plan=str(p), plan_json=p.to_dict(), peak_bytes=peak,
-                     recompute_flops=flops, seconds_per_microbatch=stage_seconds(rank, flops),
+                     recompute_flops=flops, seconds_per_microbatch=stage_seconds(rank, p),
                      megatron_policy=None if policy is None else str(policy), why_not_megatron=why)
         stages.append(entry)
 
     report: dict[str, Any] = {"pp": pp, "microbatches": microbatches, "schedule": schedule, "runtime": runtime,
                               "budget_bytes": budget, "stages": stages}
     if best_uniform is not None:
-        per = [stage_seconds(r, sum(model.shape(u).recompute_flops
-                                    for u in Plan.from_policy(best_uniform[0], specs[r].num_layers).units()
-                                    if u.mode != "keep")) for r in range(pp)]
+        per = [stage_seconds(r, Plan.from_policy(best_uniform[0], specs[r].num_layers)) for r in range(pp)]
         report["uniform"] = {"policy": str(best_uniform[0]), "stage_peaks": best_uniform[1],
                              "recompute_flops": best_uniform[2], "seconds_per_microbatch": per,
                              "critical_path_seconds": max(per) * (microbatches + pp - 1),
@@ -176,7 +204,8 @@ def plan_pipeline(config: ModelConfig, budget: int, *, pp: int, microbatches: in
             u = report["uniform"]["critical_path_seconds"]
             report["step_time_saving_pct"] = 100 * (1 - report["critical_path_seconds"] / u) if u else 0.0
     report["seconds"] = time.perf_counter() - start
-    report["summary"] = _pipeline_summary(report)
+    report["summary"] = pipeline_summary(report)
+    report["snippet"] = stage_snippet(stages)
     return report
 
 
@@ -205,7 +234,8 @@ def _solve_stage(model: UnitModel, num_layers: int, budget: int, in_flight: int,
     return best
 
 
-def _pipeline_summary(report: dict[str, Any]) -> str:
+def pipeline_summary(report: dict[str, Any]) -> str:
+    """The text of a :func:`plan_pipeline` report: each stage's plan, the best uniform setting, the critical path."""
     lines = [f"Pipeline ({report['pp']} stages, {report['microbatches']} microbatches, {report['schedule']}): "
              "one plan per stage"]
     for st in report["stages"]:
@@ -224,7 +254,25 @@ def _pipeline_summary(report: dict[str, Any]) -> str:
     if "critical_path_seconds" in report:
         text = f"  critical path {format_seconds(report['critical_path_seconds'])} per step"
         if "step_time_saving_pct" in report:
-            text += (f" vs {format_seconds(report['uniform']['critical_path_seconds'])} with the uniform setting: "
-                     f"{report['step_time_saving_pct']:.1f}% shorter")
+            uniform = report["uniform"]
+            how = compared(report["critical_path_seconds"], uniform["critical_path_seconds"], "shorter", "longer")
+            text += f" vs {format_seconds(uniform['critical_path_seconds'])} with the uniform setting: {how}"
+            ours, theirs = sum(st["recompute_flops"] for st in report["stages"]), uniform["recompute_flops"]
+            fewer = compared(ours, theirs, "fewer", "more")
+            text += f"; recomputed FLOPs per microbatch over all stages: {fewer} ({ours:,} vs {theirs:,})"
         lines.append(text)
     return "\n".join(lines)
+
+
+def stage_snippet(stages: Sequence[dict[str, Any]]) -> str | None:
+    """Python that applies each stage's plan to that stage's module (a model chunk holding only the stage's layers,
+    as :func:`remat.parallel.stages.build_stage_module` builds one), or None when a stage has no plan."""
+    if not stages or not all(st.get("fits") for st in stages):
+        return None
+    rows = [f"    Plan.from_dict({json.dumps(st['plan_json'], separators=(',', ':'))}),  # stage {st['stage']}: "
+            f"layers {st['layers'][0]}-{st['layers'][1]}" for st in stages]
+    return ("import remat\nfrom remat.plan import Plan\n\n"
+            "stage_plans = [  # one per pipeline stage; each numbers its stage's own layers from 0\n"
+            + "\n".join(rows) + "\n]\n"
+            "remat.apply(stage_module, stage_plans[stage])  # stage_module: this rank's pipeline stage (its layers "
+            "only); stage: its index\n")

@@ -1,5 +1,15 @@
 """The exact plan solver: dynamic programming over layers under a peak-memory budget."""
 
+# NOTE [the extended search]: every plan made of the four layer modes (NOTE [plan modes] in remat.plan.space), with
+# groups of any sizes. The dynamic program (solve) finds the plan of least cost whose *modelled* peak (NOTE [the unit
+# model]) is <= the budget. It walks the stack bottom-up over states (layers planned, which side inputs are kept
+# below) with Pareto sets of (bytes kept below, cost); a unit's backward bound only needs the bytes kept below it
+# and its position, so every constraint is checked exactly when its unit is added. Unit kinds that another kind
+# beats on every count are left out, and the best Megatron setting's cost (with a fractional-knapsack lower bound on
+# completing a partial plan) prunes the Pareto sets; 128 layers solve in a fraction of a second
+# (benchmarks/bench_plan.py times it). FLOP counters give norms and activations no FLOPs, so plans tying on FLOPs
+# are then made to recompute as little as the budget allows (tidy; the cost never rises).
+
 from __future__ import annotations
 
 import math
@@ -82,7 +92,7 @@ def solve(model: UnitModel, num_layers: int, budget: int,
     state is (layers planned, which side inputs a unit below keeps); each state keeps the Pareto set of (bytes
     kept below, cost) of the partial plans that reach it and satisfy every bound so far. Adding a unit checks
     its forward and backward bounds, which depend only on the bytes kept below it, its position and the state
-    (see the module docstring); the head's bounds are checked at the end. A unit kind that another kind of the
+    (NOTE [the extended search]); the head's bounds are checked at the end. A unit kind that another kind of the
     same size beats on every count (bytes kept, cost, forward and backward highs, side inputs kept) is never
     needed and is left out. ``incumbent``, the cost of a plan known to fit the model, prunes partial plans whose
     cost plus a lower bound on completing them (:func:`_cost_bound`) exceeds it. ``stored_cap`` also bounds the

@@ -8,6 +8,20 @@ from collections.abc import Iterable
 from remat.policy import CONTRACTION_PREFIX, SELECTIVE_MODULES
 from remat.recompute.plan_format import PlanError, usable_set
 
+# NOTE [plan modes]: a Plan (remat.recompute.plan_format) says, for every layer of the stack, one of four things:
+# * keep: the layer keeps every activation its backward needs (no recompute);
+# * selective: the named submodules of the layer (core_attn, mlp, layernorm, act; see remat.policy) are checkpointed
+#   and recomputed in backward, the rest is kept; or, with non_matmul, the layer keeps only its matrix multiplies'
+#   outputs and recomputes every other operator (and the matrix multiplies of core_attn/mlp when named with it, or,
+#   with matmul_k<K>, those whose contraction dimension is <= K: the smallest K frees the most bytes per recomputed
+#   FLOP); non_matmul alone recomputes no FLOPs and frees most of the layer's bytes. The search offers matmul_k<K>
+#   for each contraction size of the layer (contraction_sets);
+# * checkpoint: the layer belongs to a group of consecutive layers that is one checkpoint: only the group's inputs
+#   are kept and the whole group is recomputed in backward (Megatron's full recompute, but the groups may have any
+#   sizes and may be anywhere);
+# * offload: a checkpoint group whose kept hidden-states input waits for backward in host memory (pinned on CUDA)
+#   and is copied back when the group's backward starts (remat.recompute.offload). Gradients are the plain model's,
+#   bit for bit.
 OBJECTIVES = ("extra_flops", "time")
 SELECTIVE_SETS: tuple[tuple[str, ...], ...] = tuple(
     c for n in range(1, len(SELECTIVE_MODULES) + 1) for c in itertools.combinations(SELECTIVE_MODULES, n)
@@ -31,6 +45,3 @@ def selective_sets(modules: str | Iterable[str]) -> tuple[tuple[str, ...], ...]:
                         "to plan without selective layers)")
     return tuple(s for s in SELECTIVE_SETS if set(s) <= set(names))
 
-
-# What Megatron-LM offers for a dense model's layers (remat's 'act' is MoE-only there).
-MEGATRON_MODULES = ("core_attn", "mlp", "layernorm")

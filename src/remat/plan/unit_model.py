@@ -217,10 +217,21 @@ def _expand(pieces: list[_Piece], size: int, traced_size: int) -> tuple[Block, i
     return block, flops, remat
 
 
+# NOTE [the unit model]: built from two fake traces (FakeTensorMode, once per model shape): a stack that holds each
+# kind of unit once (a kept layer, a selective layer per module set, checkpoint/offload groups of 1, 2 and 3 layers;
+# larger groups repeat a middle layer's events), cut at unit boundaries marked by module hooks into per-unit forward
+# and backward event blocks (each block's net bytes, its highest point and the FLOPs it recomputes), and a plain
+# two-layer stack for the head when no unit keeps the attention mask. A step's live bytes are then a sum of blocks
+# in execution order (setup and embedding, each unit's forward bottom-up, the head's forward and backward, each
+# unit's backward top-down, the embedding's backward), plus two non-local terms handled exactly: parameter
+# gradients accumulate (a fixed amount per layer) and the attention mask / rotary tables live until the lowest
+# unit that keeps them has run its backward. The one known approximation: those side inputs are taken to be freed
+# at the *end* of their lowest holder's backward, which can only over-estimate, by their bytes. With tp/sp the
+# traces are of one tensor-parallel rank (remat.models.tensor_parallel on a simulated group).
 @dataclass
 class UnitModel:
-    """The memory model of one training step of the reference GPT, assembled from unit blocks (see the module
-    docstring). Built by :func:`unit_model` from fake traces; exact where the tests say so."""
+    """The memory model of one training step of the reference GPT, assembled from unit blocks (NOTE [the unit
+    model]). Built by :func:`unit_model` from fake traces; exact where the tests say so."""
 
     config: ModelConfig
     device: str

@@ -1,30 +1,5 @@
-"""Apply a recompute :class:`~remat.policy.Policy` to a PyTorch layer stack.
-
-``apply(model, policy)`` turns runs of modules into *checkpoint regions*, with Megatron-LM's semantics:
-
-* ``full/uniform/k``: consecutive groups of k layers (the last one shorter when k does not divide the depth).
-  A group's forward runs without keeping activations; only the group's input tensors (hidden states, attention
-  mask, rotary tables, ...) are kept. In backward the whole group is recomputed, then backpropagated, so while a
-  group's backward runs all k layers' activations exist at once.
-* ``full/block/k``: the first k layers, each its own region; the other layers keep all activations.
-* ``selective/<modules>``: the named submodules of every layer (attention core, MLP, norms, MLP activation).
-* ``selective/non_matmul`` (alone or with ``core_attn``/``mlp``): each layer is one checkpoint under torch's
-  selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``, always
-  the non-reentrant engine): the outputs of its matrix multiplies (:data:`MATMUL_OPS`) are kept, every other
-  operator is recomputed in backward from them, and inside the named modules the matrix multiplies too; with
-  ``matmul_k<N>`` also every ``mm``/``addmm``/``bmm``/``baddbmm`` whose contraction dimension is <= N.
-
-Regions need no change to the model's code. The first module of a region runs the whole region under one
-checkpoint; the later modules of a multi-layer region, when the model's own loop calls them, hand back the
-region's output (they check that they were given the previous layer's output, i.e. that the loop is a plain
-chain ``h = layer(h, ...)``). Forwards are replaced on the instances, so parameter names, ``state_dict`` keys
-and module hooks are those of the plain model.
-
-Engines: ``reentrant`` mirrors Megatron's ``CheckpointFunction`` (forward under ``no_grad``; backward restores
-the RNG state, recomputes the region with grad enabled and backpropagates through it); ``non-reentrant`` uses
-``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with early stop. Both restore the RNG state so
-dropout masks are the same in the recomputation, and gradients equal the plain model's bit for bit.
-"""
+"""Apply a recompute policy to a PyTorch model's layer stack (:func:`apply`), undo it (:func:`remove`) and find the
+stack (:func:`find_layer_stack`)."""
 
 from __future__ import annotations
 
@@ -115,7 +90,21 @@ def applied(model: nn.Module) -> AppliedPolicy | None:
 
 
 def remove(model: nn.Module) -> None:
-    """Undo :func:`apply`: every module runs its own forward again."""
+    """Undo :func:`apply`: every module runs its own forward again.
+
+    Args:
+        model: a model :func:`apply` was called on (any other model is left as it is).
+
+    Example::
+
+        >>> from remat.config import ModelConfig
+        >>> from remat.models import build_model
+        >>> model = build_model(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4))
+        >>> _ = apply(model, "full/uniform/1")
+        >>> remove(model)
+        >>> applied(model) is None
+        True
+    """
     state = model.__dict__.pop("_remat_applied", None)
     if state is not None:
         for region in state.regions:
@@ -124,15 +113,66 @@ def remove(model: nn.Module) -> None:
 
 def apply(model: nn.Module, policy: RecomputeLayout | str,
           layers: str | Sequence[nn.Module] | nn.Module | None = None) -> AppliedPolicy:
-    """Apply ``policy`` to ``model``'s layer stack, replacing any policy applied before.
+    """Make ``model`` recompute activations in backward as ``policy`` says, replacing any policy applied before.
 
-    ``policy`` may be a :class:`Policy`, its string form (``"full/uniform/4"``), or any
-    :class:`RecomputeLayout` (e.g. a plan with unequal groups). ``layers`` names the stack
-    when it is not found automatically (see :func:`find_layer_stack`). ``Policy.parse("none")`` restores the
-    plain model. Returns what was applied; the same object is available later through :func:`applied`.
+    The policy's semantics are Megatron-LM's (see :class:`~remat.policy.Policy`): ``full/uniform/k`` makes
+    consecutive groups of k layers one checkpoint each (the last one shorter when k does not divide the depth):
+    a group's forward keeps only its input tensors (hidden states, attention mask, rotary tables, ...), and in
+    backward the whole group is recomputed, then backpropagated, so while a group's backward runs all k layers'
+    activations exist at once. ``full/block/k`` checkpoints the first k layers one by one; the other layers keep
+    all activations. ``selective/<modules>`` checkpoints the named submodules of every layer (attention core,
+    MLP, norms, MLP activation; found through :data:`~remat.recompute.region.SELECTIVE_TARGETS`).
+    ``selective/non_matmul`` (alone or with ``core_attn``/``mlp``) makes each layer one checkpoint under torch's
+    selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``, always
+    the non-reentrant engine): the outputs of its matrix multiplies
+    (:data:`~remat.recompute.operators.MATMUL_OPS`) are kept, every other operator is recomputed in backward
+    from them, and inside the named modules the matrix multiplies too; with ``matmul_k<N>`` also every
+    ``mm``/``addmm``/``bmm``/``baddbmm`` whose contraction dimension is <= N.
+
+    Nothing in the model's code changes (NOTE [how regions run] in :mod:`remat.recompute.region`): forwards are
+    replaced on the module instances, so parameter names, ``state_dict`` keys and module hooks are those of the
+    plain model. Both engines restore the RNG state for the recomputation, so
+    dropout masks are the same and gradients equal the plain model's bit for bit.
+
+    Args:
+        model: the model; its layer stack is found by :func:`find_layer_stack`. Hugging Face models are
+            supported (their own gradient checkpointing must be off; see :mod:`remat.recompute.hf`).
+        policy: a :class:`~remat.policy.Policy`, its short form (``'full/uniform/4'``), or any
+            :class:`~remat.recompute.region.RecomputeLayout` (e.g. a :class:`~remat.recompute.plan_format.Plan`
+            with unequal groups or offloaded group inputs). ``'none'`` restores the plain model.
+        layers: the decoder layer stack when it is not found automatically: its path (``'model.layers'``), the
+            container, or a list of the layers.
+
+    Returns:
+        The :class:`~remat.recompute.region.AppliedPolicy` (policy, stack path, layers, regions); the same object
+        is available later through :func:`applied`.
+
+    Raises:
+        ApplyError: ``model`` not a module, ``policy`` not a policy, no layer stack found, a selective module the
+            layers do not have, a layer object repeated in the stack (naming both positions), or a combination
+            that cannot run (e.g. offload with the non-reentrant engine); the model is left unchanged.
+        PolicyError: a policy string that does not parse, or ``num_layers`` above the stack's depth.
+
+    Example::
+
+        >>> import torch
+        >>> from remat.config import ModelConfig
+        >>> from remat.models import build_model, sample_batch
+        >>> config = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16)
+        >>> model = build_model(config)
+        >>> state = apply(model, "full/uniform/2")
+        >>> [region.label for region in state.regions]
+        ['group 0 (layers 0-1)', 'group 1 (layers 2-3)']
+        >>> model(*sample_batch(config)).backward()  # layers 0-1 and 2-3 are recomputed in backward
     """
+    if not isinstance(model, nn.Module):
+        raise ApplyError(f"apply(model=...) takes a torch.nn.Module, got {type(model).__name__}")
     if isinstance(policy, str):
         policy = Policy.parse(policy)
+    elif isinstance(policy, type) or not isinstance(getattr(policy, "engine", None), str) or \
+            not all(callable(getattr(policy, name, None)) for name in ("layer_groups", "selective_modules")):
+        raise ApplyError(f"apply(policy=...) takes a remat.Policy, its short form such as 'full/uniform/4', or a "
+                         f"RecomputeLayout such as a remat.plan Plan; got {type(policy).__name__} {policy!r:.60}")
     hf = _hugging_face(model)
     if hf is None and getattr(model, "is_gradient_checkpointing", False):
         raise ApplyError(f"{type(model).__name__} has Hugging Face gradient checkpointing enabled: call "
@@ -161,14 +201,7 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
                 regions.append(Region(len(regions), f"selective:{module}", [target], [name], policy.engine,
                                       layer_indices=(i,)))
     _mark_offloaded(policy, len(stack), regions)
-    seen: dict[int, str] = {}
-    for region in regions:
-        for module, name in zip(region.modules, region.names):
-            if id(module) in seen:
-                raise ApplyError(f"{name} and {seen[id(module)]} are the same module instance: a stack that "
-                                 "repeats one layer object cannot be checkpointed region by region; build "
-                                 "distinct layers (e.g. copy.deepcopy)")
-            seen[id(module)] = name
+    _refuse_shared_modules(regions, stack, stack_path)
     remove(model)
     installed: list[Region] = []
     try:
@@ -184,6 +217,32 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
     if hf is not None:  # keeps the KV cache out of recomputed layers; drops cores no region uses
         hf.installed(model, state)
     return state
+
+
+def _refuse_shared_modules(regions: list[Region], stack: list[nn.Module], stack_path: str) -> None:
+    """Refuse a module that two regions (or two places of one region) would run: a stack that repeats one layer
+    object. The message names both positions in the stack (``layers.1 and layers.3``): the names the model gives
+    a shared module are all the same, so positions are what tells them apart."""
+    positions: dict[int, list[int]] = {}
+    for i, layer in enumerate(stack):
+        positions.setdefault(id(layer), []).append(i)
+    seen: dict[int, tuple[str, int]] = {}
+    for region in regions:
+        for k, (module, name) in enumerate(zip(region.modules, region.names)):
+            layer = region.layer_indices[min(k, len(region.layer_indices) - 1)] if region.layer_indices else -1
+            if id(module) not in seen:
+                seen[id(module)] = (name, layer)
+                continue
+            places = positions.get(id(module), [])
+            if len(places) > 1:  # a repeated layer
+                where = " and ".join(f"{stack_path}.{i}" for i in places[:2]) + (
+                    f" (and {len(places) - 2} more)" if len(places) > 2 else "")
+            else:  # a submodule shared by two layers: the model names it once, so say which layers hold it
+                first, first_layer = seen[id(module)]
+                where = f"{first} (in layer {first_layer}) and {name} (in layer {layer})"
+            raise ApplyError(f"{where} are the same module instance: a stack that repeats one layer (or submodule) "
+                             "object cannot be checkpointed region by region; build distinct layers (e.g. "
+                             "copy.deepcopy)")
 
 
 def _operator_level_region(index: int, layer: nn.Module, name: str, i: int, modules: Sequence[str]) -> Region:

@@ -1,54 +1,7 @@
-"""Hugging Face transformers models: what :func:`remat.apply` needs to recompute them the Megatron way.
-
-:func:`remat.apply` calls into this module (only when ``transformers`` is already imported, so nothing is imported
-for other models) for any model that contains a ``transformers`` ``PreTrainedModel`` or decoder layer:
-
-* **HF's own gradient checkpointing** (``model.activation_checkpointing_enable()``, formerly
-  ``gradient_checkpointing_enable()``) is refused: remat would recompute layers that already recompute
-  themselves. The message names the layers and the call that turns it off.
-* **The attention core.** HF attention modules have no submodule for softmax(QK^T)V: they project Q, K and V,
-  apply rotary embeddings, then call the function named by ``config._attn_implementation`` through HF's
-  ``AttentionInterface`` (``sdpa``, ``eager``, ``flash_attention_2``, ...). For ``selective/core_attn`` remat
-  inserts a parameter-free :class:`CoreAttention` submodule, ``<attention>.core_attention``, that calls that
-  same function, and registers ``remat:<implementation>`` in HF's ``AttentionInterface`` (and the same mask
-  function in ``AttentionMaskInterface``). The registered function hands each call to the calling attention
-  module's ``core_attention`` (an attention module without one goes straight to the original function), which
-  is then checkpointed like any other selective region. The attention module alone is switched to the
-  registered name, through a shallow copy of its config: the model's config (and every other model built from
-  it) is left alone, and masks are built as before. So ``core_attn`` recomputes, per family:
-
-  ======================================  ==================================================================
-  family (attention module)               what ``core_attn`` recomputes
-  ======================================  ==================================================================
-  GPT-2 (``attn``)                        QK^T·scale, causal mask, softmax, attention dropout, ·V
-  Llama, Mistral, Qwen2 (``self_attn``)   GQA key/value expansion, QK^T·scale, mask (Mistral: sliding
-                                          window), softmax, attention dropout, ·V
-  GPT-NeoX (``attention``), OPT           QK^T·scale, mask, softmax, attention dropout, ·V
-  (``self_attn``)
-  ======================================  ==================================================================
-
-  Projections, rotary embeddings and the output projection stay outside (kept), as in Megatron's
-  ``core_attention``. With ``sdpa``/flash kernels the saving is the kernel's saved output and statistics; with
-  ``eager`` it is the s x s scores, probabilities and dropout mask. Falcon computes attention inline (not
-  through ``AttentionInterface``), so ``core_attn`` is refused for it; its MLP, norms and activation work.
-* **The KV cache.** HF models build a ``DynamicCache`` in training too (``use_cache`` defaults to True). A layer
-  recomputed in backward would append its keys and values to the cache a second time and then attend over
-  both copies, so - as HF's own checkpointing does - layers in a full-recompute region (or a ``non_matmul``
-  layer) get ``cache=None`` and ``use_cache=False`` while gradients are enabled. The math is unchanged (the
-  cache is not read when it starts empty); the cache returned by such a step is empty.
-
-Selective names map onto each family's submodules through :data:`remat.recompute.region.SELECTIVE_TARGETS`:
-``mlp`` is the ``mlp`` submodule (OPT has none: its layer calls ``fc1``, ``activation_fn`` and ``fc2`` itself, so
-``mlp`` is refused for OPT), ``layernorm`` is every norm of the layer (``ln_1``/``ln_2``, ``input_layernorm``/
-``post_attention_layernorm``, OPT's ``self_attn_layer_norm``/``final_layer_norm``), ``act`` the MLP activation
-module (``mlp.act``, ``mlp.act_fn``, OPT's ``activation_fn``).
-
-``remat.remove(model)`` leaves the inserted ``core_attention`` modules and the attention modules' config copies
-in place; they only call the original attention function, so the model computes exactly as before. Applying a
-policy without ``core_attn`` (e.g. ``apply(model, "none")``) takes them out and gives the attention modules
-back their config. Call ``model.set_attn_implementation(...)`` before :func:`remat.apply`, not after: attention
-modules with a core keep the implementation they had when the policy was applied.
-"""
+"""Hugging Face transformers models: what :func:`remat.recompute.apply` needs to recompute them the Megatron way
+(refusing HF's own gradient checkpointing, an attention-core submodule for ``core_attn``, no KV cache in
+recomputed layers). :func:`~remat.recompute.apply` calls into this module only when ``transformers`` is already
+imported, so nothing is imported for other models."""
 
 from __future__ import annotations
 
@@ -103,6 +56,10 @@ def _pretrained(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
 
 
+# NOTE [HF's own gradient checkpointing]
+# HF's own gradient checkpointing (model.activation_checkpointing_enable(), formerly
+# gradient_checkpointing_enable()) is refused: remat would recompute layers that already recompute themselves.
+# The message names the layers and the call that turns it off.
 def check_own_checkpointing(model: nn.Module) -> None:
     """Refuse a model whose HF gradient checkpointing is on, naming the layers and the call that turns it off."""
     names = own_checkpointing(model)
@@ -120,6 +77,39 @@ def check_own_checkpointing(model: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ attention core
+# NOTE [the attention core of HF models]
+# HF attention modules have no submodule for softmax(QK^T)V: they project Q, K and V, apply rotary embeddings,
+# then call the function named by config._attn_implementation through HF's AttentionInterface (sdpa, eager,
+# flash_attention_2, ...). For selective/core_attn remat inserts a parameter-free CoreAttention submodule,
+# <attention>.core_attention, that calls that same function, and registers remat:<implementation> in HF's
+# AttentionInterface (and the same mask function in AttentionMaskInterface). The registered function hands each
+# call to the calling attention module's core_attention (an attention module without one goes straight to the
+# original function), which is then checkpointed like any other selective region. The attention module alone is
+# switched to the registered name, through a shallow copy of its config: the model's config (and every other
+# model built from it) is left alone, and masks are built as before. So core_attn recomputes, per family:
+#
+#   family (attention module)               what core_attn recomputes
+#   GPT-2 (attn)                            QK^T·scale, causal mask, softmax, attention dropout, ·V
+#   Llama, Mistral, Qwen2 (self_attn)       GQA key/value expansion, QK^T·scale, mask (Mistral: sliding window),
+#                                           softmax, attention dropout, ·V
+#   GPT-NeoX (attention), OPT (self_attn)   QK^T·scale, mask, softmax, attention dropout, ·V
+#
+# Projections, rotary embeddings and the output projection stay outside (kept), as in Megatron's core_attention.
+# With sdpa/flash kernels the saving is the kernel's saved output and statistics; with eager it is the s x s
+# scores, probabilities and dropout mask. Falcon computes attention inline (not through AttentionInterface), so
+# core_attn is refused for it; its MLP, norms and activation work.
+#
+# Selective names map onto each family's submodules through remat.recompute.region.SELECTIVE_TARGETS: mlp is the
+# mlp submodule (OPT has none: its layer calls fc1, activation_fn and fc2 itself, so mlp is refused for OPT),
+# layernorm is every norm of the layer (ln_1/ln_2, input_layernorm/post_attention_layernorm, OPT's
+# self_attn_layer_norm/final_layer_norm), act the MLP activation module (mlp.act, mlp.act_fn, OPT's
+# activation_fn).
+#
+# remat.remove(model) leaves the inserted core_attention modules and the attention modules' config copies in
+# place; they only call the original attention function, so the model computes exactly as before. Applying a
+# policy without core_attn (e.g. apply(model, "none")) takes them out and gives the attention modules back their
+# config. Call model.set_attn_implementation(...) before remat.apply, not after: attention modules with a core
+# keep the implementation they had when the policy was applied.
 class CoreAttention(nn.Module):
     """softmax(QK^T·scale + mask)·V of one HF attention module, as a submodule that can be checkpointed.
 
@@ -285,6 +275,12 @@ def installed(model: nn.Module, state: AppliedPolicy) -> None:
         model.__dict__.pop(_STATE, None)
 
 
+# NOTE [the KV cache in recomputed layers]
+# HF models build a DynamicCache in training too (use_cache defaults to True). A layer recomputed in backward
+# would append its keys and values to the cache a second time and then attend over both copies, so - as HF's own
+# checkpointing does - layers in a full-recompute region (or a non_matmul layer) get cache=None and
+# use_cache=False while gradients are enabled. The math is unchanged (the cache is not read when it starts
+# empty); the cache returned by such a step is empty.
 def _without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Forward pre-hook of a layer in a full-recompute region: no KV cache while gradients are on."""
     region = module.__dict__.get("_remat_region")

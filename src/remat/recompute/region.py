@@ -41,7 +41,7 @@ LAYER_STACK_PATHS = (
 )
 # Selective module name -> candidate submodule paths inside one layer; every candidate present is recomputed.
 # Hugging Face attention has no core submodule: remat.recompute.hf inserts "<attention>.core_attention" (see its
-# docstring).
+# NOTE [the attention core of HF models]).
 SELECTIVE_TARGETS: dict[str, tuple[str, ...]] = {
     "core_attn": ("self_attention.core_attention", "attn.core_attention", "self_attn.core_attention",
                   "attention.core_attention",   # GPT-NeoX
@@ -164,6 +164,17 @@ class Region:
         return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
     # -- running ------------------------------------------------------------------------------------------
+    # NOTE [how regions run]
+    # Regions need no change to the model's code. The first module of a region runs the whole region under one
+    # checkpoint; the later modules of a multi-layer region, when the model's own loop calls them, hand back the
+    # region's output (they check that they were given the previous layer's output, i.e. that the loop is a
+    # plain chain h = layer(h, ...), and the same side inputs). Forwards are replaced on the instances, so
+    # parameter names, state_dict keys and module hooks are those of the plain model.
+    #
+    # Engines: reentrant mirrors Megatron's CheckpointFunction (forward under no_grad; backward restores the RNG
+    # state, recomputes the region with grad enabled and backpropagates through it); non-reentrant uses
+    # torch.utils.checkpoint.checkpoint(use_reentrant=False) with early stop. Both restore the RNG state so
+    # dropout masks are the same in the recomputation, and gradients equal the plain model's bit for bit.
     def _forward(self, position: int, *args: Any, **kwargs: Any) -> Any:
         if self._running:  # inside this region's own computation or recomputation
             return self._original_forward(position)(*args, **kwargs)

@@ -1,0 +1,583 @@
+"""A whole Megatron-LM training job: model, parallel layout, batch, precision, optimizer and recompute policy.
+
+A :class:`Job` holds everything later code needs to predict every byte one rank holds (see "Memory of a whole rank"
+in the Megatron reference notes). It is built directly, with :meth:`Job.build` (which sets the model's dtype from
+``precision``), or from Megatron-LM's own ``pretrain_gpt.py`` command line with :meth:`Job.from_megatron_args` /
+:func:`parse_megatron_args`; :meth:`Job.to_megatron_args` writes the flags back (``parse(to_args(job)) == job``).
+
+Decisions (facts from NVIDIA/Megatron-LM at d98e8a6, August 2026; files cited where used):
+
+* ``model.dtype`` must equal ``precision`` (a bf16 job runs a bf16 model); ``Job(...)`` refuses a mismatch naming
+  both fields, ``Job.build`` and ``Job.replace(precision=...)`` derive it.
+* The model is stored canonically: ``ffn_hidden_size``/``num_query_groups`` equal to their defaults become None
+  (the same model; ``ffn_size`` and ``query_groups`` are unchanged), so that the round trip is exact.
+* ``accumulate_grads_in_fp32=None`` resolves to Megatron's default in ``__post_init__``: on for bf16 (forced unless
+  ``--grad-reduce-in-bf16``), off for fp16, and always on for fp32 (fp32 parameters have fp32 gradients).
+* Megatron pads the vocabulary to a multiple of ``--make-vocab-size-divisible-by`` (128) x TP
+  (``megatron/core/tokenizers/utils/build_tokenizer.py::vocab_size_with_padding``); ``model.vocab_size`` is the
+  padded size the rank holds, so a Job does not require TP to divide it. The vocabulary comes from the tokenizer,
+  which remat cannot read: give ``--vocab-size`` (or ``--padded-vocab-size``); without either remat assumes GPT-2's
+  50257 tokens and warns.
+* Megatron picks the attention kernel with ``--attention-backend`` (default ``auto``: Transformer Engine's
+  flash/fused kernels keep only softmax statistics, remat's ``sdpa``); ``unfused``/``local`` or ``--transformer-impl
+  local`` store the s x s scores (remat's ``math``). ``--use-flash-attn`` has no effect on Megatron-core models.
+* ``--world-size`` and ``--data-parallel-size`` are remat's own flags (Megatron reads the world size from the
+  launcher); without either, dp = 1. Tokens up to the script (``torchrun ... pretrain_gpt.py``) are the launcher's.
+* Every other flag is modelled, ignored (known not to change memory: :data:`remat.job_flags.IGNORED_FLAGS`), or
+  refused by name (changes memory in a way remat cannot model yet: ``REFUSED_FLAGS``); an unlisted flag is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from remat.config import DTYPES, ConfigError, ModelConfig
+from remat.job_flags import (
+    DEFAULT_ONLY_FLAGS,
+    RECOMPUTE_FLAGS,
+    JobError,
+    check_value_count,
+    classify_megatron_flag,
+    flag_tokens,
+    flag_value,
+)
+from remat.policy import Policy, PolicyError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adam", "sgd", "none")
+DEFAULT_VOCAB_SIZE = 50257  # GPT-2 BPE, the tokenizer of Megatron's GPT examples
+_FLAG_OF = {
+    "tp": "--tensor-model-parallel-size", "sp": "--sequence-parallel", "pp": "--pipeline-model-parallel-size",
+    "vpp": "--num-virtual-stages-per-pipeline-rank", "cp": "--context-parallel-size",
+    "dp": "--data-parallel-size/--world-size", "ep": "--expert-model-parallel-size",
+    "etp": "--expert-tensor-parallel-size", "num_microbatches": "--global-batch-size",
+    "schedule": "no flag: Megatron runs interleaved exactly when vpp is set", "precision": "--bf16/--fp16",
+    "accumulate_grads_in_fp32": "--accumulate-allreduce-grads-in-fp32/--grad-reduce-in-bf16",
+    "optimizer": "--optimizer", "sgd_momentum": "--sgd-momentum",
+    "distributed_optimizer": "--use-distributed-optimizer", "overlap_grad_reduce": "--overlap-grad-reduce",
+    "ddp_bucket_size": "--ddp-bucket-size", "pad_buckets_for_high_nccl_busbw": "--ddp-pad-buckets-for-high-nccl-busbw",
+}
+
+
+def _f(name: str) -> str:
+    return f"{name} ({_FLAG_OF[name]})"
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise JobError(message)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """One Megatron-LM training job, as seen by one rank. Every size is validated in ``__post_init__``."""
+
+    model: ModelConfig
+    """The decoder (``micro_batch_size`` and ``seq_length`` included); its ``dtype`` must equal ``precision``."""
+    tp: int = 1
+    """Tensor-parallel size (``--tensor-model-parallel-size``): splits heads, query groups and the FFN."""
+    sp: bool = False
+    """Sequence parallelism (``--sequence-parallel``): norms/dropout hold s/tp tokens; needs tp > 1."""
+    pp: int = 1
+    """Pipeline-parallel size (``--pipeline-model-parallel-size``): layers split evenly over pp stages."""
+    vpp: int | None = None
+    """Model chunks per pipeline rank (``--num-virtual-stages-per-pipeline-rank``), >= 2; needs interleaved."""
+    cp: int = 1
+    """Context-parallel size (``--context-parallel-size``): each rank holds s/cp tokens of every sequence."""
+    dp: int = 1
+    """Data-parallel size (world size / (tp*pp*cp)); also shards the distributed optimizer."""
+    ep: int = 1
+    """Expert-parallel size (``--expert-model-parallel-size``); 1 until ModelConfig has experts."""
+    etp: int | None = None
+    """Expert tensor-parallel size (``--expert-tensor-parallel-size``); None means tp, as in Megatron."""
+    num_microbatches: int = 1
+    """Microbatches per step per pipeline: global batch = num_microbatches * micro_batch_size * dp."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe (not in Megatron), 1f1b, or interleaved (exactly when vpp is set)."""
+    precision: str = "fp32"
+    """fp32, or Megatron mixed precision bf16/fp16 (``--bf16``/``--fp16``): 2-byte params, fp32 master params."""
+    accumulate_grads_in_fp32: bool | None = None
+    """fp32 main-gradient buffer (``--accumulate-allreduce-grads-in-fp32``); None: Megatron's default (resolved)."""
+    optimizer: str = "adam"
+    """adam (Adam/AdamW: two fp32 moments), sgd (one fp32 buffer when momentum > 0) or none (no state)."""
+    sgd_momentum: float = 0.0
+    """SGD momentum (``--sgd-momentum``); > 0 adds one fp32 buffer per parameter. sgd only."""
+    distributed_optimizer: bool = False
+    """``--use-distributed-optimizer``: fp32 master params and optimizer state sharded over dp * cp ranks."""
+    overlap_grad_reduce: bool = False
+    """``--overlap-grad-reduce``: the gradient buffer is split into buckets (each padded with the distributed
+    optimizer) on the first pipeline stage's first model chunk; without it, one bucket per buffer."""
+    ddp_bucket_size: int | None = None
+    """``--ddp-bucket-size`` in elements (with overlap_grad_reduce); None: Megatron's max(40M, 1M x dp)."""
+    pad_buckets_for_high_nccl_busbw: bool = False
+    """``--ddp-pad-buckets-for-high-nccl-busbw``: with the distributed optimizer, bucket ends pad to 2^16 too."""
+    policy: Policy = field(default_factory=lambda: Policy.parse("none"))
+    """Activation recompute policy (the ``--recompute-*`` flags)."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        _require(isinstance(self.model, ModelConfig), f"model must be a ModelConfig, got {self.model!r}")
+        _require(isinstance(self.policy, Policy), f"policy must be a Policy (e.g. Policy.parse('full/uniform/1')), "
+                 f"got {self.policy!r}")
+        for name in ("tp", "pp", "cp", "dp", "ep", "num_microbatches", "vpp", "etp", "ddp_bucket_size"):
+            v, optional = getattr(self, name), name in ("vpp", "etp", "ddp_bucket_size")
+            _require((v is None and optional) or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                     f"{_f(name)}={v!r}: must be a positive integer" + " or None" * optional)
+        for name in ("sp", "distributed_optimizer", "overlap_grad_reduce", "pad_buckets_for_high_nccl_busbw"):
+            v = getattr(self, name)
+            _require(isinstance(v, bool), f"{_f(name)}={v!r}: must be True or False")
+        for name, choices in (("schedule", SCHEDULES), ("precision", PRECISIONS), ("optimizer", OPTIMIZERS)):
+            _require(getattr(self, name) in choices,
+                     f"{_f(name)}={getattr(self, name)!r}: must be one of {', '.join(choices)}")
+        m, prec = self.model, self.precision
+        _require(m.dtype == prec, f"model.dtype={m.dtype!r} but precision={prec!r}: a {prec} job runs a {prec} model; "
+                 f"use Job.build(model, precision=...) (which sets model.dtype) or model.replace(dtype={prec!r})")
+        canon = {"ffn_hidden_size": None} if m.ffn_hidden_size == m.replace(ffn_hidden_size=None).ffn_size else {}
+        if m.num_query_groups == m.num_attention_heads:
+            canon["num_query_groups"] = None
+        if canon:
+            set_(self, "model", m := m.replace(**canon))
+
+        acc, mom = self.accumulate_grads_in_fp32, self.sgd_momentum
+        _require(acc is None or isinstance(acc, bool), f"{_f('accumulate_grads_in_fp32')}={acc!r}: must be True, "
+                 "False or None")
+        _require(prec != "fp32" or acc is not False, "accumulate_grads_in_fp32=False with precision='fp32': fp32 "
+                 "parameters always have fp32 gradients; drop it (or use None)")
+        if acc is None:
+            set_(self, "accumulate_grads_in_fp32", prec != "fp16")
+        _require(isinstance(mom, (int, float)) and not isinstance(mom, bool) and 0 <= mom < math.inf,
+                 f"{_f('sgd_momentum')}={mom!r}: must be a number >= 0")
+        _require(not mom or self.optimizer == "sgd", f"sgd_momentum={mom} only applies to optimizer='sgd', not "
+                 f"{self.optimizer!r}: drop it (Megatron ignores --sgd-momentum for other optimizers)")
+        _require(not (self.distributed_optimizer and self.optimizer == "none"), "distributed_optimizer=True "
+                 "(--use-distributed-optimizer) shards optimizer state, but optimizer='none' has none: drop it")
+
+        tp, L, s, cp = self.tp, m.num_layers, m.seq_length, self.cp
+        for what, n in (("num_attention_heads", m.num_attention_heads), ("num_query_groups", m.query_groups),
+                        ("the FFN size", m.ffn_size)):
+            extra = (" (recent Megatron also accepts tp a multiple of num_query_groups by replicating K/V heads, "
+                     "which remat does not model yet)" if what == "num_query_groups" else "")
+            _require(n % tp == 0, f"{_f('tp')}={tp} does not divide {what}={n}: Megatron splits it over the "
+                     f"tensor-parallel ranks; use a tp from {_divisors(n)}{extra}")
+        _require(not self.sp or tp > 1, "sp=True (--sequence-parallel) needs tp > 1 (Megatron silently turns it "
+                 "off): drop it, or set tp (--tensor-model-parallel-size) > 1")
+        # megatron/training/arguments.py::validate_args: "seq-length should be a multiple of 2 *
+        # context-parallel-size if context-parallel-size > 1" (the load-balanced ring gives each rank 2 chunks).
+        _require(cp == 1 or s % (2 * cp) == 0, f"{_f('cp')}={cp}: Megatron needs seq_length={s} (--seq-length) to "
+                 f"be a multiple of 2*cp={2 * cp}; use a cp with 2*cp dividing {s}, or change --seq-length")
+        # megatron/core/tensor_parallel/mappings.py::_split_along_first_dim: the s/cp tokens split over tp.
+        _require(not self.sp or (s // cp) % tp == 0, f"sp=True (--sequence-parallel) splits the s/cp={s // cp} "
+                 f"tokens over tp={tp} ranks, which does not divide them: change tp, cp or --seq-length")
+        _require(self.etp in (None, tp), f"{_f('etp')}={self.etp}: expert tensor parallelism applies to MoE layers "
+                 "and the model has no experts; drop it (or set it to tp)")
+        _require(self.ep == 1, f"{_f('ep')}={self.ep}: the model has no experts (ModelConfig has no MoE fields "
+                 "yet); use ep=1")
+
+        vpp, pp = self.vpp, self.pp
+        chunks, where = pp * (vpp or 1), "pp" if vpp is None else "pp*vpp"
+        _require(vpp is None or vpp >= 2, "vpp=1 (--num-virtual-stages-per-pipeline-rank 1) is no virtual "
+                 "pipeline: use vpp=None")
+        _require(vpp is None or self.schedule == "interleaved", f"vpp={vpp} needs schedule='interleaved' "
+                 f"(Megatron's only schedule with model chunks), not {self.schedule!r}: set it, or vpp=None")
+        _require(vpp is not None or self.schedule != "interleaved", "schedule='interleaved' needs vpp >= 2 model "
+                 "chunks per rank (--num-virtual-stages-per-pipeline-rank): set vpp, or use schedule='1f1b'")
+        _require(vpp is None or pp > 1, f"vpp={vpp} needs pp > 1 (Megatron's interleaved schedule pipelines chunks "
+                 "over ranks): set pp (--pipeline-model-parallel-size) > 1, or vpp=None")
+        _require(chunks <= L, f"{where}={chunks} pipeline chunks exceed num_layers={L} (--num-layers): every chunk "
+                 f"needs a layer; use {where} <= {L}")
+        # megatron/training/arguments.py::validate_args: "Number of layers should be divisible by the
+        # pipeline-model-parallel size", and per stage by the layers per virtual stage (remat splits evenly).
+        _require(L % chunks == 0, f"num_layers={L} (--num-layers) is not divisible by {where}={chunks}: Megatron "
+                 f"splits the layers evenly over the pipeline chunks; use {where} from {_divisors(L)}")
+        # megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_with_interleaving: microbatch
+        # groups of microbatch_group_size_per_vp_stage (default pp) must fit, with no remainder below pp.
+        _require(vpp is None or self.num_microbatches % pp == 0, f"{_f('num_microbatches')}={self.num_microbatches}"
+                 f": Megatron's interleaved schedule needs a multiple of pp={pp}; change --global-batch-size")
+        pol = self.policy
+        _require(not pol.distribute_saved_activations or (tp > 1 and not self.sp), "--distribute-saved-activations "
+                 "splits checkpoints over the tensor-parallel ranks: Megatron needs tp > 1 and refuses it with "
+                 "--sequence-parallel; drop one of them")
+        _require(not pol.recomputes_layers or pol.num_layers <= L // chunks, f"--recompute-num-layers "
+                 f"{pol.num_layers} exceeds the {L // chunks} layers of a model chunk (num_layers / {where}): use at "
+                 f"most {L // chunks}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job: tp * pp * cp * dp."""
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step: num_microbatches * micro_batch_size * dp."""
+        return self.num_microbatches * self.model.micro_batch_size * self.dp
+
+    @property
+    def layers_per_chunk(self) -> int:
+        """Transformer layers in one model chunk (a pipeline stage, or a virtual stage under vpp)."""
+        return self.model.num_layers // (self.pp * (self.vpp or 1))
+
+    @property
+    def param_dtype(self) -> str:
+        """dtype name of the model's parameters (and activations): the precision."""
+        return self.precision
+
+    @property
+    def main_grad_dtype(self) -> str:
+        """dtype name of Megatron's contiguous gradient buffer (main grads)."""
+        return "fp32" if self.accumulate_grads_in_fp32 else self.precision
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Ranks the distributed optimizer shards master params and state over: dp * cp (else 1).
+
+        Megatron builds it on the intra data-parallel group *with* context parallel
+        (``megatron/core/optimizer/__init__.py``: ``data_parallel_group=intra_dp_cp_group``); its estimator
+        (``theoretical_memory_usage.py``) writes 12/DP, the same when cp = 1.
+        """
+        return self.dp * self.cp if self.distributed_optimizer else 1
+
+    def state_bytes_per_param(self) -> dict[str, Fraction]:
+        """Bytes per parameter of model state that a rank holds for the whole step, by kind.
+
+        Returns:
+            ``{"parameters", "gradients", "master_parameters", "optimizer_state"}`` as exact Fractions: parameters
+            in the precision, main grads per :attr:`main_grad_dtype`, fp32 master copies (mixed precision with an
+            optimizer only) and optimizer state (Adam 8, SGD with momentum 4), the last two divided by
+            :attr:`optimizer_shards`. Padding of buffers and shards is not included.
+
+        Example:
+            >>> job = Job.build(ModelConfig(), precision="bf16", dp=8, distributed_optimizer=True)
+            >>> sum(job.state_bytes_per_param().values())  # 6 + 12/8
+            Fraction(15, 2)
+        """
+        size = {name: DTYPES[name].itemsize for name in PRECISIONS}
+        shards = self.optimizer_shards
+        master = 4 if self.precision != "fp32" and self.optimizer != "none" else 0
+        state = {"adam": 8, "sgd": 4 if self.sgd_momentum > 0 else 0, "none": 0}[self.optimizer]
+        return {"parameters": Fraction(size[self.param_dtype]), "gradients": Fraction(size[self.main_grad_dtype]),
+                "master_parameters": Fraction(master, shards), "optimizer_state": Fraction(state, shards)}
+
+    def bytes_per_param_static(self) -> Fraction:
+        """Bytes of model state per parameter for the whole step.
+
+        Returns:
+            The sum of :meth:`state_bytes_per_param`: 18 for bf16 + Adam, 6 + 12/dp with the distributed optimizer.
+
+        Example:
+            >>> Job.build(ModelConfig(), precision="bf16").bytes_per_param_static()
+            Fraction(18, 1)
+        """
+        return sum(self.state_bytes_per_param().values(), Fraction(0))
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def build(cls, model: ModelConfig, **fields: Any) -> Job:
+        """A Job whose model dtype follows ``precision`` (default: the model's dtype).
+
+        Args:
+            model: the decoder; its dtype is replaced by ``precision``.
+            **fields: any other Job fields; ``vpp`` without ``schedule`` selects the interleaved schedule.
+
+        Returns:
+            The validated Job.
+
+        Example:
+            >>> Job.build(ModelConfig(), precision="bf16", tp=2).model.dtype
+            'bf16'
+        """
+        precision = fields.setdefault("precision", model.dtype)
+        if precision not in PRECISIONS:
+            raise JobError(f"precision={precision!r} (--bf16/--fp16): must be one of {', '.join(PRECISIONS)}")
+        if fields.get("vpp") is not None:
+            fields.setdefault("schedule", "interleaved")
+        return cls(model=model.replace(dtype=precision), **fields)
+
+    def replace(self, **changes: Any) -> Job:
+        """A copy with ``changes``; derived fields follow unless given.
+
+        Args:
+            **changes: Job fields. ``precision`` also sets ``model.dtype`` (unless ``model`` is given) and resets
+                ``accumulate_grads_in_fp32`` to its default; ``vpp`` picks the schedule (interleaved, or 1f1b when
+                set to None); an ``optimizer`` other than sgd resets ``sgd_momentum`` to 0.
+
+        Returns:
+            The validated Job.
+
+        Example:
+            >>> Job(model=ModelConfig()).replace(precision="bf16").main_grad_dtype
+            'fp32'
+        """
+        if "precision" in changes:
+            if changes["precision"] not in PRECISIONS:
+                raise JobError(f"precision={changes['precision']!r}: must be one of {', '.join(PRECISIONS)}")
+            changes.setdefault("model", self.model.replace(dtype=changes["precision"]))
+            changes.setdefault("accumulate_grads_in_fp32", None)
+        if "vpp" in changes and "schedule" not in changes:
+            vpp = changes["vpp"]
+            changes["schedule"] = "interleaved" if vpp is not None else (
+                "1f1b" if self.schedule == "interleaved" else self.schedule)
+        if changes.get("optimizer", "sgd") != "sgd":
+            changes.setdefault("sgd_momentum", 0.0)
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_megatron_args(cls, argv: Sequence[str] | str) -> Job:
+        """The job a Megatron-LM ``pretrain_gpt.py`` command line describes.
+
+        Args:
+            argv: the flags (tokens, or one shell-like string); see :func:`parse_megatron_args`.
+
+        Returns:
+            The validated Job (the ignored flags are dropped; use :func:`parse_megatron_args` to see them).
+
+        Example:
+            >>> Job.from_megatron_args("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+            ...                        "--micro-batch-size 2 --vocab-size 1000 --bf16 --world-size 2").dp
+            2
+        """
+        return parse_megatron_args(argv)[0]
+
+    def to_megatron_args(self, include_world_size: bool = True) -> list[str]:
+        """Megatron-LM flags for this job; ``parse_megatron_args(job.to_megatron_args())[0] == job``.
+
+        Args:
+            include_world_size: add remat's ``--world-size`` (needed for the round trip); pass False for a line
+                Megatron's own parser accepts (it reads the world size from the launcher).
+
+        Returns:
+            The flags, model first. Raises :class:`JobError` for what Megatron cannot run: the gpipe schedule,
+            optimizer 'none', a non-reentrant policy, and remat-only recompute modules.
+
+        Example:
+            >>> Job(model=ModelConfig(num_layers=2)).to_megatron_args()[:2]
+            ['--num-layers', '2']
+        """
+        if self.schedule == "gpipe":
+            raise JobError("schedule='gpipe' has no Megatron equivalent (Megatron runs 1f1b, or interleaved with "
+                           "vpp): use job.replace(schedule='1f1b')")
+        if self.optimizer == "none":
+            raise JobError("optimizer='none' has no Megatron flag (Megatron always builds an optimizer): "
+                           "use job.replace(optimizer='adam')")
+        if self.policy.engine != "reentrant":
+            raise JobError(f"policy {self.policy} uses the non-reentrant engine, but Megatron's checkpointing is "
+                           "always reentrant: use the policy without '@non-reentrant'")
+        try:
+            recompute = self.policy.to_megatron_args()
+        except PolicyError as err:
+            raise JobError(str(err)) from None
+        m = self.model
+        args = ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
+                "--num-attention-heads", str(m.num_attention_heads)]
+        if m.num_query_groups is not None:
+            args += ["--group-query-attention", "--num-query-groups", str(m.num_query_groups)]
+        args += ["--ffn-hidden-size", str(m.ffn_size), "--seq-length", str(m.seq_length),
+                 "--max-position-embeddings", str(m.seq_length), "--micro-batch-size", str(m.micro_batch_size),
+                 "--global-batch-size", str(self.global_batch_size), "--padded-vocab-size", str(m.vocab_size),
+                 "--normalization", {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}[m.normalization],
+                 "--position-embedding-type", {"learned": "learned_absolute", "rope": "rope"}[m.position],
+                 "--hidden-dropout", repr(float(m.hidden_dropout)),
+                 "--attention-dropout", repr(float(m.attention_dropout))]
+        args += ["--swiglu"] * (m.activation == "swiglu") + ["--untie-embeddings-and-output-weights"] * (
+            not m.tie_embeddings) + ["--disable-bias-linear"] * (not m.add_bias_linear)
+        args += ["--attention-backend", "unfused"] * (m.attention == "math")
+        args += ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
+                 "--context-parallel-size", str(self.cp)] + ["--sequence-parallel"] * self.sp
+        if self.vpp is not None:
+            args += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp)]
+        if self.etp is not None:
+            args += ["--expert-tensor-parallel-size", str(self.etp)]
+        if include_world_size:
+            args += ["--world-size", str(self.world_size)]
+        if self.precision != "fp32":
+            args.append(f"--{self.precision}")
+        if self.precision == "fp16" and self.accumulate_grads_in_fp32:
+            args.append("--accumulate-allreduce-grads-in-fp32")
+        if self.precision == "bf16" and not self.accumulate_grads_in_fp32:
+            args.append("--grad-reduce-in-bf16")
+        args += ["--optimizer", self.optimizer]
+        if self.optimizer == "sgd":
+            args += ["--sgd-momentum", repr(float(self.sgd_momentum))]
+        args += ["--use-distributed-optimizer"] * self.distributed_optimizer + ["--overlap-grad-reduce"] * (
+            self.overlap_grad_reduce) + ["--ddp-pad-buckets-for-high-nccl-busbw"] * self.pad_buckets_for_high_nccl_busbw
+        if self.ddp_bucket_size is not None:
+            args += ["--ddp-bucket-size", str(self.ddp_bucket_size)]
+        return args + recompute
+
+
+def parse_megatron_args(argv: Sequence[str] | str) -> tuple[Job, list[str]]:
+    """The job a Megatron-LM ``pretrain_gpt.py`` command line describes, and the flags remat ignored.
+
+    Args:
+        argv: the flags, as a list of tokens or one string (split like a shell line, ``#`` comments allowed). A
+            token ``@path`` is replaced by :func:`load_megatron_args` of that file; tokens up to a ``*.py`` script
+            are the launcher's and are skipped.
+
+    Returns:
+        ``(job, ignored)``: ``ignored`` lists the accepted flags that do not change memory (and the launcher
+        command, if any), in order. Refused, unknown or inconsistent flags raise :class:`JobError` naming the flag.
+
+    Example:
+        >>> job, ignored = parse_megatron_args("--num-layers 4 --hidden-size 64 --num-attention-heads 4 "
+        ...     "--seq-length 128 --micro-batch-size 2 --vocab-size 1000 --lr 1e-4 --tensor-model-parallel-size 2")
+        >>> job.tp, job.model.vocab_size, ignored
+        (2, 1024, ['--lr'])
+    """
+    tokens, ignored = flag_tokens(argv)
+    got: dict[str, Any] = {}
+    recompute: list[str] = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("--"):
+            raise JobError(f"unexpected {tok!r}: Megatron takes only --flags, each followed by its value(s)")
+        name, eq, inline = tok.partition("=")
+        vals, i = ([inline] if eq else []), i + 1
+        while not eq and i < len(tokens) and not tokens[i].startswith("--"):
+            vals.append(tokens[i])
+            i += 1
+        kind, reason = classify_megatron_flag(name)
+        if kind == "recompute":
+            if name in RECOMPUTE_FLAGS:
+                check_value_count(name, vals, RECOMPUTE_FLAGS[name])
+            recompute += [name, *vals]
+        elif kind == "modelled":
+            if name in got:
+                raise JobError(f"{name} is given twice: keep one")
+            got[name] = flag_value(name, vals)
+        elif kind == "ignored" or (kind == "default-only" and vals == [DEFAULT_ONLY_FLAGS[name]]):
+            ignored.append(name)
+        elif kind == "unknown":
+            raise JobError(f"remat does not know whether {name} changes memory; remove it, or have it classified "
+                           "in remat.job_flags (IGNORED_FLAGS if it does not change memory, REFUSED_FLAGS if it does)")
+        else:
+            default = f" (or give Megatron's default, {name} {DEFAULT_ONLY_FLAGS[name]})" if kind != "refused" else ""
+            raise JobError(f"{name} {reason}, which remat cannot model yet: remove it{default}")
+    job = _job(got, recompute, ignored)  # may add conditionally ignored flags
+    return job, list(dict.fromkeys(ignored))
+
+
+def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
+    for req in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--micro-batch-size"):
+        if req not in got:
+            raise JobError(f"{req} is missing: Megatron requires it; add {req} N")
+    L, h, a, s, mbs = (got[k] for k in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                                        "--micro-batch-size"))
+    tp, pp, cp = (got.get(k, 1) for k in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                          "--context-parallel-size"))
+    if got.get("--bf16") and got.get("--fp16"):
+        raise JobError("--bf16 and --fp16 are both given (Megatron asserts at most one): keep one")
+    precision = "bf16" if got.get("--bf16") else "fp16" if got.get("--fp16") else "fp32"
+    acc = True if got.get("--accumulate-allreduce-grads-in-fp32") else None
+    if got.get("--grad-reduce-in-bf16"):
+        if precision != "bf16" or acc:
+            raise JobError("--grad-reduce-in-bf16 (bf16 main grads) needs --bf16 and contradicts "
+                           "--accumulate-allreduce-grads-in-fp32: add --bf16 / drop one of them")
+        acc = False
+
+    swiglu, gqa = bool(got.get("--swiglu")), bool(got.get("--group-query-attention"))
+    if "--num-query-groups" in got and not gqa:
+        raise JobError("--num-query-groups without --group-query-attention: Megatron ignores it (one K/V group per "
+                       "head); add --group-query-attention or drop it")
+    ffn = got.get("--ffn-hidden-size")
+    if ffn is None:  # megatron/training/arguments.py::validate_args: swiglu -> int(8h/3 / 64) * 64, else 4h
+        ffn = int((4 * h * 2 / 3) / 64) * 64 if swiglu else 4 * h
+        if ffn < 1:
+            raise JobError(f"Megatron's default --ffn-hidden-size for --swiglu with --hidden-size {h} is 0: "
+                           "give --ffn-hidden-size")
+    kv = got.get("--kv-channels")
+    if kv is not None and h % a == 0 and kv != h // a:
+        raise JobError(f"--kv-channels {kv}: remat's model has head dimension hidden/heads = {h // a}; "
+                       f"drop it or use {h // a}")
+    pe = "rope" if got.get("--use-rotary-position-embeddings") else got.get("--position-embedding-type",
+                                                                            "learned_absolute")
+    maxpos = got.get("--max-position-embeddings", s)
+    if maxpos < s or (maxpos > s and pe == "learned_absolute"):
+        raise JobError(f"--max-position-embeddings {maxpos} with --seq-length {s}: Megatron requires >= and its "
+                       f"learned position table has that many rows (remat's: {s}); use --max-position-embeddings {s}")
+    unfused = got.get("--attention-backend") in ("unfused", "local") or got.get("--transformer-impl") == "local"
+    if got.get("--use-flash-attn") and unfused:
+        raise JobError("--use-flash-attn contradicts --attention-backend unfused/local (or --transformer-impl "
+                       "local): keep one")
+    for name in ("--attention-softmax-in-fp32", "--apply-query-key-layer-scaling"):
+        if got.get(name) and unfused:
+            raise JobError(f"{name} keeps unfused attention's softmax in fp32, which remat (probabilities in the "
+                           "model dtype) does not model: drop it")
+        if got.get(name):
+            ignored.append(name)
+    if "--padded-vocab-size" in got:
+        vocab = got["--padded-vocab-size"]
+    else:
+        vocab = got.get("--vocab-size")
+        if vocab is None:
+            warnings.warn(f"no --vocab-size (Megatron reads it from the tokenizer, which remat cannot): assuming "
+                          f"GPT-2's {DEFAULT_VOCAB_SIZE} tokens; give --vocab-size or --padded-vocab-size",
+                          stacklevel=3)
+            vocab = DEFAULT_VOCAB_SIZE
+        if not (got.get("--no-pad-vocab-size") or got.get("--disable-pad-vocab-size")):
+            multiple = got.get("--make-vocab-size-divisible-by", 128) * tp  # build_tokenizer.vocab_size_with_padding
+            vocab = -(-vocab // multiple) * multiple
+    try:
+        model = ModelConfig(
+            num_layers=L, hidden_size=h, num_attention_heads=a, num_query_groups=got.get("--num-query-groups", 1)
+            if gqa else None, ffn_hidden_size=ffn, vocab_size=vocab, seq_length=s, micro_batch_size=mbs,
+            activation="swiglu" if swiglu else "gelu", normalization=got.get("--normalization", "LayerNorm").lower(),
+            position="rope" if pe == "rope" else "learned", attention="math" if unfused else "sdpa",
+            hidden_dropout=got.get("--hidden-dropout", 0.1), attention_dropout=got.get("--attention-dropout", 0.1),
+            dtype=precision, tie_embeddings=not got.get("--untie-embeddings-and-output-weights"),
+            add_bias_linear=not got.get("--disable-bias-linear"))
+    except ConfigError as err:
+        raise JobError(f"the model flags describe an invalid model: {err}") from None
+
+    lpvs, vpp = got.get("--num-layers-per-virtual-pipeline-stage"), got.get("--num-virtual-stages-per-pipeline-rank")
+    if lpvs is not None and vpp is not None:
+        raise JobError("give one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-"
+                       "rank (Megatron asserts at most one)")
+    if lpvs is not None:
+        if L % pp or (L // pp) % lpvs:
+            raise JobError(f"--num-layers-per-virtual-pipeline-stage {lpvs}: Megatron needs it to divide the "
+                           f"layers of a pipeline stage (--num-layers {L} / --pipeline-model-parallel-size {pp})")
+        vpp = L // pp // lpvs
+    vpp = None if vpp == 1 else vpp  # Megatron: a virtual pipeline size of 1 is None
+    if vpp is not None and "--no-overlap-p2p-communication" in ignored and pp <= 2:
+        raise JobError("the interleaved schedule with --no-overlap-p2p-communication needs "
+                       "--pipeline-model-parallel-size > 2 (Megatron asserts it): drop the flag or raise pp")
+    base, world, dp = tp * pp * cp, got.get("--world-size"), got.get("--data-parallel-size")
+    if world is not None:
+        if world % base or (dp is not None and dp * base != world):
+            raise JobError(f"--world-size {world} is not tp*pp*cp ({tp}*{pp}*{cp} = {base}) times "
+                           f"{'--data-parallel-size ' + str(dp) if dp else 'a whole data-parallel size'}: "
+                           f"use a multiple of {base} (or drop --data-parallel-size)")
+        dp = world // base
+    dp = dp or 1
+    gb = got.get("--global-batch-size", mbs * dp)
+    if gb % (mbs * dp):  # megatron/core/num_microbatches_calculator.py: a whole number of microbatches
+        raise JobError(f"--global-batch-size {gb} is not divisible by --micro-batch-size {mbs} x data-parallel "
+                       f"size {dp} = {mbs * dp}: Megatron needs whole microbatches; use a multiple of {mbs * dp}")
+    optimizer, momentum = got.get("--optimizer", "adam"), 0.0
+    if optimizer == "sgd":
+        momentum = got.get("--sgd-momentum", 0.9)  # Megatron's default momentum
+    elif "--sgd-momentum" in got:
+        ignored.append("--sgd-momentum")
+    try:
+        policy = Policy.from_megatron_args(recompute)
+    except PolicyError as err:
+        raise JobError(str(err)) from None
+    return Job(model=model, tp=tp, sp=bool(got.get("--sequence-parallel")), pp=pp, vpp=vpp, cp=cp, dp=dp,
+               ep=got.get("--expert-model-parallel-size", 1), etp=got.get("--expert-tensor-parallel-size"),
+               num_microbatches=gb // (mbs * dp), schedule="interleaved" if vpp else "1f1b", precision=precision,
+               accumulate_grads_in_fp32=acc, optimizer=optimizer, sgd_momentum=momentum,
+               distributed_optimizer=bool(got.get("--use-distributed-optimizer")),
+               overlap_grad_reduce=bool(got.get("--overlap-grad-reduce")), ddp_bucket_size=got.get("--ddp-bucket-size"),
+               pad_buckets_for_high_nccl_busbw=bool(got.get("--ddp-pad-buckets-for-high-nccl-busbw")), policy=policy)

@@ -1,0 +1,264 @@
+"""How remat treats each Megatron-LM training flag: modelled, recompute, ignored (does not change memory), or refused.
+
+:func:`remat.job.parse_megatron_args` reads a ``pretrain_gpt.py`` command line through these tables; a flag in none
+of them is refused, so nothing that changes memory is ever silently dropped.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class JobError(ValueError):
+    """A training job remat (or Megatron-LM) refuses; the message names the field or flag and the fix."""
+
+
+def _table(groups: dict[str, str]) -> dict[str, str]:
+    return {flag: reason for reason, flags in groups.items() for flag in flags.split()}
+
+
+# Flags that change a rank's memory in a way remat cannot model yet: refused by name, with the reason.
+REFUSED_FLAGS: dict[str, str] = _table({
+    "adds MoE layers (the model has no experts; another issue adds MoE)": "--num-experts --moe-layer-recompute",
+    "trains in FP8/FP4 (quantised copies of weights and activations)":
+        "--fp8-format --fp8-recipe --fp8-param-gather --fp4-format --fp4-recipe --fp4-param-gather "
+        "--first-last-layers-bf16 --reuse-grad-buf-for-mxfp8-param-ag --te-precision-config-file",
+    "offloads activations or optimizer state to host memory":
+        "--cpu-offloading --cpu-offloading-num-layers --cpu-offloading-retain-pinned-cpu-buffers "
+        "--fine-grained-activation-offloading --offload-modules --min-offloaded-tensor-size "
+        "--activation-offload-fraction --delta-offload-bytes-across-pp-ranks --optimizer-cpu-offload "
+        "--optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d",
+    "shards parameters and gradients too (FSDP)":
+        "--use-megatron-fsdp --use-torch-fsdp2 --data-parallel-sharding-strategy --outer-dp-sharding-strategy "
+        "--fsdp-double-buffer --torch-fsdp2-no-reshard-after-forward --init-model-with-meta-device",
+    "sets the gradient buckets from the parameter count (each bucket is padded; give --ddp-bucket-size)":
+        "--ddp-num-buckets",
+    "changes the optimizer's state layout": "--num-distributed-optimizer-instances --use-precision-aware-optimizer "
+        "--main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype "
+        "--ddp-reduce-scatter-with-fp32-accumulation",
+    "gives an uneven or custom pipeline layout (remat splits layers evenly)":
+        "--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --pipeline-model-parallel-layout "
+        "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+    "keeps static CUDA-graph buffers": "--cuda-graph-impl --enable-cuda-graph --external-cuda-graph "
+        "--cuda-graph-scope --cuda-graph-modules --optimizer-cuda-graph",
+    "allocates Transformer Engine userbuffers for TP overlap": "--tp-comm-overlap --tp-comm-overlap-cfg",
+    "keeps weight-gradient inputs longer (deferred wgrad)":
+        "--defer-embedding-wgrad-compute --wgrad-deferral-limit --delay-wgrad-compute",
+    "changes the logits/cross-entropy working set": "--cross-entropy-loss-fusion --cross-entropy-fusion-impl "
+        "--fp16-lm-cross-entropy --output-logit-dtype",
+    "changes context-parallel attention (remat models the p2p ring)": "--cp-comm-type "
+        "--hierarchical-context-parallel-sizes --hybrid-context-parallel --max-seqlen-per-dp-cp-rank",
+    "describes layers remat's reference GPT does not have":
+        "--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim "
+        "--qk-layernorm --qk-l2-norm --attention-output-gate --add-qkv-bias --squared-relu --quick-geglu "
+        "--openai-gelu --activation-func-clamp-value --softmax-type --window-size --experimental-attention-variant "
+        "--apply-residual-connection-post-layernorm --fp32-residual-connection --no-position-embedding "
+        "--hybrid-layer-pattern --hybrid-override-pattern --is-hybrid-model --enable-mhc-connections "
+        "--heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json --spec "
+        "--encoder-num-layers --decoder-num-layers --encoder-seq-length --decoder-seq-length "
+        "--mlp-chunks-for-training --tensor-parallel-num-weight-shards",
+    "takes the model or batch from elsewhere (give the flags themselves)": "--yaml-cfg --use-checkpoint-args "
+        "--use-mp-args-from-checkpoint-args --step-batch-size-schedule --decrease-batch-size-if-needed",
+    "is an old Megatron flag (use --tensor-model-parallel-size / --micro-batch-size)":
+        "--model-parallel-size --batch-size",
+})
+REFUSED_PREFIXES: dict[str, str] = {
+    "--moe-": REFUSED_FLAGS["--num-experts"], "--fp8-": REFUSED_FLAGS["--fp8-format"],
+    "--fp4-": REFUSED_FLAGS["--fp8-format"], "--mtp-": "adds multi-token-prediction layers",
+    "--mla-": REFUSED_FLAGS["--spec"], "--mamba-": REFUSED_FLAGS["--spec"], "--dsa-": REFUSED_FLAGS["--spec"],
+    "--mhc-": REFUSED_FLAGS["--spec"], "--megatron-fsdp-": REFUSED_FLAGS["--use-megatron-fsdp"],
+}
+# Accepted (and reported as ignored) only with Megatron's default value.
+DEFAULT_ONLY_FLAGS: dict[str, str] = {"--cp-comm-type": "p2p", "--softmax-type": "vanilla", "--cuda-graph-impl": "none",
+                                      "--num-distributed-optimizer-instances": "1", "--mlp-chunks-for-training": "1"}
+# Flags known not to change what a rank holds during a training step: accepted and reported.
+IGNORED_FLAGS: dict[str, str] = _table({
+    "run length, data and tokenizer": "--train-iters --train-samples --seed --data-path --split --train-data-path "
+        "--valid-data-path --test-data-path --data-args-path --per-split-data-args-path --data-cache-path "
+        "--mock-data --num-workers --dataloader-type --no-mmap-bin-files --eod-mask-loss --reset-position-ids "
+        "--reset-attention-mask --no-create-attention-mask-in-dataloader --num-dataset-builder-threads "
+        "--object-storage-cache-path --vocab-file --merge-file --vocab-extra-ids --trust-remote-code "
+        "--chat-template --iterations-to-skip --skip-train",
+    "ramps the batch up (memory peaks at the final --global-batch-size, which remat models)": "--rampup-batch-size",
+    "learning rate, weight decay and optimizer hyper-parameters": "--lr --min-lr --warmup --decoupled-lr "
+        "--decoupled-min-lr --override-opt_param-scheduler --override-opt-param-scheduler "
+        "--use-checkpoint-opt_param-scheduler --use-checkpoint-opt-param-scheduler --start-weight-decay "
+        "--end-weight-decay --weight-decay-incr-style --weight-decay --clip-grad --adam-beta1 --adam-beta2 "
+        "--adam-eps --apply-wd-to-qk-layernorm --no-weight-decay-cond-type --loss-scale --initial-loss-scale "
+        "--min-loss-scale --loss-scale-window --hysteresis",
+    "initialisation and numerics (same tensors, other values)": "--init-method-std --embedding-init-method-std "
+        "--init-method-xavier-uniform --use-cpu-initialization --data-parallel-random-init --no-initialization "
+        "--norm-epsilon --apply-layernorm-1p --rotary-base --rotary-percent --rotary-interleaved "
+        "--rotary-seq-len-interpolation-factor --use-rope-scaling --rope-scaling-factor --calculate-per-token-loss "
+        "--use-mup --deterministic-mode --disable-bf16-reduced-precision-matmul --flash-attention-version",
+    "fused kernels of the same operations (remat prices the reference operations)": "--no-masked-softmax-fusion "
+        "--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion "
+        "--no-persist-layer-norm --no-gradient-accumulation-fusion --disable-jit-fuser --use-mcore-models",
+    "communication scheduling (the buffers are allocated either way)":
+        "--overlap-param-gather --overlap-param-gather-with-optimizer-step --no-align-grad-reduce "
+        "--no-align-param-gather --ddp-average-in-collective "
+        "--no-gradient-reduce-div-fusion "
+        "--overlap-p2p-communication-warmup-flush "
+        "--distributed-backend --distributed-timeout-minutes --distributed-timeout-seconds-after-init "
+        "--local-rank --nccl-communicator-config-path --use-sharp --sharp-enabled-group --use-tp-pp-dp-mapping "
+        "--disable-gloo-process-groups --high-priority-stream-groups --no-overlap-p2p-communication",
+    "checkpointing, evaluation (no grad), logging and profiling": "--save --load --save-interval "
+        "--persistent-save-interval --save-retain-interval --finetune --pretrained-checkpoint --ckpt-step "
+        "--no-load-optim --no-load-rng --no-save-optim --no-save-rng --exit-on-missing-checkpoint --async-save "
+        "--async-strategy --use-persistent-ckpt-worker --use-dist-ckpt --auto-detect-ckpt-format "
+        "--override-ckpt-iteration --eval-iters --eval-interval --start-eval-at-iter --eval-global-batch-size "
+        "--eval-micro-batch-size --full-validation --multiple-validation-sets --validation-set-names "
+        "--timing-log-level --timing-log-option --logging-level --no-barrier-with-level-1-timing --profile "
+        "--profile-step-start --profile-step-end --profile-ranks --use-pytorch-profiler --record-memory-history "
+        "--memory-snapshot-path --record-shapes --nvtx-ranges --no-one-logger --app-tag-run-name "
+        "--app-tag-run-version --config-logger-dir --run-workload-inspector-server",
+    "run control (garbage collection, allocator cache, restarts, checks)": "--manual-gc --manual-gc-interval "
+        "--no-manual-gc-eval --empty-unused-memory-level --train-sync-interval "
+        "--check-weight-hash-across-dp-replicas-interval --no-check-for-nan-in-loss-and-grad "
+        "--check-for-large-grads --check-for-spiky-loss --rerun-mode --error-injection-rate --error-injection-type "
+        "--adlr-autoresume --adlr-autoresume-interval --enable-ft-package --calc-ft-timeouts --ft-num-warmup-iters "
+        "--enable-msc --disable-msc",
+})
+IGNORED_PREFIXES: dict[str, str] = {
+    **dict.fromkeys(("--log-", "--tensorboard-", "--wandb-", "--one-logger-", "--otel-", "--straggler-",
+                     "--pytorch-profiler-", "--flight-recorder-"), IGNORED_FLAGS["--profile"]),
+    **dict.fromkeys(("--lr-", "--muon-", "--lion-", "--mup-"), IGNORED_FLAGS["--lr"]),
+    **dict.fromkeys(("--tokenizer-", "--tiktoken-", "--null-tokenizer-", "--fim-"), IGNORED_FLAGS["--data-path"]),
+    **dict.fromkeys(("--ckpt-", "--dist-ckpt-", "--non-persistent-"), IGNORED_FLAGS["--save"]),
+    **dict.fromkeys(("--exit-", "--inprocess-", "--fault-injector-"), IGNORED_FLAGS["--manual-gc"]),
+}
+_POSITIVE_INT = ("--num-layers --hidden-size --num-attention-heads --num-query-groups --ffn-hidden-size --kv-channels "
+                 "--seq-length --max-position-embeddings --micro-batch-size --global-batch-size --vocab-size "
+                 "--padded-vocab-size --make-vocab-size-divisible-by --tensor-model-parallel-size "
+                 "--pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage "
+                 "--num-virtual-stages-per-pipeline-rank --context-parallel-size --expert-model-parallel-size "
+                 "--expert-tensor-parallel-size --world-size --data-parallel-size --ddp-bucket-size")
+_SWITCHES = ("--group-query-attention --swiglu --untie-embeddings-and-output-weights --disable-bias-linear "
+             "--use-flash-attn --use-rotary-position-embeddings --no-pad-vocab-size --disable-pad-vocab-size "
+             "--sequence-parallel --bf16 --fp16 --accumulate-allreduce-grads-in-fp32 --grad-reduce-in-bf16 "
+             "--use-distributed-optimizer --overlap-grad-reduce --ddp-pad-buckets-for-high-nccl-busbw "
+             "--attention-softmax-in-fp32 --apply-query-key-layer-scaling")
+MODELLED_FLAGS: dict[str, Any] = {
+    **dict.fromkeys(_POSITIVE_INT.split(), int), **dict.fromkeys(_SWITCHES.split(), bool),
+    **dict.fromkeys(("--hidden-dropout", "--attention-dropout", "--sgd-momentum"), float),
+    "--normalization": ("LayerNorm", "RMSNorm"), "--position-embedding-type": ("learned_absolute", "rope"),
+    "--attention-backend": ("auto", "flash", "fused", "unfused", "local"),
+    "--transformer-impl": ("transformer_engine", "local"), "--optimizer": ("adam", "sgd"),
+}
+# Recompute flags go to Policy.from_megatron_args (value counts checked here; other --recompute-* there).
+RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
+              "--recompute-modules": "+", "--recompute-activations": 0, "--distribute-saved-activations": 0,
+              "--checkpoint-activations": 0, "--moe-layer-recompute": 0}
+
+
+def classify_megatron_flag(name: str) -> tuple[str, str]:
+    """How remat treats one Megatron-LM flag.
+
+    Args:
+        name: the flag, e.g. ``"--lr"`` (a ``=value`` part is dropped).
+
+    Returns:
+        ``(kind, reason)`` with kind ``recompute``, ``modelled``, ``default-only`` (ignored with Megatron's default
+        value, refused otherwise), ``ignored``, ``refused`` or ``unknown`` (refused too).
+
+    Example:
+        >>> classify_megatron_flag("--fp8-format")[0]
+        'refused'
+    """
+    name = name.partition("=")[0]
+    if name in RECOMPUTE_FLAGS or name.startswith("--recompute-"):
+        return "recompute", "a recompute flag (remat.policy)"
+    if name in MODELLED_FLAGS:
+        return "modelled", "part of the Job"
+    if name in DEFAULT_ONLY_FLAGS:
+        return "default-only", REFUSED_FLAGS[name]
+    for kind, table in (("refused", REFUSED_FLAGS), ("ignored", IGNORED_FLAGS)):
+        if name in table:
+            return kind, table[name]
+    for kind, prefixes in (("refused", REFUSED_PREFIXES), ("ignored", IGNORED_PREFIXES)):
+        for prefix, reason in prefixes.items():
+            if name.startswith(prefix):
+                return kind, reason
+    return "unknown", "not classified"
+
+
+def split_flags(text: str, source: str) -> list[str]:
+    text = text.replace("\\\r\n", " ").replace("\\\n", " ")
+    try:
+        return shlex.split(text, comments=True)
+    except ValueError as err:
+        raise JobError(f"cannot split {source} into flags: {err}: close (or escape) the quote") from None
+
+
+def load_megatron_args(path: str | Path) -> list[str]:
+    """The flags in a plain-text file (the ``--megatron-args @file`` form); nothing in it is executed.
+
+    Args:
+        path: a text file of Megatron flags, split like a shell line: ``#`` comments, newlines and backslash
+            continuations allowed, no variable expansion. ``@file`` inside it is refused.
+
+    Returns:
+        The tokens, e.g. ``["--num-layers", "24", ...]``.
+
+    Example:
+        >>> load_megatron_args("llama.args")  # doctest: +SKIP
+        ['--num-layers', '32', '--hidden-size', '4096']
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise JobError(f"cannot read the Megatron args file {str(path)!r} ({err}): give a UTF-8 text file of "
+                       "flags") from None
+    tokens = split_flags(text, f"the Megatron args file {str(path)!r}")
+    nested = [t for t in tokens if t.startswith("@")]
+    if nested:
+        raise JobError(f"the Megatron args file {str(path)!r} names another file {nested[0]!r}: nested @files are "
+                       "not supported; paste its flags in")
+    return tokens
+
+
+def flag_tokens(argv: Sequence[str] | str) -> tuple[list[str], list[str]]:
+    if isinstance(argv, str):
+        tokens = split_flags(argv, "the Megatron command line")
+    elif isinstance(argv, Sequence) and all(isinstance(t, str) for t in argv):
+        tokens = list(argv)
+    else:
+        raise JobError(f"Megatron args must be a string or a list of strings, got {argv!r}")
+    tokens = [t for tok in tokens for t in (load_megatron_args(tok[1:]) if tok.startswith("@") else [tok])]
+    script = next((i for i, t in enumerate(tokens) if t.endswith(".py")), None)
+    if script is None:
+        return tokens, []
+    return tokens[script + 1:], [" ".join(tokens[:script + 1])]
+
+
+def check_value_count(name: str, vals: list[str], n: int | str) -> None:
+    if n == 0 and vals:
+        raise JobError(f"{name} takes no value, got {' '.join(vals)!r}: write just {name}")
+    if n == 1 and len(vals) != 1:
+        raise JobError(f"{name} needs one value, got {len(vals)} ({' '.join(vals) or 'none'}): e.g. {name} 2")
+    if n == "+" and not vals:
+        raise JobError(f"{name} needs at least one value")
+
+
+def flag_value(name: str, vals: list[str]) -> Any:
+    spec = MODELLED_FLAGS[name]
+    check_value_count(name, vals, 0 if spec is bool else 1)
+    if spec is bool:
+        return True
+    v = vals[0]
+    if isinstance(spec, tuple):
+        if v not in spec:
+            raise JobError(f"{name} {v}: remat models only {', '.join(spec)} (the others change memory in ways "
+                           "remat does not model)")
+        return v
+    try:
+        out = spec(v)
+    except ValueError:
+        out = None
+    if out is None or (spec is int and out < 1):
+        raise JobError(f"{name} needs {'a positive integer' if spec is int else 'a number'}, got {v!r}")
+    return out

@@ -1,0 +1,11 @@
+"""remat's Megatron-core front end: predict (fake tensors) and measure (CPU) the user's own megatron-core model,
+rank by rank, with Megatron's own recompute settings. Needs the optional extra ``remat[megatron]``."""
+
+from remat.megatron.api import measure_megatron_core, policy_of, predict_megatron_core
+from remat.megatron.compat import MegatronSettingError, MegatronUnavailable, require_megatron_core
+from remat.megatron.cpu_patches import WORKAROUNDS, megatron_on_cpu
+from remat.megatron.routing import RoutingAssumption
+from remat.megatron.world import ParallelSizes
+
+__all__ = ["WORKAROUNDS", "MegatronSettingError", "MegatronUnavailable", "ParallelSizes", "RoutingAssumption",
+           "measure_megatron_core", "megatron_on_cpu", "policy_of", "predict_megatron_core", "require_megatron_core"]

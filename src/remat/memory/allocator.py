@@ -1,0 +1,580 @@
+"""A replay of PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``, PyTorch 2.13).
+
+:func:`replay` runs a single-stream sequence of allocations and frees through the allocator's rules - request
+rounding, small and large pools, best fit, splitting, merging, new segments, cache release on OOM, expandable
+segments - and returns what ``torch.cuda.max_memory_reserved()`` and friends would report, without a GPU. Comments
+name the C++ function of each rule (``DeviceCachingAllocator``, ``c10/core/AllocatorConfig``). Not modelled:
+several streams and their events, CUDA graph pools, ``garbage_collection_threshold``, memory fractions.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from remat.timeline import Timeline
+
+# Constants of c10/core/AllocatorConfig.h (of CUDACachingAllocator.cpp before PyTorch 2.9).
+MIB = 1 << 20
+MIN_BLOCK_SIZE = 512        # kMinBlockSize: all sizes are rounded to at least 512 bytes
+SMALL_SIZE = 1 * MIB        # kSmallSize: largest "small" allocation
+SMALL_BUFFER = 2 * MIB      # kSmallBuffer: "small" allocations are packed in 2 MiB segments (and pages)
+MIN_LARGE_ALLOC = 10 * MIB  # kMinLargeAlloc: allocations between 1 and 10 MiB get a large segment
+ROUND_LARGE = 2 * MIB       # kRoundLarge: larger allocations are rounded up to 2 MiB
+LARGE_BUFFER = 20 * MIB     # kLargeBuffer: default large_segment_size_mb and max_non_split_rounding_mb
+
+_SHIFT = 64                 # free-list key: size << _SHIFT | address, one int ordered like (size, address)
+_MASK = (1 << _SHIFT) - 1
+_NO_LIMIT = 1 << 80         # max_split_size when unset (SIZE_MAX)
+_ADDRESS_SPACE = 1 << 50    # an expandable segment's address space when no capacity is given
+
+
+def round_size(nbytes: int, divisions: int = 0) -> int:
+    """The block size a request asks the pools for (``round_size``, ``roundup_power2_next_division``).
+
+    Args:
+        nbytes: bytes requested.
+        divisions: ``roundup_power2_divisions`` (0 or 1: off).
+
+    Returns:
+        ``nbytes`` up to a multiple of 512 (at least 512) or, if ``divisions > 1`` and ``nbytes > 512 * divisions``,
+        up to the next of ``divisions`` equal steps between two powers of two. Idempotent.
+
+    Example::
+
+        >>> round_size(1), round_size(5 * MIB + 1), round_size(5 * MIB + 1, divisions=4)
+        (512, 5243392, 6291456)
+    """
+    if nbytes < MIN_BLOCK_SIZE:
+        return MIN_BLOCK_SIZE
+    if divisions > 1 and nbytes > MIN_BLOCK_SIZE * divisions and nbytes & (nbytes - 1):
+        floor = 1 << (nbytes.bit_length() - 1)
+        step = floor >> (divisions.bit_length() - 1)
+        if step == 0:
+            return floor << 1
+        low = nbytes & ~(step - 1)
+        return nbytes if low == nbytes else low + step
+    return (nbytes + MIN_BLOCK_SIZE - 1) // MIN_BLOCK_SIZE * MIN_BLOCK_SIZE
+
+
+def allocation_size(size: int, large_segment_size: int = LARGE_BUFFER) -> int:
+    """Bytes cudaMalloc'd for a rounded request that no cached block serves (``get_allocation_size``).
+
+    Args:
+        size: a rounded request (:func:`round_size`).
+        large_segment_size: ``large_segment_size_mb`` in bytes (default 20 MiB).
+
+    Returns:
+        2 MiB up to 1 MiB, ``large_segment_size`` below 10 MiB, else ``size`` rounded up to 2 MiB.
+
+    Example::
+
+        >>> allocation_size(512) // MIB, allocation_size(5 * MIB) // MIB, allocation_size(29 * MIB + 1) // MIB
+        (2, 20, 30)
+    """
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return large_segment_size
+    return (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
+
+
+# Options PyTorch knows that change nothing in a single-stream replay of the device pools: accepted, ignored.
+_IGNORED_KEYS = (
+    "garbage_collection_threshold", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
+    "pinned_use_cuda_host_register", "pinned_use_hip_host_register", "pinned_num_register_threads",
+    "pinned_use_background_threads", "pinned_reserve_segment_size_mb", "pinned_free_catch_all",
+    "pinned_max_round_threshold", "pinned_max_cached_size", "graph_capture_record_stream_reuse",
+    "throw_on_cudamalloc_oom")
+# MiB options -> (field, least value): AcceleratorAllocatorConfig::parseMaxSplitSize and its siblings.
+_MB_KEYS = {"max_split_size_mb": ("max_split_size", LARGE_BUFFER // MIB),
+            "max_non_split_rounding_mb": ("max_non_split_rounding_size", LARGE_BUFFER // MIB),
+            "large_segment_size_mb": ("large_segment_size", MIN_LARGE_ALLOC // MIB + 1)}
+_KEYS = (*_MB_KEYS, "roundup_power2_divisions", "expandable_segments", "backend", *_IGNORED_KEYS)
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """Knobs of ``PYTORCH_CUDA_ALLOC_CONF`` (``PYTORCH_ALLOC_CONF``) the replay honours, and the device capacity.
+
+    Example::
+
+        >>> AllocatorConfig.parse("max_split_size_mb:128,expandable_segments:True").max_split_size // MIB
+        128
+    """
+
+    max_split_size: int | None = None
+    """Bytes (``max_split_size_mb``): blocks this big are never split and serve only requests this big, within
+    ``max_non_split_rounding_size``. ``None``: unlimited, the default."""
+    expandable_segments: bool = False
+    """One growing segment per pool, mapped in pages of 2 MiB (small pool) or ``large_segment_size`` (large)."""
+    roundup_power2_divisions: int = 0
+    """Round requests up to this many steps per power-of-two interval (0: off); one value for all sizes."""
+    capacity_bytes: int | None = None
+    """Device memory the segments must fit in: beyond it cached segments are released, then an OOM is counted.
+    ``None``: unlimited (no OOM, no release)."""
+    max_non_split_rounding_size: int = LARGE_BUFFER
+    """Bytes an oversize block may exceed an oversize request by (``max_non_split_rounding_mb``)."""
+    large_segment_size: int = LARGE_BUFFER
+    """Segment of a 1-10 MiB request and large-pool page of expandable segments (``large_segment_size_mb``)."""
+
+    def __post_init__(self) -> None:
+        for name, least in (("max_split_size", LARGE_BUFFER), ("max_non_split_rounding_size", LARGE_BUFFER),
+                            ("large_segment_size", MIN_LARGE_ALLOC + 1), ("capacity_bytes", 1)):
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ValueError(f"{name} must be at least {least} bytes, got {value}")
+        if self.roundup_power2_divisions < 0 or self.roundup_power2_divisions & (self.roundup_power2_divisions - 1):
+            raise ValueError(f"roundup_power2_divisions {self.roundup_power2_divisions} must be 0 (off) or a power "
+                             "of two")
+
+    @classmethod
+    def parse(cls, text: str) -> AllocatorConfig:
+        """Read a ``PYTORCH_CUDA_ALLOC_CONF`` string (``AcceleratorAllocatorConfig::parseArgs``).
+
+        Args:
+            text: comma-separated ``key:value`` pairs. Options that change nothing here (``pinned_*``,
+                ``garbage_collection_threshold``, ``release_lock_on_cudamalloc``, ...) are accepted and ignored.
+
+        Returns:
+            The config; ``capacity_bytes`` stays ``None`` (set it with :func:`dataclasses.replace`).
+
+        Raises:
+            ValueError: an unknown option, a missing or bad value, or one the replay cannot honour; the message
+                names the option and what to write instead.
+
+        Example::
+
+            >>> AllocatorConfig.parse("roundup_power2_divisions:4").roundup_power2_divisions
+            4
+        """
+        fields: dict[str, int | bool] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, colon, value = (word.strip() for word in item.partition(":"))
+            if key == "per_process_memory_fraction":
+                raise ValueError("per_process_memory_fraction is not read by the replay: set "
+                                 "AllocatorConfig.capacity_bytes to that fraction of the device memory instead")
+            if key not in _KEYS:
+                raise ValueError(f"unknown allocator option {key!r}; known options: {', '.join(_KEYS)}")
+            if not colon or not value:
+                raise ValueError(f"allocator option {key!r} has no value; write {key}:<value>")
+            if value.startswith("["):
+                example = "4" if key == "roundup_power2_divisions" else "<value>"
+                raise ValueError(f"{key}: a [list] value is not modelled; give one value for all sizes, e.g. "
+                                 f"{key}:{example}")
+            if key in _MB_KEYS:
+                name, least = _MB_KEYS[key]
+                if not value.isdigit() or int(value) < least:
+                    raise ValueError(f"allocator option {key} must be a whole number of MiB >= {least}, got "
+                                     f"{value!r}; e.g. {key}:{max(least, 128)}")
+                fields[name] = int(value) * MIB
+            elif key == "roundup_power2_divisions":
+                n = int(value) if value.isdigit() else 0
+                if n == 0 or n & (n - 1):  # parseRoundUpPower2Divisions: llvm::isPowerOf2_64
+                    raise ValueError(f"roundup_power2_divisions must be a power of two, got {value!r}; e.g. "
+                                     "roundup_power2_divisions:4")
+                fields[key] = n
+            elif key == "expandable_segments":
+                if value not in ("True", "False"):  # ConfigTokenizer::toBool
+                    raise ValueError(f"expandable_segments must be True or False (capitalised), got {value!r}")
+                fields[key] = value == "True"
+            elif key == "backend" and value != "native":
+                raise ValueError(f"backend:{value} is not replayed, only the native caching allocator; drop the "
+                                 "option or write backend:native")
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What the allocator would report after the replayed sequence, in bytes.
+
+    Attributes:
+        peak_allocated: ``torch.cuda.max_memory_allocated()``: most bytes in allocated blocks (their sizes:
+            rounded requests plus any remainder of a reused block left unsplit).
+        peak_reserved: ``torch.cuda.max_memory_reserved()``: most bytes in segments (or mapped pages).
+        reserved_at_peak_allocated: reserved bytes when ``peak_allocated`` was first reached.
+        fragmentation_at_peak: reserved minus allocated (cached free bytes) after the event that set
+            ``peak_reserved``.
+        largest_free_block_at_peak: the biggest cached free block after that event.
+        segments: cudaMalloc calls, or page-mapping calls with expandable segments (``num_device_alloc``).
+        num_ooms: allocations that would raise OutOfMemoryError even after releasing the cache (the replay then
+            allocates anyway, past the capacity).
+        final_reserved: reserved bytes after the last event (no ``empty_cache``).
+    """
+
+    peak_allocated: int
+    peak_reserved: int
+    reserved_at_peak_allocated: int
+    fragmentation_at_peak: int
+    largest_free_block_at_peak: int
+    segments: int
+    num_ooms: int
+    final_reserved: int
+
+    def to_dict(self) -> dict[str, int]:
+        """The fields as a plain dict (for JSON)."""
+        return asdict(self)
+
+
+class _Pool:
+    """``BlockPool``: free mapped blocks by (size, address) (``BlockComparatorSize`` on one stream) and, for
+    expandable segments, unmapped blocks by address (``BlockComparatorAddress``)."""
+
+    __slots__ = ("small", "keys", "unmapped")
+
+    def __init__(self, small: bool):
+        self.small, self.keys, self.unmapped = small, [], []
+
+
+class _Block:
+    """``Block``: a range of a segment. ``seg`` is ``(base, page)`` of its expandable segment, else ``None``."""
+
+    __slots__ = ("addr", "size", "pool", "seg", "prev", "next", "allocated", "mapped")
+
+    def __init__(self, addr: int, size: int, pool: _Pool, seg: tuple[int, int] | None = None, mapped: bool = True):
+        self.addr, self.size, self.pool, self.seg, self.mapped = addr, size, pool, seg, mapped
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+        self.allocated = False
+
+    def splice(self, before: _Block | None, after: _Block | None) -> _Block:
+        """``Block::splice``: link this block between ``before`` and ``after``."""
+        self.prev, self.next = before, after
+        if before is not None:
+            before.next = self
+        if after is not None:
+            after.prev = self
+        return self
+
+
+class _Replayer:
+    """One device's ``DeviceCachingAllocator``, one stream."""
+
+    def __init__(self, config: AllocatorConfig):
+        self.cfg, self.cap, self.expandable = config, config.capacity_bytes, config.expandable_segments
+        self.mss = _NO_LIMIT if config.max_split_size is None else config.max_split_size
+        self.small, self.large = _Pool(True), _Pool(False)
+        self.at: dict[int, _Block] = {}  # address -> each block in a pool's keys or unmapped list
+        self.next_base = SMALL_BUFFER  # addresses in creation order (the driver's real ones are unknowable)
+        self.allocated = self.reserved = self.segments = self.num_ooms = 0
+        self.peak_allocated = self.reserved_at_peak_allocated = 0
+        self.peak_reserved = self.fragmentation = self.largest_free = 0
+        self.new_peak = False
+
+    def _insert(self, b: _Block) -> None:  # BlockPool::insert_into_blocks / unmapped.insert
+        if b.mapped:
+            insort(b.pool.keys, b.size << _SHIFT | b.addr)
+        else:
+            insort(b.pool.unmapped, b.addr)
+        self.at[b.addr] = b
+
+    def _remove(self, b: _Block) -> None:  # blocks.erase / unmapped.erase
+        if b.mapped:
+            keys = b.pool.keys
+            del keys[bisect_left(keys, b.size << _SHIFT | b.addr)]
+        else:
+            del b.pool.unmapped[bisect_left(b.pool.unmapped, b.addr)]
+        del self.at[b.addr]
+
+    def _grow(self, nbytes: int) -> None:  # increase_stat(reserved_bytes); num_device_alloc++
+        self.reserved += nbytes
+        self.segments += 1
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved, self.new_peak = self.reserved, True
+
+    def _try_merge(self, dst: _Block, src: _Block | None) -> None:
+        """``try_merge_blocks``: absorb a free neighbour in the same mapped state."""
+        if src is None or src.allocated or src.mapped != dst.mapped:
+            return
+        self._remove(src)
+        if dst.prev is src:
+            dst.addr, dst.prev = src.addr, src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+        else:
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        dst.size += src.size
+
+    def malloc(self, nbytes: int) -> _Block:
+        """``malloc``: round, take a cached block or make a segment, split (``alloc_found_block``)."""
+        div = self.cfg.roundup_power2_divisions
+        size = round_size(nbytes, div) if div > 1 or nbytes < MIN_BLOCK_SIZE else (nbytes + 511) & -MIN_BLOCK_SIZE
+        pool = self.small if size <= SMALL_SIZE else self.large  # get_pool
+        b = self._get_free_block(pool, size) or self._alloc_new(pool, size)
+        remaining = b.size - size
+        # should_split: in the small pool or with expandable segments any remainder >= kMinBlockSize; in the large
+        # pool only below max_split_size and if more than kSmallSize remains. The front part is handed out.
+        if remaining >= MIN_BLOCK_SIZE if pool.small or self.expandable else (
+                size < self.mss and remaining > SMALL_SIZE):
+            block = _Block(b.addr, size, pool, b.seg).splice(b.prev, b)
+            b.addr += size
+            b.size = remaining
+            self._insert(b)
+            b = block
+        b.allocated = True
+        self.allocated += b.size
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated, self.reserved_at_peak_allocated = self.allocated, self.reserved
+        if self.new_peak:
+            self.new_peak = False
+            self.fragmentation = self.reserved - self.allocated
+            self.largest_free = max((p.keys[-1] >> _SHIFT for p in (self.small, self.large) if p.keys), default=0)
+        return b
+
+    def free(self, b: _Block) -> None:
+        """``free`` / ``free_block``: merge with free neighbours, back into the pool."""
+        b.allocated = False
+        self.allocated -= b.size
+        for neighbour in (b.prev, b.next):
+            self._try_merge(b, neighbour)
+        self._insert(b)
+
+    def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
+        """``get_free_block``: best fit, the smallest (then lowest-address) free block of at least ``size``."""
+        keys, at = pool.keys, self.at
+        i = bisect_left(keys, size << _SHIFT)
+        if i == len(keys):
+            return None
+        b = at[keys[i] & _MASK]
+        if b.seg is not None:
+            # Expandable: a block's size for best fit is what it can grow to (plus an unmapped block after it);
+            # move on while the next candidate's is smaller.
+            grow = b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+            while i + 1 < len(keys):
+                nb = at[keys[i + 1] & _MASK]
+                ngrow = nb.size + (nb.next.size if nb.next is not None and not nb.next.mapped else 0)
+                if ngrow >= grow:
+                    break
+                i, b, grow = i + 1, nb, ngrow
+        if size < self.mss and b.size >= self.mss:  # no oversized block for a smaller request
+            return None
+        if size >= self.mss and b.size >= size + self.cfg.max_non_split_rounding_size:  # oversize within a limit
+            return None
+        del keys[i], at[b.addr]
+        return b
+
+    def _alloc_new(self, pool: _Pool, size: int) -> _Block:
+        """``malloc``'s fallbacks: alloc_block; release_available_cached_blocks and alloc_block again;
+        release_cached_blocks and alloc_block again; else an OOM, counted, and the segment made anyway."""
+        alloc_size = allocation_size(size, self.cfg.large_segment_size)
+        b = self._alloc_block(pool, size, alloc_size)
+        if b is None and self._release_available_cached_blocks(pool, size):
+            b = self._alloc_block(pool, size, alloc_size)
+        if b is None:
+            self._release_cached_blocks()
+            b = self._alloc_block(pool, size, alloc_size)
+        if b is None:
+            self.num_ooms += 1
+            b = self._alloc_block(pool, size, alloc_size, force=True)
+        assert b is not None
+        return b
+
+    def _alloc_block(self, pool: _Pool, size: int, alloc_size: int, force: bool = False) -> _Block | None:
+        """``alloc_block``: cudaMalloc ``alloc_size`` (fails past the capacity), or grow an expandable segment."""
+        if self.expandable:
+            return self._try_allocate_expandable_block(pool, size, force)
+        if not force and self.cap is not None and self.reserved + alloc_size > self.cap:
+            return None
+        b = _Block(self.next_base, alloc_size, pool)
+        self.next_base += alloc_size
+        self._grow(alloc_size)
+        return b
+
+    def _release_block(self, b: _Block) -> None:  # release_block: cudaFree a whole cached segment
+        self._remove(b)
+        self.reserved -= b.size
+
+    def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
+        """``release_available_cached_blocks``: if max_split_size is set, free the smallest cached oversize block
+        of at least max(size, max_split_size), else oversize blocks from the largest down until that many bytes."""
+        if self.cfg.max_split_size is None:
+            return False
+        keys, at, target = pool.keys, self.at, max(size, self.mss)
+        i = bisect_left(keys, target << _SHIFT)
+        if i < len(keys) and at[keys[i] & _MASK].seg is None:
+            b = at[keys[i] & _MASK]
+            if b.prev is not None or b.next is not None:  # split: not a cudaMalloc pointer, keep it
+                return False
+            self._release_block(b)
+            return True
+        released, i = 0, i - 1
+        while released < target and i >= 0 and (b := at[keys[i] & _MASK]).size >= self.mss:
+            if b.seg is None and b.prev is None and b.next is None:
+                self._release_block(b)
+                released += b.size
+            i -= 1
+        return released >= target
+
+    def _release_cached_blocks(self) -> None:
+        """``release_cached_blocks`` / ``release_blocks``: free each unsplit cached segment (large pool, then small),
+        unmap the whole free pages of expandable segments and drop segments left wholly unmapped."""
+        for pool in (self.large, self.small):
+            to_unmap = []
+            for b in [self.at[key & _MASK] for key in pool.keys]:
+                if b.seg is not None:
+                    to_unmap.append(b)
+                elif b.prev is None and b.next is None:
+                    self._release_block(b)
+            for b in to_unmap:
+                self._unmap_block(b)
+                if not b.mapped and b.prev is None and b.next is None:  # release_expandable_segment
+                    self._remove(b)
+
+    def _find_expandable_block(self, pool: _Pool, size: int) -> _Block:
+        """``find_expandable_block``: the lowest unmapped block, or the free block before it, with ``size`` bytes
+        of free or unmapped room from there; else a new segment of 2 MiB (small) or large_segment_size pages."""
+        for addr in pool.unmapped:
+            c = self.at[addr]
+            if c.prev is not None and not c.prev.allocated:
+                c = c.prev
+            room, x = 0, c
+            while room < size and x is not None and not x.allocated:
+                room, x = room + x.size, x.next
+            if room >= size:
+                return c
+        page = SMALL_BUFFER if pool.small else self.cfg.large_segment_size
+        # ExpandableSegment: address space for 1 1/8 of the device memory, in whole pages.
+        space = _ADDRESS_SPACE if self.cap is None else self.cap + self.cap // 8
+        space = -(-space // page) * page
+        c = _Block(self.next_base, space, pool, (self.next_base, page), mapped=False)
+        self.next_base += space
+        self._insert(c)
+        return c
+
+    def _try_allocate_expandable_block(self, pool: _Pool, size: int, force: bool) -> _Block | None:
+        """``try_allocate_expandable_block``: map pages until the candidate holds ``size`` bytes."""
+        c = self._find_expandable_block(pool, size)
+        if not c.mapped and not self._map_block(c, min(c.size, size), force):
+            return None
+        while c.size < size:
+            nc = c.next
+            assert nc is not None
+            if not self._map_block(nc, min(size - c.size, nc.size), force):
+                return None
+            c = nc
+        self._remove(c)
+        return c
+
+    def _map_block(self, b: _Block, size: int, force: bool) -> bool:
+        """``map_block`` / ``ExpandableSegment::map``: map the whole pages covering ``size`` bytes, all or none."""
+        assert b.seg is not None
+        base, page = b.seg
+        mapped = -(-(b.addr - base + size) // page) * page - (b.addr - base)
+        if not force and self.cap is not None and self.reserved + mapped > self.cap:
+            return False
+        self._remove(b)
+        b.mapped = True
+        if mapped < b.size:
+            self._insert(_Block(b.addr + mapped, b.size - mapped, b.pool, b.seg, mapped=False).splice(b, b.next))
+            b.size = mapped
+        self._try_merge(b, b.prev)
+        self._try_merge(b, b.next)
+        self._insert(b)
+        self._grow(mapped)
+        return True
+
+    def _unmap_block(self, b: _Block) -> None:
+        """``unmap_block`` / ``ExpandableSegment::unmap``: unmap the whole pages inside a free block."""
+        assert b.seg is not None
+        base, page = b.seg
+        first, last = -(-(b.addr - base) // page), (b.addr + b.size - base) // page
+        if first >= last:
+            return
+        self._remove(b)
+        start, length = base + first * page, (last - first) * page
+        if start > b.addr:
+            self._insert(_Block(b.addr, start - b.addr, b.pool, b.seg).splice(b.prev, b))
+        if b.addr + b.size > start + length:
+            self._insert(_Block(start + length, b.addr + b.size - start - length, b.pool, b.seg).splice(b, b.next))
+        b.addr, b.size, b.mapped = start, length, False
+        self._try_merge(b, b.prev)
+        self._try_merge(b, b.next)
+        self._insert(b)
+        self.reserved -= length
+
+
+def replay(nbytes: Sequence[int], alloc_at: Sequence[int], free_at: Sequence[int],
+           config: AllocatorConfig | None = None) -> ReplayResult:
+    """Replay allocations and frees through the CUDA caching allocator.
+
+    Rows are allocations: row ``i`` asks ``nbytes[i]`` at event ``alloc_at[i]`` and is freed at event
+    ``free_at[i]`` (-1: never). Events run in number order, each one alloc or one free (numbers are unique across
+    ``alloc_at`` and ``free_at`` but for -1; unused numbers are skipped). 0-byte rows are skipped, as
+    ``allocate(0)`` never reaches the caching allocator.
+
+    Args:
+        nbytes: bytes requested per row (figures already rounded to 512 are fine: rounding is idempotent).
+        alloc_at: event of each row's allocation.
+        free_at: event of each row's free, -1 for never.
+        config: allocator options and device capacity; default: PyTorch's defaults, unlimited memory.
+
+    Returns:
+        The :class:`ReplayResult`.
+
+    Raises:
+        ValueError: rows of different lengths, a negative size or event, an event used twice, or a free that is not
+            after its allocation.
+
+    Example::
+
+        >>> r = replay([5 * MIB, 5 * MIB], [0, 1], [2, 3])  # both 5 MiB blocks share one 20 MiB segment
+        >>> r.peak_reserved // MIB, r.peak_allocated // MIB, r.segments
+        (20, 10, 1)
+    """
+    sizes, alloc, free = (v.tolist() if hasattr(v, "tolist") else list(v) for v in (nbytes, alloc_at, free_at))
+    n = len(sizes)
+    if len(alloc) != n or len(free) != n:
+        raise ValueError(f"nbytes, alloc_at and free_at need one entry per row; got {n}, {len(alloc)}, {len(free)}")
+    num_events = max(max(alloc, default=-1), max(free, default=-1)) + 1
+    order: list[int | None] = [None] * num_events  # row i (alloc), ~i (free); None: no event or a 0-byte row
+    used = bytearray(num_events)
+    for i in range(n):
+        a, f = alloc[i], free[i]
+        if sizes[i] < 0 or a < 0:
+            raise ValueError(f"row {i}: nbytes {sizes[i]} and alloc_at {a} must not be negative")
+        if f != -1 and f <= a:
+            raise ValueError(f"row {i}: free_at {f} must be after alloc_at {a} (or -1 for never freed)")
+        for e in (a, f) if f != -1 else (a,):
+            if used[e]:
+                raise ValueError(f"row {i}: event {e} is already used by another alloc or free; give each its own")
+            used[e] = 1
+        if sizes[i]:
+            order[a] = i
+            if f != -1:
+                order[f] = ~i
+    r = _Replayer(config or AllocatorConfig())
+    live: list[_Block] = [None] * n  # type: ignore[list-item]  # each row's block, set before its free
+    malloc, release = r.malloc, r.free
+    for e in order:
+        if e is None:
+            continue
+        if e >= 0:
+            live[e] = malloc(sizes[e])
+        else:
+            release(live[~e])
+    return ReplayResult(r.peak_allocated, r.peak_reserved, r.reserved_at_peak_allocated, r.fragmentation,
+                        r.largest_free, r.segments, r.num_ooms, r.reserved)
+
+
+def replay_timeline(timeline: Timeline, config: AllocatorConfig | None = None) -> ReplayResult:
+    """Replay a :class:`~remat.timeline.Timeline`, or any object with ``nbytes``, ``alloc_at`` and ``free_at``.
+
+    Args:
+        timeline: the allocations, one row each (see :func:`replay`).
+        config: allocator options and device capacity.
+
+    Returns:
+        The :class:`ReplayResult` of :func:`replay` over its rows.
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> replay_timeline(SimpleNamespace(nbytes=[1], alloc_at=[0], free_at=[-1])).peak_reserved // MIB
+        2
+    """
+    return replay(timeline.nbytes, timeline.alloc_at, timeline.free_at, config)

@@ -1,0 +1,86 @@
+"""Reserved memory beside allocated memory: the caching-allocator replay of a predicted timeline, for reports.
+
+What runs out of memory on a GPU is reserved memory (the allocator's segments), not the allocated peak a trace
+gives. :func:`reserved_figures` replays a timeline through :mod:`remat.memory.allocator` and returns the figures
+``predict``, ``explain`` and ``plan`` print beside the allocated peak.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from remat.config import ModelConfig
+from remat.memory.allocator import AllocatorConfig, replay_timeline
+from remat.memory.kernels import resolve_kernels
+from remat.memory.predict import predict_config
+from remat.timeline import Timeline
+from remat.units import format_bytes
+
+REPLAY_NOTE = ("a replay of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp rules: 512-byte "
+               "rounding, 2 MiB small-pool and 20 MiB large segments, best-fit block splitting; one stream, no "
+               "empty_cache) over the predicted allocations; not a GPU measurement")
+
+
+def reserved_figures(timeline: Timeline, config: AllocatorConfig | None = None) -> dict[str, Any]:
+    """What ``torch.cuda.max_memory_reserved()`` and friends would report for ``timeline``'s step.
+
+    Args:
+        timeline: a predicted (or measured) step; its rows are replayed in event order.
+        config: ``PYTORCH_CUDA_ALLOC_CONF`` options (default: PyTorch's defaults).
+
+    Returns:
+        A JSON-ready dict: ``allocated_peak_bytes`` (the timeline's), ``max_memory_allocated`` and
+        ``max_memory_reserved`` (the replay's), ``fragmentation_at_peak_bytes`` (reserved minus allocated when
+        reserved peaked), ``largest_free_block_bytes`` (at that moment), ``segments`` and ``note`` (what the
+        figures are).
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> tl = SimpleNamespace(nbytes=[3 << 20], alloc_at=[0], free_at=[-1], peak_bytes=3 << 20)
+        >>> reserved_figures(tl)["max_memory_reserved"] >> 20  # a 3 MiB block takes a 20 MiB segment
+        20
+    """
+    result = replay_timeline(timeline, config)
+    return {
+        "allocated_peak_bytes": int(timeline.peak_bytes),
+        "max_memory_allocated": result.peak_allocated,
+        "max_memory_reserved": result.peak_reserved,
+        "fragmentation_at_peak_bytes": result.fragmentation_at_peak,
+        "largest_free_block_bytes": result.largest_free_block_at_peak,
+        "segments": result.segments,
+        "note": REPLAY_NOTE,
+    }
+
+
+def format_reserved(figures: dict[str, Any]) -> str:
+    """One line for text reports: reserved peak, its excess over allocated, fragmentation, largest free block."""
+    allocated, reserved = figures["max_memory_allocated"], figures["max_memory_reserved"]
+    extra = f"+{100 * (reserved - allocated) / allocated:.1f}%" if allocated else "n/a"
+    return (f"reserved {format_bytes(reserved)} ({extra} over its max_memory_allocated {format_bytes(allocated)}), "
+            f"fragmentation "
+            f"at the reserved peak {format_bytes(figures['fragmentation_at_peak_bytes'])}, largest free block "
+            f"{format_bytes(figures['largest_free_block_bytes'])}, {figures['segments']} segments")
+
+
+def explain_reserved(config: ModelConfig, timelines: dict[str, Timeline], device: str,
+                     kernels: str | None = None) -> dict[str, dict[str, Any]]:
+    """Reserved figures for ``remat explain``: of each measured timeline on a CUDA device, else of each policy's
+    prediction with the CUDA kernels (``kernels``, default the active profile or ``'cuda'``) in 512-byte blocks.
+
+    Args:
+        config: the model ``timelines`` were measured on.
+        timelines: policy text -> measured :class:`Timeline`.
+        device: where they were measured (``'cpu'`` or ``'cuda'``).
+        kernels: the kernel profile of the predictions (``'cpu'`` is refused: CPU kernels are not GPU bytes).
+
+    Returns:
+        policy text -> :func:`reserved_figures`, each with ``source`` (``'measured'`` or ``'predicted'``).
+    """
+    if device == "cuda":
+        return {name: {**reserved_figures(tl), "source": "measured"} for name, tl in timelines.items()}
+    profile = kernels or resolve_kernels(None, "cuda")
+    if profile == "cpu":
+        raise ValueError("reserved memory is a GPU figure: use --kernels cuda or te (or --device cuda), not cpu")
+    return {name: {**reserved_figures(predict_config(config, name, device="cuda", kernels=profile)),
+                   "source": f"predicted, kernels={profile}"} for name in timelines}

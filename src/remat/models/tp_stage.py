@@ -1,0 +1,89 @@
+"""One pipeline chunk of one tensor-parallel rank: the reference GPT cut by pipeline stage and sharded by Megatron's
+tensor (and sequence) parallelism, so that TP and PP combine in one module.
+
+A chunk holds [vocab-parallel embedding] -> its layers -> [final norm, vocab-parallel output layer, loss], built from
+the modules of :mod:`remat.models.tensor_parallel`. Under sequence parallelism the hidden states between chunks are
+[b*s/tp, h] token shards (Megatron's [s/tp, b, h]: the same bytes), else [b, s, h].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.config import ModelConfig
+from remat.models.gpt import building, rotary_tables
+from remat.models.tensor_parallel import (
+    TensorParallelGroup,
+    TPEmbedding,
+    TPHead,
+    TPTransformerLayer,
+    check_tensor_parallel,
+)
+
+
+class TPStageModule(nn.Module):
+    """A model chunk on one tensor-parallel rank.
+
+    ``spec`` is any object with ``is_first``, ``is_last``, ``num_layers`` (and, for the pipeline recorder,
+    ``index``/``layer_offset``), e.g. a :class:`remat.parallel.schedule.ChunkSpec`. ``forward(x, labels=None)``
+    takes token ids (first chunk) or hidden states and returns hidden states, or the loss on the last chunk.
+    """
+
+    def __init__(self, config: ModelConfig, spec: Any, group: TensorParallelGroup, sp: bool = False):
+        super().__init__()
+        check_tensor_parallel(config, group.size, sp)
+        self.config, self.spec, self.tp_group, self.sp = config, spec, group, sp
+        self.embedding = TPEmbedding(config, group, sp) if spec.is_first else None
+        self.layers = nn.ModuleList(TPTransformerLayer(config, group, sp) for _ in range(spec.num_layers))
+        self.head = TPHead(config, group, sp) if spec.is_last else None
+        if config.tie_embeddings and self.embedding is not None and self.head is not None:
+            self.head.output_layer.weight = self.embedding.word_embeddings.weight
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        s = self.config.seq_length  # under SP a middle chunk's input is [b*s/tp, h]: its shape does not give s
+        causal_mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril_().view(1, 1, s, s)
+        rotary = rotary_tables(self.config, s, x.device)
+        hidden = self.embedding(x) if self.embedding is not None else x
+        for layer in self.layers:
+            hidden = layer(hidden, causal_mask, rotary)
+        if self.head is None:
+            return hidden
+        if labels is None:
+            raise ValueError(f"chunk {getattr(self.spec, 'index', '?')} computes the loss and needs labels=")
+        return self.head(hidden, labels)
+
+
+def hidden_shape(config: ModelConfig, tp: int = 1, sp: bool = False) -> tuple[int, ...]:
+    """The shape of the hidden states a chunk receives and sends: [b*s/tp, h] under SP, else [b, s, h].
+
+    Example:
+        >>> hidden_shape(ModelConfig(micro_batch_size=2, seq_length=8, hidden_size=4), tp=2, sp=True)
+        (8, 4)
+    """
+    b, s, h = config.micro_batch_size, config.seq_length, config.hidden_size
+    return (b * s // tp, h) if sp else (b, s, h)
+
+
+def build_tp_stage_module(config: ModelConfig, spec: Any, group: TensorParallelGroup, sp: bool = False,
+                          device: torch.device | str = "cpu", seed: int | None = 0) -> TPStageModule:
+    """A chunk of one tensor-parallel rank in ``config.dtype`` on ``device`` (training mode; works under
+    ``FakeTensorMode``).
+
+    Args:
+        config: the whole model (its ``seq_length`` is what one rank holds: s/cp under context parallelism).
+        spec: the chunk (see :class:`TPStageModule`).
+        group: the tensor-parallel group (a ``SimulatedGroup`` to predict, a ``DistributedGroup`` to run).
+        sp: sequence parallelism.
+        device: where the parameters are made.
+        seed: seeds torch's generator with ``seed + group.rank`` (None: leave it).
+
+    Returns:
+        The module, in training mode.
+    """
+    if seed is not None:
+        torch.manual_seed(seed + group.rank)
+    with building(config, device):
+        return TPStageModule(config, spec, group, sp).train()

@@ -1,0 +1,201 @@
+"""The whole-rank prediction of a Megatron job checked against a real run: every rank of a small job run on gloo
+(one CPU process per rank, :mod:`remat.parallel.megatron_rank`), its measured peak beside the predicted one
+(:func:`remat.parallel.job_predict.predict_job`), with the parts (parameters, gradients, master parameters,
+optimizer state, activations) alive at each peak."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from remat.config import DTYPES, ModelConfig
+from remat.job import Job, JobError
+from remat.memory.rank_state import shard_elements
+from remat.models.tensor_parallel import DistributedGroup
+from remat.models.tp_stage import build_tp_stage_module
+from remat.parallel.job_predict import PARTS, JobPrediction, parts_at, predict_job
+from remat.parallel.launch import DEFAULT_TIMEOUT, launch_job
+from remat.parallel.megatron_rank import (
+    GRAD_BUFFER,
+    MASTER,
+    STATE,
+    GradBuffer,
+    Layout,
+    MegatronOptimizer,
+    RankStep,
+    add_grad_hooks,
+    make_groups,
+)
+from remat.parallel.pipeline_report import peak_error
+from remat.parallel.schedule import partition
+from remat.parallel.stages import PipelineRecorder, build_stage_module, gc_paused
+from remat.policy import Policy
+from remat.recompute.apply import apply
+from remat.timeline import Timeline
+
+MAX_WORLD = 8  # one CPU process per rank
+
+
+def job_to_dict(job: Job) -> dict[str, Any]:
+    """A JSON-ready form of ``job`` (the worker rebuilds it with :func:`job_from_dict`)."""
+    out = {f.name: getattr(job, f.name) for f in dataclasses.fields(job) if f.name not in ("model", "policy")}
+    return {**out, "model": job.model.to_dict(), "policy": str(job.policy)}
+
+
+def job_from_dict(data: dict[str, Any]) -> Job:
+    fields = {k: v for k, v in data.items() if k not in ("model", "policy")}
+    return Job(model=ModelConfig.from_dict(data["model"]), policy=Policy.parse(data["policy"]), **fields)
+
+
+def check_measurable(job: Job) -> None:
+    """Refuse, naming the field, what the real run does not build (yet)."""
+    refusals = [
+        (job.cp > 1, f"cp={job.cp}: the real run has no ring attention; measure with cp=1"),
+        (job.vpp is not None, f"vpp={job.vpp}: the real run runs Megatron's non-interleaved 1F1B; use vpp=None"),
+        (job.overlap_grad_reduce, "overlap_grad_reduce=True: the real run keeps one bucket per buffer; use False"),
+        (job.world_size > MAX_WORLD, f"tp*pp*cp*dp = {job.world_size} processes: the real run starts one CPU "
+                                     f"process per rank; use at most {MAX_WORLD}"),
+    ]
+    for bad, message in refusals:
+        if bad:
+            raise JobError(message)
+
+
+def measure_job(job: Job, *, timeout: float = DEFAULT_TIMEOUT, seed: int = 0) -> list[Timeline]:
+    """Run one training step of every rank of ``job`` for real and record it (gloo on CPU, one process per
+    rank, every process ended before this returns).
+
+    Args:
+        job: the job (tp, sp, pp, dp, distributed optimizer, precision, optimizer, policy); cp and vpp must be
+            unset.
+        timeout: seconds the whole run may take, process start included.
+        seed: weights and token ids.
+
+    Returns:
+        One :class:`Timeline` per global rank (Megatron's order: tp fastest, then dp, then pp), recorded over
+        the second of two steps; ``meta['job_rank']`` says where the rank sits.
+
+    Example:
+        >>> job = Job.build(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64,
+        ...                             seq_length=16), precision="bf16", dp=2, distributed_optimizer=True)
+        >>> [t.peak_bytes > 0 for t in measure_job(job)]  # doctest: +SKIP
+        [True, True]
+    """
+    check_measurable(job)
+    spec = {"kind": "job", "job": job_to_dict(job), "policies": [str(job.policy)], "world": job.world_size,
+            "device": "cpu", "seed": seed, "fault": None, "timeout": float(timeout)}
+    return [Timeline.from_dict(results[0]) for results in launch_job(spec, job.world_size, timeout)]
+
+
+def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timeline:
+    """One rank of :func:`measure_job` (run by the worker process): build it, step once, record the next step."""
+    job = job_from_dict(spec["job"])
+    lay = Layout(job.tp, job.dp, job.pp, rank)
+    groups = make_groups(lay)
+    config = job.model
+    pipelined = job.pp > 1
+    if pipelined and config.tie_embeddings:
+        config = config.replace(tie_embeddings=False)  # each end stage keeps its copy; their grads are summed
+    chunk = partition(config, job.pp)[lay.pp_rank]
+    if job.tp == 1 and not job.sp:
+        import torch
+
+        torch.manual_seed(spec["seed"])
+        module = build_stage_module(config, chunk)
+    else:
+        module = build_tp_stage_module(config, chunk, DistributedGroup(groups[0]), job.sp, seed=spec["seed"])
+    apply(module, Policy.parse(policy_text))
+    params = [p for _, p in module.named_parameters()]
+    tied = []
+    if pipelined and job.model.tie_embeddings:
+        tied = ([module.embedding.word_embeddings.weight] if chunk.is_first else []) + (
+            [module.head.output_layer.weight] if chunk.is_last else [])
+    buffer = GradBuffer(params, {id(t) for t in tied}, grad_dtype=DTYPES[job.main_grad_dtype],
+                        distributed=job.distributed_optimizer, dp_size=job.dp)
+    add_grad_hooks(params)
+    optimizer = MegatronOptimizer(buffer, params, kind=job.optimizer, momentum=job.sgd_momentum,
+                                  mixed=job.precision != "fp32", distributed=job.distributed_optimizer,
+                                  dp_rank=lay.dp_rank, dp_size=job.dp)
+    step = RankStep(module, chunk, config, lay, job.num_microbatches, buffer, optimizer, groups, tied,
+                    job.distributed_optimizer, spec["seed"], job.sp)
+    step.train_step()  # the optimizer's state and gloo's connections exist from now on: not recorded
+    recorder = PipelineRecorder(module, [module])
+    named = [(GRAD_BUFFER, buffer.grad_data)] + [(MASTER, t) for t in optimizer.masters] + [
+        (STATE, t) for t in optimizer.states]
+    with gc_paused(), recorder:
+        recorder.track_setup(named)
+        step.recorder = recorder
+        step.train_step()
+        step.recorder = None
+        recorder.set_phase("setup", "end")
+    recorder.categorize(None)
+    tl = recorder.timeline
+    for row, module_name in enumerate(tl.module):
+        if module_name == GRAD_BUFFER:
+            tl.category[row] = "gradients"
+        elif module_name in (MASTER, STATE):
+            tl.category[row] = "optimizer_state"
+    tl.meta["phase_flops"] = recorder.phase_flops
+    tl.meta.update({"backend": "cpu", "device": "cpu", "policy": policy_text, "rank": rank,
+                    "config": config.to_dict(), "num_layers": chunk.num_layers,
+                    "job_rank": {"rank": rank, "stage": lay.pp_rank, "tp_rank": lay.tp_rank,
+                                 "dp_rank": lay.dp_rank}})
+    return tl
+
+
+# ------------------------------------------------------------------------------------------------ compare
+def rank_rows(job: Job, measured: Sequence[Timeline], prediction: JobPrediction | None = None) -> list[dict[str, Any]]:
+    """Per global rank: where it sits, the predicted and measured peak, ``error = (predicted - measured) /
+    measured`` and the parts alive at each peak (:data:`remat.parallel.job_predict.PARTS`).
+
+    The prediction prices one data-parallel shard (the one with the most optimizer elements); a rank holding
+    another shard is predicted with its own shard's master parameters and optimizer state (alive the whole step,
+    so its peak moves by the difference)."""
+    prediction = prediction or predict_job(job)
+    by_stage = {r.stage: r for r in prediction.ranks}
+    rows = []
+    for tl in measured:
+        where = tl.meta["job_rank"]
+        guess = by_stage[where["stage"]]
+        parts = dict(guess.parts)
+        shift = 0
+        if job.distributed_optimizer:
+            mine = sum(shard_elements(lay, job.dp * job.cp, where["dp_rank"]) for lay in guess.state.layouts)
+            per_element = {k: v // max(guess.state.shard_elements, 1) for k, v in
+                           (("master_parameters", guess.state.master_parameters),
+                            ("optimizer_state", guess.state.optimizer_state))}
+            for part, size in per_element.items():
+                delta = (mine - guess.state.shard_elements) * size
+                parts[part] += delta
+                shift += delta
+        predicted = guess.peak_bytes + shift
+        real = tl.peak_bytes
+        rows.append({"rank": where["rank"], "stage": where["stage"], "tp_rank": where["tp_rank"],
+                     "dp_rank": where["dp_rank"], "predicted_bytes": predicted, "measured_bytes": real,
+                     "error": peak_error(real, predicted), "predicted_parts": parts,
+                     "measured_parts": parts_at(tl, tl.peak_event),
+                     "predicted_phase": guess.timeline.peak_phase.label, "measured_phase": tl.peak_phase.label})
+    return rows
+
+
+def compare_job(job: Job, *, timeout: float = DEFAULT_TIMEOUT, seed: int = 0) -> list[dict[str, Any]]:
+    """:func:`measure_job` and :func:`rank_rows` together: one row per global rank."""
+    return rank_rows(job, measure_job(job, timeout=timeout, seed=seed))
+
+
+def format_rows(rows: Sequence[dict[str, Any]]) -> str:
+    """A per-rank table: rank, stage, tp position, predicted and measured bytes, error %, then the parts."""
+    short = {"parameters": "params", "gradients": "grads", "master_parameters": "master",
+             "optimizer_state": "optim", "activations": "acts", "communication": "comm"}
+    head = f"{'rank':>4} {'stage':>5} {'tp':>3} {'dp':>3} {'predicted':>11} {'measured':>11} {'error':>8}  parts"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['rank']:>4} {r['stage']:>5} {r['tp_rank']:>3} {r['dp_rank']:>3} "
+                     f"{r['predicted_bytes']:>11,} {r['measured_bytes']:>11,} {r['error'] * 100:>7.3f}%  "
+                     + " ".join(f"{short[p]}={r['measured_parts'][p]:,}" for p in PARTS if r['measured_parts'][p]))
+        diff = [f"{short[p]} {r['predicted_parts'][p] - r['measured_parts'][p]:+,}" for p in PARTS
+                if r['predicted_parts'][p] != r['measured_parts'][p]]
+        if diff:
+            lines.append(f"{'':>49}predicted - measured: " + ", ".join(diff))
+    return "\n".join(lines)

@@ -1,0 +1,251 @@
+"""Every byte of every rank of a Megatron-LM job (:class:`remat.job.Job`): the whole-step prediction per rank.
+
+For each pipeline stage the activations of the microbatches in flight come from the pipeline composition
+(:mod:`remat.parallel.pipeline_predict`, Megatron's runtime), whose chunks are traced as one tensor-parallel
+rank's shard (:mod:`remat.models.tp_stage`) holding s/cp tokens; the static model state of the rank
+(:mod:`remat.memory.rank_state`: parameters, the fp32 main-gradient buffer, master parameters and optimizer state,
+with Megatron's padding) is added as allocations alive for the whole step. Ranks that hold the same bytes are
+computed once: all tensor-parallel and context-parallel positions of a stage are the same size, and of the
+data-parallel shards the one with the most optimizer elements is priced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from remat.job import Job, JobError
+from remat.memory.rank_state import RankState, rank_parameters, rank_state
+from remat.parallel.chunk_trace import trace_chunk
+from remat.parallel.pipeline_predict import compose_stage
+from remat.parallel.pipeline_report import describe_stage
+from remat.parallel.pipeline_runtime import StagePlan
+from remat.parallel.schedule import (
+    check_schedule,
+    checkpointed_forwards,
+    partition,
+    rank_chunks,
+    schedule_actions,
+    warmup_forwards,
+)
+from remat.timeline import CATEGORIES, Timeline
+from remat.units import CUDA_BLOCK
+
+# What a rank also holds that no prediction here counts; --reserve keeps room for it.
+NOT_COUNTED = ("not counted: the CUDA context and kernels, NCCL's communicator buffers and the caching allocator's "
+               "fragmentation")
+PARTS = ("parameters", "gradients", "master_parameters", "optimizer_state", "activations", "communication")
+MASTER_MODULE = "optimizer.master_parameters"
+RING_MODULE = "cp.ring_attention.kv_exchange"
+
+
+@dataclass
+class ShardedStagePlan(StagePlan):
+    """A :class:`StagePlan` whose hidden states are token shards: [b*s/tp, h] under sequence parallelism."""
+
+    activation_shards: int = 1
+
+    @property
+    def activation_bytes(self) -> int:
+        c = self.config
+        nbytes = c.micro_batch_size * c.seq_length * c.hidden_size * c.torch_dtype.itemsize // self.activation_shards
+        return -(-nbytes // self.block) * self.block
+
+
+@dataclass
+class RankPrediction:
+    """One distinct rank of a job: its stage's timeline with the model state, and the state itself."""
+
+    stage: int
+    rank: int  # the global rank priced (Megatron's default order tp-cp-ep-dp-pp)
+    ranks: int  # how many ranks hold the same bytes or fewer (the stage's tp x cp x dp ranks)
+    state: RankState
+    timeline: Timeline
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.timeline.peak_bytes
+
+    @property
+    def parts(self) -> dict[str, int]:
+        """Bytes alive at the peak by part (:data:`PARTS`); they add up to :attr:`peak_bytes`."""
+        return parts_at(self.timeline, self.timeline.peak_event)
+
+
+@dataclass
+class JobPrediction:
+    """Every distinct rank of a job, the worst (highest peak) first."""
+
+    job: Job
+    ranks: list[RankPrediction]
+
+    @property
+    def worst(self) -> RankPrediction:
+        return self.ranks[0]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One JSON-ready row per distinct rank, worst first: ``rank``, ``stage``, ``ranks_alike``, ``peak_bytes``,
+        ``peak_phase``, the parts at the peak (:data:`PARTS`, each a key of its own, adding up to ``peak_bytes``),
+        ``num_parameters`` and ``dp_shard``."""
+        return [{"rank": r.rank, "stage": r.stage, "ranks_alike": r.ranks, "peak_bytes": r.peak_bytes,
+                 "peak_phase": r.timeline.peak_phase.label, **r.parts,
+                 "num_parameters": r.state.num_parameters, "dp_shard": r.state.dp_rank} for r in self.ranks]
+
+
+def parts_at(timeline: Timeline, event: int) -> dict[str, int]:
+    """Bytes alive after ``event`` by part: the model state rows by their module, the rest as activations."""
+    parts = dict.fromkeys(PARTS, 0)
+    for row in timeline.alive_at(event):
+        category, module, nbytes = timeline.category[row], timeline.module[row], timeline.nbytes[row]
+        if module == MASTER_MODULE:
+            parts["master_parameters"] += nbytes
+        elif module == RING_MODULE:
+            parts["communication"] += nbytes
+        elif category in ("parameters", "gradients", "optimizer_state"):
+            parts[category] += nbytes
+        else:
+            parts["activations"] += nbytes
+    return parts
+
+
+def ring_exchange_bytes(job: Job) -> int:
+    """Context parallelism's K/V ring buffers of one attention (0 without CP).
+
+    Megatron's p2p ring attention (Transformer Engine ``AttnFuncWithCPAndKVP2P``) double-buffers the K/V chunk it
+    sends and receives; backward also double-buffers dK/dV. Priced as 4 x (K + V of this rank's s/cp tokens and
+    query groups / tp), alive for the whole step: an upper bound of a transient.
+    """
+    if job.cp == 1:
+        return 0
+    m = job.model
+    kv = 2 * m.micro_batch_size * (m.seq_length // job.cp) * (m.query_groups // job.tp) * m.head_dim
+    return 4 * kv * m.torch_dtype.itemsize
+
+
+def predict_job(job: Job, *, device: str = "cpu") -> JobPrediction:
+    """Predict the whole training step of every distinct rank of ``job``.
+
+    Args:
+        job: the Megatron job (model, tp/sp/pp/vpp/cp/dp, batch, precision, optimizer, recompute policy).
+        device: 'cpu' (exact bytes) or 'cuda' (activations rounded to 512-byte blocks).
+
+    Returns:
+        A :class:`JobPrediction`, worst rank first; each timeline's ``meta['job']`` says what is in it and
+        ``meta['not_counted']`` what is not (:data:`NOT_COUNTED`).
+
+    Example:
+        >>> from remat.config import ModelConfig
+        >>> job = Job.build(ModelConfig(num_layers=4, attention="sdpa"), precision="bf16", tp=2, pp=2,
+        ...                 num_microbatches=4)
+        >>> predict_job(job).worst.stage
+        0
+    """
+    out = [predict_stage(job, stage, device=device) for stage in range(job.pp)]
+    out.sort(key=lambda r: (-r.peak_bytes, r.stage))
+    return JobPrediction(job, out)
+
+
+def check_job(job: Job) -> None:
+    """Refuse, naming the flag and the fix, a job whose rank this module cannot predict."""
+    if job.cp > 1 and job.model.attention == "math":
+        raise JobError(f"cp={job.cp} (--context-parallel-size): Megatron's context parallelism runs Transformer "
+                       "Engine's fused/flash ring attention; unfused attention (--attention-backend unfused/local, "
+                       "remat's 'math') cannot run with it: use --attention-backend auto/flash/fused or cp=1")
+    check_schedule(job.schedule, job.pp, job.num_microbatches, job.vpp or 1, "megatron")
+
+
+def stage_state(job: Job, stage: int) -> RankState:
+    """The model state (parameters, main grads, master parameters, optimizer state) of a rank of pipeline stage
+    ``stage``: what that rank holds all step whatever the recompute policy. Cheap: no step is traced.
+
+    Example:
+        >>> from remat.config import ModelConfig
+        >>> stage_state(Job.build(ModelConfig(num_layers=2), precision="bf16"), 0).num_parameters > 0
+        True
+    """
+    if not 0 <= stage < job.pp:
+        raise JobError(f"stage={stage}: the job has pipeline stages 0..{job.pp - 1}")
+    vpp = job.vpp or 1
+    pipelined = job.pp * vpp > 1
+    chunks = rank_chunks(partition(job.model, job.pp, vpp), job.pp, stage)
+    params = [rank_parameters(job.model, first=s.is_first, last=s.is_last, num_layers=s.num_layers, tp=job.tp,
+                              sp=job.sp, pipelined=pipelined) for s in chunks]
+    return rank_state(job, params, pipeline_rank=stage)
+
+
+def predict_stage(job: Job, stage: int, *, device: str = "cpu") -> RankPrediction:
+    """Predict the whole training step of a rank of pipeline stage ``stage`` (one of :func:`predict_job`'s ranks).
+
+    Args:
+        job: the Megatron job.
+        stage: the pipeline stage, 0 .. pp - 1.
+        device: 'cpu' (exact bytes) or 'cuda' (activations rounded to 512-byte blocks).
+
+    Returns:
+        The stage's :class:`RankPrediction`: its timeline holds the model state and the activations of the
+        microbatches in flight under ``job.policy``.
+
+    Example:
+        >>> from remat.config import ModelConfig
+        >>> job = Job.build(ModelConfig(num_layers=4, attention="sdpa"), precision="bf16", pp=2, num_microbatches=2)
+        >>> predict_stage(job, 1).stage
+        1
+    """
+    check_job(job)
+    model, tp, sp, pp, cp = job.model, job.tp, job.sp, job.pp, job.cp
+    vpp = job.vpp or 1
+    config = model.replace(seq_length=model.seq_length // cp)  # each rank holds s/cp tokens of every sequence
+    if pp * vpp > 1 and config.tie_embeddings:
+        config = config.replace(tie_embeddings=False)  # the last stage keeps its own copy of the tied embedding
+    schedule = check_schedule(job.schedule, pp, job.num_microbatches, vpp, "megatron")
+    chunks = rank_chunks(partition(config, pp, vpp), pp, stage)
+    actions = schedule_actions(schedule, pp, job.num_microbatches, vpp, stage, runtime="megatron")
+    window = warmup_forwards(schedule, pp, job.num_microbatches, vpp, stage, "megatron") + 1
+    traces = {(s.index, True): trace_chunk(config, s.kind, job.policy, device, tp, sp) for s in chunks}
+    plan = ShardedStagePlan(config, pp, job.num_microbatches, vpp, stage, schedule, "megatron", chunks, actions,
+                            checkpointed_forwards(actions, None, window), traces,
+                            block=CUDA_BLOCK if device == "cuda" else 1, activation_shards=tp if sp else 1)
+    timeline = compose_stage(plan, job.policy)
+    state = stage_state(job, stage)
+    add_model_state(timeline, state, ring_exchange_bytes(job))
+    timeline.meta["job"] = {"stage": stage, "tp": tp, "sp": sp, "cp": cp, "dp": job.dp, "pp": pp, "vpp": job.vpp,
+                            "precision": job.precision, "optimizer": job.optimizer,
+                            "distributed_optimizer": job.distributed_optimizer, "state": state.parts()}
+    timeline.meta["not_counted"] = NOT_COUNTED
+    describe_stage(timeline)
+    rank = state.dp_rank * tp + stage * tp * cp * job.dp  # tp rank 0 of the priced dp x cp shard
+    return RankPrediction(stage, rank, tp * cp * job.dp, state, timeline)
+
+
+def add_model_state(timeline: Timeline, state: RankState, ring_bytes: int = 0) -> None:
+    """Put a rank's model state into its stage timeline (in place).
+
+    The traced parameter gradients become transients (Megatron's DDP hook adds each ``param.grad`` to the
+    main-gradient buffer and drops it; with gradient-accumulation fusion it never exists), and the buffers that
+    live all step are added at the first event: the main-gradient buffer, the parameter buffer's padding, the
+    master parameters and the optimizer state, and context parallelism's ring buffers.
+    """
+    traced = sum(n for n, c in zip(timeline.nbytes, timeline.category) if c == "parameters")
+    missing = state.parameters - traced  # learned positions under CP: the table keeps all s rows, the trace s/cp
+    if missing < 0:
+        raise JobError(f"internal: the traced chunk holds {traced} parameter bytes, more than the {state.parameters} "
+                       "counted for the rank; please report this job")
+    for row, category in enumerate(timeline.category):
+        if category == "gradients" and timeline.free_at[row] == -1 and timeline.alloc_at[row] + 1 < \
+                timeline.num_events:
+            timeline.free_at[row] = timeline.alloc_at[row] + 1
+    rows = [(state.gradients, "ddp.grad_buffer", "gradients"),
+            (state.parameter_padding + missing, "ddp.param_buffer_padding", "parameters"),
+            (state.master_parameters, MASTER_MODULE, "optimizer_state"),
+            (state.optimizer_state, "optimizer.state", "optimizer_state"),
+            (ring_bytes, RING_MODULE, "other")]
+    for nbytes, module, category in rows:
+        if nbytes > 0:
+            assert category in CATEGORIES
+            timeline.nbytes.append(nbytes)
+            timeline.alloc_at.append(0)
+            timeline.free_at.append(-1)
+            timeline.phase_index.append(0)
+            timeline.module.append(module)
+            timeline.category.append(category)
+    timeline.validate()

@@ -1,0 +1,202 @@
+"""Options of :func:`remat.plan.plan` and :func:`remat.plan.plan_pipeline`: what to search and how to price it
+(:class:`PlanOptions`), and how the job is split over GPUs (:class:`ParallelOptions`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from remat.config import ModelConfig
+from remat.plan.costs import CostModel, measure_layer_times
+from remat.plan.space import OBJECTIVES, selective_sets
+from remat.policy import ENGINES, SELECTIVE_MODULES
+from remat.recompute.plan_format import PlanError
+from remat.units import DEFAULT_RESERVE, GPU_PRESETS, SizeError, format_bytes, parse_budget, parse_reserve
+
+DEVICES = ("cpu", "cuda")
+# the keys measure_layer_times returns for every model (contraction_<K> keys are optional)
+MEASURED_KEYS = ("layer", "core_attn", "mlp", "layernorm", "act", "non_matmul", "core_attn_matmuls", "mlp_matmuls")
+
+
+def _positive(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise PlanError(f"{owner}.{name}={value!r}: give a positive finite number")
+
+
+def _count(owner: str, name: str, value: object, minimum: int, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PlanError(f"{owner}.{name}={value!r}: {fix}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """What :func:`~remat.plan.plan` searches and how it prices recompute. Every field has a default; the
+    defaults are ``remat plan``'s."""
+
+    reserve: str | float | None = DEFAULT_RESERVE
+    """What a GPU-preset budget (``'h100-80g'``) keeps free: a percentage (``'10%'``), a fraction (``0.1``) or bytes
+    (``'2GiB'``); None keeps nothing. A byte budget is taken as given."""
+
+    objective: str = "extra_flops"
+    """``'extra_flops'``: the fewest recomputed FLOPs; ``'time'``: the least estimated seconds (FLOPs at
+    :attr:`flops_per_second` plus recomputed bytes at :attr:`memory_bandwidth`, or measured times)."""
+
+    engine: str = "reentrant"
+    """Checkpoint implementation the plans use (:data:`remat.policy.ENGINES`); offload groups need
+    ``'reentrant'``."""
+
+    device: str = "cpu"
+    """``'cpu'``: exact storage bytes; ``'cuda'``: CUDA's 512-byte allocator blocks."""
+
+    offload: bool = True
+    """Let the extended search offload a group's input to host memory (only with the reentrant engine)."""
+
+    selective_sets: str | Iterable[Sequence[str]] | None = None
+    """The module sets selective layers may recompute: None for all (:data:`remat.plan.space.SELECTIVE_SETS`), a
+    comma list of modules (``'core_attn,mlp'``: the sets made of those) or the sets themselves. Stored as a tuple of
+    sets."""
+
+    measured_times: bool | Mapping[str, float] = False
+    """Price recompute by forward times measured on this machine (True: :func:`measure_layer_times` runs; or pass
+    its dict). Implies the time objective."""
+
+    flops_per_second: float = 400e12
+    """Compute throughput that converts between seconds and FLOPs."""
+
+    bandwidth: float = 25e9
+    """Host-device bandwidth for offload, bytes per second (PCIe 4 x16: 25e9)."""
+
+    memory_bandwidth: float = 3e12
+    """Device memory bandwidth, bytes per second: prices recomputed bytes under the time objective."""
+
+    max_resolves: int = 4
+    """How often a plan whose traced peak exceeds the budget is re-solved under a lower budget before giving up."""
+
+    def __post_init__(self) -> None:
+        owner = "PlanOptions"
+        if self.reserve is not None:
+            try:
+                parse_reserve(self.reserve, GPU_PRESETS["h100-80g"])
+            except (SizeError, OverflowError) as err:
+                raise PlanError(f"{owner}.reserve={self.reserve!r}: {err}; write e.g. '10%', 0.1 or '2GiB'") from None
+        if self.objective not in OBJECTIVES:
+            raise PlanError(f"{owner}.objective={self.objective!r}: use {' or '.join(map(repr, OBJECTIVES))}")
+        if self.engine not in ENGINES:
+            raise PlanError(f"{owner}.engine={self.engine!r}: use {' or '.join(map(repr, ENGINES))}")
+        if self.device not in DEVICES:
+            raise PlanError(f"{owner}.device={self.device!r}: use {' or '.join(map(repr, DEVICES))}")
+        if not isinstance(self.offload, bool):
+            raise PlanError(f"{owner}.offload={self.offload!r}: give True or False")
+        object.__setattr__(self, "selective_sets", _selective_sets(self.selective_sets))
+        if not isinstance(self.measured_times, (bool, Mapping)):
+            raise PlanError(f"{owner}.measured_times={self.measured_times!r}: give True, False or the dict of "
+                            "measure_layer_times")
+        if isinstance(self.measured_times, Mapping):
+            missing = [k for k in MEASURED_KEYS if k not in self.measured_times]
+            if missing:
+                raise PlanError(f"{owner}.measured_times lacks {', '.join(missing)}: pass what "
+                                "remat.plan.measure_layer_times returns, or True to measure here")
+        for name in ("flops_per_second", "bandwidth", "memory_bandwidth"):
+            _positive(owner, name, getattr(self, name))
+        _count(owner, "max_resolves", self.max_resolves, 0, "give a count >= 0")
+
+    def cost_model(self, config: ModelConfig) -> CostModel:
+        """The :class:`CostModel` these options price with; measures the layer times first when
+        ``measured_times=True`` (on CUDA when ``device='cuda'`` and one is available)."""
+        measured = None
+        if self.measured_times:
+            if isinstance(self.measured_times, Mapping):
+                times = dict(self.measured_times)
+            else:
+                here = "cuda" if self.device == "cuda" and torch.cuda.is_available() else "cpu"
+                times = measure_layer_times(config, device=here)
+            measured = tuple(sorted(times.items()))
+        objective = "time" if measured is not None else self.objective
+        return CostModel(objective, self.flops_per_second, self.bandwidth, measured, self.memory_bandwidth)
+
+    def budget(self, budget: int | str) -> tuple[int, str]:
+        """``(bytes, description)`` of ``budget``: bytes, or text such as ``'70GiB'`` or ``'h100-80g'`` (minus
+        :attr:`reserve`)."""
+        if isinstance(budget, str):
+            return parse_budget(budget, self.reserve)
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise PlanError(f"budget={budget!r}: give bytes (a positive int) or text such as '70GiB' or 'h100-80g'")
+        return budget, format_bytes(budget)
+
+
+def _selective_sets(value: object) -> tuple[tuple[str, ...], ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return selective_sets(value)
+    try:
+        items = tuple(value)  # type: ignore[call-overload]
+        if any(isinstance(s, str) for s in items):
+            raise TypeError
+        sets = tuple(tuple(s) for s in items)
+    except TypeError:
+        raise PlanError(f"PlanOptions.selective_sets={value!r}: give a comma list of modules ('core_attn,mlp') or "
+                        "a list of module sets ([('core_attn',), ('core_attn', 'mlp')])") from None
+    unknown = sorted({m for s in sets for m in s if m not in SELECTIVE_MODULES and not m.startswith("matmul_k")})
+    if unknown:
+        raise PlanError(f"PlanOptions.selective_sets names {', '.join(map(repr, unknown))}: valid modules are "
+                        f"{', '.join(SELECTIVE_MODULES)}")
+    return sets
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelOptions:
+    """How the training job is split over GPUs: one tensor-parallel rank (``tp``, ``sp``) or pipeline stages
+    (``pp``, ``microbatches``, ``schedule``), not both yet. The default is one unsharded GPU."""
+
+    tp: int = 1
+    """Tensor-parallel size: plan one rank under Megatron's sharding of heads, MLP and vocabulary."""
+
+    sp: bool = False
+    """Sequence parallelism (with ``tp``): norms, dropouts and residuals hold 1/tp of the tokens."""
+
+    pp: int | None = None
+    """Pipeline stages: also plan each stage separately (:func:`~remat.plan.plan_pipeline`). None: no pipeline."""
+
+    microbatches: int | None = None
+    """Microbatches per step with ``pp`` (None: ``pp``)."""
+
+    schedule: str = "1f1b"
+    """Pipeline schedule with ``pp`` (:mod:`remat.parallel.schedule`: ``'1f1b'``, ``'gpipe'``, ...)."""
+
+    vpp: int = 1
+    """Model chunks per pipeline stage; per-stage plans need 1."""
+
+    runtime: str = "torch"
+    """Whose pipeline the stage timelines model: ``'torch'`` (torch.distributed.pipelining) or ``'megatron'``."""
+
+    def __post_init__(self) -> None:
+        owner = "ParallelOptions"
+        _count(owner, "tp", self.tp, 1, "give the tensor-parallel size, an int >= 1")
+        if not isinstance(self.sp, bool):
+            raise PlanError(f"{owner}.sp={self.sp!r}: give True or False")
+        if self.pp is not None:
+            _count(owner, "pp", self.pp, 1, "give the number of pipeline stages, an int >= 1, or None")
+        if self.microbatches is not None:
+            _count(owner, "microbatches", self.microbatches, 1, "give the microbatches per step, an int >= 1")
+            if self.pp is None:
+                raise PlanError(f"{owner}.microbatches={self.microbatches} without pp: set pp (pipeline stages) or "
+                                "drop microbatches")
+        _count(owner, "vpp", self.vpp, 1, "give the model chunks per stage, an int >= 1")
+        if (self.tp > 1 or self.sp) and self.pp is not None:
+            raise PlanError("plan takes tensor parallelism (tp/sp) or pipeline stages (pp), not both yet: plan a "
+                            "pipeline stage's layers with tp, or drop tp")
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """True when planning one rank of a tensor-parallel group."""
+        return self.tp > 1 or self.sp
+
+    @property
+    def num_microbatches(self) -> int:
+        """``microbatches``, or ``pp`` when unset (a pipeline needs ``pp``)."""
+        if self.pp is None:
+            raise PlanError("ParallelOptions.pp is None: set pp (pipeline stages) to plan a pipeline")
+        return self.microbatches or self.pp

@@ -1,0 +1,59 @@
+"""Plan against reserved memory: the budget holds the caching allocator's segments, not only allocated bytes.
+
+:func:`plan_reserved` runs :func:`remat.plan.plan`, replays the chosen plan's predicted step through the CUDA
+caching allocator (:func:`remat.memory.reserved.reserved_figures`) and, while the replayed
+``max_memory_reserved`` exceeds the budget, plans again under an allocated budget lowered by the excess.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from remat.config import ModelConfig
+from remat.memory.reserved import reserved_figures
+from remat.plan.api import plan
+from remat.plan.megatron import predict_plan
+from remat.plan.result import BudgetError, PlanResult
+
+MAX_ROUNDS = 8
+
+
+def plan_reserved(config: ModelConfig, budget: int | str, options: Any = None, parallel: Any = None,
+                  ) -> tuple[PlanResult, dict[str, Any]]:
+    """The cheapest plan whose replayed reserved memory fits ``budget``.
+
+    Args:
+        config, budget, options, parallel: as for :func:`remat.plan.plan`.
+
+    Returns:
+        ``(result, figures)``: the :class:`PlanResult` (its ``budget_bytes`` is the budget asked for; its
+        extended plan's allocated peak is below it by at least the fragmentation) and the plan's reserved
+        figures (:func:`~remat.memory.reserved.reserved_figures`, with ``allocated_budget_bytes``: the allocated
+        budget the last planning round used).
+
+    Raises:
+        BudgetError: no plan's reserved memory fits, after lowering the allocated budget at most
+            :data:`MAX_ROUNDS` times, or :func:`plan` refuses the lowered budget.
+        ValueError: a pipeline-parallel plan (``--pp``), whose per-stage replay is not modelled.
+    """
+    result = plan(config, budget, options, parallel)
+    limit = result.budget_bytes
+    allocated_budget = limit
+    for _ in range(MAX_ROUNDS):
+        if result.extended is None or result.pipeline is not None:
+            raise ValueError("--budget-reserved plans one GPU's reserved memory; it is not modelled with --pp: "
+                             "drop --budget-reserved or --pp")
+        timeline = predict_plan(config, result.extended.plan, device="cuda", tp=result.tp, sp=result.sp)
+        figures = reserved_figures(timeline)
+        figures["allocated_budget_bytes"] = allocated_budget
+        excess = figures["max_memory_reserved"] - limit
+        if excess <= 0:
+            result.budget_bytes = limit
+            return result, figures
+        # the next plan must allocate less than this one by the excess (segments come in 2 or 20 MiB steps, so
+        # lowering the previous budget alone may pick the same plan again)
+        allocated_budget = min(allocated_budget, result.extended.peak_bytes) - excess
+        result = plan(config, allocated_budget, options, parallel)
+    raise BudgetError(f"no plan's reserved memory fits {limit:,} bytes after {MAX_ROUNDS} rounds: the last plan "
+                      f"reserves {figures['max_memory_reserved']:,} bytes", budget_bytes=limit,
+                      min_peak_bytes=figures["max_memory_reserved"], plan=result.extended)

@@ -1,0 +1,453 @@
+"""remat.job: a whole Megatron training job, its validation, and Megatron-LM's command line."""
+
+from __future__ import annotations
+
+import warnings
+from fractions import Fraction
+
+import pytest
+
+from remat.config import ModelConfig
+from remat.job import DEFAULT_VOCAB_SIZE, Job, JobError, parse_megatron_args
+from remat.job_flags import IGNORED_FLAGS, REFUSED_FLAGS, classify_megatron_flag, load_megatron_args
+from remat.policy import Policy
+
+BASE = ("--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --micro-batch-size 2 "
+        "--vocab-size 1000")
+
+
+def parse(extra: str = "", base: str = BASE) -> Job:
+    return parse_megatron_args(f"{base} {extra}")[0]
+
+
+def refused(extra: str, *fragments: str, base: str = BASE) -> str:
+    with pytest.raises(JobError) as info:
+        parse(extra, base)
+    msg = str(info.value)
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} not in {msg!r}"
+    return msg
+
+
+def model(**kw) -> ModelConfig:
+    fields = dict(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=512, micro_batch_size=2,
+                  vocab_size=1024)
+    return ModelConfig(**{**fields, **kw})
+
+
+# --------------------------------------------------------------------------- model flags
+def test_megatron_defaults():
+    job, ignored = parse_megatron_args(BASE)
+    assert ignored == []
+    assert job.model == ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=512,
+                                    micro_batch_size=2, vocab_size=1024, activation="gelu", normalization="layernorm",
+                                    position="learned", attention="sdpa", hidden_dropout=0.1, attention_dropout=0.1,
+                                    dtype="fp32", tie_embeddings=True, add_bias_linear=True)
+    assert (job.tp, job.sp, job.pp, job.vpp, job.cp, job.dp, job.ep, job.etp) == (1, False, 1, None, 1, 1, 1, None)
+    assert (job.num_microbatches, job.schedule, job.precision, job.accumulate_grads_in_fp32) == (1, "1f1b", "fp32",
+                                                                                                 True)
+    assert (job.optimizer, job.sgd_momentum, job.distributed_optimizer) == ("adam", 0.0, False)
+    assert job.policy == Policy.parse("none")
+
+
+def test_llama_style_model_flags():
+    job = parse_megatron_args(
+        "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 "
+        "--kv-channels 128 --ffn-hidden-size 14336 --seq-length 8192 --max-position-embeddings 131072 "
+        "--position-embedding-type rope --swiglu --normalization RMSNorm --untie-embeddings-and-output-weights "
+        "--disable-bias-linear --hidden-dropout 0.0 --attention-dropout 0 --micro-batch-size 1 "
+        "--padded-vocab-size 128256 --attention-backend fused --bf16")[0]
+    assert job.model == ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                                    ffn_hidden_size=14336, vocab_size=128256, seq_length=8192, micro_batch_size=1,
+                                    activation="swiglu", normalization="rmsnorm", position="rope", attention="sdpa",
+                                    hidden_dropout=0.0, attention_dropout=0.0, dtype="bf16", tie_embeddings=False,
+                                    add_bias_linear=False)
+
+
+def test_swiglu_default_ffn_is_megatrons_rounding_down():
+    # Megatron: int((4h * 2/3) / 64) * 64 = 10880 for h = 4096 (remat's own default rounds up to 10944)
+    job = parse("--swiglu", base=BASE.replace("--hidden-size 256", "--hidden-size 4096"))
+    assert job.model.ffn_size == 10880 and job.model.ffn_hidden_size == 10880
+    assert parse().model.ffn_size == 4 * 256 and parse().model.ffn_hidden_size is None
+
+
+@pytest.mark.parametrize("extra, attention", [
+    ("", "sdpa"), ("--use-flash-attn", "sdpa"), ("--attention-backend flash", "sdpa"),
+    ("--attention-backend auto", "sdpa"), ("--attention-backend unfused", "math"),
+    ("--attention-backend local", "math"), ("--transformer-impl local", "math"),
+    ("--transformer-impl transformer_engine", "sdpa")])
+def test_attention_backend(extra, attention):
+    assert parse(extra).model.attention == attention
+
+
+@pytest.mark.parametrize("extra, vocab", [
+    ("", 1024), ("--make-vocab-size-divisible-by 1", 1000), ("--no-pad-vocab-size", 1000),
+    ("--tensor-model-parallel-size 4 --make-vocab-size-divisible-by 512", 2048), ("--padded-vocab-size 1003", 1003),
+    ("--make-vocab-size-divisible-by 64 --tensor-model-parallel-size 2", 1024)])
+def test_vocab_padding(extra, vocab):
+    assert parse(extra).model.vocab_size == vocab
+
+
+def test_missing_vocab_warns_and_assumes_gpt2():
+    with pytest.warns(UserWarning, match="--vocab-size"):
+        job = parse(base=BASE.replace("--vocab-size 1000", ""))
+    assert DEFAULT_VOCAB_SIZE == 50257 and job.model.vocab_size == 50304
+
+
+def test_rotary_legacy_flag_and_gqa_default_groups():
+    job = parse("--use-rotary-position-embeddings --group-query-attention")
+    assert job.model.position == "rope" and job.model.num_query_groups == 1
+
+
+# --------------------------------------------------------------------------- parallel flags
+@pytest.mark.parametrize("extra, expected", [
+    ("--tensor-model-parallel-size 4", dict(tp=4, dp=1)),
+    ("--tensor-model-parallel-size 2 --sequence-parallel", dict(tp=2, sp=True)),
+    ("--pipeline-model-parallel-size 4", dict(pp=4, vpp=None, schedule="1f1b")),
+    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4",
+     dict(pp=2, vpp=2, schedule="interleaved", num_microbatches=2)),
+    ("--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --global-batch-size 4",
+     dict(pp=2, vpp=4, schedule="interleaved")),
+    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 1", dict(vpp=None, schedule="1f1b")),
+    ("--context-parallel-size 4", dict(cp=4)),
+    ("--expert-model-parallel-size 1 --expert-tensor-parallel-size 2 --tensor-model-parallel-size 2",
+     dict(ep=1, etp=2)),
+    ("--world-size 16 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", dict(dp=4)),
+    ("--data-parallel-size 3", dict(dp=3, num_microbatches=1)),
+    ("--world-size 24 --data-parallel-size 6 --context-parallel-size 4", dict(dp=6, cp=4)),
+    ("--world-size 8 --global-batch-size 64", dict(dp=8, num_microbatches=4)),
+])
+def test_parallel_flags(extra, expected):
+    job = parse(extra)
+    assert {k: getattr(job, k) for k in expected} == expected
+    assert job.world_size == job.tp * job.pp * job.cp * job.dp
+    assert job.global_batch_size == job.num_microbatches * job.model.micro_batch_size * job.dp
+
+
+def test_inline_equals_values():
+    assert parse("--tensor-model-parallel-size=2 --recompute-granularity=full --recompute-method=block "
+                 "--recompute-num-layers=3").tp == 2
+
+
+# --------------------------------------------------------------------------- precision and optimizer
+@pytest.mark.parametrize("extra, precision, accumulate, main_grad", [
+    ("", "fp32", True, "fp32"), ("--accumulate-allreduce-grads-in-fp32", "fp32", True, "fp32"),
+    ("--bf16", "bf16", True, "fp32"), ("--bf16 --accumulate-allreduce-grads-in-fp32", "bf16", True, "fp32"),
+    ("--bf16 --grad-reduce-in-bf16", "bf16", False, "bf16"), ("--fp16", "fp16", False, "fp16"),
+    ("--fp16 --accumulate-allreduce-grads-in-fp32", "fp16", True, "fp32")])
+def test_precision_flags(extra, precision, accumulate, main_grad):
+    job = parse(extra)
+    assert (job.precision, job.model.dtype, job.param_dtype) == (precision, precision, precision)
+    assert (job.accumulate_grads_in_fp32, job.main_grad_dtype) == (accumulate, main_grad)
+
+
+@pytest.mark.parametrize("extra, optimizer, momentum, distributed", [
+    ("", "adam", 0.0, False), ("--optimizer adam --use-distributed-optimizer", "adam", 0.0, True),
+    ("--optimizer sgd", "sgd", 0.9, False), ("--optimizer sgd --sgd-momentum 0", "sgd", 0.0, False),
+    ("--optimizer sgd --sgd-momentum 0.5 --use-distributed-optimizer", "sgd", 0.5, True)])
+def test_optimizer_flags(extra, optimizer, momentum, distributed):
+    job = parse(extra)
+    assert (job.optimizer, job.sgd_momentum, job.distributed_optimizer) == (optimizer, momentum, distributed)
+
+
+def test_sgd_momentum_is_ignored_with_adam():
+    job, ignored = parse_megatron_args(f"{BASE} --sgd-momentum 0.5")
+    assert job.sgd_momentum == 0.0 and ignored == ["--sgd-momentum"]
+
+
+# --------------------------------------------------------------------------- recompute flags
+@pytest.mark.parametrize("extra, policy", [
+    ("", "none"), ("--recompute-activations", "selective/core_attn"),
+    ("--recompute-granularity selective", "selective/core_attn"),
+    ("--recompute-granularity selective --recompute-modules core_attn mlp layernorm",
+     "selective/core_attn+mlp+layernorm"),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2", "full/uniform/2"),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 0", "full/block/0"),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 8", "full/block/8"),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+     "--distribute-saved-activations --tensor-model-parallel-size 2", "full/uniform/1,distribute")])
+def test_recompute_flags(extra, policy):
+    assert parse(extra).policy == Policy.parse(policy)
+
+
+@pytest.mark.parametrize("extra, fragments", [
+    ("--checkpoint-activations", ["--checkpoint-activations", "--recompute-granularity full"]),
+    ("--recompute-granularity full", ["--recompute-method"]),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+     "--distribute-saved-activations", ["--distribute-saved-activations", "tp > 1"]),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+     "--distribute-saved-activations --tensor-model-parallel-size 2 --sequence-parallel",
+     ["--distribute-saved-activations", "--sequence-parallel"]),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 5 "
+     "--pipeline-model-parallel-size 2", ["--recompute-num-layers 5", "at most 4"]),
+    ("--recompute-granularity", ["--recompute-granularity needs one value"]),
+    ("--recompute-activations yes", ["--recompute-activations takes no value"]),
+    ("--recompute-foo 1", ["--recompute-foo"]),
+    ("--moe-layer-recompute", ["--moe-layer-recompute", "drop it"]),
+])
+def test_recompute_refusals(extra, fragments):
+    refused(extra, *fragments)
+
+
+# --------------------------------------------------------------------------- round trip
+ROUND_TRIP = [
+    Job(model=model()),
+    Job.build(model(activation="swiglu"), precision="bf16", tp=2, sp=True, dp=4, num_microbatches=3,
+              distributed_optimizer=True, policy=Policy.parse("selective/core_attn+mlp")),
+    Job.build(model(num_query_groups=2, position="rope", normalization="rmsnorm", tie_embeddings=True,
+                    add_bias_linear=False, attention="math", hidden_dropout=0.0, attention_dropout=0.25,
+                    vocab_size=50257, ffn_hidden_size=700),
+              precision="fp16", tp=2, pp=2, vpp=2, cp=2, dp=3, num_microbatches=4, accumulate_grads_in_fp32=True,
+              optimizer="sgd", sgd_momentum=0.9, policy=Policy.parse("full/uniform/2,distribute")),
+    Job.build(model(num_query_groups=8, ffn_hidden_size=1024), precision="bf16", accumulate_grads_in_fp32=False,
+              pp=4, num_microbatches=7, etp=1, policy=Policy.parse("full/block/2")),
+    Job.build(model(), precision="fp16", optimizer="sgd", sgd_momentum=0.0, cp=4, dp=2,
+              policy=Policy.parse("selective/layernorm")),
+]
+
+
+@pytest.mark.parametrize("job", ROUND_TRIP, ids=range(len(ROUND_TRIP)))
+def test_round_trip(job):
+    args = job.to_megatron_args()
+    back, ignored = parse_megatron_args(args)
+    assert back == job and ignored == []
+    assert parse_megatron_args(" ".join(args))[0] == job
+    assert "--world-size" not in job.to_megatron_args(include_world_size=False)
+
+
+@pytest.mark.parametrize("job, fragment", [
+    (Job(model=model(), schedule="gpipe"), "gpipe"), (Job(model=model(), optimizer="none"), "optimizer='none'"),
+    (Job(model=model(), policy=Policy.parse("full/uniform/1@non-reentrant")), "reentrant"),
+    (Job(model=model(), policy=Policy.parse("selective/act")), "'act'")])
+def test_to_megatron_args_refuses_what_megatron_cannot_run(job, fragment):
+    with pytest.raises(JobError, match=fragment):
+        job.to_megatron_args()
+
+
+# --------------------------------------------------------------------------- refusals of the command line
+@pytest.mark.parametrize("extra, fragments", [
+    ("--frobnicate 3", ["remat does not know whether --frobnicate changes memory", "remove it"]),
+    ("--fp8-format hybrid", ["--fp8-format", "FP8", "remove it"]),
+    ("--num-experts 8", ["--num-experts", "no experts", "remove it"]),
+    ("--moe-router-topk 2", ["--moe-router-topk", "MoE"]),
+    ("--cpu-offloading-num-layers 2", ["--cpu-offloading-num-layers", "host memory"]),
+    ("--use-torch-fsdp2", ["--use-torch-fsdp2", "FSDP"]),
+    ("--cross-entropy-loss-fusion", ["--cross-entropy-loss-fusion", "cross-entropy"]),
+    ("--cp-comm-type a2a", ["--cp-comm-type", "--cp-comm-type p2p"]),
+    ("--decoder-first-pipeline-num-layers 2", ["--decoder-first-pipeline-num-layers", "evenly"]),
+    ("--use-checkpoint-args", ["--use-checkpoint-args", "give the flags themselves"]),
+    ("--optimizer muon", ["--optimizer muon", "adam, sgd"]),
+    ("--position-embedding-type yarn", ["--position-embedding-type yarn", "learned_absolute, rope"]),
+    ("--expert-model-parallel-size 2", ["ep (--expert-model-parallel-size)=2", "no experts", "use ep=1"]),
+    ("--expert-tensor-parallel-size 2", ["etp (--expert-tensor-parallel-size)=2", "no experts"]),
+    ("--bf16 --fp16", ["--bf16 and --fp16", "keep one"]),
+    ("--grad-reduce-in-bf16", ["--grad-reduce-in-bf16", "--bf16"]),
+    ("--num-query-groups 2", ["--num-query-groups", "--group-query-attention"]),
+    ("--kv-channels 64", ["--kv-channels 64", "use 32"]),
+    ("--max-position-embeddings 256", ["--max-position-embeddings 256", "--max-position-embeddings 512"]),
+    ("--max-position-embeddings 1024", ["learned position table", "--max-position-embeddings 512"]),
+    ("--attention-backend unfused --use-flash-attn", ["--use-flash-attn", "keep one"]),
+    ("--attention-backend unfused --attention-softmax-in-fp32", ["--attention-softmax-in-fp32", "drop it"]),
+    ("--tensor-model-parallel-size", ["--tensor-model-parallel-size needs one value"]),
+    ("--tensor-model-parallel-size 2 4", ["--tensor-model-parallel-size needs one value", "got 2"]),
+    ("--tensor-model-parallel-size two", ["--tensor-model-parallel-size needs a positive integer", "'two'"]),
+    ("--tensor-model-parallel-size 0", ["--tensor-model-parallel-size needs a positive integer"]),
+    ("--sequence-parallel 1", ["--sequence-parallel takes no value"]),
+    ("--tensor-model-parallel-size 2 --tensor-model-parallel-size 2", ["given twice"]),
+    ("--hidden-dropout 1.5", ["hidden_dropout=1.5", "[0, 1)"]),
+    ("--num-layers-per-virtual-pipeline-stage 1 --num-virtual-stages-per-pipeline-rank 2", ["give one of"]),
+    ("--num-layers-per-virtual-pipeline-stage 3 --pipeline-model-parallel-size 2",
+     ["--num-layers-per-virtual-pipeline-stage 3", "divide"]),
+    ("--pipeline-model-parallel-size 3 --num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication",
+     ["--num-layers", "pp*vpp=6"]),
+    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --no-overlap-p2p-communication "
+     "--global-batch-size 4", ["--no-overlap-p2p-communication", "> 2"]),
+])
+def test_command_line_refusals(extra, fragments):
+    refused(extra, *fragments)
+
+
+def test_missing_required_flag():
+    refused("", "--seq-length is missing", "add --seq-length N", base=BASE.replace("--seq-length 512", ""))
+
+
+def test_unclosed_quote_is_a_job_error():
+    with pytest.raises(JobError, match="close"):
+        parse_megatron_args(f"{BASE} --data-path 'unclosed")
+
+
+def test_stray_value_refused():
+    with pytest.raises(JobError, match="unexpected 'oops'"):
+        parse_megatron_args(["oops", *BASE.split()])
+
+
+# --------------------------------------------------------------------------- impossible sizes
+@pytest.mark.parametrize("extra, fragments", [
+    ("--tensor-model-parallel-size 3", ["tp", "--tensor-model-parallel-size", "num_attention_heads=8",
+                                        "1, 2, 4, 8"]),
+    ("--tensor-model-parallel-size 4 --group-query-attention --num-query-groups 2",
+     ["tp (--tensor-model-parallel-size)=4 does not divide num_query_groups=2", "replicating"]),
+    ("--tensor-model-parallel-size 2 --ffn-hidden-size 1001", ["does not divide the FFN size=1001"]),
+    ("--sequence-parallel", ["sp=True (--sequence-parallel) needs tp > 1"]),
+    ("--context-parallel-size 3", ["cp (--context-parallel-size)=3", "2*cp=6", "--seq-length"]),
+    ("--context-parallel-size 512", ["2*cp=1024"]),
+    ("--tensor-model-parallel-size 8 --sequence-parallel --context-parallel-size 128", ["s/cp=4", "tp=8"]),
+    ("--pipeline-model-parallel-size 16", ["pp=16 pipeline chunks exceed num_layers=8"]),
+    ("--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 4",
+     ["pp*vpp=16 pipeline chunks exceed num_layers=8", "--num-layers"]),
+    ("--pipeline-model-parallel-size 3", ["num_layers=8 (--num-layers) is not divisible by pp=3"]),
+    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 6",
+     ["num_microbatches (--global-batch-size)=3", "multiple of pp=2"]),
+    ("--world-size 12 --tensor-model-parallel-size 8", ["--world-size 12", "8", "multiple of 8"]),
+    ("--world-size 16 --data-parallel-size 4 --tensor-model-parallel-size 2", ["--world-size 16",
+                                                                              "--data-parallel-size 4"]),
+    ("--world-size 4 --global-batch-size 12", ["--global-batch-size 12", "x data-parallel size 4 = 8",
+                                               "multiple of 8"]),
+])
+def test_impossible_sizes(extra, fragments):
+    refused(extra, *fragments)
+
+
+@pytest.mark.parametrize("fields, fragments", [
+    (dict(tp=True), ["tp (--tensor-model-parallel-size)=True", "positive integer"]),
+    (dict(dp=0), ["dp", "positive integer"]), (dict(vpp=2.0), ["vpp", "or None"]),
+    (dict(num_microbatches=0), ["num_microbatches", "positive integer"]),
+    (dict(schedule="zb"), ["schedule", "gpipe, 1f1b, interleaved"]),
+    (dict(precision="bf16"), ["model.dtype='fp32'", "precision='bf16'", "Job.build"]),
+    (dict(vpp=2, pp=2), ["vpp=2 needs schedule='interleaved'"]),
+    (dict(schedule="interleaved", pp=2), ["schedule='interleaved' needs vpp"]),
+    (dict(vpp=1, schedule="interleaved"), ["vpp=1", "vpp=None"]),
+    (dict(vpp=2, schedule="interleaved"), ["needs pp > 1"]),
+    (dict(accumulate_grads_in_fp32=False), ["fp32 parameters always have fp32 gradients"]),
+    (dict(sgd_momentum=0.9), ["sgd_momentum=0.9 only applies to optimizer='sgd'"]),
+    (dict(optimizer="sgd", sgd_momentum=-1), ["sgd_momentum", ">= 0"]),
+    (dict(optimizer="none", distributed_optimizer=True), ["--use-distributed-optimizer", "optimizer='none'"]),
+    (dict(ep=2), ["no experts"]), (dict(sp=1), ["sp", "True or False"]),
+])
+def test_job_validation(fields, fragments):
+    with pytest.raises(JobError) as info:
+        Job(model=model(), **fields)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+# --------------------------------------------------------------------------- derived values
+@pytest.mark.parametrize("dp", [1, 2, 3, 8, 64, 1000])
+def test_state_bytes_match_megatron_estimator(dp):
+    job = Job.build(model(), precision="bf16", dp=dp)
+    assert job.state_bytes_per_param() == {"parameters": 2, "gradients": 4, "master_parameters": 4,
+                                           "optimizer_state": 8}
+    assert job.bytes_per_param_static() == 18
+    sharded = job.replace(distributed_optimizer=True).state_bytes_per_param()
+    assert all(isinstance(v, Fraction) for v in sharded.values())
+    assert sum(sharded.values()) == 6 + Fraction(12, dp)
+    assert sharded["master_parameters"] == Fraction(4, dp) and sharded["optimizer_state"] == Fraction(8, dp)
+
+
+@pytest.mark.parametrize("fields, total", [
+    (dict(precision="fp32"), 16), (dict(precision="fp32", distributed_optimizer=True, dp=4), 4 + 4 + 2),
+    (dict(precision="fp16"), 2 + 2 + 4 + 8), (dict(precision="fp16", accumulate_grads_in_fp32=True), 18),
+    (dict(precision="bf16", accumulate_grads_in_fp32=False), 2 + 2 + 12),
+    (dict(precision="bf16", optimizer="sgd"), 2 + 4 + 4), (dict(precision="bf16", optimizer="sgd", sgd_momentum=0.9),
+                                                           2 + 4 + 4 + 4),
+    (dict(precision="bf16", optimizer="none"), 6), (dict(precision="fp32", optimizer="none"), 8),
+    (dict(precision="bf16", distributed_optimizer=True, dp=2, cp=2), 6 + 3)])
+def test_state_bytes_other_setups(fields, total):
+    assert Job.build(model(), **fields).bytes_per_param_static() == total
+
+
+def test_derived_properties():
+    job = Job.build(model(num_layers=16), precision="bf16", tp=2, pp=2, vpp=2, cp=2, dp=3, num_microbatches=4)
+    assert (job.world_size, job.global_batch_size, job.layers_per_chunk) == (24, 4 * 2 * 3, 4)
+    assert (job.param_dtype, job.main_grad_dtype, job.optimizer_shards, job.schedule) == ("bf16", "fp32", 1,
+                                                                                          "interleaved")
+    assert job.replace(distributed_optimizer=True).optimizer_shards == 6
+
+
+def test_model_is_stored_canonically():
+    m = model(ffn_hidden_size=1024, num_query_groups=8)
+    job = Job(model=m)
+    assert job.model == model() and job.model.ffn_size == m.ffn_size and job.model.query_groups == 8
+
+
+def test_replace_follows_derived_fields():
+    job = Job(model=model(), optimizer="sgd", sgd_momentum=0.9)
+    bf16 = job.replace(precision="bf16")
+    assert bf16.model.dtype == "bf16" and bf16.accumulate_grads_in_fp32 is True
+    assert bf16.replace(precision="fp16").accumulate_grads_in_fp32 is False
+    assert job.replace(optimizer="adam").sgd_momentum == 0.0
+    inter = job.replace(pp=2, vpp=2, num_microbatches=2)
+    assert inter.schedule == "interleaved" and inter.replace(vpp=None).schedule == "1f1b"
+    with pytest.raises(JobError, match="precision='x'"):
+        job.replace(precision="x")
+
+
+# --------------------------------------------------------------------------- files, launchers, tables
+def test_args_file(tmp_path):
+    path = tmp_path / "job.args"
+    path.write_text("# a Megatron job\n--num-layers 8 --hidden-size 256 \\\n  --num-attention-heads 8  # heads\n"
+                    "--seq-length 512 --micro-batch-size 2\n--vocab-size 1000 --bf16 --lr 3e-4\n")
+    tokens = load_megatron_args(path)
+    assert tokens[:2] == ["--num-layers", "8"] and "#" not in " ".join(tokens) and "\n" not in tokens
+    job, ignored = parse_megatron_args([f"@{path}", "--tensor-model-parallel-size", "2"])
+    assert job == parse("--bf16 --tensor-model-parallel-size 2") and ignored == ["--lr"]
+
+
+def test_args_file_errors(tmp_path):
+    with pytest.raises(JobError, match="cannot read the Megatron args file"):
+        load_megatron_args(tmp_path / "missing.args")
+    (tmp_path / "bad.args").write_text("--data-path 'x\n")
+    with pytest.raises(JobError, match="close"):
+        load_megatron_args(tmp_path / "bad.args")
+    (tmp_path / "nested.args").write_text("@other.args\n")
+    with pytest.raises(JobError, match="nested"):
+        load_megatron_args(tmp_path / "nested.args")
+
+
+def test_pasted_launcher_line_and_ignored_flags():
+    line = (f"torchrun --nproc_per_node 8 --nnodes 1 pretrain_gpt.py {BASE} --bf16 --lr 6e-5 --min-lr 6e-6 "
+            "--lr-decay-style cosine --train-iters 500000 --seed 1234 --data-path /data/x_text_document "
+            "--tokenizer-type GPT2BPETokenizer --vocab-file v.json --merge-file m.txt --log-interval 100 "
+            "--save /ckpt --load /ckpt --eval-iters 10 --tensorboard-dir /tb --use-mcore-models "
+            "--overlap-grad-reduce --cp-comm-type p2p --world-size 8 --global-batch-size 64")
+    job, ignored = parse_megatron_args(line)
+    assert (job.dp, job.num_microbatches, job.precision) == (8, 4, "bf16")
+    assert ignored == ["torchrun --nproc_per_node 8 --nnodes 1 pretrain_gpt.py", "--lr", "--min-lr",
+                       "--lr-decay-style", "--train-iters", "--seed", "--data-path", "--tokenizer-type",
+                       "--vocab-file", "--merge-file", "--log-interval", "--save", "--load", "--eval-iters",
+                       "--tensorboard-dir", "--use-mcore-models", "--cp-comm-type"]
+    assert job.overlap_grad_reduce and job.ddp_bucket_size is None and not job.pad_buckets_for_high_nccl_busbw
+
+
+def test_megatron_llama_example_parses():
+    # examples/llama/train_llama3_8b_h100_fp8.sh (bf16 path, without its fused cross entropy)
+    args = ("--use-mcore-models --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
+            "--group-query-attention --num-query-groups 8 --kv-channels 128 --seq-length 8192 "
+            "--max-position-embeddings 8192 --position-embedding-type rope --rotary-base 1000000 "
+            "--rotary-percent 1.0 --attention-dropout 0.0 --hidden-dropout 0.0 --swiglu --normalization RMSNorm "
+            "--init-method-std 0.0134 --attention-backend fused --apply-layernorm-1p "
+            "--untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1 "
+            "--global-batch-size 128 --train-samples 1953125000 --lr 0.00015 --min-lr 0.00001 "
+            "--lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 "
+            "--grad-reduce-in-bf16 --calculate-per-token-loss --manual-gc --empty-unused-memory-level 1 "
+            "--tensor-model-parallel-size 2 --context-parallel-size 2 --sequence-parallel "
+            "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --tokenizer-type "
+            "HuggingFaceTokenizer --tokenizer-model meta-llama/Meta-Llama-3-8B --vocab-size 128256 --world-size 16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        job = Job.from_megatron_args(args)
+    assert (job.tp, job.cp, job.dp, job.sp, job.num_microbatches) == (2, 2, 4, True, 32)
+    assert job.model.vocab_size == 128256 and job.main_grad_dtype == "bf16"
+    assert job.state_bytes_per_param() == {"parameters": 2, "gradients": 2, "master_parameters": Fraction(4, 8),
+                                           "optimizer_state": 1}
+
+
+def test_flag_tables():
+    assert not set(REFUSED_FLAGS) & set(IGNORED_FLAGS)
+    assert classify_megatron_flag("--lr") == ("ignored", IGNORED_FLAGS["--lr"])
+    assert classify_megatron_flag("--log-interval=5")[0] == "ignored"
+    assert classify_megatron_flag("--moe-grouped-gemm")[0] == "refused"
+    assert classify_megatron_flag("--tensor-model-parallel-size")[0] == "modelled"
+    assert classify_megatron_flag("--recompute-modules")[0] == "recompute"
+    assert classify_megatron_flag("--cp-comm-type")[0] == "default-only"
+    assert classify_megatron_flag("--no-such-flag")[0] == "unknown"

@@ -1,0 +1,169 @@
+"""The CPU / fake-tensor workarounds for megatron-core: each test first shows megatron-core still misbehaving
+without the workaround (so it fails, and the workaround can go, when megatron-core changes), then the fix."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from remat.megatron.compat import MegatronUnavailable, require_megatron_core
+
+try:
+    require_megatron_core()
+except MegatronUnavailable as err:
+    pytest.skip(str(err), allow_module_level=True)
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
+
+from remat.megatron.cpu_patches import WORKAROUNDS, megatron_on_cpu, patched_attributes  # noqa: E402
+from remat.megatron.world import ParallelSizes, megatron_world  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks megatron-core on a CPU-only torch build")
+MISSING = object()
+
+
+def snapshot():
+    return [(owner.__dict__.get(name, MISSING) if isinstance(owner, type) else getattr(owner, name, MISSING))
+            for owner, name in patched_attributes()]
+
+
+def test_every_workaround_names_its_test():
+    names = {name for name, _ in inspect.getmembers(__import__(__name__), inspect.isfunction)}
+    assert {w.test for w in WORKAROUNDS} <= names
+
+
+def test_patch_context_restores_everything():
+    before, rng = snapshot(), torch.get_rng_state()
+    with megatron_on_cpu():
+        during = snapshot()
+        torch.manual_seed(7)
+    assert all(a is b for a, b in zip(before, snapshot()))
+    assert any(a is not b for a, b in zip(before, during))
+    assert torch.equal(rng, torch.get_rng_state())
+    with pytest.raises(KeyError), megatron_on_cpu():  # undone when the body raises too
+        raise KeyError("boom")
+    assert all(a is b for a, b in zip(before, snapshot()))
+    assert not hasattr(__import__("megatron.core.transformer.moe.moe_utils", fromlist=["x"]), "te_general_gemm")
+
+
+def test_global_memory_buffer_needs_a_device():
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    with pytest.raises((RuntimeError, AssertionError)):
+        GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "x")
+    with megatron_on_cpu():
+        assert GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "x").device.type == "cpu"
+
+
+def test_global_memory_buffer_keeps_tensors():
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    with megatron_on_cpu():
+        buffer = GlobalMemoryBuffer()  # megatron-core reuses one tensor per name: it outlives a fake trace
+        first = buffer.get_tensor((4,), torch.float32, "n")
+        assert buffer.get_tensor((2,), torch.float32, "n").untyped_storage() is first.untyped_storage()
+        with megatron_world(ParallelSizes(), 0):
+            made = parallel_state.get_global_memory_buffer()
+        with megatron_world(ParallelSizes(), 0):
+            assert parallel_state.get_global_memory_buffer() is not made
+    assert parallel_state._GLOBAL_MEMORY_BUFFER is None
+
+
+def test_rng_tracker_add_needs_cuda():
+    with pytest.raises((RuntimeError, AssertionError)):
+        mrandom.CudaRNGStatesTracker().add("x", 1)
+    with megatron_on_cpu():
+        tracker = mrandom.CudaRNGStatesTracker()
+        tracker.add("x", 1)
+        torch.manual_seed(1)
+        assert torch.equal(tracker.get_states()["x"], torch.get_rng_state())
+
+
+def test_get_cuda_rng_state_needs_cuda():
+    with pytest.raises((RuntimeError, AssertionError)):
+        mrandom._get_cuda_rng_state()
+    with megatron_on_cpu():
+        assert torch.equal(mrandom._get_cuda_rng_state(), torch.get_rng_state())
+
+
+def test_set_cuda_rng_state_is_silently_skipped():
+    state = torch.get_rng_state()
+    torch.rand(3)
+    mrandom._set_cuda_rng_state(state)  # no error, and no effect: torch.cuda._lazy_call never runs it
+    assert not torch.equal(torch.get_rng_state(), state)
+    with megatron_on_cpu():
+        expected = torch.rand(3)
+        mrandom._set_cuda_rng_state(state)
+        torch.set_rng_state(state)
+        again = torch.rand(3)
+        mrandom._set_cuda_rng_state(state)
+        assert torch.equal(torch.rand(3), again) and expected.shape == again.shape
+
+
+def test_rng_fork_fails_under_fake_tensors():
+    original = mrandom.CudaRNGStatesTracker.__dict__["fork"]
+    with megatron_on_cpu():
+        tracker = mrandom.CudaRNGStatesTracker()
+        tracker.add("model-parallel-rng", 5)
+        with FakeTensorMode(), pytest.raises(Exception, match="FakeTensor|fake"):
+            with original(tracker, "model-parallel-rng"):
+                pass
+        tracker = mrandom.CudaRNGStatesTracker()
+        tracker.add("model-parallel-rng", 5)
+        torch.manual_seed(0)  # the failed fork above left the tracker's state in the generator
+        outside = torch.get_rng_state()
+        with FakeTensorMode(), tracker.fork():
+            inside = torch.get_rng_state()
+        assert not torch.equal(inside, outside) and torch.equal(torch.get_rng_state(), outside)
+
+
+def test_checkpoint_without_output_fp8_flag():
+    assert mrandom.CheckpointWithoutOutput(fp8=False).fp8 is True  # megatron-core: fp8 = (fp8 is not None)
+    with megatron_on_cpu():
+        assert mrandom.CheckpointWithoutOutput(fp8=False).fp8 is False
+        assert mrandom.CheckpointWithoutOutput().fp8 is False
+
+
+def test_default_causal_mask_is_on_cuda():
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    with pytest.raises((RuntimeError, AssertionError)):
+        utils.get_default_causal_mask(4)
+    with megatron_on_cpu():
+        expected = torch.triu(torch.ones(4, 4), diagonal=1).bool()
+        assert torch.equal(utils.get_default_causal_mask(4), expected)
+        assert torch.equal(fused_softmax.get_default_causal_mask(4), expected)
+
+
+def test_moe_router_reads_undefined_te_gemm():
+    from megatron.core.transformer.moe import moe_utils
+
+    inputs, weight = torch.randn(2, 4), torch.randn(3, 4)
+    with pytest.raises(NameError, match="te_general_gemm"):
+        moe_utils.router_gating_linear(inputs, weight, None, torch.float32)
+    with megatron_on_cpu():
+        out = moe_utils.router_gating_linear(inputs, weight, None, torch.float32)
+    assert torch.allclose(out, inputs @ weight.T)
+
+
+def test_mla_believes_te_is_installed():
+    from megatron.core.transformer import multi_latent_attention
+
+    with pytest.raises(ImportError):
+        import transformer_engine  # noqa: F401
+    assert multi_latent_attention.HAVE_TE is True
+    with megatron_on_cpu():
+        assert multi_latent_attention.HAVE_TE is False
+
+
+def test_local_attention_refuses_k_channels():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    assert "k_channels" not in inspect.signature(DotProductAttention.__init__).parameters
+    with megatron_on_cpu():
+        assert "k_channels" in inspect.signature(DotProductAttention.__init__).parameters

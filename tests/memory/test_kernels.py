@@ -1,0 +1,132 @@
+"""Kernel profiles: the CUDA and TransformerEngine kernels' saved tensors, traced under fake tensors on the CPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from remat.config import ModelConfig
+from remat.memory.cuda_sdpa import select_backend
+from remat.memory.kernels import KernelWarning, kernel_trace, resolve_kernels, use_kernels
+from remat.memory.predict import predict, predict_config
+
+TINY = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
+                   vocab_size=128, dtype="bf16")
+
+
+def saved(node) -> dict[str, torch.Tensor]:
+    return {name[len("_saved_"):]: getattr(node, name) for name in dir(node) if name.startswith("_saved_")
+            and isinstance(getattr(node, name), torch.Tensor)}
+
+
+def test_cuda_dropout_keeps_a_bool_mask_and_cpu_a_float_noise() -> None:
+    with FakeTensorMode():
+        x = torch.empty(4, 8, dtype=torch.bfloat16, requires_grad=True)
+        with kernel_trace("cuda"):
+            y = F.dropout(x, 0.1)
+            same = F.dropout(x, 0.0)
+        assert y.grad_fn.name() == "NativeDropoutBackward0"
+        assert saved(y.grad_fn)["result1"].dtype == torch.bool
+        assert same is x  # p = 0 is not fused: the input comes back
+        with kernel_trace("cpu"):
+            z = F.dropout(x, 0.1)
+        assert z.grad_fn.name() == "MulBackward0" and saved(z.grad_fn)["other"].dtype == torch.bfloat16
+
+
+def test_cuda_layer_norm_keeps_fp32_statistics_and_rms_norm_only_input_and_rstd() -> None:
+    with FakeTensorMode(), kernel_trace("cuda"):
+        x = torch.empty(2, 8, 16, dtype=torch.float16, requires_grad=True)
+        w = torch.empty(16, dtype=torch.float16, requires_grad=True)
+        ln = F.layer_norm(x, (16,), w, w)
+        rms = F.rms_norm(x, (16,), w, 1e-5)
+        kept_ln = [t for t in ln.grad_fn.saved_tensors if t is not None]
+        kept_rms = [t for t in rms.grad_fn.saved_tensors if t is not None]
+        (ln.sum() + rms.sum()).backward()
+        assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    assert [(tuple(t.shape), t.dtype) for t in kept_ln if t.dim() == 3] == [
+        ((2, 8, 16), torch.float16), ((2, 8, 1), torch.float32), ((2, 8, 1), torch.float32)]
+    assert [(tuple(t.shape), t.dtype) for t in kept_rms if t.dim() == 3] == [
+        ((2, 8, 16), torch.float16), ((2, 8, 1), torch.float32)]
+
+
+def test_sdpa_backend_follows_the_cuda_dispatch_rules() -> None:
+    with FakeTensorMode():
+        q = torch.empty(1, 4, 128, 64, dtype=torch.bfloat16)
+        mask = torch.ones(128, 128, dtype=torch.bool)
+        q32, odd = q.float(), torch.empty(1, 4, 128, 6)
+        assert select_backend(q, q, q, is_causal=True, dropout_p=0.1) == "flash"
+        assert select_backend(q, q, q, mask) == "efficient"       # flash refuses any mask
+        assert select_backend(q32, q32, q32, is_causal=True) == "efficient"  # flash refuses fp32
+        assert select_backend(odd, odd, odd) == "math"            # head dim 6: not a multiple of 4
+        big = torch.empty(1, 4, 128, 264, dtype=torch.bfloat16)
+        assert select_backend(big, big, big) == "efficient"       # flash stops at head dim 256
+        with sdpa_kernel([SDPBackend.MATH]):
+            assert select_backend(q, q, q, is_causal=True) == "math"
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), pytest.raises(RuntimeError, match="sdpa_kernel"):
+            select_backend(q, q, q, mask)
+
+
+def test_math_attention_on_cuda_keeps_softmax_bool_mask_and_dropped_probabilities() -> None:
+    with FakeTensorMode(), sdpa_kernel([SDPBackend.MATH]), kernel_trace("cuda"):
+        q = torch.empty(1, 2, 16, 8, dtype=torch.float32, requires_grad=True)
+        out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.1, is_causal=True)
+        seen, names, stack = set(), set(), [out.grad_fn]
+        while stack:
+            n = stack.pop()
+            if n is not None and n not in seen:
+                seen.add(n)
+                names.add(n.name())
+                stack.extend(f for f, _ in n.next_functions)
+    assert {"NativeDropoutBackward0", "SafeSoftmaxBackward0", "BmmBackward0"} <= names
+
+
+def test_kernels_are_named_in_the_timeline_and_cpu_is_the_default() -> None:
+    assert predict_config(TINY, "none").meta["kernels"] == "cpu"
+    assert predict_config(TINY, "none", device="cuda").meta["kernels"] == "cuda"  # --device cuda implies cuda
+    with use_kernels("te"):
+        assert resolve_kernels() == "te"
+        assert predict_config(TINY, "none").meta["kernels"] == "te"
+    assert resolve_kernels() == "cpu"
+
+
+def test_unknown_kernel_profile_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"kernels='rocm': must be one of cpu, cuda, te"):
+        predict_config(TINY, "none", kernels="rocm")
+
+
+def test_cuda_and_te_bytes_per_layer_on_a_llama_style_model() -> None:
+    llama = TINY.replace(activation="swiglu", normalization="rmsnorm", position="rope", num_query_groups=2,
+                         add_bias_linear=False, attention="sdpa", hidden_dropout=0.0, attention_dropout=0.0)
+    peaks = {k: predict_config(llama, "none", kernels=k).peak_bytes for k in ("cpu", "cuda", "te")}
+    # CPU rms_norm keeps fp32 copies (upcast input and normalised x); CUDA's fused kernel keeps input + rstd
+    assert peaks["cuda"] < peaks["cpu"]
+    # TE keeps K, V un-repeated (GQA) and its fused SwiGLU keeps only the fc1 output
+    assert peaks["te"] < peaks["cuda"]
+
+
+def test_an_operator_the_profile_cannot_express_is_warned_with_its_bytes() -> None:
+    lib = torch.library.Library("remat_test", "FRAGMENT")  # noqa: TOR901
+    lib.define("fused(Tensor x) -> Tensor")
+    lib.impl("fused", lambda x: x * 2, "CompositeExplicitAutograd")
+    lib.impl("fused", lambda x: torch.empty_like(x), "Meta")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16)])
+
+        def forward(self, x):
+            return torch.ops.remat_test.fused(self.layers[0](x)).square().mean()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tl = predict(Net, "none", batch=(torch.randn(4, 16),), kernels="cuda")
+    messages = [str(w.message) for w in caught if issubclass(w.category, KernelWarning)]
+    assert messages == ["kernels=cuda: remat_test.fused.default (not an ATen operator: what its CUDA kernel keeps "
+                        "is unknown) is priced as the fake trace made it: 256 bytes of outputs in 1 call(s)"]
+    assert tl.meta["kernel_warnings"] == messages
