@@ -13,7 +13,7 @@ The public API, by layer (each package imports only from the ones above it in th
 """
 
 from remat.config import ConfigError, ModelConfig
-from remat.memory.measure import measure
+from remat.memory.measure import MeasureError, measure
 from remat.memory.predict import predict, predict_config, predict_many
 from remat.models.gpt import GPT, build_model, sample_batch
 from remat.policy import Policy, PolicyError
@@ -23,7 +23,7 @@ from remat.timeline import CATEGORIES, Phase, Timeline, TimelineError
 from remat.version import __version__
 
 __all__ = [
-    "CATEGORIES", "GPT", "AppliedPolicy", "ApplyError", "ConfigError", "ModelConfig", "Phase", "Policy",
+    "CATEGORIES", "GPT", "AppliedPolicy", "ApplyError", "ConfigError", "MeasureError", "ModelConfig", "Phase", "Policy",
     "PolicyError", "Timeline", "TimelineError", "applied", "apply", "build_model", "find_layer_stack",
     "measure", "predict", "predict_config", "predict_many", "remove", "sample_batch", "__version__",
 ]

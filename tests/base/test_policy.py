@@ -420,3 +420,12 @@ def test_layer_groups_boundary_k_equals_depth_plus_one(method):
 def test_layer_groups_bad_depth(depth):
     with pytest.raises(PolicyError, match="depth >= 1"):
         Policy("full", "uniform", 1).layer_groups(depth)
+
+
+def test_the_docstring_examples_hold():
+    import doctest
+
+    import remat.policy
+
+    result = doctest.testmod(remat.policy, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0, result

@@ -145,3 +145,12 @@ def test_validate_names_the_field(tl, pattern):
 
 def test_a_valid_timeline_validates():
     hand_made().validate()
+
+
+def test_the_docstring_examples_hold():
+    import doctest
+
+    import remat.timeline
+
+    result = doctest.testmod(remat.timeline, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0, result

@@ -175,3 +175,12 @@ def test_table_unit(largest, unit):
 ])
 def test_format_seconds(t, text):
     assert format_seconds(t) == text
+
+
+def test_the_docstring_examples_hold():
+    import doctest
+
+    import remat.units
+
+    result = doctest.testmod(remat.units, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0, result

@@ -50,8 +50,8 @@ def with_engine(policy: str, engine: str) -> str:
 
 @pytest.fixture(scope="module", autouse=True)
 def _frozen_gc():
-    """Move the objects alive now (torch, pytest, ...) out of the cycle collector's way: every recorded step starts
-    with gc.collect() (remat.measure), which otherwise rescans them each time, ~0.1 s a step here."""
+    """Move the objects alive now (torch, pytest, ...) out of the cycle collector's way, which otherwise rescans
+    them between this module's many small recorded steps."""
     gc.freeze()
     yield
     gc.unfreeze()

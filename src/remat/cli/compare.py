@@ -26,6 +26,8 @@ from remat.cli.common import (
     resolve_model_config,
     write_out,
 )
+from remat.cli.job import job_requested, run_compare_job
+from remat.cli.job_args import add_job_arguments
 from remat.cli.pipeline import run_pipeline_compare
 from remat.memory.comparison import compare_policies
 
@@ -42,6 +44,7 @@ def compare_command(sub: Subparsers) -> Runner:
     add_parallel_arguments(parser)
     add_policy_arguments(parser)
     add_measure_arguments(parser)
+    add_job_arguments(parser)
     g = parser.add_argument_group("compare")
     g.add_argument("--adam", action="store_true", help="include Adam (states alive through the step) on both sides")
     g.add_argument("--max-error", type=non_negative_number, metavar="FRACTION",
@@ -52,7 +55,12 @@ def compare_command(sub: Subparsers) -> Runner:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    if job_requested(args):
+        return run_compare_job(args)
     if args.pp is not None:
+        if args.adam:
+            raise ValueError("--adam with --pp: the pipeline measurement has no optimizer; use --optimizer adam (the "
+                             "whole job, run on gloo: Megatron's fp32 moments and master parameters)")
         return run_pipeline_compare(args)
     config = resolve_model_config(args)
     policies = resolve_cli_policies(args, config.num_layers)

@@ -27,6 +27,7 @@ from remat.cli.common import (
     model_config_from_args,
     parse_policy_list,
 )
+from remat.cli.job_args import add_job_arguments, refuse_job_flags
 from remat.cli.pipeline import run_pipeline_explain
 from remat.config import ModelConfig
 from remat.memory.kernels import resolve_kernels
@@ -47,6 +48,7 @@ def explain_command(sub: Subparsers) -> Runner:
     add_measure_arguments(parser)
 
     add_pipeline_arguments(parser)
+    add_job_arguments(parser)  # refused in run_explain, by name, rather than ignored
     g = parser.add_argument_group("explain")
     g.add_argument("--policies", metavar="LIST",
                    help="comma-separated policies, e.g. none,full/uniform/2 (default: none, full/uniform/K for "
@@ -111,6 +113,7 @@ def _too_big(args: argparse.Namespace, config: ModelConfig, err: MemoryCheckErro
 
 
 def run_explain(args: argparse.Namespace) -> int:
+    refuse_job_flags(args, "explain", "use 'remat predict' with the same flags: it prices every part of every rank")
     check_output_paths(args)
     if args.pp:
         return run_pipeline_explain(args)

@@ -15,6 +15,8 @@ from remat.cli.common import (
     resolve_model_config,
     write_out,
 )
+from remat.cli.job import job_requested, run_plan_job
+from remat.cli.job_args import add_job_arguments
 from remat.memory.reserved import REPLAY_NOTE, format_reserved
 from remat.plan.api import BudgetError, plan
 from remat.plan.options import ParallelOptions, PlanOptions
@@ -73,6 +75,7 @@ def plan_command(sub: Subparsers) -> Runner:
     g.add_argument("--schedule", default="1f1b", metavar="NAME", help="pipeline schedule with --pp (default 1f1b)")
     g.add_argument("--json", action="store_true", help="print the JSON report instead of the text")
     g.add_argument("--out", type=Path, metavar="FILE", help="also write the JSON report to FILE")
+    add_job_arguments(parser)
     return run_plan
 
 
@@ -91,7 +94,10 @@ def parallel_options(args: argparse.Namespace) -> ParallelOptions:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-
+    # a job, or a bf16/fp16 model (Megatron's mixed precision): every rank with every part (remat.cli.job)
+    if job_requested(args, mixed_precision_model=args.megatron_args is None and resolve_model_config(
+            args).dtype != "fp32"):
+        return run_plan_job(args)
     config = resolve_model_config(args)
     try:
         if args.budget_reserved:

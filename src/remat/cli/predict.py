@@ -25,6 +25,8 @@ from remat.cli.common import (
     resolve_model_config,
     write_out,
 )
+from remat.cli.job import job_requested, run_predict_job
+from remat.cli.job_args import add_job_arguments
 from remat.cli.pipeline import run_pipeline_predict
 from remat.memory.comparison import predict_policies
 from remat.memory.kernels import resolve_kernels
@@ -46,6 +48,7 @@ def predict_command(sub: Subparsers) -> Runner:
     add_model_source_arguments(parser)
     add_parallel_arguments(parser)
     add_policy_arguments(parser)
+    add_job_arguments(parser)
     g = parser.add_argument_group("predict")
     g.add_argument("--engine", choices=ENGINES,
                    help="checkpoint implementation for policies without '@engine' (default reentrant, Megatron's)")
@@ -53,15 +56,21 @@ def predict_command(sub: Subparsers) -> Runner:
                    help="cpu: exact storage bytes; cuda: each storage rounded up to the CUDA caching allocator's "
                         "512-byte blocks (the kernels traced are still the CPU ones) (default cpu)")
     g.add_argument("--adam", action="store_true",
-                   help="include Adam: its two moments per parameter exist through the step, and optimizer.step() "
-                        "is traced (a full trace per policy: slower for deep models)")
+                   help="include Adam: its two moments per parameter (in the parameter dtype) exist through the "
+                        "step, and optimizer.step() is traced (one unsharded process; for Megatron's fp32 moments and "
+                        "master parameters on any parallel layout use --optimizer adam)")
     g.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     g.add_argument("--out", type=Path, metavar="FILE", help="also write the JSON report to FILE (atomically)")
     return run_predict
 
 
 def run_predict(args: argparse.Namespace) -> int:
+    if job_requested(args):
+        return run_predict_job(args)
     if args.pp is not None:
+        if args.adam:
+            raise ValueError("--adam with --pp: the pipeline prediction has no optimizer; use --optimizer adam (the "
+                             "whole-job prediction: Megatron's fp32 moments and master parameters on every stage)")
         return run_pipeline_predict(args)
     config = resolve_model_config(args)
     policies = resolve_cli_policies(args, config.num_layers)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 
 from remat.megatron.compat import MegatronSettingError
 from remat.megatron.cpu_patches import replaced
@@ -31,6 +32,14 @@ from remat.timeline import Timeline
 # selective module inside a full-recompute group; a deeper stack is a runaway recursion (see settings.py).
 RECOMPUTING: list[Any] = []
 MAX_RECOMPUTE_NESTING = 8
+
+# NOTE [a refilled storage under fake tensors]
+# CheckpointWithoutOutput refills a released output with ``output.untyped_storage().copy_(recomputed storage)``,
+# which reaches the dispatcher as ``aten.set_.source_Storage`` on a tensor wrapping each storage. FakeTensorMode's
+# dispatch cache (torch 2.13) puts the storage object itself in that op's cache key, and the cache is a class-level
+# dict that is never emptied: the refilled storage stays alive for good, so a fake step never frees it while the
+# real step frees it after the consuming module's backward. Those two ops run with the cache off.
+STORAGE_SETTERS = (torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset)
 
 # Megatron submodule attribute -> the recompute_modules value that checkpoints it
 SELECTIVE_NAMES = {"core_attention": "core_attn", "mlp": "mlp", "experts": "moe", "shared_experts": "shared_experts",
@@ -177,8 +186,7 @@ class MegatronStepRecorder(StepRecorder):
     def __init__(self, model: nn.Module, layers: list[nn.Module], *, block_bytes: int = 1):
         super().__init__(model, layers, block_bytes=block_bytes)
         self.region_count = 0
-        self.moved: dict[int, int] = {}  # a released row -> the row of the same storage once refilled
-        self.released: dict[int, int] = {}  # id of a released output tensor -> its row, until refilled
+        self.released_rows: set[int] = set()  # rows whose storage was released with resize_(0)
 
     def on_checkpoint_inputs(self, region: Any, tensors: Sequence[torch.Tensor]) -> None:
         if region.kind == "layers":
@@ -206,21 +214,25 @@ class MegatronStepRecorder(StepRecorder):
         tl.free_at[row] = tl.num_events
         tl.num_events += 1
         del self.rows[storage]
-        self.moved[row] = -1
-        self.released[id(tensor)] = row
+        self.released_rows.add(row)
 
     def on_storage_refilled(self, tensor: torch.Tensor) -> None:
-        row = self.track(tensor)
-        old = self.released.pop(id(tensor), None)
-        if row is not None and old is not None:
-            self.moved[old] = row  # the storage's finalizer reports the released row: it now means this one
+        self.track(tensor)  # a new row, with its own finalizer: the storage's bytes are back
 
     def _on_free(self, row: int) -> None:
-        while row in self.moved:
-            row = self.moved[row]
-            if row == -1:  # released and never refilled: its free was recorded at the release
-                return
+        if row in self.released_rows:  # its free was recorded at the release; a refill has a row of its own
+            return
         super()._on_free(row)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if func not in STORAGE_SETTERS:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        fake = next((a for a in args if isinstance(a, FakeTensor)), None)
+        if fake is None:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        with disable_fake_tensor_cache(fake.fake_mode):  # see NOTE [a refilled storage under fake tensors]
+            return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def record_megatron_step(model: nn.Module, layers: list[nn.Module], step: Callable[[], torch.Tensor], *,

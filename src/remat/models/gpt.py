@@ -1,12 +1,5 @@
-"""The reference decoder: a GPT shaped like Megatron-LM's, readable top to bottom.
-
-embedding -> layers (each: input_layernorm -> self_attention -> dropout + residual -> pre_mlp_layernorm ->
-mlp -> dropout + residual) -> head (final_layernorm -> output_layer -> cross-entropy in fp32).
-
-As in Megatron, every layer takes the attention mask and the rotary tables as inputs, so a checkpointed group
-keeps more than the hidden states. Submodule names follow Megatron's (``self_attention.core_attention``,
-``mlp.activation`` ...), which is what selective recompute targets.
-"""
+"""The reference decoder remat measures and predicts: a GPT shaped like Megatron-LM's, readable top to bottom,
+built by :func:`build_model` with a matching :func:`sample_batch`."""
 
 from __future__ import annotations
 
@@ -106,6 +99,12 @@ class MLP(nn.Module):
         return self.linear_fc2(self.activation(self.linear_fc1(x)))
 
 
+# NOTE [the reference layer]
+# embedding -> layers (each: input_layernorm -> self_attention -> dropout + residual -> pre_mlp_layernorm -> mlp ->
+# dropout + residual) -> head (final_layernorm -> output_layer -> cross-entropy in fp32).
+# As in Megatron, every layer takes the attention mask and the rotary tables as inputs, so a checkpointed group
+# keeps more than the hidden states. Submodule names follow Megatron's (self_attention.core_attention,
+# mlp.activation ...), which is what selective recompute targets.
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()

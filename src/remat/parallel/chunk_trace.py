@@ -54,6 +54,7 @@ class ChunkTrace:
     input_category: str  # its category: group_inputs when the chunk's first checkpoint keeps it
     output_bytes: int  # one microbatch's chunk output (hidden states, or the loss)
     timeline: Timeline
+    batch_in_forward: bool = False  # token ids / labels made inside each forward (see trace_chunk)
 
 
 _TRACES: dict[tuple[Any, ...], ChunkTrace] = {}
@@ -61,20 +62,25 @@ _TRACES_CAPACITY = 128
 
 
 def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy | str, device: str = "cpu",
-                tp: int = 1, sp: bool = False) -> ChunkTrace:
+                tp: int = 1, sp: bool = False, *, batch_in_forward: bool = False) -> ChunkTrace:
     """Trace (fake) a chunk of ``kind`` = (has the embedding, has the head, layers) under ``policy``: two
-    forwards whose outputs are kept, then their two backwards (each given the output gradient); cached."""
+    forwards whose outputs are kept, then their two backwards (each given the output gradient); cached.
+
+    The first chunk's token ids and the last chunk's labels exist before the step (as torch.distributed.pipelining
+    holds the whole batch), or with ``batch_in_forward`` are made inside each forward and held only by what the
+    forward keeps (as Megatron's get_batch makes them inside its forward step), so the trace says when they go."""
     policy = Policy.parse(policy) if isinstance(policy, str) else policy
-    key = (config, kind, policy, device, tp, sp)  # tp/sp: one tensor-parallel rank's chunk (models.tp_stage)
+    batch_in_forward = batch_in_forward and (kind[0] or kind[1])  # a middle chunk has no batch
+    key = (config, kind, policy, device, tp, sp, batch_in_forward)  # tp/sp: one tp rank's chunk (models.tp_stage)
     if key not in _TRACES:
         if len(_TRACES) >= _TRACES_CAPACITY:
             del _TRACES[next(iter(_TRACES))]
-        _TRACES[key] = _trace_chunk(config, kind, policy, device, tp, sp)
+        _TRACES[key] = _trace_chunk(config, kind, policy, device, tp, sp, batch_in_forward)
     return _TRACES[key]
 
 
 def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, device: str, tp: int = 1,
-                 sp: bool = False) -> ChunkTrace:
+                 sp: bool = False, batch_in_forward: bool = False) -> ChunkTrace:
     if device not in ("cpu", "cuda"):
         raise PipelineError(f"device={device!r}: predict models 'cpu' (exact bytes) or 'cuda' (512-byte blocks)")
     first, last, layers = kind
@@ -102,11 +108,17 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
         with gc_paused(collect=False), recorder:  # nothing made before the trace is recorded by it
             recorder.track_setup()
             n_params = len(recorder.timeline)
-            recorder.track_setup([(f"input{i}", t) for i, t in enumerate(xs + ys + gs)])
+            given = ([] if batch_in_forward and first else xs) + ([] if batch_in_forward and last else ys) + gs
+            recorder.track_setup([(f"input{i}", t) for i, t in enumerate(given)])
             bounds.append(recorder.timeline.num_events)
             for mb in range(2):
                 recorder.begin_op("forward", spec, mb)
-                outputs.append(module(xs[mb], ys[mb]))
+                x, y = xs[mb], ys[mb]
+                if batch_in_forward:  # made here, then held only by the autograd graph (Megatron's get_batch)
+                    x = torch.empty(x.shape, dtype=x.dtype) if first else x
+                    y = torch.empty(y.shape, dtype=y.dtype) if last else y
+                outputs.append(module(x, y))
+                del x, y
                 recorder.end_op()
                 bounds.append(recorder.timeline.num_events)
             for mb in range(2):
@@ -124,7 +136,12 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
     tl = recorder.timeline
     tl.meta["phase_flops"] = recorder.phase_flops
     bounds.append(tl.num_events)
-    return _cut(config, kind, policy, tl, bounds, n_params, kept, recorder.phase_flops)
+    trace = _cut(config, kind, policy, tl, bounds, n_params, kept, recorder.phase_flops)
+    trace.batch_in_forward = batch_in_forward
+    if batch_in_forward and first:  # no token ids among the setup inputs: one microbatch's, made in its forward
+        trace.input_bytes = -(-tokens.nbytes // recorder.block_bytes) * recorder.block_bytes
+        trace.input_category = "other"
+    return trace
 
 
 def _cut(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, tl: Timeline, bounds: list[int],

@@ -167,7 +167,8 @@ def stage_state(job: Job, stage: int) -> RankState:
         raise JobError(f"stage={stage}: the job has pipeline stages 0..{job.pp - 1}")
     vpp = job.vpp or 1
     pipelined = job.pp * vpp > 1
-    chunks = rank_chunks(partition(job.model, job.pp, vpp), job.pp, stage)
+    split = job.model.replace(tie_embeddings=False) if pipelined else job.model  # tied: a copy on each end stage
+    chunks = rank_chunks(partition(split, job.pp, vpp), job.pp, stage)
     params = [rank_parameters(job.model, first=s.is_first, last=s.is_last, num_layers=s.num_layers, tp=job.tp,
                               sp=job.sp, pipelined=pipelined) for s in chunks]
     return rank_state(job, params, pipeline_rank=stage)
@@ -201,7 +202,8 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu") -> RankPredictio
     chunks = rank_chunks(partition(config, pp, vpp), pp, stage)
     actions = schedule_actions(schedule, pp, job.num_microbatches, vpp, stage, runtime="megatron")
     window = warmup_forwards(schedule, pp, job.num_microbatches, vpp, stage, "megatron") + 1
-    traces = {(s.index, True): trace_chunk(config, s.kind, job.policy, device, tp, sp) for s in chunks}
+    traces = {(s.index, True): trace_chunk(config, s.kind, job.policy, device, tp, sp, batch_in_forward=True)
+              for s in chunks}
     plan = ShardedStagePlan(config, pp, job.num_microbatches, vpp, stage, schedule, "megatron", chunks, actions,
                             checkpointed_forwards(actions, None, window), traces,
                             block=CUDA_BLOCK if device == "cuda" else 1, activation_shards=tp if sp else 1)

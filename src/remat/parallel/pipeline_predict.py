@@ -126,9 +126,10 @@ def predict_stage(config: ModelConfig, policy: Policy, specs: Sequence[ChunkSpec
     checkpointed = checkpointed_forwards(actions, partial, window)
     traces = {}
     for spec in chunks:
-        traces[(spec.index, True)] = trace_chunk(config, spec.kind, policy, device)
+        in_forward = runtime == "megatron"  # Megatron makes each microbatch's token ids/labels in its forward
+        traces[(spec.index, True)] = trace_chunk(config, spec.kind, policy, device, batch_in_forward=in_forward)
         if partial is not None:
-            traces[(spec.index, False)] = trace_chunk(config, spec.kind, Policy(), device)
+            traces[(spec.index, False)] = trace_chunk(config, spec.kind, Policy(), device, batch_in_forward=in_forward)
     plan = StagePlan(config, pp, microbatches, vpp, rank, schedule, runtime, chunks, actions, checkpointed,
                      traces, block=CUDA_BLOCK if device == "cuda" else 1)
     return compose_stage(plan, policy, partial)

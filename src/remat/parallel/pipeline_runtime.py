@@ -11,7 +11,7 @@ from typing import Any
 from remat.config import ModelConfig
 from remat.memory.compose import CompositionError
 from remat.parallel.chunk_trace import ChunkTrace, TraceSegment
-from remat.parallel.schedule import Action, ChunkSpec
+from remat.parallel.schedule import Action, ChunkSpec, warmup_forwards
 from remat.parallel.stages import parse_phase_detail, phase_detail
 from remat.timeline import Phase, Timeline
 
@@ -133,14 +133,16 @@ def _parse_inner(detail: str) -> str:
 
 class Holders:
     """References that keep runtime tensors alive; a tensor is freed when its last holder lets go (the way
-    CPython frees it when the last reference goes)."""
+    CPython frees it when the last reference goes). A held key may be a holder itself (an object that references
+    tensors: an output tensor holds its autograd graph, the graph holds the received input, the input holds its
+    ``.grad``); when its last holder lets go, it lets go of what it holds."""
 
     def __init__(self, composer: Composer):
         self.composer = composer
-        self.held: dict[str, list[Any]] = defaultdict(list)
+        self.held: dict[Any, list[Any]] = defaultdict(list)
         self.count: Counter[Any] = Counter()
 
-    def set(self, holder: str, keys: Sequence[Any]) -> None:
+    def set(self, holder: Any, keys: Sequence[Any]) -> None:
         """``holder = keys`` (a variable reassigned: its old values are released after the new ones are held)."""
         old = self.held.pop(holder, [])
         self.held[holder] = [k for k in keys if k is not None]
@@ -148,12 +150,19 @@ class Holders:
             self.count[k] += 1
         self._drop(old)
 
-    def add(self, holder: str, key: Any) -> None:
+    def add(self, holder: Any, key: Any) -> None:
         if key is not None:
             self.held[holder].append(key)
             self.count[key] += 1
 
-    def release(self, holder: str, reverse: bool = False) -> None:
+    def pop_into(self, holder: str, source: str) -> None:
+        """``holder = source.pop(0)`` (the reference moves from the list to the variable)."""
+        key = self.held[source].pop(0)
+        old = self.held.pop(holder, [])
+        self.held[holder] = [key]
+        self._drop(old)
+
+    def release(self, holder: Any, reverse: bool = False) -> None:
         """The holder lets go of its tensors; ``reverse``: last first, as CPython clears or frees a list."""
         keys = self.held.pop(holder, [])
         self._drop(keys[::-1] if reverse else keys)
@@ -168,6 +177,8 @@ class Holders:
             if self.count[k] == 0:
                 del self.count[k]
                 self.composer.free(k)
+                if k in self.held:
+                    self.release(k)
 
 
 # ------------------------------------------------------------------------------------------------ predict
@@ -204,10 +215,6 @@ class StagePlan:
         c = self.config
         return _storage_bytes(c.micro_batch_size * c.seq_length * c.hidden_size * c.torch_dtype.itemsize,
                               self.block)
-
-    @property
-    def token_bytes(self) -> int:
-        return _storage_bytes(self.config.micro_batch_size * self.config.seq_length * 8, self.block)
 
     block: int = 1
 
@@ -370,35 +377,163 @@ def torch_runtime(plan: StagePlan, composer: Composer) -> None:
     h.release_all()
 
 
+# NOTE [Megatron's schedule variables]
+# Megatron-LM's schedules (megatron/core/pipeline_parallel/schedules.py) keep a microbatch's tensors alive through
+# the schedule function's variables and lists, and through the autograd graph, not just until its backward ends:
+# * a stage output is "deallocated" once sent (deallocate_output_tensor: ``.data`` replaced by a 1-element
+#   placeholder), but the tensor object stays in ``output_tensors`` until its backward and then in the
+#   ``output_tensor`` variable until the next forward returns; it holds the placeholder and its autograd graph,
+#   whose AccumulateGrad node holds the received input, which holds its ``.grad`` (the input gradient);
+# * ``input_tensor_grad`` holds the input gradient until the next backward returns, ``output_tensor_grad`` the
+#   received output gradient until the next one is received, ``input_tensor`` the received input until the next
+#   receive (or the pop before a backward);
+# * each microbatch's token ids / labels are made inside its forward step (get_batch) and live as long as the
+#   graph keeps them: the chunk traces say when (trace_chunk(batch_in_forward=True));
+# * the last stage keeps what each forward reports for logging (forward_data_store; a copy of the loss here).
+# megatron_runtime follows forward_backward_pipelining_without_interleaving (and _no_pipelining with pp = 1) line
+# by line with these references, as remat.parallel.megatron_rank runs it for real (tests/parallel/
+# test_job_measure.py checks every rank to the byte). The interleaved schedule keeps per-chunk lists and receives
+# one step ahead; it is laid out action by action (_megatron_by_action), not checked against a real run.
 def megatron_runtime(plan: StagePlan, composer: Composer) -> None:
-    """Lay out a rank's step as Megatron-LM runs it: a received activation is a fresh tensor from just before
-    the forward until the microbatch's backward ends, a stage output is freed once sent
-    (``deallocate_pipeline_outputs``), a received output gradient lives through its backward, an input gradient
-    is freed once sent, and each microbatch's token ids (first stage) and labels (last stage) are loaded at its
-    forward and kept until its backward ends; the losses are kept until the step ends."""
+    """Lay out a rank's step as Megatron-LM runs it (see NOTE [Megatron's schedule variables])."""
+    for spec in plan.chunks:
+        for (chunk, _), trace in plan.traces.items():
+            if chunk == spec.index and (spec.is_first or spec.is_last) and not trace.batch_in_forward:
+                raise CompositionError(f"chunk {chunk}: runtime='megatron' makes each microbatch's token ids / "
+                                       "labels inside its forward; trace the chunk with "
+                                       "trace_chunk(..., batch_in_forward=True)")
+    if plan.vpp > 1:
+        _megatron_by_action(plan, composer)
+    else:
+        _MegatronSchedule(plan, composer).run()
+
+
+class _MegatronSchedule:
+    """Megatron's non-interleaved schedules on one chunk, with the references its variables hold."""
+
+    def __init__(self, plan: StagePlan, composer: Composer):
+        self.plan, self.composer, self.h = plan, composer, Holders(composer)
+        (self.spec,) = plan.chunks
+        self.c = self.spec.index
+        self.first_backward: set[int] = set()
+
+    def run(self) -> None:
+        plan, h = self.plan, self.h
+        if plan.pp == 1 and plan.schedule == "1f1b":
+            self.no_pipelining()
+        else:
+            self.one_f_one_b(warmup_forwards(plan.schedule, plan.pp, plan.microbatches, 1, plan.rank, "megatron"))
+        self.composer.phase("setup", "pipeline")
+        h.release("forward_data_store")  # returned to the caller; dropped once the step is done
+
+    def receive(self, kind: str, mb: int) -> tuple[str, int, int]:
+        """p2p_communication: every receive is a fresh tensor (none where the stage has no neighbour)."""
+        key = (kind, self.c, mb)
+        spec, plan = self.spec, self.plan
+        if kind == "recv_act" and not spec.is_first:
+            self.composer.phase("setup", "pipeline", phase_detail(mb, self.c))
+            category = plan.traces[(self.c, plan.checkpointed[(self.c, mb)])].input_category
+            self.composer.alloc(key, plan.activation_bytes, f"pipeline.stage{self.c}.recv_activation", category)
+        elif kind == "recv_grad" and not spec.is_last:
+            self.composer.phase("setup", "pipeline", phase_detail(mb, self.c))
+            self.composer.alloc(key, plan.activation_bytes, f"pipeline.stage{self.c}.recv_grad")
+        return key
+
+    def forward(self, mb: int) -> tuple[str, int, int]:
+        """forward_step: the chunk's forward; returns the output tensor object (output storage + graph)."""
+        plan, h, spec, c = self.plan, self.h, self.spec, self.c
+        trace = plan.trace(Action("F", c, mb))
+        out, graph, output = ("out", c, mb), ("graph", c, mb), ("output", c, mb)
+        self.composer.segment(trace.forward, spec, mb, plan.prefix(spec), "F", keep_key=out)
+        h.set(graph, [("recv_act", c, mb)])  # the AccumulateGrad node of the received input
+        h.set(output, [out, graph])
+        if spec.is_last:  # forward_data_store: what the loss function reports
+            self.composer.alloc(("loss_copy", c, mb), trace.output_bytes, "pipeline.forward_data_store")
+            h.add("forward_data_store", ("loss_copy", c, mb))
+        self.composer.phase("setup", "pipeline")
+        return output
+
+    def deallocate(self, mb: int) -> None:
+        """deallocate_output_tensor: the output's storage becomes a 1-element placeholder (the loss is one)."""
+        c, plan = self.c, self.plan
+        one = plan.trace(Action("F", c, mb)).output_bytes if self.spec.is_last else _storage_bytes(
+            plan.config.torch_dtype.itemsize, plan.block)
+        self.composer.alloc(("placeholder", c, mb), one, "pipeline.output_placeholder")
+        self.h.set(("output", c, mb), [("placeholder", c, mb), ("graph", c, mb)])
+
+    def backward(self, mb: int) -> tuple[str, int, int]:
+        """backward_step: the chunk's backward; the input gradient becomes the received input's ``.grad``."""
+        grad = _backward(self.plan, self.composer, Action("B", self.c, mb), self.first_backward)
+        key = ("igrad", self.c, mb)
+        if grad is not None:
+            self.h.add(("recv_act", self.c, mb), key)
+        return key
+
+    def no_pipelining(self) -> None:
+        """forward_backward_no_pipelining: forward, backward, ``del output_tensor``, microbatch by microbatch."""
+        h = self.h
+        for i in range(self.plan.microbatches):
+            h.set("output_tensor", [self.forward(i)])
+            self.backward(i)
+            h.release("output_tensor")
+
+    def one_f_one_b(self, warmup: int) -> None:
+        """forward_backward_pipelining_without_interleaving, line by line."""
+        h, m = self.h, self.plan.microbatches
+        remaining = m - warmup
+        for i in range(warmup):
+            h.set("input_tensor", [self.receive("recv_act", i)])
+            h.set("output_tensor", [self.forward(i)])
+            h.add("input_tensors", h.held["input_tensor"][0])
+            h.add("output_tensors", ("output", self.c, i))
+            self.deallocate(i)
+        if remaining > 0:
+            h.set("input_tensor", [self.receive("recv_act", warmup)])
+        for i in range(remaining):
+            f = i + warmup
+            h.set("output_tensor", [self.forward(f)])
+            h.set("output_tensor_grad", [self.receive("recv_grad", i)])
+            h.add("input_tensors", h.held["input_tensor"][0])
+            h.add("output_tensors", ("output", self.c, f))
+            self.deallocate(f)
+            h.pop_into("input_tensor", "input_tensors")
+            h.pop_into("output_tensor", "output_tensors")
+            h.set("input_tensor_grad", [self.backward(i)])
+            h.set("input_tensor", [] if i == remaining - 1 else [self.receive("recv_act", f + 1)])
+        for i in range(warmup):
+            h.pop_into("input_tensor", "input_tensors")
+            h.pop_into("output_tensor", "output_tensors")
+            h.set("output_tensor_grad", [self.receive("recv_grad", remaining + i)])
+            h.set("input_tensor_grad", [self.backward(remaining + i)])
+        self.composer.phase("setup", "pipeline")
+        # the function returns: its locals go in the order they were first assigned
+        for holder in ("input_tensors", "output_tensors", "input_tensor", "output_tensor", "output_tensor_grad",
+                       "input_tensor_grad"):
+            h.release(holder)
+
+
+def _megatron_by_action(plan: StagePlan, composer: Composer) -> None:
+    """The interleaved schedule, action by action: a received activation is a fresh tensor from just before the
+    forward until the microbatch's backward ends, a stage output is freed once sent, a received output gradient
+    lives through its backward, an input gradient is freed once sent; the losses are kept until the step ends."""
     first_backward: set[int] = set()
-    act, tok = plan.activation_bytes, plan.token_bytes
+    act = plan.activation_bytes
     for a in plan.actions:
         spec = plan.spec(a.chunk)
         mb = (a.chunk, a.microbatch)
+        composer.phase("setup", "pipeline", phase_detail(a.microbatch, a.chunk))
         if a.kind == "F":
-            composer.phase("setup", "pipeline", phase_detail(a.microbatch, a.chunk))
-            if spec.is_first:
-                composer.alloc(("tokens", mb), tok, "tokens")
-            else:
+            if not spec.is_first:
                 composer.alloc(("recv_act", mb), act, f"pipeline.stage{spec.index}.recv_activation",
                                plan.trace(a).input_category)
-            if spec.is_last:
-                composer.alloc(("labels", mb), tok, "labels")
             key = _forward(plan, composer, a)
             if not spec.is_last:
                 composer.free(key)  # sent, then deallocated
         else:
-            composer.phase("setup", "pipeline", phase_detail(a.microbatch, a.chunk))
             if not spec.is_last:
                 composer.alloc(("recv_grad", mb), act, f"pipeline.stage{spec.index}.recv_grad")
             key = _backward(plan, composer, a, first_backward)
-            for k in (key, ("recv_grad", mb), ("recv_act", mb), ("tokens", mb), ("labels", mb)):
+            for k in (key, ("recv_grad", mb), ("recv_act", mb)):
                 composer.free(k)
     composer.phase("setup", "pipeline")
     for k in [k for k in composer.keys if k[0] == "out"]:

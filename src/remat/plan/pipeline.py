@@ -46,7 +46,8 @@ def stage_timeline(config: ModelConfig, rank: int, chunk_plan: Plan | Policy, *,
     actions = schedule_actions(schedule, pp, microbatches, 1, rank, runtime=runtime)
     window = warmup_forwards(schedule, pp, microbatches, 1, rank, "megatron") + 1
     checkpointed = checkpointed_forwards(actions, None, window)
-    traces = {(spec.index, True): trace_chunk(config, spec.kind, chunk_plan, device) for spec in chunks}
+    traces = {(spec.index, True): trace_chunk(config, spec.kind, chunk_plan, device,
+                                              batch_in_forward=runtime == "megatron") for spec in chunks}
     stage = StagePlan(config, pp, microbatches, 1, rank, schedule, runtime, chunks, actions, checkpointed, traces,
                           block=CUDA_BLOCK if device == "cuda" else 1)
     return compose_stage(stage, chunk_plan, None)

@@ -1,0 +1,117 @@
+"""The per-rank report of a whole Megatron-LM job (``remat predict``/``plan`` with a job): the worst rank first with
+its parts, then each distinct stage, and the line saying what no prediction counts and how ``--reserve`` keeps
+room for it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from remat.job import Job
+from remat.parallel.job_predict import NOT_COUNTED, PARTS, JobPrediction, RankPrediction
+from remat.plan.job_plan import JobPlan, format_state, smallest_dp
+from remat.units import DEFAULT_RESERVE, GPU_PRESETS, format_bytes, parse_reserve
+
+_SHORT = {"parameters": "params", "gradients": "grads", "master_parameters": "master", "optimizer_state": "optim",
+          "activations": "acts", "communication": "comm"}
+
+
+def describe_job(job: Job) -> str:
+    """One line: the model, its parallel layout, batch, precision and optimizer."""
+    m = job.model
+    gqa = f", {m.query_groups} kv groups" if m.query_groups != m.num_attention_heads else ""
+    layout = f"tp={job.tp}{' sp' if job.sp else ''} pp={job.pp}" + (f" vpp={job.vpp}" if job.vpp else "") + \
+        f" cp={job.cp} dp={job.dp} ({job.world_size} ranks)"
+    mixed = " mixed precision (fp32 main grads" + (", fp32 master params)" if job.optimizer != "none" else ")") \
+        if job.precision != "fp32" else ""
+    opt = job.optimizer + (" distributed over dp x cp" if job.distributed_optimizer else "")
+    return (f"{m.num_layers} layers, h={m.hidden_size}, {m.num_attention_heads} heads{gqa}, ffn={m.ffn_size}, "
+            f"s={m.seq_length}, b={m.micro_batch_size}, vocab={m.vocab_size}; {layout}; {job.num_microbatches} "
+            f"microbatch{'es' * (job.num_microbatches > 1)}, {job.schedule}; {job.precision}{mixed}; optimizer {opt}")
+
+
+def not_counted_line(budget: str | None = None, reserve: str | float | None = DEFAULT_RESERVE) -> str:
+    """The line every job report prints: what is not counted, and how much ``--reserve`` sets aside for it.
+
+    Args:
+        budget: ``remat plan``'s ``--budget`` text (None for predict/compare).
+        reserve: ``--reserve``.
+    """
+    name = budget.strip().lower() if isinstance(budget, str) else None
+    if name in GPU_PRESETS:
+        kept = parse_reserve(reserve, GPU_PRESETS[name])
+        room = f"--reserve {reserve} sets aside {format_bytes(kept)} of {name} for them"
+    elif budget is not None:
+        room = ("--reserve sets aside nothing for them with a byte budget (it applies to GPU presets such as "
+                "h100-80g): leave room in --budget")
+    else:
+        room = (f"remat plan's --reserve (default {DEFAULT_RESERVE} of a GPU preset: "
+                f"{format_bytes(parse_reserve(DEFAULT_RESERVE, GPU_PRESETS['h100-80g']))} of h100-80g) sets aside "
+                "room for them")
+    return f"{NOT_COUNTED}; {room}."
+
+
+def rank_row(r: RankPrediction, **extra: Any) -> dict[str, Any]:
+    """One JSON row: ``rank``, ``stage``, peak and every part (:data:`PARTS`)."""
+    return {**extra, "rank": r.rank, "stage": r.stage, "ranks_alike": r.ranks, "peak_bytes": r.peak_bytes,
+            "peak_phase": r.timeline.peak_phase.label, **r.parts, "num_parameters": r.state.num_parameters,
+            "dp_shard": r.state.dp_rank}
+
+
+def _rank_lines(ranks: Sequence[RankPrediction]) -> list[str]:
+    head = f"  {'rank':>5} {'stage':>5} {'alike':>5} {'peak':>11}  " + " ".join(f"{_SHORT[p]:>10}" for p in PARTS)
+    lines = [head]
+    for i, r in enumerate(ranks):
+        tag = "worst" if i == 0 else ""
+        lines.append(f"  {r.rank:>5} {r.stage:>5} {r.ranks:>5} {format_bytes(r.peak_bytes):>11}  "
+                     + " ".join(f"{format_bytes(r.parts[p]):>10}" for p in PARTS) + f"  {tag}".rstrip())
+    return lines
+
+
+def format_job_prediction(prediction: JobPrediction, policy: str) -> str:
+    """The worst rank with its parts, then a row per distinct rank (one per pipeline stage)."""
+    w = prediction.worst
+    parts = ", ".join(f"{p} {format_bytes(v)}" for p, v in w.parts.items() if v)
+    lines = [f"policy {policy}: worst rank {w.rank} (stage {w.stage}) peaks at {format_bytes(w.peak_bytes)} "
+             f"({w.peak_bytes:,} bytes) in {w.timeline.peak_phase.label}: {parts}"]
+    return "\n".join(lines + _rank_lines(prediction.ranks))
+
+
+def format_job_plan(result: JobPlan) -> str:
+    """``remat plan``'s text for a job: fits or not, with every part of the worst rank, then each stage."""
+    job, budget = result.job, result.budget_bytes
+    lines = []
+    if not result.state_fits:
+        worst = result.worst_state()
+        lines.append(f"does not fit {result.budget_text}: the model state of stage {worst.stage}'s ranks alone is "
+                     f"{format_bytes(worst.state.total)}, before any activation: {format_state(worst.state)}")
+        dp = smallest_dp(job, worst, budget)
+        fix = "shard the model state: more --tp/--pp, or a larger budget"
+        if dp is not None and (not job.distributed_optimizer or dp > job.dp):
+            fix = (f"shard it: --distributed-optimizer with --dp >= {dp} leaves "
+                   "room for the model state (then activations), or more --tp/--pp, or a larger budget")
+        lines.append(f"  fix: {fix}")
+    elif not result.fits:
+        lines.append(f"does not fit {result.budget_text}: no Megatron recompute setting brings every rank under it")
+    else:
+        flags = " ".join(result.uniform.to_megatron_args()) if result.uniform.engine == "reentrant" else "-"
+        lines.append(f"fits {result.budget_text} with {result.uniform} on every stage (Megatron flags: "
+                     f"{flags or 'none'}); every part of every rank counted:")
+        lines += _rank_lines(result.uniform_ranks)
+    if result.state_fits:
+        lines.append("per-stage settings (the least recompute that fits each stage; remat.apply can give each "
+                     "stage its own):")
+        for s in result.stages:
+            if s.fits:
+                assert s.prediction is not None
+                body = f"{s.policy}, peak {format_bytes(s.prediction.peak_bytes)}: " + ", ".join(
+                    f"{p} {format_bytes(v)}" for p, v in s.prediction.parts.items() if v)
+            else:
+                low = "" if s.prediction is None else (f"; the lowest peak, {format_bytes(s.prediction.peak_bytes)}, "
+                                                       "is with every layer recomputed")
+                body = f"nothing fits{low}"
+            lines.append(f"  stage {s.stage}: {body}")
+    else:
+        for s in result.stages:
+            lines.append(f"  stage {s.stage}: model state {format_state(s.state)}")
+    return "\n".join(lines)

@@ -1,0 +1,151 @@
+"""``remat predict``, ``compare`` and ``plan`` for a whole Megatron-LM job (NOTE [the job path] in
+:mod:`remat.cli.job_args`): every part of every rank, worst rank first."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import Any
+
+from remat.analysis.job_report import describe_job, format_job_plan, format_job_prediction, not_counted_line, rank_row
+from remat.cli.common import info, json_text, write_out
+from remat.cli.job_args import JobSource, job_flags_given, job_from_args, job_policies
+from remat.job import Job
+from remat.job_flags import JobError
+from remat.parallel.job_measure import check_measurable, compare_job, format_rows
+from remat.parallel.job_predict import predict_job
+from remat.parallel.launch import DEFAULT_TIMEOUT
+from remat.plan.job_plan import plan_job
+from remat.plan.options import PlanOptions
+from remat.policy import SELECTIVE_MODULES
+
+# remat plan's flags that price the single-process extended search; a job plan searches Megatron's settings per
+# stage (NOTE [the job search]) and refuses them rather than ignore them.
+_PLAN_SEARCH_FLAGS = {"objective": "extra_flops", "measured_times": False, "budget_reserved": False,
+                      "no_offload": False, "bandwidth": 25.0, "throughput": 400.0, "memory_bandwidth": 3000.0}
+
+
+def job_requested(args: argparse.Namespace, *, mixed_precision_model: bool = False) -> bool:
+    """True when the command describes a whole job: a job flag, tensor parallelism together with a pipeline (only
+    the job path combines them), or, for ``plan`` (``mixed_precision_model``), a bf16/fp16 model: it trains in
+    Megatron's mixed precision, whose fp32 main grads, master params and Adam moments a plan must count."""
+    if job_flags_given(args):
+        return True
+    if getattr(args, "pp", None) is not None and (getattr(args, "tp", 1) > 1 or getattr(args, "sp", False)):
+        return True
+    return mixed_precision_model
+
+
+def _job_dict(source: JobSource) -> dict[str, Any]:
+    job = source.job
+    out = {f.name: getattr(job, f.name) for f in dataclasses.fields(job) if f.name not in ("model", "policy")}
+    out.update(model=job.model.to_dict(), world_size=job.world_size, global_batch_size=job.global_batch_size,
+               bytes_per_param_static=float(job.bytes_per_param_static()))
+    try:
+        out["megatron_args"] = job.to_megatron_args(include_world_size=False)
+    except JobError as err:
+        out["megatron_args"], out["megatron_args_note"] = None, str(err)
+    return out
+
+
+def _header(source: JobSource) -> str:
+    return "\n".join([describe_job(source.job), *source.notes()])
+
+
+def _refuse_adam(args: argparse.Namespace) -> None:
+    if getattr(args, "adam", False):
+        raise ValueError("--adam with a whole job: --adam traces moments in the parameter dtype on one process; use "
+                         "--optimizer adam (Megatron's fp32 moments and master parameters)")
+
+
+def _microbatches(pp: int) -> int:
+    return 2 * pp if pp > 1 else 1
+
+
+def run_predict_job(args: argparse.Namespace) -> int:
+    """``remat predict`` with a job: each policy's every distinct rank, worst first, with its parts."""
+    _refuse_adam(args)
+    source = job_from_args(args, default_microbatches=_microbatches)
+    started = time.perf_counter()
+    predictions = [(p, predict_job(source.job.replace(policy=p), device=args.device))
+                   for p in job_policies(args, source)]
+    report = {"format": "remat.predict-job", "version": 1, "job": _job_dict(source), "device": args.device,
+              "assumed": source.assumed, "ignored_flags": source.ignored, "not_counted": not_counted_line(),
+              "rows": [rank_row(r, policy=str(p)) for p, pred in predictions for r in pred.ranks],
+              "seconds": time.perf_counter() - started}
+    if args.out is not None:
+        write_out(args.out, report)
+    if args.json:
+        print(json_text(report))
+    else:
+        print(_header(source) + "\n")
+        for policy, pred in predictions:
+            print(format_job_prediction(pred, str(policy)) + "\n")
+        print(not_counted_line())
+    if args.out is not None:
+        info(f"wrote {args.out}")
+    return 0
+
+
+def run_compare_job(args: argparse.Namespace) -> int:
+    """``remat compare`` with a job: every rank run for real on gloo (CPU), measured beside its prediction."""
+    _refuse_adam(args)
+    if args.device != "cpu":
+        raise ValueError(f"--device {args.device} with a whole job: its ranks run as CPU processes on gloo; drop "
+                         "--device")
+    source = job_from_args(args, default_microbatches=_microbatches)
+    rows = []
+    for policy in job_policies(args, source):
+        job: Job = source.job.replace(policy=policy)
+        check_measurable(job)
+        rows += [{"policy": str(policy), **row} for row in compare_job(job, timeout=args.timeout or DEFAULT_TIMEOUT)]
+    report = {"format": "remat.compare-job", "version": 1, "job": _job_dict(source), "assumed": source.assumed,
+              "ignored_flags": source.ignored, "not_counted": not_counted_line(), "rows": rows}
+    if args.out is not None:
+        write_out(args.out, report)
+    if args.json:
+        print(json_text(report))
+    else:
+        print(_header(source) + "\n")
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            print(f"policy {policy}: predicted vs measured per rank (error = (predicted - measured) / measured)")
+            print(format_rows([r for r in rows if r["policy"] == policy]) + "\n")
+        print(not_counted_line())
+    if args.out is not None:
+        info(f"wrote {args.out}")
+    if args.max_error is not None and any(abs(r["error"]) > args.max_error for r in rows):
+        info(f"remat compare: a rank's peak error exceeds --max-error {args.max_error}")
+        return 1
+    return 0
+
+
+def run_plan_job(args: argparse.Namespace) -> int:
+    """``remat plan`` with a job: the least recompute per stage that fits every rank with every part counted."""
+    for name, default in _PLAN_SEARCH_FLAGS.items():
+        if getattr(args, name, default) != default:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} prices the single-process extended search; a whole-job plan searches "
+                             "Megatron's settings per stage, every rank predicted exactly: drop it")
+    if getattr(args, "selective_modules", None) not in (None, ",".join(SELECTIVE_MODULES)):
+        raise ValueError("--selective-modules: a whole-job plan searches Megatron's settings (none, "
+                         "selective/core_attn, full/block/k): drop it")
+    source = job_from_args(args, default_microbatches=lambda pp: pp)
+    if source.recompute_given:
+        raise ValueError("--recompute-* flags in --megatron-args: remat plan chooses the recompute setting; drop "
+                         "them (or use remat predict to price that setting)")
+    options = PlanOptions(reserve=args.reserve, engine=args.engine, device=args.device)
+    result = plan_job(source.job, args.budget, options)
+    report = {**result.to_dict(), "job": _job_dict(source), "assumed": source.assumed,
+              "ignored_flags": source.ignored, "not_counted": not_counted_line(args.budget, args.reserve)}
+    if args.out is not None:
+        write_out(args.out, report)
+        info(f"wrote {args.out}")
+    if args.json:
+        print(json_text(report))
+    else:
+        print(_header(source) + "\n")
+        print(format_job_plan(result))
+        print(not_counted_line(args.budget, args.reserve))
+    return 0 if result.fits else 1
+

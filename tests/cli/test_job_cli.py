@@ -1,0 +1,196 @@
+"""The whole-job path of the command line: ``--megatron-args`` and the job flags on predict, compare, explain and
+plan; every part of every rank; impossible parallel sizes refused naming the flag and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from remat.cli import main
+from remat.config import ModelConfig
+from remat.job import Job
+from remat.parallel.job_predict import PARTS, predict_job, stage_state
+from remat.policy import Policy
+from remat.presets import get_preset
+from remat.units import GIB
+
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "1", "--vocab", "64"]
+SMALL = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--vocab", "128",
+         "--attention", "sdpa"]
+SMALL_CONFIG = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
+                           vocab_size=128, attention="sdpa")
+MEGATRON = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+            "--vocab-size 128 --make-vocab-size-divisible-by 16 --bf16 --lr 1e-4 --attention-backend flash")
+LAYOUT = ("--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 "
+          "--global-batch-size 16 --world-size 8 --use-distributed-optimizer")
+
+
+def _json(capsys, argv, code=0):
+    assert main([*argv, "--json"]) == code
+    return json.loads(capsys.readouterr().out)
+
+
+def _rows(prediction, policy):
+    return [{"policy": policy, **row} for row in prediction.rows()]
+
+
+def _drop_seconds(rows):
+    return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+
+# ------------------------------------------------------------------------------------------------ plan
+def test_70b_at_tp8_no_longer_fits_40gib_and_counts_every_state_part(capsys):
+    # issue 11: this answered "keep nothing recomputed ... fits" counting only the bf16 parameters
+    argv = ["plan", "--budget", "40GiB", "--preset", "llama3-70b", "--tp", "8", "--sp"]
+    report = _json(capsys, argv, code=1)
+    job = Job.build(get_preset("llama3-70b"), precision="bf16", tp=8, sp=True)
+    state = stage_state(job, 0)
+    assert report["fits"] is False and report["uniform"] is None
+    assert report["stages"][0]["state"] == state.parts() and report["stages"][0]["state_bytes"] == state.total
+    assert state.gradients == 2 * state.parameters  # the fp32 main-grad buffer
+    assert state.optimizer_state == 2 * state.master_parameters == 4 * state.parameters  # fp32 Adam moments
+    assert state.total > 40 * GIB
+    assert "--optimizer adam (fp32 moments)" in report["assumed"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "does not fit 40.00 GiB" in out and "fits 40" not in out
+    for part in ("parameters 16.43 GiB", "gradients 32.86 GiB", "master_parameters 32.86 GiB",
+                 "optimizer_state 65.72 GiB"):
+        assert part in out
+    assert "assumed" in out and "--reserve sets aside nothing" in out and "not counted" in out
+
+
+def test_plan_of_tp_with_pp_picks_per_stage_settings_with_every_part(capsys):
+    job = Job.build(SMALL_CONFIG, precision="bf16", tp=2, sp=True, pp=2, num_microbatches=4, dp=2,
+                    distributed_optimizer=True)
+    keep = predict_job(job)
+    full = predict_job(job.replace(policy=Policy.parse("full/block/2")))
+    budget = (keep.worst.peak_bytes + full.worst.peak_bytes) // 2
+    assert full.worst.peak_bytes < budget < keep.worst.peak_bytes
+    report = _json(capsys, ["plan", "--budget", str(budget), *SMALL, "--tp", "2", "--sp", "--pp", "2",
+                            "--microbatches", "4", "--dp", "2", "--distributed-optimizer", "--precision", "bf16"])
+    assert report["fits"] is True and report["format"] == "remat.plan-job"
+    uniform = Policy.parse(report["uniform"]["policy"])
+    assert uniform.granularity == "full" and report["uniform"]["megatron_args"] == uniform.to_megatron_args()
+    expected = predict_job(job.replace(policy=uniform))
+    assert report["uniform"]["rows"] == [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes, **r.parts}
+                                         for r in expected.ranks]
+    for row in report["stages"]:
+        assert row["peak_bytes"] <= budget and sum(row[p] for p in PARTS) == row["peak_bytes"]
+        assert row["state"] == stage_state(job, row["stage"]).parts()
+        assert row["master_parameters"] == row["state"]["master_parameters"] > 0
+    # stage 1 holds fewer microbatches in flight: it never needs more recompute than stage 0
+    policies = {row["stage"]: Policy.parse(row["policy"]) for row in report["stages"]}
+    assert (policies[1].num_layers or 0) <= (policies[0].num_layers or 0)
+
+
+def test_fp32_plan_without_job_flags_is_the_single_process_plan(capsys):
+    report = _json(capsys, ["plan", "--budget", "1GiB", *TINY])
+    assert report["format"] == "remat.plan-result"
+
+
+# ------------------------------------------------------------------------------------------------ predict
+def test_predict_megatron_args_and_the_file_give_every_rank(capsys, tmp_path):
+    argv = f"{MEGATRON} {LAYOUT}"
+    report = _json(capsys, ["predict", "--megatron-args", argv])
+    expected = predict_job(Job.from_megatron_args(argv))
+    assert report["rows"] == _rows(expected, "none") and report["ignored_flags"] == ["--lr"]
+    assert [r["peak_bytes"] for r in report["rows"]] == sorted((r["peak_bytes"] for r in report["rows"]),
+                                                               reverse=True)
+    assert report["job"]["tp"] == 2 and report["job"]["pp"] == 2 and report["job"]["dp"] == 2
+    for row in report["rows"]:
+        assert sum(row[p] for p in PARTS) == row["peak_bytes"] and {"rank", "stage"} <= set(row)
+    path = tmp_path / "job.args"
+    path.write_text("# the same job, one flag per line\n" + argv.replace(" --", " \\\n--") + "\n")
+    assert _json(capsys, ["predict", "--megatron-args", f"@{path}"])["rows"] == report["rows"]
+
+
+def test_predict_flags_build_the_same_job_and_recompute_flags_set_the_policy(capsys):
+    report = _json(capsys, ["predict", *SMALL, "--tp", "2", "--sp", "--pp", "2", "--microbatches", "4", "--dp", "2",
+                            "--distributed-optimizer", "--precision", "bf16", "--policy", "full/uniform/1"])
+    job = Job.build(SMALL_CONFIG, precision="bf16", tp=2, sp=True, pp=2, num_microbatches=4, dp=2,
+                    distributed_optimizer=True)
+    assert report["rows"][:2] == _rows(predict_job(job), "none")
+    assert report["rows"][2:] == _rows(predict_job(job.replace(policy=Policy.parse("full/uniform/1"))),
+                                       "full/uniform/1")
+    recompute = _json(capsys, ["predict", "--megatron-args", f"{MEGATRON} --recompute-granularity full "
+                               "--recompute-method uniform --recompute-num-layers 1"])
+    assert {r["policy"] for r in recompute["rows"]} == {"full/uniform/1"}
+
+
+def test_tp_with_pp_is_a_job_not_silently_dropped(capsys):
+    report = _json(capsys, ["predict", *TINY, "--tp", "2", "--pp", "2"])
+    assert report["format"] == "remat.predict-job" and (report["job"]["tp"], report["job"]["pp"]) == (2, 2)
+    assert any("--optimizer adam" in a for a in report["assumed"])
+    assert report["rows"][0]["optimizer_state"] > 0
+
+
+def test_text_report_has_the_worst_rank_parts_and_what_is_not_counted(capsys):
+    assert main(["predict", *SMALL, "--pp", "2", "--microbatches", "4", "--cp", "2", "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "worst rank 0 (stage 0)" in out
+    for part in ("parameters", "gradients", "master_parameters", "optimizer_state", "activations",
+                 "communication"):
+        assert part in out.split("worst rank")[1].splitlines()[0]
+    assert "not counted: the CUDA context" in out and "--reserve (default 10%" in out
+
+
+def test_single_process_predict_is_unchanged_without_job_flags(capsys):
+    assert _json(capsys, ["predict", *TINY, "--policy", "none"])["format"] == "remat.predict"
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _err(capsys, argv, *words):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("remat: error:") and err.count("\n") == 1, err
+    for word in words:
+        assert word in err, (word, err)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("--tensor-model-parallel-size 3", ["tp (--tensor-model-parallel-size)=3", "num_attention_heads=4",
+                                        "use a tp from 1, 2, 4"]),
+    ("--group-query-attention --num-query-groups 2 --tensor-model-parallel-size 4",
+     ["does not divide num_query_groups=2", "use a tp from 1, 2"]),
+    ("--context-parallel-size 3", ["cp (--context-parallel-size)=3", "--seq-length"]),
+    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 4 --global-batch-size 4",
+     ["pp*vpp=8", "--num-layers", "use pp*vpp <= 4"]),
+    ("--tensor-model-parallel-size 4 --world-size 6", ["--world-size 6", "use a multiple of 4"]),
+    ("--global-batch-size 5", ["--global-batch-size 5", "use a multiple of 2"]),
+    ("--fp8-format hybrid", ["--fp8-format", "remove it"]),
+    ("--no-such-flag", ["--no-such-flag", "remove it"]),
+])
+def test_impossible_megatron_jobs_are_refused_naming_the_flag(capsys, extra, words):
+    _err(capsys, ["predict", "--megatron-args", f"{MEGATRON} {extra}"], *words)
+    _err(capsys, ["plan", "--budget", "80GiB", "--megatron-args", f"{MEGATRON} {extra}"], *words)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["predict", *TINY, "--tp", "4", "--dp", "2"], ["tp (--tensor-model-parallel-size)=4", "use a tp from 1, 2"]),
+    (["predict", *TINY, "--cp", "3"], ["cp (--context-parallel-size)=3"]),
+    (["predict", *TINY, "--pp", "2", "--vpp", "2", "--schedule", "interleaved", "--microbatches", "2",
+      "--precision", "fp32"], ["pp*vpp=4", "use pp*vpp <= 2"]),
+    (["predict", *TINY, "--pp", "3", "--optimizer", "sgd"], ["pp=3", "num_layers=2"]),
+    (["plan", "--budget", "1GiB", *TINY, "--tp", "3", "--pp", "2"], ["tp (--tensor-model-parallel-size)=3"]),
+    (["predict", "--megatron-args", MEGATRON, "--tp", "2"], ["--tp with --megatron-args",
+                                                            "--tensor-model-parallel-size"]),
+    (["predict", "--megatron-args", MEGATRON, "--preset", "llama3-8b"], ["--preset with --megatron-args"]),
+    (["predict", "--megatron-args", ""], ["--megatron-args is empty"]),
+    (["predict", "--megatron-args", "@/nonexistent/job.args"], ["/nonexistent/job.args", "UTF-8 text file"]),
+    (["predict", *TINY, "--adam", "--pp", "2"], ["--adam with --pp", "--optimizer adam"]),
+    (["predict", *TINY, "--adam", "--dp", "2"], ["--adam with a whole job", "--optimizer adam"]),
+    (["predict", *TINY, "--dp", "2", "--layout", "1,1", "--pp", "2"], ["--layout"]),
+    (["predict", *TINY, "--dp", "2", "--pp", "2", "--pipeline-runtime", "torch"], ["--pipeline-runtime torch"]),
+    (["predict", "--megatron-args", f"{MEGATRON} --recompute-activations", "--policy", "none"],
+     ["--policy/--sweep with --recompute-* flags"]),
+    (["explain", *TINY, "--dp", "2", "--megatron-args", MEGATRON], ["--megatron-args --dp", "remat predict"]),
+    (["plan", "--budget", "1GiB", *TINY, "--dp", "2", "--objective", "time"], ["--objective", "drop it"]),
+    (["plan", "--budget", "1GiB", "--megatron-args", f"{MEGATRON} --recompute-activations"],
+     ["--recompute-* flags", "remat plan chooses"]),
+    (["compare", *TINY, "--dp", "2", "--cp", "2", "--precision", "fp32"], ["cp=2", "cp=1"]),
+    (["compare", *TINY, "--dp", "2", "--device", "cuda"], ["--device cuda"]),
+])
+def test_job_flags_refused_with_the_fix(capsys, argv, words):
+    _err(capsys, argv, *words)
