@@ -12,7 +12,7 @@ main-gradient buffer, fp32 master parameters and Adam moments, an optimizer step
 
 Per rank: stage, tensor-parallel and data-parallel position, predicted and measured peak bytes, error =
 (predicted - measured) / measured, the parts alive at the measured peak, and where they differ from the
-predicted parts. Target: within 1% (exact for the model state).
+predicted parts. Target: predicted == measured to the byte on every rank.
 
 Usage::
 

@@ -77,6 +77,9 @@ from remat.plan.solver import min_peak, solve
 from remat.plan.unit_model import unit_model
 from remat.recompute.plan_format import Plan
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_sac  # noqa: E402  (benchmarks/torch_sac.py: torch's SAC ILP as a peer)
+
 MIB = 1 << 20
 warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
 
@@ -270,6 +273,16 @@ def fmt_mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MIB:8.2f}"
 
 
+def step_flops(model: torch.nn.Module, batch: Any) -> int:
+    """FLOPs of one forward + backward step (torch.utils.flop_counter), recomputation included."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step(model, batch)
+    return counter.get_total_flops()
+
+
 def measured(config: ModelConfig, p: Plan, batch: Any) -> tuple[int, int]:
     model = build_model(config, seed=0)
     remat.apply(model, p)
@@ -305,6 +318,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["layer_times"] = layer_times
     search = CompileSearch(cfg, batch)
     base_compiled = search.get(1.0)
+    sac_reason = torch_sac.missing() if not args.no_sac else "--no-sac"
+    peer = None
+    if sac_reason is None:
+        start = time.perf_counter()
+        peer = torch_sac.TorchSAC(lambda: build_model(cfg, seed=0), batch)
+        report["torch_sac_stats_seconds"] = time.perf_counter() - start
+    report["torch_sac_skipped"] = sac_reason
+    base_flops = step_flops(build_model(cfg, seed=0), batch)
     rows = []
     for budget in budgets:
         row: dict[str, Any] = {"budget": budget}
@@ -321,10 +342,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row["remat_validate_seconds"] = result.stats["validate_seconds"]
         row["remat_model_seconds"] = result.stats["model_seconds"]
         timed = plan(cfg, budget, PlanOptions(objective="time", measured_times=layer_times))
+        roofline = plan(cfg, budget, PlanOptions(objective="time"))  # torch SAC's price: the same roofline
         variants: dict[str, Any] = {"eager none": build_model(cfg, seed=0)}
         baselines = {}
+        if peer is not None:
+            start = time.perf_counter()
+            decisions, _, estimate = peer.plan(budget)
+            solve_seconds = time.perf_counter() - start
+            m = build_model(cfg, seed=0)
+            peer.apply(m, decisions)
+            peak = measure(m, batch).peak_bytes if decisions or estimate >= 0 else None
+            row["torch_sac"] = {"plan": decisions, "estimate": estimate, "measured_peak": peak,
+                                "fits": peak is not None and peak <= budget, "solve_seconds": solve_seconds,
+                                "recompute_flops": step_flops(m, batch) - base_flops if peak else None}
+            if peak is not None:
+                row["torch_sac"]["extra_compute_pct"] = 100 * row["torch_sac"]["recompute_flops"] / base_flops
+                variants["torch sac"], baselines["torch sac"] = m, "eager none"
         for key, choice in (("megatron", result.megatron), ("extended", result.extended),
-                            ("extended_time", timed.extended)):
+                            ("extended_time", timed.extended), ("extended_roofline", roofline.extended)):
             if choice is None:
                 row[key] = None
                 continue
@@ -363,6 +398,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"({ext_t and ext_t['plan']}) | compile r={comp.get('ratio', '-')} "
               f"{fmt_mib(comp.get('profiler_peak'))} x{ratio_text(timing, 'compile ratio')} "
               f"({comp['ratios_evaluated']} evals, {comp['fresh_compiles']} new compiles)", flush=True)
+        sac, ext_r = row.get("torch_sac"), row.get("extended_roofline")
+        print(f"    same roofline price: remat {fmt_mib(ext_r and ext_r['measured_peak'])} "
+              f"x{ratio_text(timing, 'remat extended_roofline')} ({ext_r and ext_r['plan']}) | torch sac_milp "
+              f"{fmt_mib(sac and sac['measured_peak'])} x{ratio_text(timing, 'torch sac')} "
+              f"({sac and sac['plan']})", flush=True)
         del variants
         gc.collect()
     report["rows"] = rows
@@ -395,9 +435,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def peer_table(report: dict[str, Any]) -> list[str]:
+    """The side-by-side table: per budget, each method's measured peak (* over budget), extra step time over
+    its own no-recompute step (median ratio - 1) and recomputed FLOPs (% of the plain step)."""
+    rows = [r for r in report["rows"] if "remat_error" not in r]
+    cols = [("remat (roofline)", "extended_roofline", "remat extended_roofline"),
+            ("remat (FLOPs)", "extended", "remat extended"),
+            ("torch sac_milp", "torch_sac", "torch sac"), ("torch.compile", "compile", "compile ratio"),
+            ("remat Megatron", "megatron", "remat megatron")]
+    head = "budget MiB | " + " | ".join(f"{name:^27}" for name, _, _ in cols)
+    lines = ["", "measured peak MiB (* over budget) / extra step time % / recomputed FLOPs %", head, "-" * len(head)]
+    wins = {"time": 0, "peak": 0, "n": 0}
+    for r in rows:
+        cells = []
+        for _, key, timing_key in cols:
+            c = r.get(key) or {}
+            peak = c.get("measured_peak", c.get("profiler_peak"))
+            ratio = r["timing"].get(timing_key, {}).get("ratio")
+            if peak is None or ratio is None:
+                cells.append(f"{'-':^27}")
+                continue
+            over = "*" if peak > r["budget"] else " "
+            cells.append(f"{peak / MIB:8.2f}{over} {100 * (ratio - 1):+6.1f}% {c.get('extra_compute_pct', 0):6.2f}%  ")
+        lines.append(f"{r['budget'] / MIB:10.2f} | " + " | ".join(cells))
+        mine, sac = r.get("extended_roofline"), r.get("torch_sac")
+        if mine and sac and sac.get("measured_peak") is not None:
+            a = r["timing"].get("remat extended_roofline", {}).get("ratio")
+            b = r["timing"].get("torch sac", {}).get("ratio")
+            wins["n"] += 1
+            wins["time"] += a is not None and b is not None and a <= b + 0.02
+            wins["peak"] += mine["measured_peak"] <= r["budget"]
+    if report.get("torch_sac_skipped"):
+        lines.append(f"torch sac_milp skipped: {report['torch_sac_skipped']}")
+    else:
+        lines.append(f"remat (same roofline price) vs torch sac_milp: extra step time <= torch's (+2% noise "
+                     f"allowance) at {wins['time']}/{wins['n']} budgets; remat within budget at "
+                     f"{wins['peak']}/{wins['n']}, torch at "
+                     f"{sum(bool((r.get('torch_sac') or {}).get('fits')) for r in rows)}/{wins['n']}")
+    return lines
+
+
 def summary(report: dict[str, Any]) -> str:
     rows = [r for r in report["rows"] if "remat_error" not in r]
-    lines = ["", "=" * 150,
+    lines = [*peer_table(report), "", "=" * 150,
              "budget MiB | remat Megatron: measured MiB, step x, FLOP% | remat extended (FLOPs): measured MiB "
              "(profiler), step x, FLOP% | remat extended (time): MiB, step x, FLOP% | torch.compile: ratio, peak MiB, "
              "step x vs compiled 1.0 (1.0 vs eager), FLOP%, compiles",
@@ -498,6 +578,7 @@ def main() -> None:
     parser.add_argument("--dp-layers", type=int, default=128)
     parser.add_argument("--rockmate-python", default=os.environ.get("ROCKMATE_PYTHON"),
                         help="interpreter of a venv with rockmate installed (pip install rockmate==2.0.0)")
+    parser.add_argument("--no-sac", action="store_true", help="leave out torch's SAC ILP (sac_milp)")
     parser.add_argument("--quick", action="store_true", help="4 layers, 3 budgets, 2 rounds, 16-layer DP")
     parser.add_argument("--json", help="write the full report here")
     args = parser.parse_args()

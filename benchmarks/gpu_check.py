@@ -16,7 +16,8 @@ It prints a table of both errors per model and policy and exits 1 when any alloc
 
 ``--dry-run-cpu`` runs the same code on tiny configs on the CPU with ``kernels='cpu'``: the recorder's exact
 bytes stand in for ``max_memory_allocated`` and the replay of the measured timeline for ``max_memory_reserved``,
-so every error must be 0.00% there. Without a CUDA device (and without ``--dry-run-cpu``) it says so and exits 0.
+so every prediction must be exact there (both limits default to 0: a single byte off fails). Without a CUDA
+device (and without ``--dry-run-cpu``) it says so and exits 0.
 
     python benchmarks/gpu_check.py [--models gpt,llama,hf] [--policies none,full/uniform/1] [--out results.json]
     python benchmarks/gpu_check.py --dry-run-cpu
@@ -191,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="gpt,llama,hf", help="any of gpt, llama, hf (default all three)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"default {','.join(POLICIES)} (hf: none, "
                         "full/uniform/1 only)")
-    parser.add_argument("--max-error", type=float, default=0.03, help="allocated |error| limit (default 0.03)")
-    parser.add_argument("--max-reserved-error", type=float, default=0.05, help="reserved limit (default 0.05)")
+    parser.add_argument("--max-error", type=float, help="allocated |error| limit (default 0.03; 0 with "
+                        "--dry-run-cpu)")
+    parser.add_argument("--max-reserved-error", type=float, help="reserved limit (default 0.05; 0 with "
+                        "--dry-run-cpu)")
     parser.add_argument("--out", type=Path, help="also write the results as JSON to this file")
     parser.add_argument("--dry-run-cpu", action="store_true", help="no GPU needed: tiny configs on the CPU")
     args = parser.parse_args(argv)
@@ -201,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--models: unknown {', '.join(unknown)}; choose from gpt, llama, hf")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if args.max_error is None:  # the CPU dry run is exact by construction: any byte off is a bug
+        args.max_error = 0.0 if args.dry_run_cpu else 0.03
+    if args.max_reserved_error is None:
+        args.max_reserved_error = 0.0 if args.dry_run_cpu else 0.05
     if args.dry_run_cpu:
         device, where = "cpu", "CPU (dry run, kernels=cpu)"
     elif not torch.cuda.is_available():

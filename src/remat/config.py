@@ -7,6 +7,8 @@ can be typed in directly. Every check names the field it refuses and how to fix 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,7 @@ ACTIVATIONS = ("gelu", "swiglu")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 ATTENTIONS = ("math", "sdpa")
+ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 class ConfigError(ValueError):
@@ -30,7 +33,24 @@ class ModelConfig:
     ``num_query_groups`` below ``num_attention_heads`` gives grouped-query attention (None: one group per
     head). ``ffn_hidden_size`` None means 4h for gelu and the Llama rounding of 8h/3 (to a multiple of 64) for
     swiglu. ``attention='math'`` materialises the s x s scores (Korthikanti's 5as^2b term); ``'sdpa'`` uses
-    ``scaled_dot_product_attention`` (fused kernels keep only softmax statistics).
+    ``scaled_dot_product_attention`` (fused kernels keep only softmax statistics). ``kv_channels`` is the head
+    dimension when it is not ``hidden_size / num_attention_heads`` (Megatron's name; Qwen3's ``head_dim``).
+
+    Mixture of experts (Megatron's names, NOTE [MoE fields]): ``num_moe_experts`` routed experts (None: a dense
+    model) of ``moe_ffn_hidden_size`` each, ``moe_router_topk`` per token, scored by ``moe_router_score_function``;
+    ``moe_layer_freq`` 1 = every layer is MoE, N = layers 0, N, 2N..., or one 0/1 per layer (first dense layers:
+    ``(0, 0, 0, 1, 1, ...)``); ``moe_shared_expert_intermediate_size`` adds a shared expert MLP;
+    ``moe_grouped_gemm`` stores the experts as one batched weight (Megatron's GroupedMLP) instead of separate
+    MLPs (SequentialMLP); ``moe_expert_capacity_factor`` drops the tokens beyond each expert's capacity;
+    ``moe_aux_loss_coeff`` > 0 adds the load-balancing loss; ``moe_routing_assumption`` is how tokens are routed
+    in a prediction (``balanced``, ``capacity:<factor>``, ``counts:<c0>,<c1>,...`` with ``;`` between MoE
+    layers): None routes real tensors by their scores and assumes ``balanced`` under fake tensors, a value forces
+    it in both (so a measurement can be compared with a prediction to the byte).
+
+    Multi-latent attention (``multi_latent_attention``, DeepSeek's MLA, Megatron's ``MLATransformerConfig``
+    names): queries through a ``q_lora_rank`` down-projection (None: one projection), keys and values through a
+    ``kv_lora_rank`` one, ``qk_head_dim`` + ``qk_pos_emb_head_dim`` (rotary) per query/key head, ``v_head_dim``
+    per value head.
     """
 
     num_layers: int = 8
@@ -50,12 +70,32 @@ class ModelConfig:
     dtype: str = "fp32"
     tie_embeddings: bool = False
     add_bias_linear: bool = True
+    kv_channels: int | None = None
+    # mixture of experts
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_grouped_gemm: bool = False
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_router_score_function: str = "softmax"
+    moe_expert_capacity_factor: float | None = None
+    moe_aux_loss_coeff: float = 0.0
+    moe_routing_assumption: str | None = None
+    expert_model_parallel_size: int = 1
+    # multi-latent attention
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
                      "micro_batch_size"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("num_query_groups", "ffn_hidden_size"):
+        for name in ("num_query_groups", "ffn_hidden_size", "kv_channels"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         _check_choice("activation", self.activation, ACTIVATIONS)
@@ -67,7 +107,7 @@ class ModelConfig:
             p = getattr(self, name)
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
                 raise ConfigError(f"{name}={p!r}: a dropout probability must be a number in [0, 1)")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}: pick a hidden_size that is a multiple of the head count")
@@ -75,13 +115,38 @@ class ModelConfig:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by num_query_groups="
                 f"{self.num_query_groups}: use a divisor of the head count (or None for one group per head)")
-        if self.position == "rope" and self.head_dim % 2:
-            raise ConfigError(f"position='rope' needs an even head dimension, got {self.head_dim}: "
-                              "change hidden_size or num_attention_heads")
+        if self.position == "rope" and self.rotary_dim % 2:
+            raise ConfigError(f"position='rope' needs an even rotary dimension, got {self.rotary_dim}: "
+                              "change hidden_size or num_attention_heads (qk_pos_emb_head_dim with MLA)")
+        check_moe_fields(self)
+        check_mla_fields(self)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions rotary positions rotate: the head dimension, or MLA's decoupled rope dimensions."""
+        return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Each routed expert's FFN size (``moe_ffn_hidden_size``, default the dense ``ffn_size``)."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def moe_layer_pattern(self) -> tuple[bool, ...]:
+        """Whether each layer is an MoE layer (Megatron's ``moe_layer_freq``: an int N makes layers 0, N, 2N...
+        MoE; a tuple gives one 0/1 per layer); all False for a dense model."""
+        if not self.is_moe:
+            return (False,) * self.num_layers
+        if isinstance(self.moe_layer_freq, int):
+            return tuple(i % self.moe_layer_freq == 0 for i in range(self.num_layers))
+        return tuple(bool(x) for x in self.moe_layer_freq)
 
     @property
     def query_groups(self) -> int:
@@ -102,6 +167,17 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def with_depth(self, num_layers: int, pattern: tuple[bool, ...] | None = None) -> ModelConfig:
+        """This config with ``num_layers`` layers; an explicit MoE layer list is cut or replaced by ``pattern``
+        (one bool per layer), which :meth:`replace` alone would refuse as the wrong length."""
+        if pattern is None and isinstance(self.moe_layer_freq, int):
+            return self.replace(num_layers=num_layers)
+        pattern = pattern if pattern is not None else self.moe_layer_pattern()[:num_layers]
+        if len(pattern) < num_layers:
+            raise ConfigError(f"with_depth({num_layers}): the MoE layer pattern has {len(pattern)} layers")
+        freq: int | tuple[int, ...] = 1 if all(pattern) else tuple(int(p) for p in pattern[:num_layers])
+        return self.replace(num_layers=num_layers, moe_layer_freq=freq)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -115,6 +191,169 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown config field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**data)
+
+
+# NOTE [MoE fields]
+# The names are Megatron-LM's TransformerConfig fields (--num-experts is num_moe_experts there). An MoE layer
+# replaces the dense MLP: router (linear h -> experts, softmax or sigmoid scores, top-k), token dispatch (the
+# routed copies of the tokens permuted into expert order, as the all-to-all dispatcher does on one rank),
+# experts, combine (weighted and scattered back), plus the shared expert when set. Which layers are MoE follows
+# moe_layer_freq exactly as Megatron's get_gpt_decoder_block_spec reads it. expert_model_parallel_size is kept
+# so that a Megatron config reads in; a prediction refuses values above 1 (see remat.models.moe).
+def check_moe_fields(config: ModelConfig) -> None:
+    """Refuse MoE fields Megatron would refuse, naming the field and the fix."""
+    set_ = object.__setattr__
+    freq = config.moe_layer_freq
+    if isinstance(freq, str):
+        freq = parse_layer_freq(freq, config.num_layers)
+    if isinstance(freq, list):
+        freq = tuple(freq)
+    set_(config, "moe_layer_freq", freq)
+    if isinstance(freq, tuple):
+        if len(freq) != config.num_layers or any(isinstance(x, bool) or x not in (0, 1) for x in freq):
+            raise ConfigError(f"moe_layer_freq={freq!r}: a list needs one 0 (dense) or 1 (MoE) per layer, "
+                              f"{config.num_layers} in all, e.g. [0]*3+[1]*{max(config.num_layers - 3, 1)}")
+    else:
+        _check_positive_int("moe_layer_freq", freq)
+    _check_choice("moe_router_score_function", config.moe_router_score_function, ROUTER_SCORES)
+    for name in ("moe_router_topk", "expert_model_parallel_size"):
+        _check_positive_int(name, getattr(config, name))
+    for name in ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        if getattr(config, name) is not None:
+            _check_positive_int(name, getattr(config, name))
+    for name, low in (("moe_expert_capacity_factor", 0.0), ("moe_aux_loss_coeff", -1.0)):
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= low):
+            raise ConfigError(f"{name}={value!r}: must be a number " + ("> 0" if low == 0.0 else ">= 0"))
+    if not config.is_moe:
+        for name, default in (("moe_ffn_hidden_size", None), ("moe_shared_expert_intermediate_size", None),
+                              ("moe_grouped_gemm", False), ("moe_expert_capacity_factor", None),
+                              ("moe_routing_assumption", None), ("expert_model_parallel_size", 1)):
+            if getattr(config, name) != default:
+                raise ConfigError(f"{name}={getattr(config, name)!r} needs experts: set num_moe_experts, or drop it")
+        return
+    if config.moe_router_topk > config.num_moe_experts:
+        raise ConfigError(f"moe_router_topk={config.moe_router_topk} exceeds num_moe_experts="
+                          f"{config.num_moe_experts}: route each token to at most every expert")
+    if config.num_moe_experts % config.expert_model_parallel_size:
+        raise ConfigError(f"num_moe_experts={config.num_moe_experts} is not divisible by expert_model_parallel_size="
+                          f"{config.expert_model_parallel_size}: pick an ep that divides the expert count")
+    if config.moe_routing_assumption is not None:
+        routing = RoutingAssumption.parse(config.moe_routing_assumption)
+        for layer_counts in routing.counts:
+            if len(layer_counts) != config.num_moe_experts:
+                raise ConfigError(f"moe_routing_assumption={config.moe_routing_assumption!r}: {len(layer_counts)} "
+                                  f"counts for {config.num_moe_experts} experts: give one count per expert")
+        object.__setattr__(config, "moe_routing_assumption", str(routing))
+
+
+ROUTING_KINDS = ("balanced", "capacity", "counts")
+_ROUTING_FORMS = "'balanced', 'capacity:1.25' or 'counts:6,2,4,4' (';' between MoE layers)"
+
+
+@dataclass(frozen=True)
+class RoutingAssumption:
+    """How the tokens of a micro-batch are routed to the experts, which sets how many routed tokens each expert
+    holds (the routed-token memory).
+
+    ``balanced``: the ``tokens x topk`` assignments spread evenly (the first experts take one more when it does
+    not divide); ``capacity``: every expert receives its capacity ``ceil(tokens x topk / experts x factor)``, the
+    worst case ``moe_expert_capacity_factor`` allows; ``counts``: tokens per expert, given for every MoE layer
+    (one tuple) or for each MoE layer in order.
+
+    Example::
+
+        >>> RoutingAssumption.parse("capacity:1.5").tokens_per_expert(16, 4, 2, layer=0)
+        [12, 12, 12, 12]
+    """
+
+    kind: str = "balanced"
+    capacity_factor: float | None = None
+    counts: tuple[tuple[int, ...], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> RoutingAssumption:
+        """``balanced``, ``capacity:<factor>`` or ``counts:<c0>,<c1>,...[;<next MoE layer>...]``."""
+        if not isinstance(text, str):
+            raise ConfigError(f"moe_routing_assumption={text!r}: write {_ROUTING_FORMS}")
+        kind, _, arg = text.strip().lower().partition(":")
+        try:
+            if kind == "capacity":
+                factor = float(arg)
+                if not factor > 0 or factor == float("inf"):
+                    raise ValueError
+                return cls("capacity", capacity_factor=factor)
+            if kind == "counts":
+                counts = tuple(tuple(int(c) for c in layer.split(",")) for layer in arg.split(";"))
+                if any(c < 0 for layer in counts for c in layer):
+                    raise ValueError
+                return cls("counts", counts=counts)
+        except ValueError:
+            raise ConfigError(f"moe_routing_assumption={text!r}: write {_ROUTING_FORMS}") from None
+        if arg or kind != "balanced":
+            raise ConfigError(f"moe_routing_assumption={text!r}: write {_ROUTING_FORMS}")
+        return cls()
+
+    def __str__(self) -> str:
+        if self.kind == "capacity":
+            return f"capacity:{self.capacity_factor:g}"
+        if self.kind == "counts":
+            return "counts:" + ";".join(",".join(map(str, layer)) for layer in self.counts)
+        return "balanced"
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether the MoE layers receive different counts (so they are not interchangeable)."""
+        return len(set(self.counts)) > 1
+
+    def tokens_per_expert(self, tokens: int, experts: int, topk: int, layer: int) -> list[int]:
+        """Tokens each of ``experts`` experts receives in MoE layer ``layer`` (0 = the first MoE layer) from
+        ``tokens`` tokens routed to ``topk`` experts each."""
+        if self.kind == "counts":
+            if layer >= len(self.counts) and len(self.counts) > 1:
+                raise ConfigError(f"moe_routing_assumption gives counts for {len(self.counts)} MoE layers; MoE layer "
+                                  f"{layer} has none: give one list per MoE layer, or one for all")
+            counts = list(self.counts[min(layer, len(self.counts) - 1)])
+        elif self.kind == "capacity":
+            counts = [math.ceil(tokens * topk / experts * float(self.capacity_factor or 1.0))] * experts
+        else:
+            base, extra = divmod(tokens * topk, experts)
+            counts = [base + (e < extra) for e in range(experts)]
+        if any(c > tokens for c in counts):
+            raise ConfigError(f"moe_routing_assumption={self}: an expert would receive {max(counts)} tokens, more "
+                              f"than the {tokens} of the micro-batch; lower the factor or the counts")
+        return counts
+
+
+def parse_layer_freq(text: str, num_layers: int) -> int | tuple[int, ...]:
+    """Megatron's ``--moe-layer-freq`` text: an integer, or a list written ``([0]*3+[1]*58)`` or ``[0,1,1]``
+    (read without evaluating anything)."""
+    body = text.strip()
+    if re.fullmatch(r"[0-9]+", body):
+        return int(body)
+    body = body.removeprefix("(").removesuffix(")").replace(" ", "")
+    out: list[int] = []
+    for term in body.split("+"):
+        match = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*([0-9]+))?", term)
+        if not match:
+            raise ConfigError(f"moe_layer_freq={text!r}: write an integer or a list such as ([0]*3+[1]*"
+                              f"{max(num_layers - 3, 1)})")
+        out += [int(x) for x in match.group(1).split(",")] * int(match.group(2) or 1)
+    return tuple(out)
+
+
+def check_mla_fields(config: ModelConfig) -> None:
+    """Refuse MLA fields that cannot be built, naming the field and the fix."""
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        _check_positive_int(name, getattr(config, name))
+    if config.q_lora_rank is not None:
+        _check_positive_int("q_lora_rank", config.q_lora_rank)
+    if config.multi_latent_attention and config.position != "rope":
+        raise ConfigError("multi_latent_attention=True needs position='rope': MLA rotates its decoupled "
+                          "qk_pos_emb_head_dim dimensions")
+    if config.multi_latent_attention and config.num_query_groups not in (None, config.num_attention_heads):
+        raise ConfigError(f"num_query_groups={config.num_query_groups}: MLA has one key/value head per query head; "
+                          "drop num_query_groups")
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -152,7 +152,7 @@ MODELLED_FLAGS: dict[str, Any] = {
 # Recompute flags go to Policy.from_megatron_args (value counts checked here; other --recompute-* there).
 RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
               "--recompute-modules": "+", "--recompute-activations": 0, "--distribute-saved-activations": 0,
-              "--checkpoint-activations": 0, "--moe-layer-recompute": 0}
+              "--checkpoint-activations": 0}  # --moe-layer-recompute: refused with --num-experts (REFUSED_FLAGS)
 
 
 def classify_megatron_flag(name: str) -> tuple[str, str]:

@@ -11,17 +11,21 @@ from dataclasses import dataclass
 
 GRANULARITIES = ("none", "full", "selective")
 METHODS = ("uniform", "block")
-SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm", "act", "non_matmul")  # act = the MLP activation function
+# act = the dense MLP's activation function; moe_act, moe, shared_experts (MoE layers) and mla_up_proj (MLA) are
+# Megatron's modules for the models that have those parts
+SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm", "act", "moe_act", "moe", "shared_experts", "mla_up_proj",
+                     "non_matmul")
+MOE_MODULES = ("moe_act", "moe", "shared_experts")
+# Modules whose output is discarded once consumed and rematerialised in backward (Megatron's
+# CheckpointWithoutOutput); the others are checkpointed whole
+OUTPUT_DISCARDING_MODULES = ("moe_act", "mla_up_proj")
 # non_matmul already recomputes these (they hold no matrix multiply)
-NON_MATMUL_INCLUDES = ("layernorm", "act")
+NON_MATMUL_INCLUDES = ("layernorm", "act", "moe_act")
 ENGINES = ("reentrant", "non-reentrant")
 DEFAULT_SELECTIVE_MODULES = ("core_attn",)
 
-# Megatron recompute modules for parts remat's reference (dense GPT) model does not have.
-_MEGATRON_ONLY_MODULES = {
-    "moe_act": "MoE", "moe": "MoE", "shared_experts": "MoE", "mla_up_proj": "MLA",
-    "mhc": "hyper-connection", "gdn": "GatedDeltaNet", "gdn_norm_out": "GatedDeltaNet",
-}
+# Megatron recompute modules for parts remat's reference model does not have.
+_MEGATRON_ONLY_MODULES = {"mhc": "hyper-connection", "gdn": "GatedDeltaNet", "gdn_norm_out": "GatedDeltaNet"}
 _FLAG_PREFIXES = ("--recompute", "--distribute-saved-activations")
 _EXAMPLES = {"--recompute-granularity": "full", "--recompute-method": "uniform",
              "--recompute-num-layers": "1"}
@@ -32,7 +36,8 @@ expected one of:
   full/uniform/K        checkpoint groups of K >= 1 consecutive layers, e.g. full/uniform/1
   full/block/K          checkpoint the first K >= 0 layers one by one, e.g. full/block/4
   selective             the same as selective/core_attn
-  selective/M1+M2+...   M from core_attn, mlp, layernorm, act, non_matmul, e.g. selective/core_attn+mlp;
+  selective/M1+M2+...   M from core_attn, mlp, layernorm, act, moe_act, moe, shared_experts, mla_up_proj,
+                        non_matmul, e.g. selective/core_attn+mlp;
                         with non_matmul also matmul_k<N>, e.g. selective/non_matmul+matmul_k128
 optionally followed by ',distribute' (full only), then '@reentrant' or '@non-reentrant',
 e.g. full/block/4,distribute@non-reentrant"""
@@ -82,8 +87,8 @@ def _module_name(name: object) -> str:
     valid = f"valid modules are {', '.join(SELECTIVE_MODULES)} and, with non_matmul, {CONTRACTION_PREFIX}<N>"
     if key in _MEGATRON_ONLY_MODULES:
         kind = _MEGATRON_ONLY_MODULES[key]
-        raise PolicyError(f"recompute module {key!r} is for Megatron's {kind} layers, but remat's "
-                          f"reference model is a dense GPT with no MoE/MLA: {valid}")
+        raise PolicyError(f"recompute module {key!r} is for Megatron's {kind} layers, which remat's "
+                          f"reference model does not have: {valid}")
     hint = " (separate modules with spaces in Megatron flags, '+' in remat)" if "," in key else ""
     raise PolicyError(f"unknown recompute module {name!r}{hint}: {valid}")
 
@@ -133,6 +138,12 @@ class Policy:
       rematerialises them in backward (Megatron's output-discarding ``CheckpointWithoutOutput``); ``act``
       discards the MLP activation function's output the same way. ``act`` is remat's own: Megatron only offers
       it for MoE experts (``moe_act``), so a policy using it has no Megatron flags.
+    * MoE and MLA models (Megatron's modules): ``moe`` checkpoints each whole MoE layer (router, dispatch,
+      experts, combine, shared expert); ``shared_experts`` checkpoints the shared expert; ``moe_act`` discards
+      the grouped experts' activation output (scaled by the routing probabilities) once fc2 has used it and
+      rematerialises it in backward (``CheckpointWithoutOutput``; Megatron takes it only with grouped-GEMM
+      experts); ``mla_up_proj`` discards MLA's up-projected, rotated queries, keys and values once the attention
+      core has used them. As in Megatron, ``mlp`` checkpoints dense MLPs only, not MoE layers.
     * ``non_matmul`` is remat's own too, and works at the level of operators rather than modules: the whole
       layer is one checkpoint (torch's non-reentrant engine with ``create_selective_checkpoint_contexts``,
       whatever ``engine`` says) that keeps the outputs of its matrix multiplies (``mm``, ``addmm``, ``bmm``,
@@ -356,8 +367,9 @@ distribute_saved_activations=False)
         ``--recompute-modules`` (several values, or one with ``=``), ``--recompute-activations`` (selective with
         Megatron's default module, core_attn) and ``--distribute-saved-activations``, as ``--flag value`` or
         ``--flag=value``. Flags not starting with ``--recompute`` or ``--distribute-saved-activations`` are
-        ignored, so a whole pasted command line works; an unknown ``--recompute-*`` flag, the removed
-        ``--checkpoint-activations`` and the MoE-only ``--moe-layer-recompute`` are errors.
+        ignored, so a whole pasted command line works; an unknown ``--recompute-*`` flag and the removed
+        ``--checkpoint-activations`` are errors. The deprecated ``--moe-layer-recompute`` means selective with
+        ``moe`` added to the modules (refused with full granularity, as Megatron does).
 
         Args:
             argv: the command line as one string (split like a shell: quotes group words) or a list of tokens.
@@ -380,7 +392,7 @@ distribute_saved_activations=False)
         """
         tokens = _megatron_tokens(argv)
         opts: dict = {}
-        activations = False
+        activations = moe_layer = False
         i = 0
         while i < len(tokens):
             tok = tokens[i]
@@ -389,9 +401,12 @@ distribute_saved_activations=False)
                 raise PolicyError("--checkpoint-activations was removed from Megatron: use "
                                   "--recompute-granularity full --recompute-method uniform "
                                   "--recompute-num-layers 1, or --recompute-activations")
-            if tok == "--moe-layer-recompute":
-                raise PolicyError("--moe-layer-recompute recomputes MoE layers, but remat's "
-                                  "reference model has no MoE/MLA: drop it")
+            if tok.partition("=")[0] == "--moe-layer-recompute":
+                if "=" in tok:
+                    raise PolicyError(f"--moe-layer-recompute takes no value, got {tok!r}: write just "
+                                      "--moe-layer-recompute")
+                moe_layer = True
+                continue
             if not tok.startswith(_FLAG_PREFIXES):
                 continue
             name, eq, inline = tok.partition("=")
@@ -440,8 +455,18 @@ distribute_saved_activations=False)
                 raise PolicyError(f"--recompute-num-layers needs an integer (digits 0-9), got {raw!r}: e.g. "
                                   "--recompute-num-layers 1")
             opts["num_layers"] = count
+        if moe_layer:  # Megatron: deprecated, the same as selective with moe added to the modules
+            if granularity == "full":
+                raise PolicyError("--moe-layer-recompute cannot be combined with --recompute-granularity full (as "
+                                  "in Megatron): drop one of them; it means --recompute-granularity selective "
+                                  "--recompute-modules moe")
+            if granularity is None and "modules" not in opts:
+                opts["modules"] = []
+            granularity = "selective"
         if granularity == "selective" and "modules" not in opts:
             opts["modules"] = DEFAULT_SELECTIVE_MODULES
+        if moe_layer and "moe" not in opts["modules"]:
+            opts["modules"] = [*opts["modules"], "moe"]
         return cls(granularity=granularity or "none", **opts)
 
     def to_megatron_args(self) -> list[str]:

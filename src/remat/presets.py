@@ -1,4 +1,5 @@
-"""Named model configurations (:data:`PRESETS`: GPT-3 175B, Llama 3 8B/70B, the small test model; described in
+"""Named model configurations (:data:`PRESETS`: GPT-3 175B, Llama 3 8B/70B, Mixtral 8x7B, Qwen3-30B-A3B,
+DeepSeek-V3, the small test model; described in
 the NOTE beside them) and reading a :class:`~remat.config.ModelConfig` from a YAML or JSON file
 (:func:`load_config`)."""
 
@@ -39,6 +40,26 @@ _LLAMA3 = dict(
     normalization="rmsnorm", position="rope", attention="sdpa", hidden_dropout=0.0, attention_dropout=0.0,
     dtype="bf16", tie_embeddings=False, add_bias_linear=False)
 
+# * mixtral-8x7b: Mistral AI's Mixtral-8x7B-v0.1 config.json (huggingface.co/mistralai/Mixtral-8x7B-v0.1): 32
+#   layers, h=4096, 32 heads with 8 key/value groups, 8 experts with ffn 14336 (SwiGLU), top-2 softmax routing,
+#   MoE in every layer, no shared expert, RMSNorm, rope, vocabulary 32000, untied embeddings, no biases; the
+#   experts as separate MLPs (as Megatron's Mixtral conversion loads them), s=4096, bf16, micro-batch 1.
+# * qwen3-30b-a3b: Qwen/Qwen3-30B-A3B config.json: 48 layers, h=2048, 32 heads of head_dim 128 (kv_channels)
+#   with 4 key/value groups, 128 experts with moe_intermediate_size 768, top-8 (norm_topk_prob), MoE in every
+#   layer, vocabulary 151936, untied; grouped experts, s=4096, bf16, micro-batch 1. Its per-head q/k RMSNorm is
+#   not modelled (a few percent of the attention activations).
+# * deepseek-v3: deepseek-ai/DeepSeek-V3 config.json and Megatron-LM's DeepSeek-V3 recipe: 61 layers, h=7168,
+#   128 heads; MLA with q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64,
+#   v_head_dim 128; the first 3 layers dense (first_k_dense_replace=3, ffn 18432), then 58 MoE layers of 256
+#   routed experts (moe_intermediate_size 2048), top-8 sigmoid routing, 1 shared expert (2048), grouped experts
+#   (--moe-grouped-gemm); vocabulary 129280, untied, RMSNorm, no biases, s=4096, bf16, micro-batch 1. Not
+#   modelled: the multi-token-prediction layer, the group-limited routing (it changes which experts, not how
+#   many tokens) and the yarn rope scaling.
+_MOE_COMMON = dict(
+    micro_batch_size=1, activation="swiglu", normalization="rmsnorm", position="rope", attention="sdpa",
+    hidden_dropout=0.0, attention_dropout=0.0, dtype="bf16", tie_embeddings=False, add_bias_linear=False,
+    seq_length=4096)
+
 #: name -> ModelConfig; read-only.
 PRESETS: MappingProxyType[str, ModelConfig] = MappingProxyType({
     "gpt-small": ModelConfig(),
@@ -47,11 +68,25 @@ PRESETS: MappingProxyType[str, ModelConfig] = MappingProxyType({
                              **_LLAMA3),
     "llama3-70b": ModelConfig(num_layers=80, hidden_size=8192, num_attention_heads=64, ffn_hidden_size=28672,
                               **_LLAMA3),
+    "mixtral-8x7b": ModelConfig(
+        num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
+        vocab_size=32000, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336, **_MOE_COMMON),
+    "qwen3-30b-a3b": ModelConfig(
+        num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
+        ffn_hidden_size=6144, vocab_size=151936, num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
+        moe_grouped_gemm=True, **_MOE_COMMON),
+    "deepseek-v3": ModelConfig(
+        num_layers=61, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432, vocab_size=129280,
+        num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+        moe_grouped_gemm=True, moe_layer_freq=(0,) * 3 + (1,) * 58, moe_router_score_function="sigmoid",
+        multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
+        v_head_dim=128, **_MOE_COMMON),
 })
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
 _BOOL_FIELDS = tuple(name for name, f in _FIELDS.items() if f.type in ("bool", bool))
 _STR_FIELDS = tuple(name for name, f in _FIELDS.items() if f.type in ("str", str))
+_FLOAT_FIELDS = tuple(name for name, f in _FIELDS.items() if "float" in str(f.type))
 
 
 def preset_names() -> list[str]:
@@ -101,7 +136,7 @@ def config_from_mapping(data: Any, source: str = "config") -> ModelConfig:
             raise ConfigError(f"{source}: {name}={value!r}: must be true or false")
         if name in _STR_FIELDS and not isinstance(value, str):
             raise ConfigError(f"{source}: {name}={value!r}: must be a string")
-        if isinstance(value, float) and value.is_integer() and name not in ("hidden_dropout", "attention_dropout"):
+        if isinstance(value, float) and value.is_integer() and name not in _FLOAT_FIELDS:
             raise ConfigError(f"{source}: {name}={value!r}: must be an integer (write {int(value)})")
     try:
         return base.replace(**fields)

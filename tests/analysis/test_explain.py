@@ -1,35 +1,22 @@
-"""Tests for remat.analysis.explain, remat.analysis.report and the ``remat explain`` command line (tiny models, a few
-seconds)."""
+"""Tests for remat.analysis.explain and remat.analysis.report (tiny models, a few seconds); the ``remat explain``
+command line is tests/cli/test_explain_cli.py's."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
 
-from remat import ModelConfig, Policy, PolicyError, Timeline, __version__
+from remat import ModelConfig, Policy, PolicyError
 from remat.analysis.explain import default_policies, explain, resolve_policies
 from remat.analysis.report import format_table, write_json
-from remat.cli import main
-from remat.cli.common import file_name, parse_policy_list
 
 MIB = 1 << 20
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-TINY = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--vocab", "128"]
-POLICIES = ["none", "full/uniform/1", "full/uniform/2", "full/uniform/4"]
 
 
 def tiny(**changes) -> ModelConfig:
     return ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, micro_batch_size=4,
                        **changes)
-
-
-@pytest.fixture(scope="module")
-def cli_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("explain") / "out"
-    code = main(["explain", *TINY, "--policies", ",".join(POLICIES), "--repeats", "1", "--out", str(out)])
-    return code, out
 
 
 @pytest.fixture(scope="module")
@@ -41,93 +28,6 @@ def big_vocab():
 @pytest.fixture(scope="module")
 def small_vocab():
     return explain(tiny(vocab_size=64), ["none", "full/uniform/4"], repeats=0)
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-def test_cli_writes_png_json_and_timelines(cli_run):
-    code, out = cli_run
-    assert code == 0
-    assert (out / "timelines.png").read_bytes()[:8] == PNG_MAGIC
-    report = json.loads((out / "explain.json").read_text())
-    assert [r["policy"] for r in report["rows"]] == POLICIES
-    assert report["sentences"] and all(isinstance(s, str) for s in report["sentences"])
-    assert report["files"]["plot"] == "timelines.png"
-    for policy in POLICIES:
-        name = report["files"]["timelines"][policy]
-        assert name == f"timeline-{file_name(policy)}.json"
-        timeline = Timeline.load(out / name)
-        row = next(r for r in report["rows"] if r["policy"] == policy)
-        assert timeline.peak_bytes == row["peak_bytes"]
-        assert timeline.meta["policy"] == policy
-    # Written atomically: no temporary files left behind.
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]
-
-
-def test_cli_table_output(cli_run, capsys, tmp_path):
-    code = main(["explain", *TINY, "--policies", "none,full/uniform/4", "--repeats", "0", "--no-plot",
-                 "--out", str(tmp_path)])
-    assert code == 0
-    text = capsys.readouterr().out
-    assert "peak MiB" in text and "full/uniform/4" in text and "pipeline" in text
-    assert not (tmp_path / "timelines.png").exists()
-
-
-def test_cli_json_output(capsys, tmp_path):
-    code = main(["explain", *TINY, "--policies", "full/uniform/2", "--repeats", "1", "--json", "--no-plot",
-                 "--engine", "non-reentrant", "--out", str(tmp_path)])
-    assert code == 0
-    report = json.loads(capsys.readouterr().out)
-    # none is always measured as the baseline; --engine applies to policies without '@engine'.
-    assert [r["policy"] for r in report["rows"]] == ["none", "full/uniform/2@non-reentrant"]
-    assert report["config"]["num_layers"] == 4
-    assert report["rows"][0]["step_ratio"] == pytest.approx(1.0)
-    assert report["formula"][0]["policy"] == "full/uniform/2@non-reentrant"
-    assert json.loads((tmp_path / "explain.json").read_text())["rows"] == report["rows"]
-
-
-@pytest.mark.parametrize("flags, words", [
-    (["--policies", "full/uniform/99"], ["num_layers=99", "4 layers"]),
-    (["--heads", "3"], ["hidden_size=64", "num_attention_heads=3"]),
-    (["--policies", "full/sideways/2"], ["full/sideways/2"]),
-    (["--policies", "selective/moe"], ["moe"]),
-    (["--repeats", "-1"], ["--repeats"]),
-    (["--dropout", "1.5"], ["dropout"]),
-    (["--layers", "four"], ["--layers", "four"]),
-    (["--attention", "flash"], ["--attention", "flash"]),
-    (["--vocab", "0"], ["--vocab", "0"]),
-    pytest.param(["--device", "cuda"], ["cuda"],
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
-])
-def test_cli_bad_values_one_line(flags, words, capsys, tmp_path):
-    code = main(["explain", *TINY, *flags, "--out", str(tmp_path)])
-    assert code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("remat: error: ") and "\n" not in err, err
-    for word in words:
-        assert word in err, err
-    assert not (tmp_path / "explain.json").exists()
-
-
-def test_cli_debug_raises(tmp_path):
-    with pytest.raises(PolicyError):
-        main(["--debug", "explain", *TINY, "--policies", "full/uniform/99", "--out", str(tmp_path)])
-    with pytest.raises(PolicyError):
-        main(["explain", "--debug", *TINY, "--policies", "full/uniform/99", "--out", str(tmp_path)])
-
-
-def test_cli_version_and_missing_command(capsys):
-    assert main(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == f"remat {__version__}"
-    assert main([]) == 2
-    assert capsys.readouterr().err.startswith("remat: error: ")
-
-
-def test_parse_policy_list_keeps_options():
-    assert parse_policy_list("none, full/uniform/2,distribute,selective") == [
-        "none", "full/uniform/2,distribute", "selective"]
-    assert parse_policy_list(None) is None
-    with pytest.raises(PolicyError):
-        parse_policy_list(" , ")
 
 
 # ------------------------------------------------------------------------------------------------ explain

@@ -1,5 +1,6 @@
 """``remat explain``'s answer and files: the short answer first, both vocabulary regimes, the phase-axis plot, the
-run folder swapped in whole, paths and memory checked before anything runs (tiny models, a few seconds each)."""
+run folder swapped in whole, output paths and the memory check (tiny models, a few seconds each); the command line
+itself is tests/cli/test_explain_cli.py's."""
 
 from __future__ import annotations
 
@@ -8,21 +9,15 @@ import json
 import numpy as np
 import pytest
 
-import remat.analysis.capacity as capacity
-import remat.cli.explain as cli_explain
-from remat.analysis.capacity import MemoryCheckError, check_fits
 from remat.analysis.explain import explain
 from remat.analysis.outputs import RunFolder, foreign_entries, path_problem
 from remat.analysis.report import format_explanation
 from remat.analysis.timeline_plot import phase_axis, phase_segments, plot_timelines
-from remat.cli import build_parser, main
 from remat.config import ModelConfig
-from remat.policy import Policy
+from remat.memory.comparison import MemoryCheckError, check_fits
 from remat.units import format_bytes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-TINY = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--vocab", "128"]
-QUICK = [*TINY, "--policies", "none,full/uniform/4", "--repeats", "0", "--no-plot", "--contrast-vocab", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -74,31 +69,6 @@ def test_json_keeps_its_fields_and_adds_the_answer(both_regimes):
     assert report["contrast"]["regime"]["saving_bytes"] == both_regimes.contrast.regime.saving_bytes
 
 
-def test_default_cli_shows_both_regimes(tmp_path, capsys):
-    assert build_parser().parse_args(["explain"]).contrast_vocab == 32000
-    assert ModelConfig().vocab_size == 512  # --vocab keeps its meaning: the main run's vocabulary
-    out = tmp_path / "out"
-    assert main(["explain", *TINY, "--policies", "none,full/uniform/4", "--repeats", "0", "--out", str(out)]) == 0
-    text = capsys.readouterr().out
-    assert text.startswith("In short") and "vocab 128:" in text and "vocab 32000:" in text
-    report = json.loads((out / "explain.json").read_text())
-    assert report["config"]["vocab_size"] == 128 and report["contrast"]["config"]["vocab_size"] == 32000
-    assert sorted(report["files"]["contrast_timelines"].values()) == [
-        "timeline-vocab32000-full-uniform-1.json", "timeline-vocab32000-full-uniform-4.json",
-        "timeline-vocab32000-none.json"]
-    assert (out / "timeline-vocab32000-none.json").exists()
-
-
-def test_contrast_vocab_flag(tmp_path, capsys):
-    assert main(["explain", *QUICK, "--out", str(tmp_path / "a")]) == 0
-    assert json.loads((tmp_path / "a" / "explain.json").read_text())["contrast"] is None
-    capsys.readouterr()
-    assert main(["explain", *QUICK[:-1], "-3", "--out", str(tmp_path / "b")]) == 2
-    assert capsys.readouterr().err.startswith("remat: error: --contrast-vocab -3: must be")
-    with pytest.raises(ValueError, match="contrast_vocab=0"):
-        explain(ModelConfig(num_layers=1), ["none"], repeats=0, contrast_vocab=0)
-
-
 # ------------------------------------------------------------------------------------------------ the plot
 def test_phase_axis_gives_each_phase_a_unit(both_regimes):
     tl = both_regimes.timelines["full/uniform/4"]
@@ -137,70 +107,6 @@ def test_plot_has_one_panel_per_policy_and_one_peak_marker(both_regimes, tmp_pat
 
 
 # ------------------------------------------------------------------------------------------------ the run folder
-def _run(out, *extra):
-    return main(["explain", *QUICK, "--out", str(out), *extra])
-
-
-def test_a_rerun_replaces_the_folder_whole(tmp_path):
-    out = tmp_path / "out"
-    assert main(["explain", *QUICK[:-7], "--policies", "none,full/uniform/1,full/uniform/4", "--repeats", "0",
-                 "--no-plot", "--contrast-vocab", "0", "--out", str(out)]) == 0
-    assert (out / "timeline-full-uniform-1.json").exists()
-    assert _run(out) == 0
-    # the previous run's full/uniform/1 timeline is gone: the folder holds this run's files only
-    assert sorted(p.name for p in out.iterdir()) == ["explain.json", "timeline-full-uniform-4.json",
-                                                     "timeline-none.json"]
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left beside it
-
-
-def test_an_interrupted_write_leaves_the_previous_run(tmp_path, monkeypatch, capsys):
-    out = tmp_path / "out"
-    assert _run(out, "--html", str(tmp_path / "r.html")) == 0
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    html_before = (tmp_path / "r.html").read_bytes()
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(cli_explain, "write_json", interrupted)  # explain.json is the last file of a run
-    rerun = ["explain", *QUICK, "--policies", "none,full/uniform/2", "--out", str(out),
-             "--html", str(tmp_path / "r.html")]
-    assert main(rerun) == 130
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert (tmp_path / "r.html").read_bytes() == html_before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "r.html"]
-
-
-def test_a_failed_html_write_leaves_nothing(tmp_path, monkeypatch, capsys):
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(cli_explain, "write_html", full_disk)
-    assert _run(tmp_path / "out", "--html", str(tmp_path / "r.html")) == 2
-    assert list(tmp_path.iterdir()) == []  # no timeline without explain.json, no half page
-
-
-def test_out_with_other_files_is_refused_untouched(tmp_path, capsys):
-    (tmp_path / "notes.txt").write_text("mine")
-    assert _run(tmp_path) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"remat: error: --out {tmp_path}: holds files remat explain did not write (notes.txt)")
-    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
-
-
-@pytest.mark.parametrize("flag", ["--out", "--html", "--snapshot"])
-def test_a_path_in_the_way_names_the_flag(flag, tmp_path, capsys):
-    folder = tmp_path / "folder"
-    folder.mkdir()
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    target = blocker if flag == "--out" else folder
-    args = ["explain", *QUICK, "--out", str(tmp_path / "out"), flag, str(target)]
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    expected = "is a file, not a folder" if flag == "--out" else "is a folder: give a file name"
-    assert err == f"remat: error: {flag} {target}: {expected}"
-    assert not (tmp_path / "out").exists()
 
 
 def test_path_problem_and_foreign_entries(tmp_path):
@@ -235,27 +141,6 @@ def test_run_folder_commit_and_discard(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ memory
-def test_a_model_too_large_is_refused_naming_the_flag(tmp_path, capsys):
-    code = main(["explain", *TINY[:2], "--hidden", "100000", *TINY[4:], "--out", str(tmp_path / "out")])
-    assert code == 2
-    err = capsys.readouterr().err.strip()
-    # the flag that made it large is named (the others are below their defaults)
-    assert err.startswith("remat: error: --hidden 100000: measuring this 4-layer model (h=100000) needs about "), err
-    assert "\n" not in err and "is available on cpu" in err
-    assert not (tmp_path / "out").exists()
-
-
-def test_a_contrast_too_large_names_contrast_vocab(tmp_path, capsys, monkeypatch):
-    config = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
-                         vocab_size=128)
-    main_need = capacity.predicted_need(config, [Policy()])
-    # room for the main run, not for the contrast at vocab 1,000,000 (its logits alone are 256 MB)
-    monkeypatch.setattr(capacity, "available_memory", lambda device="cpu": int(main_need * 20))
-    assert main(["explain", *QUICK[:-1], "1000000", "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("remat: error: --contrast-vocab 1000000: measuring the contrast run at vocab 1000000 "
-                          "needs about "), err
-    assert err.endswith("or --contrast-vocab 0 (no contrast run)")
 
 
 def test_check_fits():

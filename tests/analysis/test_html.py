@@ -19,15 +19,12 @@ from torch.cuda import _memory_viz as memory_viz
 from remat.analysis.explain import explain
 from remat.analysis.html import render_html, write_html
 from remat.analysis.snapshot import snapshot_live_bytes, to_memory_snapshot, write_memory_snapshot
-from remat.cli import main
 from remat.config import ModelConfig
 from remat.units import format_bytes
 
 TINY = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                    vocab_size=256)
 POLICIES = ["none", "full/uniform/1", "full/uniform/4", "selective/core_attn"]
-CLI_MODEL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "1", "--vocab", "64",
-             "--repeats", "0", "--no-plot"]
 
 
 @functools.cache
@@ -154,100 +151,3 @@ def test_torch_memory_viz_reads_the_snapshot(tmp_path):
     assert any(n.startswith("recompute layer") for n in names) and any(n.startswith("forward layer") for n in names)
     assert "policy full/uniform/1" in names
     assert max(snapshot_live_bytes(snap)) == tl.live_bytes()[peak_event] == tl.peak_bytes
-
-
-# ------------------------------------------------------------------------ the CLI flags
-def test_cli_html_and_snapshot(tmp_path, capsys):
-    html, snap = tmp_path / "r.html", tmp_path / "snap.pickle"
-    code = main(["explain", *CLI_MODEL, "--policies", "none,full/uniform/2", "--out", str(tmp_path / "out"),
-                 "--html", str(html), "--snapshot", str(snap)])
-    assert code == 0
-    assert html.exists() and '<tr class="policy-row' in html.read_text(encoding="utf-8")
-    assert (tmp_path / "snap-none.pickle").exists() and (tmp_path / "snap-full-uniform-2.pickle").exists()
-    assert "r.html" in capsys.readouterr().err
-    code = main(["explain", *CLI_MODEL, "--policies", "none", "--out", str(tmp_path / "out"), "--snapshot",
-                 str(snap), "--json"])
-    assert code == 0 and snap.exists()
-
-
-# ------------------------------------------------------------------------ everyday use of every subcommand
-def _subcommands():
-    from remat.cli import build_parser
-
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    return {name: ({o for a in p._actions for o in a.option_strings},
-                   {a.option_strings[0] if a.option_strings else a.dest for a in p._actions if a.required})
-            for name, p in sub.choices.items()}
-
-
-SUBCOMMANDS = _subcommands()
-TINY_FLAGS = {"--layers": "2", "--hidden": "32", "--heads": "2", "--seq": "16", "--batch": "1", "--vocab": "64",
-              "--repeats": "0"}
-REQUIRED_VALUES = {"--budget": "1GiB"}  # values for the subcommands' required options
-
-
-def _tiny_args(name: str, tmp_path) -> list[str]:
-    options, required = SUBCOMMANDS[name]
-    if "--layers" not in options:
-        pytest.skip(f"remat {name} does not take the model flags")
-    unknown = required - set(REQUIRED_VALUES)
-    if unknown:
-        pytest.skip(f"remat {name} requires {', '.join(sorted(unknown))}: add a value to REQUIRED_VALUES")
-    args = [x for flag, value in {**TINY_FLAGS, **REQUIRED_VALUES}.items() if flag in options for x in (flag, value)]
-    if "--no-plot" in options:
-        args.append("--no-plot")
-    if "--out" in options:
-        args += ["--out", str(tmp_path / f"{name}-out")]
-    return args
-
-
-def test_version(capsys):
-    from remat import __version__
-
-    assert main(["--version"]) == 0
-    assert capsys.readouterr().out.strip() == f"remat {__version__}"
-
-
-@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
-def test_every_subcommand_prints_json(name, tmp_path, capsys):
-    import json
-
-    assert "--json" in SUBCOMMANDS[name][0], f"remat {name} has no --json"
-    assert main([name, *_tiny_args(name, tmp_path), "--json"]) == 0
-    json.loads(capsys.readouterr().out)  # stdout is the JSON document and nothing else
-
-
-@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
-def test_every_subcommand_errors_in_one_line(name, tmp_path, capsys):
-    from remat.config import ConfigError
-
-    args = _tiny_args(name, tmp_path)
-    args[args.index("--layers") + 1] = "0"  # refused by the flag's type: a usage error naming the flag
-    assert main([name, *args]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("remat: error: ") and err.count("\n") == 1 and "--layers" in err, err
-    args[args.index("--layers") + 1] = "2"
-    args[args.index("--heads") + 1] = "3"  # a valid number, a model that cannot be: ConfigError names the fields
-    assert main([name, *args]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("remat: error: ") and err.count("\n") == 1 and "num_attention_heads=3" in err, err
-    with pytest.raises(ConfigError):
-        main(["--debug", name, *args])
-
-
-def test_an_unwritable_output_is_a_one_line_error(tmp_path, capsys):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    for flag in ("--out", "--html", "--snapshot"):
-        args = ["explain", *CLI_MODEL, "--policies", "none", "--out", str(tmp_path / "out"), flag,
-                str(blocker / "sub" / "x")]
-        if flag == "--out":
-            args = args[:-4] + args[-2:]
-        assert main(args) == 2, flag
-        err = capsys.readouterr().err
-        assert err.startswith("remat: error: ") and err.count("\n") == 1, err
-        # the flag is named, no temporary file is, and nothing of the run was written
-        assert err.startswith(f"remat: error: {flag} {blocker / 'sub' / 'x'}: {blocker} is a file"), err
-        assert ".tmp" not in err
-        assert not (tmp_path / "out").exists()

@@ -10,7 +10,7 @@ from remat.policy import DEFAULT_SELECTIVE_MODULES, ENGINES, SELECTIVE_MODULES, 
 
 MODULE_SUBSETS = [
     c for r in range(1, len(SELECTIVE_MODULES) + 1) for c in itertools.combinations(SELECTIVE_MODULES, r)
-    if not ("non_matmul" in c and {"layernorm", "act"} & set(c))  # refused: non_matmul recomputes them already
+    if not ("non_matmul" in c and {"layernorm", "act", "moe_act"} & set(c))  # refused: non_matmul recomputes them
 ]
 
 
@@ -67,10 +67,8 @@ REFUSED = [
      "drop --recompute-method/--recompute-num-layers"),
     (dict(granularity="full", method="uniform", num_layers=1, modules=("mlp",)), "drop --recompute-modules"),
     (dict(granularity="none", modules=("mlp",)), "drop --recompute-modules"),
-    (dict(granularity="selective", modules=("core_attn", "moe_act")), "no MoE/MLA"),
-    (dict(granularity="selective", modules=("moe",)), "no MoE/MLA"),
-    (dict(granularity="selective", modules=("shared_experts",)), "no MoE/MLA"),
-    (dict(granularity="selective", modules=("mla_up_proj",)), "no MoE/MLA"),
+    (dict(granularity="selective", modules=("core_attn", "gdn")), "GatedDeltaNet layers, which remat's"),
+    (dict(granularity="selective", modules=("mhc",)), "hyper-connection layers, which remat's"),
     (dict(granularity="selective", modules=("attention",)),
      "valid modules are core_attn, mlp, layernorm, act"),
     (dict(granularity="selective", modules=()), "add --recompute-modules core_attn"),
@@ -165,7 +163,7 @@ def test_parse_rejects_bad_text_with_grammar(text, phrase):
 @pytest.mark.parametrize("text,phrase", [
     ("full/uniform/0", ">= 1"),
     ("full/block/-2", ">= 0"),
-    ("selective/moe_act", "no MoE/MLA"),
+    ("selective/gdn", "GatedDeltaNet layers"),
     ("selective/ffn", "valid modules are"),
     ("selective,distribute", "only applies to full"),
     ("full/uniform/1@sac", "non-reentrant"),
@@ -269,7 +267,7 @@ def test_from_megatron_args_long_token_list():
      "drop --recompute-method/--recompute-num-layers"),
     (["--recompute-activations", "--recompute-num-layers", "1"],
      "drop --recompute-method/--recompute-num-layers"),
-    (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "moe_act"], "no MoE/MLA"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "gdn"], "GatedDeltaNet layers"),
     (["--recompute-granularity", "selective", "--recompute-modules=core_attn,mlp"], "separate modules"),
     (["--recompute-granularity", "selective", "--recompute-modules", "--bf16"], "at least one module"),
     (["--recompute-granularity", "partial"], "valid values are full, selective"),

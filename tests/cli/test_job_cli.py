@@ -10,9 +10,10 @@ import pytest
 from remat.cli import main
 from remat.config import ModelConfig
 from remat.job import Job
-from remat.parallel.job_predict import PARTS, predict_job, stage_state
+from remat.parallel.job_predict import PARTS, predict_job, predict_stage, stage_state
 from remat.policy import Policy
 from remat.presets import get_preset
+from remat.recompute.plan_format import Plan
 from remat.units import GIB
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "1", "--vocab", "64"]
@@ -61,7 +62,7 @@ def test_70b_at_tp8_no_longer_fits_40gib_and_counts_every_state_part(capsys):
     assert "assumed" in out and "--reserve sets aside nothing" in out and "not counted" in out
 
 
-def test_plan_of_tp_with_pp_picks_per_stage_settings_with_every_part(capsys):
+def test_plan_of_tp_with_pp_picks_per_stage_plans_with_every_part(capsys):
     job = Job.build(SMALL_CONFIG, precision="bf16", tp=2, sp=True, pp=2, num_microbatches=4, dp=2,
                     distributed_optimizer=True)
     keep = predict_job(job)
@@ -72,7 +73,7 @@ def test_plan_of_tp_with_pp_picks_per_stage_settings_with_every_part(capsys):
                             "--microbatches", "4", "--dp", "2", "--distributed-optimizer", "--precision", "bf16"])
     assert report["fits"] is True and report["format"] == "remat.plan-job"
     uniform = Policy.parse(report["uniform"]["policy"])
-    assert uniform.granularity == "full" and report["uniform"]["megatron_args"] == uniform.to_megatron_args()
+    assert report["uniform"]["megatron_args"] == uniform.to_megatron_args()
     expected = predict_job(job.replace(policy=uniform))
     assert report["uniform"]["rows"] == [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes, **r.parts}
                                          for r in expected.ranks]
@@ -80,9 +81,29 @@ def test_plan_of_tp_with_pp_picks_per_stage_settings_with_every_part(capsys):
         assert row["peak_bytes"] <= budget and sum(row[p] for p in PARTS) == row["peak_bytes"]
         assert row["state"] == stage_state(job, row["stage"]).parts()
         assert row["master_parameters"] == row["state"]["master_parameters"] > 0
-    # stage 1 holds fewer microbatches in flight: it never needs more recompute than stage 0
-    policies = {row["stage"]: Policy.parse(row["policy"]) for row in report["stages"]}
-    assert (policies[1].num_layers or 0) <= (policies[0].num_layers or 0)
+        ext, meg = row["extended"], row["megatron"]
+        assert ext["peak_bytes"] == row["peak_bytes"] and ext["cost"] <= meg["cost"]
+        assert meg["megatron_policy"] == row["policy"] and meg["peak_bytes"] <= budget
+        exact = predict_stage(job, row["stage"], layout=Plan.from_dict(ext["plan_json"]))
+        assert exact.peak_bytes == row["peak_bytes"] and exact.parts == {p: row[p] for p in PARTS}
+
+
+def test_plan_search_flags_shape_a_job_plan(capsys):
+    job = Job.build(SMALL_CONFIG, precision="bf16", pp=2, num_microbatches=4)
+    budget = (predict_job(job).worst.peak_bytes + predict_job(job.replace(policy=Policy.parse(
+        "full/uniform/1"))).worst.peak_bytes) // 2
+    report = _json(capsys, ["plan", "--budget", str(budget), *SMALL, "--pp", "2", "--microbatches", "4",
+                            "--precision", "bf16", "--objective", "time", "--no-offload",
+                            "--selective-modules", "core_attn,mlp"])
+    assert report["fits"] is True and report["objective"] == "time"
+    for row in report["stages"]:
+        for seg in row["extended"]["plan_json"]["segments"]:
+            assert seg["mode"] != "offload" and set(seg.get("modules") or ()) <= {"core_attn", "mlp"}
+    assert main(["plan", "--budget", str(budget), *SMALL, "--pp", "2", "--microbatches", "4", "--precision",
+                 "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "with a plan per stage" in out and "stage 1 (layers 2-3, 1 in flight)" in out
+    assert "one Megatron setting for every stage" in out and "not counted" in out
 
 
 def test_fp32_plan_without_job_flags_is_the_single_process_plan(capsys):
@@ -186,7 +207,9 @@ def test_impossible_megatron_jobs_are_refused_naming_the_flag(capsys, extra, wor
     (["predict", "--megatron-args", f"{MEGATRON} --recompute-activations", "--policy", "none"],
      ["--policy/--sweep with --recompute-* flags"]),
     (["explain", *TINY, "--dp", "2", "--megatron-args", MEGATRON], ["--megatron-args --dp", "remat predict"]),
-    (["plan", "--budget", "1GiB", *TINY, "--dp", "2", "--objective", "time"], ["--objective", "drop it"]),
+    (["plan", "--budget", "1GiB", *TINY, "--dp", "2", "--budget-reserved"], ["--budget-reserved", "drop it"]),
+    (["plan", "--budget", "1GiB", *TINY, "--tp", "2", "--dp", "2", "--measured-times"],
+     ["measured_times (--measured-times)", "tp=2", "drop it"]),
     (["plan", "--budget", "1GiB", "--megatron-args", f"{MEGATRON} --recompute-activations"],
      ["--recompute-* flags", "remat plan chooses"]),
     (["compare", *TINY, "--dp", "2", "--cp", "2", "--precision", "fp32"], ["cp=2", "cp=1"]),
@@ -194,3 +217,15 @@ def test_impossible_megatron_jobs_are_refused_naming_the_flag(capsys, extra, wor
 ])
 def test_job_flags_refused_with_the_fix(capsys, argv, words):
     _err(capsys, argv, *words)
+
+
+# ------------------------------------------------------------------------------------------------ compare
+def test_compare_runs_every_rank_of_a_data_parallel_job_beside_its_prediction(capsys):
+    report = _json(capsys, ["compare", *TINY, "--dp", "2", "--distributed-optimizer", "--precision", "bf16"])
+    job = Job.build(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16,
+                                micro_batch_size=1, vocab_size=64), precision="bf16", dp=2, distributed_optimizer=True)
+    predicted = predict_job(job).worst
+    assert report["format"] == "remat.compare-job" and sorted(r["rank"] for r in report["rows"]) == [0, 1]
+    priced = next(r for r in report["rows"] if r["dp_rank"] == predicted.state.dp_rank)
+    assert priced["predicted_bytes"] == predicted.peak_bytes and priced["predicted_parts"] == predicted.parts
+    assert all(r["measured_bytes"] > 0 and r["policy"] == "none" for r in report["rows"])

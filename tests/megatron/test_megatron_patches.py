@@ -167,3 +167,31 @@ def test_local_attention_refuses_k_channels():
     assert "k_channels" not in inspect.signature(DotProductAttention.__init__).parameters
     with megatron_on_cpu():
         assert "k_channels" in inspect.signature(DotProductAttention.__init__).parameters
+
+
+def test_fake_tensor_cache_keeps_a_copied_storage_alive():
+    # remat.megatron.recorder runs aten.set_.source_Storage with FakeTensorMode's dispatch cache off: torch puts the
+    # storage object in that op's cache key and keeps it for good (CheckpointWithoutOutput's refill never frees)
+    import gc
+    import weakref
+
+    from remat.megatron.recorder import STORAGE_SETTERS, MegatronStepRecorder
+
+    def freed_after_copy(recorded):
+        freed = []
+        with FakeTensorMode():
+            x = torch.randn(4)
+            y, z = x * 2, x * 3
+            weakref.finalize(y.untyped_storage(), freed.append, True)
+            if recorded:
+                with MegatronStepRecorder(torch.nn.Linear(1, 1), []):
+                    y.untyped_storage().copy_(z.untyped_storage())
+            else:
+                y.untyped_storage().copy_(z.untyped_storage())
+            del y
+            gc.collect()
+        return freed == [True]
+
+    assert torch.ops.aten.set_.source_Storage in STORAGE_SETTERS
+    assert not freed_after_copy(recorded=False)  # torch's behaviour: the storage outlives every reference
+    assert freed_after_copy(recorded=True)

@@ -21,6 +21,8 @@ SETTINGS = {
     "selective/core_attn": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
     "selective/mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
     "selective/layernorm": dict(recompute_granularity="selective", recompute_modules=["layernorm"]),
+    "selective/core_attn+mlp+layernorm": dict(recompute_granularity="selective",
+                                              recompute_modules=["core_attn", "mlp", "layernorm"]),
 }
 
 
@@ -44,8 +46,8 @@ def test_dense_gpt_predicted_equals_measured(small_config, step_shape, policy):
         assert "recompute layer 0 [group 0 (layers 0-1)]" in recomputed
         assert "recompute layer 3 [group 1 (layers 2-3)]" in recomputed
     elif policy.startswith("selective/"):
-        module = policy.split("/")[1]
-        assert any(f"[{module} in decoder.layers.0." in label for label in recomputed), recomputed
+        for module in policy.split("/")[1].split("+"):
+            assert any(f"[{module} in decoder.layers.0." in label for label in recomputed), recomputed
 
 
 def test_recompute_saves_memory_where_megatron_says(small_config, step_shape):
@@ -126,3 +128,32 @@ def test_tensor_parallel_ranks_traced_one_by_one(small_config, step_shape):
     replicated = ((2 * 4 + 1) * 2 * 64 + 32 * 64) * 4
     assert ranks[0].at_peak["parameters"] == (single.at_peak["parameters"] - replicated) // 2 + replicated
     assert ranks[1].meta["rank"] == 1 and ranks[1].meta["parallel"]["tp"] == 2
+
+
+def test_refilled_layernorm_outputs_are_freed_as_in_the_real_run(small_config, step_shape):
+    # the refilled storage is freed after the consuming module's backward, in the fake run as in the real one
+    config = small_config(num_layers=2, **SETTINGS["selective/core_attn+mlp+layernorm"])
+    predicted, measured = predicted_and_measured(config, step_shape)
+    assert predicted.peak_bytes == measured.peak_bytes and predicted.at_peak == measured.at_peak
+
+    def refilled(tl):
+        return [(tl.nbytes[r], tl.free_at[r] >= 0) for r in range(len(tl)) if tl.category[r] == "recompute"
+                and tl.phases[tl.phase_index[r]].detail.startswith("layernorm in ") and tl.module[r].count(".") == 2]
+    assert refilled(predicted) == refilled(measured) == [(32 * 2 * 64 * 4, True)] * 4  # 2 norms x 2 layers
+
+
+def test_pipeline_stages_predicted(small_config, step_shape):
+    import torch
+
+    config = small_config(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                          recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    stages = predict_megatron_core(config, **step_shape, pp=2)
+    assert sorted(stages) == [0, 1] and stages[1].meta["parallel"]["pp"] == 2
+    assert [t.meta["num_layers"] for t in stages.values()] == [2, 2]
+    labels = {r: {p.label for p in t.phases} for r, t in stages.items()}
+    assert "forward embedding" in labels[0] and "forward embedding" not in labels[1]
+    assert "forward head" in labels[1] and "forward head" not in labels[0]
+    # stage 1's groups hold its own layers (global 2 and 3); it receives stage 0's output (tokens x batch x hidden)
+    assert "recompute layer 0 [group 0 (layer 2)]" in labels[1] and "recompute layer 1 [group 1 (layer 3)]" in labels[1]
+    batches = {r: [t.nbytes[i] for i in range(len(t)) if t.module[i] == "batch"] for r, t in stages.items()}
+    assert batches == {0: [512, 256, 512], 1: [512, 256, 512, 32 * 2 * 64 * 4]}

@@ -1,6 +1,6 @@
-"""Tests for remat.memory.predict (fake traces of the reference GPT and of user models, predicted against measured)
-and the ``remat predict`` / ``remat compare`` commands. The composition of deep stacks from shallow traces is
-tested in test_compose.py.
+"""Tests for remat.memory.predict (fake traces of the reference GPT and of user models, predicted against measured).
+The composition of deep stacks from shallow traces is tested in test_compose.py; the ``remat predict`` / ``remat
+compare`` commands in tests/cli/.
 
 Fast by design (tiny models): each policy and engine is measured on one config and its other engine on the
 complementary config (other style, size and dtype). ``REMAT_FULL_GRID=1`` runs the whole product instead;
@@ -15,13 +15,11 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from remat.cli import main
 from remat.config import ModelConfig
 from remat.memory.comparison import part_errors
 from remat.memory.measure import MeasureError, measure
@@ -30,7 +28,7 @@ from remat.memory.predict import predict
 from remat.models.gpt import build_model, sample_batch
 from remat.plan.megatron import megatron_sweep
 from remat.policy import Policy
-from remat.presets import get_preset, load_config
+from remat.presets import get_preset
 from remat.recompute.apply import apply
 from remat.timeline import Timeline
 
@@ -240,102 +238,3 @@ def test_adam_adds_two_moments_and_step_counters(dtype: str) -> None:
     first_forward = next(p.start for p in steady.phases if p.kind == "forward")
     assert steady.breakdown(first_forward)["optimizer_state"] == 2 * nbytes + 4 * count
     assert steady.peak_bytes >= tl.peak_bytes
-
-
-# ================================================================================ CLI
-# The GPT of the measured tests (4 layers): predict_config's cached stand-ins from those tests are reused here.
-TINY_FLAGS = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16", "--batch", "2", "--vocab", "64"]
-
-
-def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_cli_predict_table(capsys: pytest.CaptureFixture) -> None:
-    code, out, _ = run_cli(capsys, "predict", *TINY_FLAGS, "--policy", "full/uniform/1,selective")
-    assert code == 0
-    for text in ("policy", "peak KiB", "where", "saved act", "extra compute %", "full/uniform/1",
-                 "selective/core_attn", "Korthikanti", "Megatron estimate", "traced (CPU kernels, exact)"):
-        assert text in out
-
-
-def test_cli_predict_json_and_out(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    out_file = tmp_path / "sub" / "predict.json"
-    code, out, _ = run_cli(capsys, "predict", *TINY_FLAGS, "--policy", "none", "--policy", "full/uniform/2",
-                           "--engine", "non-reentrant", "--json", "--out", str(out_file))
-    assert code == 0
-    report = json.loads(out)
-    assert json.loads(out_file.read_text()) == {**report, "seconds": json.loads(out_file.read_text())["seconds"]}
-    assert [r["policy"] for r in report["rows"]] == ["none", "full/uniform/2@non-reentrant"]
-    for row in report["rows"]:
-        assert {"policy", "peak_bytes", "peak_phase", "at_peak", "flops", "extra_compute_pct"} <= set(row)
-        assert sum(row["at_peak"].values()) == row["peak_bytes"]
-    assert report["rows"][1]["peak_bytes"] == predict(GPT, "full/uniform/2@non-reentrant").peak_bytes
-    assert report["rows"][1]["extra_compute_pct"] > 0 and report["rows"][0]["extra_compute_pct"] == 0
-    formulas = report["formulas"]
-    assert formulas["traced_layer_bytes"] > 0 and len(formulas["differences"]) == 2
-    for diff in formulas["differences"]:
-        assert diff["unexplained_bytes"] == 0
-
-
-def test_cli_predict_sweep_config_file_adam(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    cfg = tmp_path / "tiny.yaml"
-    # the Llama of the measured tests, in bf16, from the llama3-8b preset
-    cfg.write_text("preset: llama3-8b\nnum_layers: 2\nhidden_size: 32\nnum_attention_heads: 4\n"
-                   "num_query_groups: 2\nffn_hidden_size: null\nseq_length: 16\nmicro_batch_size: 2\n"
-                   "vocab_size: 64\n")
-    assert load_config(cfg) == LLAMA.replace(num_layers=2, dtype="bf16")
-    code, out, _ = run_cli(capsys, "predict", "--config", str(cfg), "--sweep", "megatron", "--json")
-    assert code == 0
-    rows = json.loads(out)["rows"]
-    assert [r["policy"] for r in rows] == megatron_sweep(2)
-    code, out, _ = run_cli(capsys, "predict", "--config", str(cfg), "--layers", "1", "--policy", "full/uniform/1",
-                           "--adam", "--json")
-    assert code == 0
-    report = json.loads(out)
-    assert report["config"]["num_layers"] == 1 and report["optimizer"]
-    assert all(r["at_peak"]["optimizer_state"] > 0 for r in report["rows"])
-
-
-def test_cli_compare(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    code, out, _ = run_cli(capsys, "compare", *TINY_FLAGS, "--policy", "full/uniform/1,full/block/2@non-reentrant",
-                           "--policy", "selective/core_attn+mlp", "--json", "--out", str(tmp_path / "c.json"),
-                           "--max-error", "0.01")
-    assert code == 0
-    rows = json.loads(out)
-    assert rows == json.loads((tmp_path / "c.json").read_text())
-    assert [r["policy"] for r in rows] == ["none", "full/uniform/1", "full/block/2@non-reentrant",
-                                           "selective/core_attn+mlp"]
-    for row in rows:
-        assert {"policy", "predicted_bytes", "measured_bytes", "error", "part_errors", "worst_part"} <= set(row)
-        assert abs(row["error"]) <= 0.01 and max(abs(e) for e in row["part_errors"].values()) <= 0.02
-    code, out, _ = run_cli(capsys, "compare", *TINY_FLAGS, "--policy", "full/uniform/3", "--dtype", "bf16")
-    assert code == 0 and "error %" in out and "worst peak error" in out
-
-
-@pytest.mark.parametrize("argv", [
-    ["predict", *TINY_FLAGS, "--policy", "full/uniform/9"],
-    ["predict", *TINY_FLAGS, "--policy", "full/sideways/1"],
-    ["predict", "--hidden", "30", "--heads", "4"],
-    ["predict", "--preset", "gpt5"],
-    ["predict", "--preset", "gpt-small", "--config", "x.yaml"],
-    ["predict", "--config", "/nonexistent/model.yaml"],
-    ["predict", "--sweep", "everything"],
-    ["compare", *TINY_FLAGS, "--device", "cuda"] if not torch.cuda.is_available() else ["compare", "--layers", "0"],
-    ["compare", "--preset", "llama3-70b", "--policy", "none"],
-    ["compare", *TINY_FLAGS, "--max-error", "-1"],
-])
-def test_cli_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture, argv: list[str]) -> None:
-    code, out, err = run_cli(capsys, *argv)
-    assert code == 2
-    assert err.startswith("remat: error: ") and err.count("\n") == 1, err
-    assert out == ""
-
-
-def test_cli_bad_config_file_names_it(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    f = tmp_path / "m.yaml"
-    f.write_text("num_layers: 2\nhidden: 64\n")
-    code, _, err = run_cli(capsys, "predict", "--config", str(f))
-    assert code == 2 and f"{f}: unknown field(s) 'hidden'" in err

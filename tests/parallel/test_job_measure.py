@@ -8,6 +8,7 @@ import torch
 from remat.config import ModelConfig
 from remat.job import Job, JobError
 from remat.memory.rank_state import buffer_layout, module_parameters
+from remat.parallel.chunk_trace import trace_chunk
 from remat.parallel.job_measure import (
     check_measurable,
     format_rows,
@@ -51,22 +52,35 @@ def test_dp2_distributed_optimizer_measured_equals_predicted():
     rows = rank_rows(job, measure_job(job, timeout=60))
     assert [r["dp_rank"] for r in rows] == [0, 1]
     for r in rows:
-        # every byte of model state: bf16 param buffer with its padding, fp32 main grads, this shard's fp32
-        # master params and Adam moments
-        assert {p: r["measured_parts"][p] for p in STATE} == {p: r["predicted_parts"][p] for p in STATE}
-        assert abs(r["error"]) < 0.01, format_rows(rows)
+        # every byte: the bf16 param buffer with its padding, fp32 main grads, this shard's fp32 master params and
+        # Adam moments, and the activations (token ids / labels living as long as the graph keeps them)
+        assert r["measured_parts"] == r["predicted_parts"], format_rows(rows)
+        assert r["measured_bytes"] == r["predicted_bytes"], format_rows(rows)
     assert rows[0]["measured_parts"]["master_parameters"] != rows[1]["measured_parts"]["master_parameters"]
 
 
-def test_tp2_pp2_model_state_is_exact_per_rank():
+def test_tp2_pp2_measured_equals_predicted_per_rank():
     job = Job.build(MODEL, precision="bf16", tp=2, pp=2, num_microbatches=3)
     rows = rank_rows(job, measure_job(job, timeout=60))
     assert [(r["stage"], r["tp_rank"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in rows:
-        assert {p: r["measured_parts"][p] for p in STATE} == {p: r["predicted_parts"][p] for p in STATE}
+        # exact only if the prediction keeps what Megatron's 1F1B variables keep: the previous microbatch's
+        # deallocated output (its placeholder and graph, hence its received input and that input's gradient)
+        # through the next forward (see NOTE [Megatron's schedule variables])
+        assert r["measured_parts"] == r["predicted_parts"], format_rows(rows)
+        assert r["measured_bytes"] == r["predicted_bytes"], format_rows(rows)
     assert rows[0]["measured_bytes"] == rows[1]["measured_bytes"]  # tp positions of a stage hold the same bytes
-    # NOTE: the last stage's peak is under-predicted: Megatron's 1F1B keeps the previous microbatch's received
-    # input (through the deallocated output's graph) and its input gradient (the schedule's variable) alive
-    # through the next forward, which remat.parallel.pipeline_runtime.megatron_runtime frees earlier.
-    last = rows[2]
-    assert last["measured_bytes"] >= last["predicted_bytes"]
+
+
+def test_the_megatron_trace_makes_the_batch_in_the_forward():
+    # Megatron's get_batch makes each microbatch's token ids and labels inside its forward step; the trace then
+    # says when the graph lets them go (the runtime does not fix it)
+    config = MODEL.replace(dtype="bf16")
+    ids = config.micro_batch_size * config.seq_length * 8
+    trace = trace_chunk(config, (True, True, 2), "none", batch_in_forward=True)
+    assert trace.batch_in_forward and trace.forward.nbytes[:2] == [ids, ids]
+    freed = {o for _, where, o, _ in trace.forward.frees if where == "self"} | {
+        o for _, where, o, _ in trace.backward_first.frees if where == "F"}
+    assert {0, 1} <= freed
+    given = trace_chunk(config, (True, True, 2), "none")  # torch.distributed.pipelining holds the whole batch
+    assert not given.batch_in_forward and given.forward.nbytes[:2] != [ids, ids]

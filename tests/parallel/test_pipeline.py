@@ -1,5 +1,6 @@
 """Tests for pipeline-parallel memory: remat.parallel (schedules, per-microbatch composition, prediction),
-remat.parallel.launch (real multi-process runs on CPU gloo) and remat.cli.pipeline.
+remat.parallel.launch (real multi-process runs on CPU gloo); the pipeline flags of the commands are tested in
+tests/cli/.
 
 The real runs launch worker processes (a few seconds each, most of it importing torch); they are few and share
 launches: one launch measures several policies.
@@ -7,8 +8,6 @@ launches: one launch measures several policies.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
 
@@ -334,58 +333,3 @@ def test_hung_rank_stops_the_run_within_the_timeout():
         measure_pipeline(SMALL, "none", 2, 2, timeout=4, fault={"rank": 0, "kind": "hang", "when": "start"})
     assert time.monotonic() - start < 4 + 10
     assert err.value.rank is None and not any(_alive(pid) for pid in err.value.pids)
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-def _namespace(extra: list[str]) -> argparse.Namespace:
-    from remat.cli.common import add_measure_arguments, add_model_arguments, add_pipeline_arguments
-
-    parser = argparse.ArgumentParser()
-    add_model_arguments(parser)
-    add_measure_arguments(parser)
-    add_pipeline_arguments(parser)
-    parser.add_argument("--policies")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--out")
-    model = "--layers 4 --hidden 64 --heads 4 --seq 32 --batch 2 --vocab 128".split()
-    return parser.parse_args(model + extra)
-
-
-def test_cli_predict_json(capsys):
-    from remat.cli.pipeline import run_pipeline_predict
-
-    args = _namespace(["--pp", "2", "--microbatches", "4", "--policies", "none,full/uniform/1", "--json"])
-    assert run_pipeline_predict(args) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert [(s["stage"], s["policy"]) for s in report["stages"]] == [(0, "none"), (1, "none"),
-                                                                    (0, "full/uniform/1"), (1, "full/uniform/1")]
-    assert report["stages"][0]["max_in_flight"] == 2 and report["stages"][0]["why"]
-
-
-def test_cli_compare_rows(monkeypatch, capsys):
-    """compare's rows (the measurement is replaced by the prediction: the real runs are tested above)."""
-    import remat.parallel.pipeline_measure as pipeline_measure
-    from remat.cli.pipeline import run_pipeline_compare
-
-    def fake_measure(config, policies, pp, m, schedule, vpp, layout, partial, **_):
-        return [predict_pipeline(config, p, pp, m, schedule, vpp, layout, partial) for p in policies]
-
-    monkeypatch.setattr(pipeline_measure, "measure_pipeline_many", fake_measure)
-    args = _namespace(["--pp", "2", "--microbatches", "4", "--schedule", "gpipe", "--policies",
-                       "none,full/uniform/2", "--json"])
-    assert run_pipeline_compare(args) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 4
-    for row in rows:
-        assert {"stage", "policy", "predicted_bytes", "measured_bytes", "error"} <= set(row)
-        assert row["error"] == 0.0
-
-
-def test_cli_measure_registered_and_errors_are_one_line(capsys):
-    import remat.cli.pipeline  # noqa: F401  registers `remat measure`
-    from remat.cli import build_parser, main
-
-    assert "measure" in build_parser()._subparsers._group_actions[0].choices
-    code = main(["measure", "--layers", "4", "--pp", "3"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.startswith("remat: error: ") and "not divisible" in err and err.count("\n") == 1

@@ -21,6 +21,7 @@ from transformers import (  # noqa: E402
     GPT2Config,
     GPTNeoXConfig,
     LlamaConfig,
+    LlamaForCausalLM,
     MistralConfig,
     OPTConfig,
     Qwen2Config,
@@ -285,6 +286,67 @@ def test_measure_and_predict_give_the_same_peak(family, policy):
     assert measured.meta["num_layers"] == predicted.meta["num_layers"] == 4
     if policy != "none":
         assert any(p.kind == "recompute" for p in measured.phases)
+
+
+# transformers decides from tensor values whether sdpa gets a built mask or is_causal (NOTE [HF masks in a fake
+# trace]): without a KV cache it checks the position ids for packed sequences, and it checks an attention mask for
+# padding. The predicted timeline must be the measured one row for row, whichever way the batch decides.
+PADDED = torch.ones_like(IDS).index_fill_(1, torch.arange(27, 32), 0)
+PACKED = torch.cat([torch.arange(20), torch.arange(12)]).expand(2, -1)
+MASK_BATCHES = {
+    "no cache": {},
+    "all-ones mask": {"attention_mask": torch.ones_like(IDS)},
+    "padded mask": {"attention_mask": PADDED},
+    "packed positions": {"position_ids": PACKED},
+}
+
+
+def assert_same_timeline(predicted, measured) -> None:
+    for column in ("nbytes", "alloc_at", "free_at", "phase_index", "module", "category"):
+        assert list(getattr(predicted, column)) == list(getattr(measured, column)), column
+    assert predicted.phases == measured.phases
+    assert predicted.peak_bytes == measured.peak_bytes
+
+
+@pytest.mark.parametrize("inputs", list(MASK_BATCHES))
+@pytest.mark.parametrize("policy", ["none", "full/uniform/1"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_predicted_timeline_is_the_measured_one(family, policy, inputs):
+    batch = {**BATCH, **MASK_BATCHES[inputs], "use_cache": False}
+    measured = measure(_applied(build(family), policy), batch)
+    predicted = predict(lambda: build(family), policy, batch=batch)
+    assert_same_timeline(predicted, measured)
+
+
+def test_gpu_check_hf_llama_is_predicted_to_the_byte():
+    # benchmarks/gpu_check.py's model: bf16 parameters, GQA, use_cache=False in the config, no mask in the batch.
+    # The fake trace used to build a (2, 1, 32, 32) mask and repeat_kv copies of keys and values (+5.6%).
+    cfg = LlamaConfig(**SIZE, intermediate_size=176, num_key_value_heads=2, max_position_embeddings=64,
+                      attn_implementation="sdpa", use_cache=False)
+
+    def factory():  # parameters made in bf16: .to() cannot convert fake ones
+        torch.manual_seed(0)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            return LlamaForCausalLM(cfg).train()
+        finally:
+            torch.set_default_dtype(previous)
+
+    for policy in ("none", "full/uniform/1"):
+        assert_same_timeline(predict(factory, policy, batch=BATCH), measure(_applied(factory(), policy), BATCH))
+
+
+def test_batch_masks_come_from_the_real_batch():
+    model = build("llama")
+    assert hf.BatchMasks.of(model, BATCH) == hf.BatchMasks(unpadded=True, unpacked=True)
+    assert hf.BatchMasks.of(model, {"input_ids": IDS, "attention_mask": PADDED}).unpadded is False
+    assert hf.BatchMasks.of(model, {"input_ids": IDS, "position_ids": PACKED}).unpacked is False
+    assert hf.BatchMasks.of(model, (IDS, PADDED)).unpadded is False  # positional: input_ids, attention_mask
+    assert hf.BatchMasks.of(model, lambda: BATCH) == hf.BatchMasks()  # a batch made under the fake mode
+    tracing = transformers.masking_utils.is_tracing
+    predict(lambda: build("llama"), "none", batch=BATCH)
+    assert transformers.masking_utils.is_tracing is tracing
 
 
 def test_recompute_lowers_the_peak():

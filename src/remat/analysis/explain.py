@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from remat.analysis.capacity import check_fits, predicted_need
 from remat.analysis.explain_data import (
     Contrast,
     Explanation,
@@ -26,6 +25,7 @@ from remat.analysis.explain_data import (
 )
 from remat.analysis.explain_text import explain_sentences, short_answer
 from remat.config import ModelConfig
+from remat.memory.comparison import check_fits, predicted_need
 from remat.memory.measure import measure
 from remat.models.gpt import build_model, sample_batch
 from remat.policy import ENGINES, Policy, PolicyError
@@ -196,7 +196,7 @@ def explain(config: ModelConfig | None = None, policies: Sequence[str | Policy] 
         contrast_vocab: also measure none, full/uniform/1 and full/uniform/L (untimed) on the same model with this
             vocabulary, the other regime of the question (:attr:`Explanation.contrast`); None, or the model's own
             vocabulary: no contrast run.
-        check_memory: first predict the largest peak and refuse (:class:`~remat.analysis.capacity.MemoryCheckError`)
+        check_memory: first predict the largest peak and refuse (:class:`~remat.memory.comparison.MemoryCheckError`)
             when it would not fit in this machine's available memory.
 
     Returns:

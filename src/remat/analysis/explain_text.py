@@ -52,7 +52,7 @@ def _saves(regime: Regime) -> bool:
 
 
 def _regime_line(regime: Regime) -> str:
-    sizes = (f"vocab {regime.vocab_size}: head/loss {format_bytes(regime.head_loss_bytes)}, layer activations "
+    sizes = (f"vocab {regime.vocab_size}: head/loss {format_bytes(regime.head_loss_bytes)}, layers "
              f"{format_bytes(regime.stack_activation_bytes)}")
     if regime.whole_stack is None or regime.whole_stack_peak_bytes is None or regime.saving_bytes is None:
         return f"{sizes}: none peaks at {format_bytes(regime.none_peak_bytes)}."
@@ -77,17 +77,16 @@ def short_answer(config: ModelConfig, formula: Sequence[FormulaRow], regimes: Se
     if formula:
         worst = max(formula, key=lambda f: abs(f.error))
         ks = ", ".join(f.policy.split("/")[2] for f in formula)
-        out.append(f"Your formula holds: stored group inputs + one group's activations, measured to "
-                   f"{100 * worst.error:+.2f}% (full/uniform/{ks}).")
+        out.append(f"Your formula holds: stored group inputs + one group's activations, to {100 * worst.error:+.2f}% "
+                   f"(full/uniform/{ks}).")
     if any(r.whole_stack for r in regimes):
-        out.append("The saving: without recompute the head/loss tensors (logits and their gradients) coexist with "
-                   "the layers' activations; a whole-stack group frees them before it recomputes, so its peak is "
-                   "max(head, stack), not head + stack.")
+        out.append("The saving: without recompute the head/loss tensors (logits, their gradients) sit on the layers' "
+                   "activations; a whole-stack group frees them before recomputing: peak max(head, stack), not "
+                   "head + stack.")
     out += [_regime_line(r) for r in regimes]
     if regimes and not any(_saves(r) for r in regimes) and max(r.vocab_size for r in regimes) < 32000:
         out.append("A larger vocabulary (bigger logits) is where it saves: add --contrast-vocab 32000.")
-    out.append("With pipelines, each microbatch in flight keeps only its group inputs while one group is recomputed "
-               "at a time: remat explain --pp 4.")
+    out.append("Pipelines add more: each microbatch in flight keeps only its group inputs (remat explain --pp 4).")
     return out
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from remat.job import Job
 from remat.parallel.job_predict import NOT_COUNTED, PARTS, JobPrediction, RankPrediction
-from remat.plan.job_plan import JobPlan, format_state, smallest_dp
-from remat.units import DEFAULT_RESERVE, GPU_PRESETS, format_bytes, parse_reserve
+from remat.plan.job_plan import JobPlan, StageChoice, format_state, smallest_dp
+from remat.units import DEFAULT_RESERVE, GPU_PRESETS, format_bytes, format_seconds, parse_reserve
 
 _SHORT = {"parameters": "params", "gradients": "grads", "master_parameters": "master", "optimizer_state": "optim",
           "activations": "acts", "communication": "comm"}
@@ -77,8 +77,18 @@ def format_job_prediction(prediction: JobPrediction, policy: str) -> str:
     return "\n".join(lines + _rank_lines(prediction.ranks))
 
 
+def _choice_text(c: StageChoice) -> str:
+    extra = f", recompute +{c.extra_compute_pct:.1f}% FLOPs ({format_seconds(c.extra_seconds)} per microbatch)" \
+        if c.recompute_flops or c.extra_seconds else ", nothing recomputed"
+    policy = c.policy
+    what = str(c.plan) if policy is None else str(policy) if c.source == "megatron" else \
+        f"{c.plan} (Megatron's {policy})"
+    return f"{what}, peak {format_bytes(c.prediction.peak_bytes)}{extra}"
+
+
 def format_job_plan(result: JobPlan) -> str:
-    """``remat plan``'s text for a job: fits or not, with every part of the worst rank, then each stage."""
+    """``remat plan``'s text for a job: fits or not; the exact rows of every stage's plan, worst rank first, with
+    every part; each stage's plan beside its best Megatron setting; the one Megatron setting for every stage."""
     job, budget = result.job, result.budget_bytes
     lines = []
     if not result.state_fits:
@@ -91,27 +101,36 @@ def format_job_plan(result: JobPlan) -> str:
             fix = (f"shard it: --distributed-optimizer with --dp >= {dp} leaves "
                    "room for the model state (then activations), or more --tp/--pp, or a larger budget")
         lines.append(f"  fix: {fix}")
-    elif not result.fits:
-        lines.append(f"does not fit {result.budget_text}: no Megatron recompute setting brings every rank under it")
-    else:
-        flags = " ".join(result.uniform.to_megatron_args()) if result.uniform.engine == "reentrant" else "-"
-        lines.append(f"fits {result.budget_text} with {result.uniform} on every stage (Megatron flags: "
-                     f"{flags or 'none'}); every part of every rank counted:")
-        lines += _rank_lines(result.uniform_ranks)
-    if result.state_fits:
-        lines.append("per-stage settings (the least recompute that fits each stage; remat.apply can give each "
-                     "stage its own):")
-        for s in result.stages:
-            if s.fits:
-                assert s.prediction is not None
-                body = f"{s.policy}, peak {format_bytes(s.prediction.peak_bytes)}: " + ", ".join(
-                    f"{p} {format_bytes(v)}" for p, v in s.prediction.parts.items() if v)
-            else:
-                low = "" if s.prediction is None else (f"; the lowest peak, {format_bytes(s.prediction.peak_bytes)}, "
-                                                       "is with every layer recomputed")
-                body = f"nothing fits{low}"
-            lines.append(f"  stage {s.stage}: {body}")
-    else:
         for s in result.stages:
             lines.append(f"  stage {s.stage}: model state {format_state(s.state)}")
+        return "\n".join(lines)
+    if result.fits:
+        lines.append(f"fits {result.budget_text} with a plan per stage (objective {result.objective}); every part "
+                     "of every rank counted, each predicted exactly:")
+        lines += _rank_lines(result.ranks())
+    else:
+        lines.append(f"does not fit {result.budget_text}: no recompute plan brings every rank under it")
+    lines.append("per-stage plans (each stage's chunk layers numbered from 0; remat.apply gives each stage its own) "
+                 "and the best Megatron setting of each stage:")
+    for s in result.stages:
+        where = f"  stage {s.stage} (layers {s.layers[0]}-{s.layers[1]}, {s.in_flight} in flight)"
+        if s.extended is not None:
+            body = f"{_choice_text(s.extended)} [{s.extended.source}]: " + ", ".join(
+                f"{p} {format_bytes(v)}" for p, v in s.extended.prediction.parts.items() if v)
+        else:
+            low = "" if s.prediction is None else \
+                f"; the lowest peak predicted is {format_bytes(s.prediction.peak_bytes)}"
+            body = f"nothing fits{low}"
+        lines.append(f"{where}: {body}")
+        if s.extended is not None and s.megatron is not None and s.megatron is not s.extended:
+            lines.append(f"      best Megatron setting: {_choice_text(s.megatron)}")
+        elif s.megatron is None and s.extended is not None:
+            lines.append("      no Megatron setting fits this stage")
+    if result.uniform is not None:
+        flags = " ".join(result.uniform.to_megatron_args()) if result.uniform.engine == "reentrant" else "-"
+        lines.append(f"one Megatron setting for every stage (what its flags express): {result.uniform} (flags: "
+                     f"{flags or 'none'}), worst rank {format_bytes(result.uniform_ranks[0].peak_bytes)}:")
+        lines += _rank_lines(result.uniform_ranks)
+    else:
+        lines.append("no one Megatron setting fits every stage")
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from remat.analysis.differences import explain_differences, traced_layer_bytes
 from remat.analysis.formulas import korthikanti_layer_bytes, megatron_estimate
 from remat.analysis.report import format_table, size_cell
 from remat.config import ModelConfig
-from remat.units import GIB, KIB, MIB, format_bytes
+from remat.units import format_bytes, table_unit
 
 # Parts of the bytes alive at the peak, as the tables show them: (category, column header).
 PART_COLUMNS = (("parameters", "params"), ("gradients", "grads"), ("optimizer_state", "optim"),
@@ -39,13 +39,6 @@ def prediction_row(policy: Any, timeline: Any, seconds: float | None = None) -> 
     if seconds is not None:
         row["seconds"] = seconds
     return row
-
-
-def table_unit(largest: int) -> tuple[str, int]:
-    """The unit a table of sizes up to ``largest`` bytes is printed in: GiB, MiB or KiB."""
-    if largest >= 10 * GIB:
-        return "GiB", GIB
-    return ("MiB", MIB) if largest >= 10 * MIB else ("KiB", KIB)
 
 
 def format_prediction_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -24,11 +24,11 @@ def cell(fmt: Callable[[Any], str]) -> Callable[[Any], str]:
     return lambda value: "-" if value is None else fmt(value)
 
 
-def size_cell(divisor: int = MIB) -> Callable[[Any], str]:
-    """A column of byte counts in one fixed unit (``divisor`` bytes: MIB, GIB, ...), so a column lines up: one
-    decimal, two from GiB up, ``'-'`` for None. The header names the unit; text uses
+def size_cell(divisor: int = MIB, digits: int | None = None) -> Callable[[Any], str]:
+    """A column of byte counts in one fixed unit (``divisor`` bytes: MIB, GIB, ...), so a column lines up:
+    ``digits`` decimals (default one, two from GiB up), ``'-'`` for None. The header names the unit; text uses
     :func:`remat.units.format_bytes` instead."""
-    digits = 2 if divisor >= GIB else 1
+    digits = (2 if divisor >= GIB else 1) if digits is None else digits
     return cell(lambda value: f"{value / divisor:.{digits}f}")
 
 

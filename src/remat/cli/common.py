@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import re
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from remat.analysis.explain import resolve_policies
+from remat.analysis.outputs import path_problem
 from remat.analysis.report import write_json
 from remat.config import ACTIVATIONS, ATTENTIONS, DTYPES, NORMALIZATIONS, POSITIONS, ConfigError, ModelConfig
 from remat.parallel.launch import DEFAULT_TIMEOUT
@@ -93,12 +95,17 @@ _MODEL_FLAGS = {
 }
 
 
-def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
-    """The :class:`ModelConfig` the model flags ask for (ConfigError names the bad field)."""
+def _model_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields the model flags set (those given)."""
     fields = {name: getattr(args, flag) for flag, name in _MODEL_FLAGS.items() if getattr(args, flag) is not None}
     if args.dropout is not None:
         fields.update(hidden_dropout=args.dropout, attention_dropout=args.dropout)
-    return ModelConfig(**fields)
+    return fields
+
+
+def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
+    """The :class:`ModelConfig` the model flags ask for (ConfigError names the bad field)."""
+    return ModelConfig(**_model_fields(args))
 
 
 def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
@@ -199,9 +206,7 @@ def resolve_model_config(args: argparse.Namespace) -> ModelConfig:
         base = load_config(args.config)
     else:
         base = ModelConfig()
-    fields = {name: getattr(args, flag) for flag, name in _MODEL_FLAGS.items() if getattr(args, flag) is not None}
-    if args.dropout is not None:
-        fields.update(hidden_dropout=args.dropout, attention_dropout=args.dropout)
+    fields = _model_fields(args)
     return base.replace(**fields) if fields else base
 
 
@@ -251,12 +256,36 @@ def resolve_cli_policies(args: argparse.Namespace, num_layers: int) -> list[Any]
     return resolve_policies(items, num_layers, args.engine)
 
 
+@contextlib.contextmanager
+def writing(flag: str, path: Any) -> Iterator[None]:
+    """Around the writing of ``path``, given as ``flag``: an OSError becomes a one-line error naming the flag."""
+    try:
+        yield
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot write ({err.strerror or err})") from None
+
+
 def write_out(path: Path, obj: Any) -> Path:
     """``--out FILE``: ``obj`` as JSON, atomically; an unwritable path is an error naming ``--out``."""
-    try:
+    with writing("--out", path):
         return write_json(path, obj)
-    except OSError as err:
-        raise ValueError(f"--out {path}: cannot write ({err.strerror or err})") from None
+
+
+def check_writable(args: argparse.Namespace, *, files: Sequence[str] = (), folders: Sequence[str] = ()) -> None:
+    """Refuse, naming the flag, an output path that cannot be written, before anything runs.
+
+    Args:
+        args: the parsed command line.
+        files: the flags (as argparse names: ``'out'`` for ``--out``) whose value is a file; unset ones are skipped.
+        folders: the flags whose value is a folder (:func:`remat.analysis.outputs.path_problem` with
+            ``folder=True``).
+    """
+    for names, folder in ((files, False), (folders, True)):
+        for name in names:
+            path = getattr(args, name, None)
+            problem = None if path is None else path_problem(path, folder=folder)
+            if problem is not None:
+                raise ValueError(f"{_flag(name)} {path}: {problem}")
 
 
 def model_summary(config: ModelConfig) -> str:

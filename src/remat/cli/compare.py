@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from remat.analysis.prediction import size_cell, table_unit
-from remat.analysis.report import format_table
+from remat.analysis.report import format_table, size_cell
 from remat.cli.common import (
     POLICY_LIST_EPILOG,
     ProgressBar,
@@ -17,6 +16,7 @@ from remat.cli.common import (
     add_parallel_arguments,
     add_policy_arguments,
     add_subcommand,
+    check_writable,
     info,
     json_text,
     model_summary,
@@ -28,8 +28,10 @@ from remat.cli.common import (
 )
 from remat.cli.job import job_requested, run_compare_job
 from remat.cli.job_args import add_job_arguments
+from remat.cli.megatron_core import add_megatron_core_argument, run_compare_megatron_core
 from remat.cli.pipeline import run_pipeline_compare
 from remat.memory.comparison import compare_policies
+from remat.units import table_unit
 
 
 def compare_command(sub: Subparsers) -> Runner:
@@ -49,12 +51,16 @@ def compare_command(sub: Subparsers) -> Runner:
     g.add_argument("--adam", action="store_true", help="include Adam (states alive through the step) on both sides")
     g.add_argument("--max-error", type=non_negative_number, metavar="FRACTION",
                    help="exit with code 1 when a peak's |error| exceeds FRACTION (e.g. 0.01)")
+    add_megatron_core_argument(g)
     g.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of the table")
     g.add_argument("--out", type=Path, metavar="FILE", help="also write the rows as JSON to FILE (atomically)")
     return run_compare
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    check_writable(args, files=("out",))  # before anything is measured
+    if args.megatron_core:
+        return run_compare_megatron_core(args)
     if job_requested(args):
         return run_compare_job(args)
     if args.pp is not None:

@@ -6,10 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from remat.analysis.capacity import MemoryCheckError
 from remat.analysis.explain import Explanation, explain
 from remat.analysis.html import write_html
-from remat.analysis.outputs import RunFolder, foreign_entries, path_problem
+from remat.analysis.outputs import RunFolder, foreign_entries
 from remat.analysis.report import format_explanation, write_json
 from remat.analysis.snapshot import write_memory_snapshot
 from remat.analysis.timeline_plot import plot_timelines
@@ -21,6 +20,7 @@ from remat.cli.common import (
     add_model_arguments,
     add_pipeline_arguments,
     add_subcommand,
+    check_writable,
     file_name,
     info,
     json_text,
@@ -30,6 +30,7 @@ from remat.cli.common import (
 from remat.cli.job_args import add_job_arguments, refuse_job_flags
 from remat.cli.pipeline import run_pipeline_explain
 from remat.config import ModelConfig
+from remat.memory.comparison import MemoryCheckError
 from remat.memory.kernels import resolve_kernels
 from remat.memory.reserved import REPLAY_NOTE, explain_reserved, format_reserved
 from remat.policy import GRAMMAR
@@ -81,24 +82,20 @@ SIZE_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "ffn": "ffn_size"
 
 
 def check_output_paths(args: argparse.Namespace) -> None:
-    """Refuse, naming the flag, an --out/--html/--snapshot path that cannot be written, before anything runs."""
-    for flag, path, folder in (("--out", args.out, True), ("--html", args.html, False),
-                               ("--snapshot", args.snapshot, False)):
-        if path is None:
-            continue
-        problem = path_problem(path, folder=folder)
-        if problem is None and folder and not args.pp:
-            if Path.cwd().resolve().is_relative_to(Path(path).resolve()):
-                problem = "is the current folder or holds it, and remat explain replaces the folder: give a new one"
-            else:
-                own = [Path(p).name for p in (args.html, args.snapshot) if p is not None]
-                foreign = foreign_entries(path, own)
-                if foreign:
-                    shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-                    problem = (f"holds files remat explain did not write ({shown}) and the folder is replaced "
-                               "whole: give a new or empty folder")
-        if problem is not None:
-            raise ValueError(f"{flag} {path}: {problem}")
+    """Refuse, naming the flag, an --out/--html/--snapshot path that cannot be written, or an --out folder whose
+    replacement would delete what remat did not write, before anything runs."""
+    check_writable(args, folders=("out",), files=("html", "snapshot"))
+    if args.pp:  # the pipeline report is one file written into --out; the folder is not replaced
+        return
+    if Path.cwd().resolve().is_relative_to(Path(args.out).resolve()):
+        raise ValueError(f"--out {args.out}: is the current folder or holds it, and remat explain replaces the "
+                         "folder: give a new one")
+    own = [Path(p).name for p in (args.html, args.snapshot) if p is not None]
+    foreign = foreign_entries(args.out, own)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ValueError(f"--out {args.out}: holds files remat explain did not write ({shown}) and the folder is "
+                         "replaced whole: give a new or empty folder")
 
 
 def _too_big(args: argparse.Namespace, config: ModelConfig, err: MemoryCheckError) -> ValueError:

@@ -18,12 +18,11 @@ from remat.parallel.job_predict import predict_job
 from remat.parallel.launch import DEFAULT_TIMEOUT
 from remat.plan.job_plan import plan_job
 from remat.plan.options import PlanOptions
-from remat.policy import SELECTIVE_MODULES
 
-# remat plan's flags that price the single-process extended search; a job plan searches Megatron's settings per
-# stage (NOTE [the job search]) and refuses them rather than ignore them.
-_PLAN_SEARCH_FLAGS = {"objective": "extra_flops", "measured_times": False, "budget_reserved": False,
-                      "no_offload": False, "bandwidth": 25.0, "throughput": 400.0, "memory_bandwidth": 3000.0}
+# remat plan's flags a whole-job plan cannot honour, with why (the extended search's other flags apply per stage)
+_PLAN_REFUSED = {"budget_reserved": "--budget-reserved replays one process's step through the caching allocator; "
+                                    "a whole rank's reserved memory (its model state and the microbatches in flight) "
+                                    "is not replayed yet: drop it and keep room with --reserve"}
 
 
 def job_requested(args: argparse.Namespace, *, mixed_precision_model: bool = False) -> bool:
@@ -120,21 +119,16 @@ def run_compare_job(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_plan_job(args: argparse.Namespace) -> int:
-    """``remat plan`` with a job: the least recompute per stage that fits every rank with every part counted."""
-    for name, default in _PLAN_SEARCH_FLAGS.items():
-        if getattr(args, name, default) != default:
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} prices the single-process extended search; a whole-job plan searches "
-                             "Megatron's settings per stage, every rank predicted exactly: drop it")
-    if getattr(args, "selective_modules", None) not in (None, ",".join(SELECTIVE_MODULES)):
-        raise ValueError("--selective-modules: a whole-job plan searches Megatron's settings (none, "
-                         "selective/core_attn, full/block/k): drop it")
+def run_plan_job(args: argparse.Namespace, options: PlanOptions) -> int:
+    """``remat plan`` with a job: the cheapest plan per stage (extended search, ``options`` from remat plan's flags)
+    and the best Megatron settings, every rank of each predicted exactly with every part counted."""
+    for name, why in _PLAN_REFUSED.items():
+        if getattr(args, name, False):
+            raise ValueError(why)
     source = job_from_args(args, default_microbatches=lambda pp: pp)
     if source.recompute_given:
         raise ValueError("--recompute-* flags in --megatron-args: remat plan chooses the recompute setting; drop "
                          "them (or use remat predict to price that setting)")
-    options = PlanOptions(reserve=args.reserve, engine=args.engine, device=args.device)
     result = plan_job(source.job, args.budget, options)
     report = {**result.to_dict(), "job": _job_dict(source), "assumed": source.assumed,
               "ignored_flags": source.ignored, "not_counted": not_counted_line(args.budget, args.reserve)}

@@ -5,33 +5,42 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from remat.analysis.explain_pipeline import explain_pipeline
-from remat.analysis.report import cell, error_pct, format_sentences, format_table, text_cell, write_json
-from remat.cli.common import PipelineArgs, config_from_args, file_name, pipeline_args, policies_from_args
+from remat.analysis.report import error_pct, format_sentences, format_table, size_cell, text_cell, write_json
+from remat.cli.common import (
+    PipelineArgs,
+    check_writable,
+    config_from_args,
+    file_name,
+    json_text,
+    pipeline_args,
+    policies_from_args,
+    write_out,
+    writing,
+)
 from remat.config import ModelConfig
 from remat.parallel.launch import DistributedError
 from remat.parallel.pipeline_measure import compare_pipeline, measure_pipeline_many, measured_stage_rows
 from remat.parallel.pipeline_peaks import stage_peaks
 from remat.policy import Policy
 from remat.timeline import Timeline
-from remat.units import format_mib
+from remat.units import MIB
 
 # ------------------------------------------------------------------------------------------------ formatting
-_mib = cell(lambda value: format_mib(value, 2, suffix=False))  # stages are small: two decimals
+STAGE_MIB = size_cell(MIB, digits=2)  # stages are small: two decimals
 STAGE_COLUMNS = [
-    ("stage", "stage", text_cell), ("policy", "policy", text_cell), ("peak_bytes", "peak MiB", _mib),
+    ("stage", "stage", text_cell), ("policy", "policy", text_cell), ("peak_bytes", "peak MiB", STAGE_MIB),
     ("peak_phase", "peak in", text_cell), ("max_in_flight", "in flight max", text_cell),
-    ("in_flight_at_peak", "in flight @peak", text_cell), ("saved_bytes_at_peak", "saved @peak MiB", _mib),
+    ("in_flight_at_peak", "in flight @peak", text_cell), ("saved_bytes_at_peak", "saved @peak MiB", STAGE_MIB),
 ]
 COMPARE_COLUMNS = [
-    ("stage", "stage", text_cell), ("policy", "policy", text_cell), ("measured_bytes", "measured MiB", _mib),
-    ("predicted_bytes", "predicted MiB", _mib), ("error", "error %", error_pct),
+    ("stage", "stage", text_cell), ("policy", "policy", text_cell), ("measured_bytes", "measured MiB", STAGE_MIB),
+    ("predicted_bytes", "predicted MiB", STAGE_MIB), ("error", "error %", error_pct),
     ("max_in_flight", "in flight max", text_cell), ("in_flight_at_peak", "in flight @peak", text_cell),
 ]
 
@@ -60,14 +69,11 @@ def _write_report(args: argparse.Namespace, report: Any) -> None:
     """``--out FILE``: the JSON report, written atomically (as ``remat predict``/``compare`` do)."""
     out = getattr(args, "out", None)
     if out is not None:
-        try:
-            write_json(Path(out), report)
-        except OSError as err:
-            raise ValueError(f"--out {out}: cannot write ({err.strerror or err})") from None
+        write_out(Path(out), report)
 
 
 def _print(args: argparse.Namespace, report: Any, text: str) -> None:
-    print(json.dumps(report, indent=2) if getattr(args, "json", False) else text)
+    print(json_text(report) if getattr(args, "json", False) else text)
 
 
 # ------------------------------------------------------------------------------------------------ runners
@@ -109,6 +115,7 @@ def run_pipeline_predict(args: argparse.Namespace) -> int:
 @_real_run
 def run_pipeline_measure(args: argparse.Namespace) -> int:
     """``remat measure --pp P``: measure each stage in a real multi-process run, next to the prediction."""
+    check_writable(args, files=("out",), folders=("timelines",))  # before minutes of measuring, not after
     config = config_from_args(args)
     pipe = pipeline_args(args, config, runtime="torch")
     device = getattr(args, "device", "cpu")
@@ -119,10 +126,8 @@ def run_pipeline_measure(args: argparse.Namespace) -> int:
                                pipe.layout, pipe.partial, device=device)
     files = []
     for policy, stages in zip(policies, measured):
-        try:
+        with writing("--timelines", getattr(args, "timelines", None)):
             files += _save(getattr(args, "timelines", None), "measured", policy, stages)
-        except OSError as err:
-            raise ValueError(f"--timelines {args.timelines}: cannot write ({err.strerror or err})") from None
     report = {"command": "measure", "model": config.to_dict(), "pipeline": dataclasses.asdict(pipe),
               "device": device, "stages": rows, "files": files}
     _write_report(args, report)
@@ -164,11 +169,9 @@ def run_pipeline_explain(args: argparse.Namespace) -> int:
                               timeout=pipe.timeout)
     report = {"command": "explain", "model": config.to_dict(), "pipeline": dataclasses.asdict(pipe), **result}
     if getattr(args, "out", None) is not None:
-        try:
+        with writing("--out", args.out):
             report["file"] = str(write_json(Path(args.out) / "explain-pipeline.json", report))
-        except OSError as err:
-            raise ValueError(f"--out {args.out}: cannot write ({err.strerror or err})") from None
-    columns = COMPARE_COLUMNS + [("saved_per_microbatch", "saved/mb MiB", _mib)]
+    columns = COMPARE_COLUMNS + [("saved_per_microbatch", "saved/mb MiB", STAGE_MIB)]
     text = "\n".join([f"Recompute under pipeline parallelism, measured: {_model_line(config, pipe)}",
                       format_table(result["rows"], columns), "", format_sentences(result["sentences"])])
     _print(args, report, text)

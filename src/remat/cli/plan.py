@@ -17,8 +17,10 @@ from remat.cli.common import (
 )
 from remat.cli.job import job_requested, run_plan_job
 from remat.cli.job_args import add_job_arguments
+from remat.memory import disk_cache
 from remat.memory.reserved import REPLAY_NOTE, format_reserved
 from remat.plan.api import BudgetError, plan
+from remat.plan.costs import ROOFLINES
 from remat.plan.options import ParallelOptions, PlanOptions
 from remat.plan.reserved import plan_reserved
 from remat.plan.space import OBJECTIVES
@@ -58,12 +60,18 @@ def plan_command(sub: Subparsers) -> Runner:
                    help="budget reserved memory (the CUDA caching allocator's segments, replayed from the plan's "
                         "predicted step), not only allocated memory: what runs out on a GPU")
     g.add_argument("--no-offload", action="store_true", help="do not offload group inputs to host memory")
+    g.add_argument("--no-cache", action="store_true",
+                   help="neither read nor write the on-disk cache of traces and unit models ($REMAT_CACHE_DIR, "
+                        "default ~/.cache/remat)")
     g.add_argument("--bandwidth", type=float, default=25.0, metavar="GB/S",
                    help="host-device bandwidth for offload, GB/s (default 25, PCIe 4 x16)")
     g.add_argument("--throughput", type=float, default=400.0, metavar="TFLOP/S",
                    help="compute throughput that converts seconds and FLOPs (default 400)")
     g.add_argument("--memory-bandwidth", type=float, default=3000.0, metavar="GB/S",
                    help="device memory bandwidth that prices recomputed bytes under --objective time (default 3000)")
+    g.add_argument("--roofline", choices=tuple(ROOFLINES),
+                   help="price --objective time with this GPU's FLOP/s and memory bandwidth (replaces --throughput "
+                        "and --memory-bandwidth)")
     g.add_argument("--selective-modules", default=",".join(SELECTIVE_MODULES), metavar="M1,M2",
                    help="modules selective layers may recompute (default all: "
                         f"{','.join(SELECTIVE_MODULES)}; non_matmul is operator-level, see remat.policy)")
@@ -84,7 +92,8 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
     return PlanOptions(reserve=args.reserve, objective=args.objective, engine=args.engine, device=args.device,
                        offload=not args.no_offload, selective_sets=args.selective_modules,
                        measured_times=args.measured_times, flops_per_second=args.throughput * 1e12,
-                       bandwidth=args.bandwidth * 1e9, memory_bandwidth=args.memory_bandwidth * 1e9)
+                       bandwidth=args.bandwidth * 1e9, memory_bandwidth=args.memory_bandwidth * 1e9,
+                       roofline=getattr(args, "roofline", None))
 
 
 def parallel_options(args: argparse.Namespace) -> ParallelOptions:
@@ -94,10 +103,11 @@ def parallel_options(args: argparse.Namespace) -> ParallelOptions:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    disk_cache.set_enabled(not args.no_cache)
     # a job, or a bf16/fp16 model (Megatron's mixed precision): every rank with every part (remat.cli.job)
     if job_requested(args, mixed_precision_model=args.megatron_args is None and resolve_model_config(
             args).dtype != "fp32"):
-        return run_plan_job(args)
+        return run_plan_job(args, plan_options(args))
     config = resolve_model_config(args)
     try:
         if args.budget_reserved:
@@ -124,6 +134,9 @@ def run_plan(args: argparse.Namespace) -> int:
         written = write_out(args.out, report)
         info(f"wrote {written}")
     print(json_text(report) if args.json else result.format())
+    if not args.json:  # a single-process plan of an fp32 model: say what it leaves out (the job path counts it)
+        print("not counted: optimizer state and master parameters (plan the whole Megatron job, every part of every "
+              "rank, with --optimizer adam or --megatron-args), the CUDA context, NCCL buffers, fragmentation")
     if reserved is not None and not args.json:
         print(f"\nreserved (--budget-reserved, {REPLAY_NOTE}): {format_reserved(reserved)}; planned under an "
               f"allocated budget of {format_bytes(reserved['allocated_budget_bytes'])}")

@@ -27,7 +27,9 @@ from remat.cli.common import (
 )
 from remat.cli.job import job_requested, run_predict_job
 from remat.cli.job_args import add_job_arguments
+from remat.cli.megatron_core import add_megatron_core_argument, run_predict_megatron_core
 from remat.cli.pipeline import run_pipeline_predict
+from remat.memory import disk_cache
 from remat.memory.comparison import predict_policies
 from remat.memory.kernels import resolve_kernels
 from remat.memory.predict import predict_config
@@ -59,12 +61,19 @@ def predict_command(sub: Subparsers) -> Runner:
                    help="include Adam: its two moments per parameter (in the parameter dtype) exist through the "
                         "step, and optimizer.step() is traced (one unsharded process; for Megatron's fp32 moments and "
                         "master parameters on any parallel layout use --optimizer adam)")
+    g.add_argument("--no-cache", action="store_true",
+                   help="neither read nor write the on-disk cache of shallow traces ($REMAT_CACHE_DIR, default "
+                        "~/.cache/remat)")
+    add_megatron_core_argument(g)
     g.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     g.add_argument("--out", type=Path, metavar="FILE", help="also write the JSON report to FILE (atomically)")
     return run_predict
 
 
 def run_predict(args: argparse.Namespace) -> int:
+    disk_cache.set_enabled(not args.no_cache)
+    if args.megatron_core:
+        return run_predict_megatron_core(args)
     if job_requested(args):
         return run_predict_job(args)
     if args.pp is not None:

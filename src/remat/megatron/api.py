@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from remat.megatron.compat import MegatronSettingError
@@ -106,8 +107,9 @@ def _optimizer_state(model: nn.Module, optimizer: str, dp: int, distributed: boo
 def trace_rank(model: Any, layer_spec: Any, shape: StepShape, sizes: ParallelSizes, rank: int, *, fake: bool,
                ddp: bool = False, use_distributed_optimizer: bool = False, optimizer: str = "none",
                routing: RoutingAssumption | None = None, device: str = "cpu",
-               allow_untested: bool = False) -> Timeline:
-    """One rank's step, fake (predict) or real (measure); see :func:`predict_megatron_core`."""
+               allow_untested: bool = False, init_method: str | None = None) -> Timeline:
+    """One rank's step, fake (predict) or real (measure); see :func:`predict_megatron_core`. ``init_method``: where
+    the processes of a real multi-process run meet (:mod:`remat.megatron.multiprocess`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if optimizer not in OPTIMIZERS:
@@ -118,7 +120,7 @@ def trace_rank(model: Any, layer_spec: Any, shape: StepShape, sizes: ParallelSiz
         build, config = _builder(model, layer_spec, shape)
         if config is not None:
             check_settings(config, shape.seq_length, sizes)
-        stack.enter_context(megatron_world(sizes, rank, backend="fake" if fake else "gloo"))
+        stack.enter_context(megatron_world(sizes, rank, backend="fake" if fake else "gloo", init_method=init_method))
         stack.enter_context(torch.random.fork_rng(devices=[]))
         torch.manual_seed(1234)
         if fake:
@@ -192,7 +194,7 @@ def policy_of(config: Any) -> str:
 
 
 def _step(model: nn.Module, config: Any, shape: StepShape,
-          sizes: ParallelSizes) -> tuple[Callable[[], torch.Tensor], list[torch.Tensor]]:
+          sizes: ParallelSizes) -> tuple[Callable[[], Any], list[torch.Tensor]]:
     """The forward and loss of one microbatch on this rank, and the batch tensors it reads."""
     from megatron.core import parallel_state
 
@@ -203,31 +205,48 @@ def _step(model: nn.Module, config: Any, shape: StepShape,
     position_ids = torch.arange(tokens).unsqueeze(0).expand(b, tokens)
     labels = torch.zeros(b, tokens, dtype=torch.long)
     batch = [input_ids, position_ids, labels]
-    if not parallel_state.is_pipeline_first_stage():
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    received = None
+    if not first:
         hidden_tokens = tokens // (sizes.tp if config.sequence_parallel else 1)
-        received = torch.zeros(hidden_tokens, b, config.hidden_size, dtype=config.params_dtype, requires_grad=True)
-        inner.set_input_tensor(received)
+        dtype = config.pipeline_dtype or config.params_dtype
+        received = torch.zeros(hidden_tokens, b, config.hidden_size, dtype=dtype, requires_grad=True)
         batch.append(received)
-    last = parallel_state.is_pipeline_last_stage()
 
-    def step() -> Any:
+    def step() -> PipelineStage:
+        if received is not None:
+            with torch.no_grad():  # the previous stage's output (a no-op in the fake process group)
+                dist.recv(received, parallel_state.get_pipeline_model_parallel_prev_rank())
+            inner.set_input_tensor(received)
         output = model(input_ids, position_ids, None, labels=labels if last else None)
         if last:
-            return output.float().mean()
-        return _SendBackward(output)
+            return PipelineStage(output.float().mean(), None, received)
+        dist.send(output.detach(), parallel_state.get_pipeline_model_parallel_next_rank())
+        return PipelineStage(output, parallel_state.get_pipeline_model_parallel_next_rank(), received)
     return step, batch
 
 
-class _SendBackward:
-    """A non-last pipeline stage's output: its backward takes the gradient the next stage sends."""
+class PipelineStage:
+    """One stage's result of a microbatch: ``backward()`` takes the next stage's gradient (a non-last stage)
+    and sends the gradient of the received input to the previous stage (a non-first stage), as Megatron's
+    schedules do; with one stage it is ``loss.backward()``."""
 
-    def __init__(self, output: torch.Tensor):
-        self.output = output
+    def __init__(self, output: torch.Tensor, next_rank: int | None, received: torch.Tensor | None):
+        self.output, self.next_rank, self.received = output, next_rank, received
 
     def backward(self) -> None:
-        grad = torch.ones_like(self.output)
+        from megatron.core import parallel_state
+
         output, self.output = self.output, None
-        torch.autograd.backward(output, grad)
+        if self.next_rank is None:
+            output.backward()
+        else:
+            grad = torch.empty_like(output)
+            dist.recv(grad, self.next_rank)
+            torch.autograd.backward(output, grad)
+            del grad
+        if self.received is not None:
+            dist.send(self.received.grad, parallel_state.get_pipeline_model_parallel_prev_rank())
 
 
 def _select_ranks(sizes: ParallelSizes, ranks: str | Sequence[int]) -> list[int]:

@@ -3,13 +3,16 @@
 A fake trace of rank r of a TP x PP x CP x DP (EP inside DP x CP) job needs Megatron's parallel state as rank r
 sees it, not the ranks themselves: :func:`megatron_world` starts torch.distributed with torch's fake backend
 (every collective returns at once, shapes as on the real job) and calls Megatron's ``initialize_model_parallel``
-without the gloo side groups. The same function with ``backend='gloo'`` runs one real CPU process.
+without the gloo side groups. The same function with ``backend='gloo'`` runs a real CPU rank (one process, or
+one of the processes :mod:`remat.megatron.multiprocess` starts).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -75,14 +78,18 @@ class ParallelSizes:
 
 
 @contextlib.contextmanager
-def megatron_world(sizes: ParallelSizes, rank: int = 0, *, backend: str = "fake", seed: int = 1234) -> Iterator[None]:
+def megatron_world(sizes: ParallelSizes, rank: int = 0, *, backend: str = "fake", seed: int = 1234,
+                   init_method: str | None = None, timeout_s: float = 120.0) -> Iterator[None]:
     """torch.distributed and Megatron's parallel state for ``rank`` of a job of ``sizes``; undone on exit.
 
     Args:
         sizes: the job's parallel sizes.
         rank: the global rank this process plays.
-        backend: ``'fake'`` (no communication, any world size) or ``'gloo'`` (a real run; world size 1 here).
+        backend: ``'fake'`` (no communication, any world size) or ``'gloo'`` (a real run).
         seed: Megatron's ``model_parallel_cuda_manual_seed`` seed.
+        init_method: where a real run of more than one process meets (``tcp://127.0.0.1:<port>``; every rank
+            gives the same); world size 1 uses a private file store.
+        timeout_s: how long a real rank waits for its peers in a collective.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random
@@ -94,21 +101,29 @@ def megatron_world(sizes: ParallelSizes, rank: int = 0, *, backend: str = "fake"
     if not 0 <= rank < world:
         raise MegatronSettingError(f"rank={rank}: the job has {world} ranks (0..{world - 1})")
     with contextlib.ExitStack() as stack:
+        # init_process_group wraps sys.excepthook to prefix "[rank<r>]: " to tracebacks, and nothing unwraps it
+        stack.callback(setattr, sys, "excepthook", sys.excepthook)
         if backend == "fake":
             from torch.testing._internal.distributed.fake_pg import FakeStore
 
             dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
         elif backend == "gloo":
-            if world != 1:
-                raise MegatronSettingError(f"a real CPU run here is one process: tp x pp x cp x dp = {world}; "
-                                           "measure world size 1, predict the others")
-            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="remat-gloo-"))
-            store = dist.FileStore(os.path.join(folder, "store"), 1)
-            dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+            timeout = datetime.timedelta(seconds=timeout_s)
+            if init_method is not None:
+                dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+            elif world == 1:
+                folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="remat-gloo-"))
+                store = dist.FileStore(os.path.join(folder, "store"), 1)
+                dist.init_process_group("gloo", rank=0, world_size=1, store=store, timeout=timeout)
+            else:
+                raise MegatronSettingError(f"a real run of tp x pp x cp x dp = {world} processes needs init_method "
+                                           "(remat.megatron.measure_megatron_core_distributed starts them)")
         else:
             raise MegatronSettingError(f"backend={backend!r}: use 'fake' (predict) or 'gloo' (measure)")
         stack.callback(dist.destroy_process_group)
         stack.callback(parallel_state.destroy_model_parallel)
+        if backend == "gloo" and world > 1:  # every rank is done with its collectives before any tears down
+            stack.callback(dist.barrier)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
             context_parallel_size=sizes.cp, expert_model_parallel_size=sizes.ep,

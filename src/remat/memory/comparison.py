@@ -1,10 +1,13 @@
-"""Predicted against measured on this machine: each policy's step predicted (fake tensors) and measured (real)."""
+"""Predicted against measured on this machine: each policy's step predicted (fake tensors) and measured (real),
+and the check, before anything is measured, that the run fits in this machine's memory."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 from remat.config import ModelConfig
 from remat.memory.measure import measure
@@ -17,7 +20,8 @@ from remat.timeline import Timeline
 from remat.units import format_bytes
 
 Progress = Callable[[int, int, str], None]  # (done, total, policy now)
-# Measuring allocates the predicted peak for real; refuse when it would take more than this share of what is free.
+# Measuring allocates the predicted peak for real: refuse when the largest predicted peak is more than this share of
+# the memory available; the process, torch's own buffers and a second copy of the model (timed steps) need the rest.
 MEMORY_SHARE = 0.8
 
 
@@ -59,13 +63,29 @@ def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
     return out
 
 
-def available_memory(device: str) -> int | None:
-    """Bytes free for new allocations on ``device`` ('cpu': MemAvailable of /proc/meminfo; 'cuda': the free
-    device memory), or None when it cannot be told."""
-    if device == "cuda":
-        import torch
+class MemoryCheckError(ValueError):
+    """A run that would not fit in the memory available; ``config`` is the model that does not fit (for the caller
+    to name the flags that made it that large)."""
 
-        return int(torch.cuda.mem_get_info()[0])
+    def __init__(self, message: str, need: int, available: int, config: ModelConfig | None = None):
+        super().__init__(message)
+        self.need = need
+        self.available = available
+        self.config = config
+
+
+def available_memory(device: str | torch.device = "cpu") -> int | None:
+    """Bytes a new allocation can get on ``device``: ``MemAvailable`` of ``/proc/meminfo`` on CPU, the free
+    memory ``torch.cuda.mem_get_info`` reports on CUDA; None when it cannot be told (not Linux, no CUDA device).
+
+    Example::
+
+        >>> available_memory("cpu") > 0
+        True
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0]) if torch.cuda.is_available() else None
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -76,20 +96,39 @@ def available_memory(device: str) -> int | None:
     return None
 
 
-def check_fits_here(need: int, device: str) -> None:
-    """Refuse (ValueError naming the fix) to measure a step that needs ``need`` bytes when this machine has less
-    than ``need / MEMORY_SHARE`` free on ``device``."""
-    if device == "cuda":
-        import torch
+def check_fits(need: int, device: str | torch.device = "cpu", *, what: str = "measuring",
+               fix: str = "use a smaller model, or 'remat predict' alone", config: ModelConfig | None = None) -> None:
+    """Refuse to measure a run that needs more than :data:`MEMORY_SHARE` of the memory available on ``device``;
+    do nothing when the available memory cannot be told.
 
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda: torch sees no CUDA device here; compare measures on this machine, use "
-                             "--device cpu")
+    Args:
+        need: bytes the run will hold at its peak (e.g. the largest predicted peak, :func:`predicted_need`).
+        device: where it runs.
+        what: the run, as the message's subject.
+        fix: what the message tells the user to do instead.
+        config: the model, kept on the error for the caller to name its flags.
+
+    Raises:
+        MemoryCheckError: ``'<what> needs about <need> (the largest predicted peak) but <available> is available
+            on <device>: <fix>'``.
+
+    Example::
+
+        >>> check_fits(1 << 50, "cpu")
+        Traceback (most recent call last):
+        MemoryCheckError: measuring needs about 1048576.00 GiB ...
+    """
     available = available_memory(device)
     if available is not None and need > MEMORY_SHARE * available:
-        raise ValueError(f"measuring needs about {format_bytes(need)} (the largest predicted peak) but "
-                         f"{format_bytes(available)} is available on {device}: use a smaller config (--layers, --seq, "
-                         "--batch, ...), or 'remat predict' alone")
+        raise MemoryCheckError(f"{what} needs about {format_bytes(need)} (the largest predicted peak) but "
+                               f"{format_bytes(available)} is available on {torch.device(device)}: {fix}",
+                               need, available, config)
+
+
+def predicted_need(config: ModelConfig, policies: Sequence[Policy], device: str = "cpu") -> int:
+    """The largest peak :func:`remat.memory.predict.predict_config` predicts for ``config`` over ``policies``
+    (shapes only, under FakeTensorMode: nothing of that size is allocated)."""
+    return max(predict_config(config, policy, device=device).peak_bytes for policy in policies)
 
 
 def part_errors(predicted: dict[str, int], measured: dict[str, int], measured_peak: int) -> dict[str, float]:
@@ -132,8 +171,8 @@ def compare_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
         progress: called as ``progress(i, len(policies), str(policy))`` while measuring.
 
     Returns:
-        One :func:`comparison_row` per policy. Raises ValueError before measuring when the largest predicted peak
-        does not fit in this machine's free memory (:func:`check_fits_here`).
+        One :func:`comparison_row` per policy. Raises :class:`MemoryCheckError` before measuring when the largest
+        predicted peak does not fit in this machine's free memory (:func:`check_fits`).
 
     Example::
 
@@ -141,10 +180,12 @@ def compare_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
         >>> abs(rows[1]["error"]) < 0.01
         True
     """
-    import torch
-
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here; compare measures on this machine, use "
+                         "--device cpu")
     predicted = [tl for tl, _ in predict_policies(config, policies, device=device, adam=adam)]
-    check_fits_here(max(tl.peak_bytes for tl in predicted), device)
+    check_fits(max(tl.peak_bytes for tl in predicted), device,
+               fix="use a smaller config (--layers, --seq, --batch, ...), or 'remat predict' alone")
     where = torch.device(device)
     batch = sample_batch(config, where)
     rows = []

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from remat.config import ModelConfig
 from remat.policy import Policy
 from remat.recompute.region import RecomputeLayout, group_label
 from remat.timeline import Phase, Timeline
@@ -32,6 +33,14 @@ class Role:
     mode_above_region: str | None
     # 1, 2 or 3+: in a region of two the first and last layers are neighbours, in a longer one they are not
     region_size: int = 1
+    # heterogeneous stacks (dense and MoE layers): 'below/own/above' layer kinds ('' when all layers are alike)
+    kind: str = ""
+
+
+def layer_kinds(config: ModelConfig) -> tuple[str, ...] | None:
+    """'dense' or 'moe' for each layer of a stack that mixes them (None when every layer is alike)."""
+    pattern = config.moe_layer_pattern()
+    return None if len(set(pattern)) == 1 else tuple("moe" if p else "dense" for p in pattern)
 
 
 def layer_regions(policy: RecomputeLayout, depth: int) -> list[tuple[str, int]]:
@@ -46,15 +55,16 @@ def layer_regions(policy: RecomputeLayout, depth: int) -> list[tuple[str, int]]:
     return regions
 
 
-def layer_roles(policy: RecomputeLayout, depth: int) -> list[Role]:
+def layer_roles(policy: RecomputeLayout, depth: int, kinds: Sequence[str] | None = None) -> list[Role]:
     regions = layer_regions(policy, depth)
     roles = []
     for i, ((mode, _), (first, last)) in enumerate(zip(regions, _region_bounds(policy, depth))):
+        kind = "/".join(kinds[j] if 0 <= j < depth else "" for j in (i - 1, i, i + 1)) if kinds else ""
         if first < i < last:  # inside a group, a layer only deals with its two neighbours
-            roles.append(Role(mode, True, True, None, None, 3))
+            roles.append(Role(mode, True, True, None, None, 3, kind))
             continue
         roles.append(Role(mode, first < i, last > i, regions[first - 1][0] if first > 0 else None,
-                          regions[last + 1][0] if last + 1 < depth else None, min(last - first + 1, 3)))
+                          regions[last + 1][0] if last + 1 < depth else None, min(last - first + 1, 3), kind))
     return roles
 
 
@@ -72,6 +82,28 @@ def shallow_stand_ins(policy: Policy, depth: int, max_depth: int = 12) -> Iterat
         for candidate in candidates:
             if need <= set(layer_roles(candidate, small_depth)):
                 yield candidate, small_depth
+
+
+def shallow_stand_ins_of_kinds(policy: Policy, kinds: Sequence[str], max_depth: int = 12,
+                               ) -> Iterator[tuple[Policy, int, tuple[str, ...]]]:
+    """:func:`shallow_stand_ins` for a stack of mixed layer kinds (``kinds``, e.g. dense layers then MoE layers):
+    each (policy, depth, layer kinds) whose layers have every role, kinds included, of ``(policy, kinds)``."""
+    depth = len(kinds)
+    need = set(layer_roles(policy, depth, kinds))
+    names = sorted(set(kinds))
+    for small_depth in range(1, min(depth, max_depth) + 1):
+        patterns = {tuple(kinds[:small_depth]), tuple(kinds[-small_depth:])}
+        patterns |= {(a,) * n + (b,) * (small_depth - n) for a in names for b in names for n in range(small_depth + 1)}
+        if policy.granularity == "full":
+            low = 1 if policy.method == "uniform" else 0
+            candidates = [dataclasses.replace(policy, num_layers=k)
+                          for k in range(low, min(policy.num_layers, small_depth) + 1)]
+        else:
+            candidates = [policy]
+        for candidate in candidates:
+            for pattern in sorted(patterns):
+                if need <= set(layer_roles(candidate, small_depth, pattern)):
+                    yield candidate, small_depth, pattern
 
 
 def shallow_stand_in(policy: Policy, depth: int, max_depth: int = 12) -> tuple[Policy, int]:
@@ -143,7 +175,9 @@ class ShallowTrace:
     def __init__(self, timeline: Timeline, policy: Policy):
         self.timeline, self.policy = timeline, policy
         self.depth = int(timeline.meta["num_layers"])
-        self.roles = layer_roles(policy, self.depth)
+        config = timeline.meta.get("config")
+        self.kinds = layer_kinds(ModelConfig.from_dict(config)) if isinstance(config, dict) else None
+        self.roles = layer_roles(policy, self.depth, self.kinds)
         self.bounds = _region_bounds(policy, self.depth)
         tl = timeline
         event_row: list[tuple[bool, int]] = [(False, -1)] * tl.num_events
@@ -258,7 +292,7 @@ class ShallowTrace:
 # The result is a Timeline like any other: the deep trace's peak and at-peak parts are reproduced exactly when the
 # layers are homogeneous (tests/memory/test_compose.py checks this against full fake traces, byte for byte).
 def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, policy: RecomputeLayout,
-            depth: int) -> Timeline:
+            depth: int, kinds: Sequence[str] | None = None) -> Timeline:
     """Lay out the fake trace of a shallow reference stack as the step of a ``depth``-layer stack (see the NOTE
     above).
 
@@ -268,6 +302,8 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
         shallow_policy: the policy the shallow trace ran with.
         policy: the deep stack's policy; its layers' roles must all occur in the shallow trace.
         depth: the deep stack's layer count.
+        kinds: for a stack that mixes dense and MoE layers, each layer's kind (:func:`layer_kinds`); the shallow
+            trace must then mix them too.
 
     Returns:
         The deep step's :class:`~remat.timeline.Timeline`, with ``meta['composed_from']`` naming the shallow
@@ -291,7 +327,7 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
     trace = shallow if isinstance(shallow, ShallowTrace) else ShallowTrace(shallow, shallow_policy)
     small = trace.timeline
     small_depth = trace.depth
-    roles = layer_roles(policy, depth)
+    roles = layer_roles(policy, depth, kinds)
     try:
         template = [trace.template_of_role[role] for role in roles]
     except KeyError as err:

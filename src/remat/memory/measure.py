@@ -415,6 +415,9 @@ def _record(recorder: StepRecorder, model: nn.Module, batch: Batch, optimizer: t
     else:
         tl.meta.setdefault("policy", "none")
     tl.meta["num_layers"] = len(stack)
+    routing = getattr(model, "routing_report", None)  # MoE models: the token counts and where they came from
+    if callable(routing) and routing() is not None:
+        tl.meta["moe_routing"] = routing()
     return tl, loss.detach()
 
 

@@ -12,14 +12,23 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from remat.config import ModelConfig
-from remat.memory.compose import CompositionError, ShallowTrace, compose, shallow_stand_ins
+from remat.config import ModelConfig, RoutingAssumption
+from remat.memory.compose import (
+    CompositionError,
+    ShallowTrace,
+    compose,
+    layer_kinds,
+    shallow_stand_ins,
+    shallow_stand_ins_of_kinds,
+)
+from remat.memory.disk_cache import cached_timeline
 from remat.memory.kernels import kernel_trace, prepare_model, resolve_kernels, use_kernels
 from remat.memory.measure import Batch, MeasureError, check_step, record_step
 from remat.models.gpt import build_model, sample_batch
 from remat.models.tensor_parallel import SimulatedGroup, build_tp_model, check_tensor_parallel
 from remat.policy import Policy
 from remat.recompute.apply import apply
+from remat.recompute.hf import fake_mask_reads
 from remat.recompute.region import RecomputeLayout
 from remat.timeline import Timeline
 from remat.units import CUDA_BLOCK
@@ -152,16 +161,30 @@ def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "
         policy = Policy.parse(policy)
     policy.layer_groups(config.num_layers)  # refuses k > depth, naming the depth
     check_tensor_parallel(config, tp, sp)
-    stand_ins = list(shallow_stand_ins(policy, config.num_layers)) if compose_layers else []
+    # MoE stacks that mix dense and MoE layers compose from shallow stacks that mix them too; MoE layers given
+    # different routing counts are not interchangeable, so they are traced in full
+    kinds = layer_kinds(config)
+    per_layer = config.moe_routing_assumption is not None and \
+        RoutingAssumption.parse(config.moe_routing_assumption).per_layer
+    if not compose_layers or per_layer:
+        stand_ins: list[tuple[Policy, int, tuple[str, ...] | None]] = []
+    elif kinds is None:
+        stand_ins = [(p, d, None) for p, d in shallow_stand_ins(policy, config.num_layers)]
+    else:
+        stand_ins = list(shallow_stand_ins_of_kinds(policy, kinds))
+
+    def shallow_config(stand_in: tuple[Policy, int, tuple[str, ...] | None]) -> ModelConfig:
+        small_kinds = stand_in[2]
+        return config.with_depth(stand_in[1], None if small_kinds is None else tuple(k == "moe" for k in small_kinds))
+
     # a stand-in already traced (for another policy of a sweep) beats a shallower one still to trace
     kernels = resolve_kernels(None, device)
-    stand_ins.sort(key=lambda c: (
-        (config.replace(num_layers=c[1]), c[0], device, tp, sp, kernels) not in SHALLOW_TRACES, c[1]))
+    stand_ins.sort(key=lambda c: ((shallow_config(c), c[0], device, tp, sp, kernels) not in SHALLOW_TRACES, c[1]))
     if stand_ins and stand_ins[0][1] < config.num_layers:
-        shallow_policy, shallow_depth = stand_ins[0]
+        shallow_policy, shallow_depth, _ = stand_ins[0]
         try:
-            shallow = _shallow_trace(config.replace(num_layers=shallow_depth), shallow_policy, device, tp, sp)
-            timeline = compose(shallow, shallow_policy, policy, config.num_layers)
+            shallow = _shallow_trace(shallow_config(stand_ins[0]), shallow_policy, device, tp, sp)
+            timeline = compose(shallow, shallow_policy, policy, config.num_layers, kinds)
         except CompositionError as err:
             timeline = trace_rank(config, policy, device, tp, sp)
             timeline.meta["composition_refused"] = str(err)
@@ -227,7 +250,10 @@ def _shallow_trace(config: ModelConfig, policy: Policy, device: str, tp: int, sp
     if key not in SHALLOW_TRACES:
         if len(SHALLOW_TRACES) >= SHALLOW_TRACES_CAPACITY:
             del SHALLOW_TRACES[next(iter(SHALLOW_TRACES))]
-        SHALLOW_TRACES[key] = ShallowTrace(trace_rank(config, policy, device, tp, sp), policy)
+        disk_key = {"config": config.to_dict(), "policy": repr(policy), "device": device, "tp": tp, "sp": sp,
+                    "kernels": key[-1]}  # on disk too (remat.memory.disk_cache): a later process reuses it
+        SHALLOW_TRACES[key] = ShallowTrace(cached_timeline("shallow_trace", disk_key, lambda: trace_rank(
+            config, policy, device, tp, sp)), policy)
     return SHALLOW_TRACES[key]
 
 
@@ -267,8 +293,9 @@ def trace(model: ModelSource, policy: Policy | str, *, batch: Batch | Callable[[
         prepare_model(module, profile)
         state = apply(module, policy, layers=layers)
         opt = optimizer(module.parameters()) if optimizer is not None else None
-        timeline, _ = record_step(module, fake_batch, optimizer=opt, loss_fn=loss_fn,
-                                  layers=state.layers, block_bytes=CUDA_BLOCK if device == "cuda" else 1)
+        with fake_mask_reads(module, batch):  # HF mask decisions as the real batch makes them (remat.recompute.hf)
+            timeline, _ = record_step(module, fake_batch, optimizer=opt, loss_fn=loss_fn,
+                                      layers=state.layers, block_bytes=CUDA_BLOCK if device == "cuda" else 1)
     timeline.meta.update({"backend": "fake", "device": device, "kernels": profile})
     if kernel_record.messages:
         timeline.meta["kernel_warnings"] = kernel_record.messages

@@ -4,7 +4,6 @@ built by :func:`build_model` with a matching :func:`sample_batch`."""
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
@@ -12,42 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.config import ModelConfig
+from remat.models.blocks import CoreAttention, SwiGLU, apply_rotary, norm_layer
+from remat.models.mla import MLASelfAttention
+from remat.models.moe import MoELayer
 
-
-def norm_layer(config: ModelConfig) -> nn.Module:
-    if config.normalization == "rmsnorm":
-        return nn.RMSNorm(config.hidden_size, eps=1e-5)
-    return nn.LayerNorm(config.hidden_size, eps=1e-5)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (first half, second half) of the head dimension; x is [b, heads, s, d]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) + mask) v with dropout on the probabilities: Megatron's ``core_attn``."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.kind = config.attention
-        self.dropout = config.attention_dropout
-        self.scale = 1.0 / math.sqrt(config.head_dim)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attention_mask: torch.Tensor) -> torch.Tensor:
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves several queries
-            repeat = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
-        p = self.dropout if self.training else 0.0
-        if self.kind == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=p)
-        scores = (q @ k.transpose(-2, -1)) * self.scale
-        scores = scores.masked_fill(~attention_mask, float("-inf"))
-        probs = F.dropout(scores.softmax(dim=-1), p=p, training=self.training)
-        return probs @ v
+__all__ = ["GPT", "MLP", "CoreAttention", "Embedding", "LMHead", "SelfAttention", "SwiGLU", "TransformerLayer",
+           "apply_rotary", "build_model", "building", "layer_side_inputs", "norm_layer", "rotary_tables",
+           "routing_report", "sample_batch"]
 
 
 class SelfAttention(nn.Module):
@@ -80,12 +50,6 @@ class SelfAttention(nn.Module):
         return context.transpose(1, 2).reshape(b, s, self.heads * d)
 
 
-class SwiGLU(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -106,12 +70,14 @@ class MLP(nn.Module):
 # keeps more than the hidden states. Submodule names follow Megatron's (self_attention.core_attention,
 # mlp.activation ...), which is what selective recompute targets.
 class TransformerLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_number: int = 0):
         super().__init__()
         self.input_layernorm = norm_layer(config)
-        self.self_attention = SelfAttention(config)
+        self.self_attention = MLASelfAttention(config) if config.multi_latent_attention else SelfAttention(config)
         self.pre_mlp_layernorm = norm_layer(config)
-        self.mlp = MLP(config)
+        pattern = config.moe_layer_pattern()
+        # an MoE layer replaces the dense MLP where moe_layer_freq says so (NOTE [MoE fields] in remat.config)
+        self.mlp = MoELayer(config, sum(pattern[:layer_number])) if pattern[layer_number] else MLP(config)
         self.dropout = config.hidden_dropout
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor,
@@ -156,7 +122,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = Embedding(config)
-        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
         self.head = LMHead(config)
         if config.tie_embeddings:
             self.head.output_layer.weight = self.embedding.word_embeddings.weight
@@ -171,6 +137,21 @@ class GPT(nn.Module):
             hidden = layer(hidden, causal_mask, rotary)
         return self.head(hidden, labels)
 
+    def routing_report(self) -> dict[str, object] | None:
+        """The token counts per expert of the last step's MoE layers and where they came from (None: no MoE)."""
+        return routing_report(self.config, self.layers)
+
+
+def routing_report(config: ModelConfig, layers: nn.ModuleList) -> dict[str, object] | None:
+    """``{'assumption', 'experts', 'topk', 'tokens_per_expert': {'<layer>': counts}}`` for the MoE layers in
+    ``layers`` after a step; 'assumption' is the routing assumption used, or 'measured' for real routing."""
+    reports = {i: layer.mlp.routing_report() for i, layer in enumerate(layers) if isinstance(layer.mlp, MoELayer)}
+    if not reports:
+        return None
+    sources = sorted({r["source"] for r in reports.values()})
+    return {"assumption": "+".join(sources), "experts": config.num_moe_experts, "topk": config.moe_router_topk,
+            "tokens_per_expert": {str(i): r["tokens_per_expert"] for i, r in reports.items()}}
+
 
 def layer_side_inputs(config: ModelConfig, tokens: torch.Tensor,
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
@@ -182,10 +163,11 @@ def layer_side_inputs(config: ModelConfig, tokens: torch.Tensor,
 
 def rotary_tables(config: ModelConfig, seq_length: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """cos and sin of the rotary angles, [seq_length, head_dim / 2] in the model's dtype (None without rope)."""
+    """cos and sin of the rotary angles, [seq_length, rotary_dim / 2] in the model's dtype (None without rope);
+    rotary_dim is the head dimension, or MLA's qk_pos_emb_head_dim."""
     if config.position != "rope":
         return None
-    d = config.head_dim
+    d = config.rotary_dim
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
     angles = torch.outer(torch.arange(seq_length, device=device, dtype=torch.float32), inv_freq)
     return angles.cos().to(config.torch_dtype), angles.sin().to(config.torch_dtype)

@@ -123,8 +123,11 @@ def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timel
     recorder = PipelineRecorder(module, [module])
     named = [(GRAD_BUFFER, buffer.grad_data)] + [(MASTER, t) for t in optimizer.masters] + [
         (STATE, t) for t in optimizer.states]
+    if step.model_input is not None:  # the last step's input, kept by the model until this step's first forward
+        named += [("pipeline.model_input", step.model_input), ("pipeline.model_input.grad", step.model_input.grad)]
     with gc_paused(), recorder:
         recorder.track_setup(named)
+        del named  # it would keep the model's input alive
         step.recorder = recorder
         step.train_step()
         step.recorder = None

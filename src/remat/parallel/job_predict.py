@@ -28,6 +28,7 @@ from remat.parallel.schedule import (
     schedule_actions,
     warmup_forwards,
 )
+from remat.recompute.plan_format import Plan
 from remat.timeline import CATEGORIES, Timeline
 from remat.units import CUDA_BLOCK
 
@@ -174,17 +175,19 @@ def stage_state(job: Job, stage: int) -> RankState:
     return rank_state(job, params, pipeline_rank=stage)
 
 
-def predict_stage(job: Job, stage: int, *, device: str = "cpu") -> RankPrediction:
+def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | None = None) -> RankPrediction:
     """Predict the whole training step of a rank of pipeline stage ``stage`` (one of :func:`predict_job`'s ranks).
 
     Args:
         job: the Megatron job.
         stage: the pipeline stage, 0 .. pp - 1.
         device: 'cpu' (exact bytes) or 'cuda' (activations rounded to 512-byte blocks).
+        layout: a recompute plan of one model chunk's layers, run by every chunk of the stage instead of
+            ``job.policy`` (remat plan's per-stage plans); None: ``job.policy``.
 
     Returns:
         The stage's :class:`RankPrediction`: its timeline holds the model state and the activations of the
-        microbatches in flight under ``job.policy``.
+        microbatches in flight under ``job.policy`` (or ``layout``).
 
     Example:
         >>> from remat.config import ModelConfig
@@ -202,12 +205,13 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu") -> RankPredictio
     chunks = rank_chunks(partition(config, pp, vpp), pp, stage)
     actions = schedule_actions(schedule, pp, job.num_microbatches, vpp, stage, runtime="megatron")
     window = warmup_forwards(schedule, pp, job.num_microbatches, vpp, stage, "megatron") + 1
-    traces = {(s.index, True): trace_chunk(config, s.kind, job.policy, device, tp, sp, batch_in_forward=True)
+    recompute = job.policy if layout is None else layout
+    traces = {(s.index, True): trace_chunk(config, s.kind, recompute, device, tp, sp, batch_in_forward=True)
               for s in chunks}
     plan = ShardedStagePlan(config, pp, job.num_microbatches, vpp, stage, schedule, "megatron", chunks, actions,
                             checkpointed_forwards(actions, None, window), traces,
                             block=CUDA_BLOCK if device == "cuda" else 1, activation_shards=tp if sp else 1)
-    timeline = compose_stage(plan, job.policy)
+    timeline = compose_stage(plan, recompute)
     state = stage_state(job, stage)
     add_model_state(timeline, state, ring_exchange_bytes(job))
     timeline.meta["job"] = {"stage": stage, "tp": tp, "sp": sp, "cp": cp, "dp": job.dp, "pp": pp, "vpp": job.vpp,

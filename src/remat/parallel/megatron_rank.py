@@ -53,7 +53,11 @@ STATE = "optimizer.state"
 #   an output is "deallocated" once sent (its .data replaced by a 1-element tensor); backward runs the C++ engine
 #   directly (custom_backward). Each microbatch's token ids (first stage) and labels (last stage) are made by
 #   the forward step (Megatron's get_batch) and live as long as the model's autograd graph keeps them; the last
-#   stage keeps a detached copy of each loss for logging (forward_data_store).
+#   stage keeps a detached copy of each loss for logging (forward_data_store). As in Megatron, the model keeps
+#   its last input (set_input_tensor) until the next forward step, so the last microbatch's input and its grad
+#   outlive the step, and the schedule holds ``total_num_tokens`` (4 bytes) while it runs. Not mirrored: the
+#   per-microbatch ``num_tokens`` (a CPU tensor in Megatron) and the loss scaling before the last stage's backward
+#   (``config.grad_scale_func``).
 
 
 def wait_released(tensors: Sequence[torch.Tensor], before: Sequence[int], timeout: float = 1.0) -> None:
@@ -329,6 +333,7 @@ class RankStep:
         self.tied = tied
         self.p2p = P2P(lay, hidden_shape(config, lay.tp, sp), config.torch_dtype)
         self.recorder: PipelineRecorder | None = None
+        self.model_input: torch.Tensor | None = None  # TransformerBlock.input_tensor (set_input_tensor)
 
     # -- forward / backward of one microbatch ---------------------------------------------------------------
     def _ids(self, mb: int, which: int) -> torch.Tensor:
@@ -340,6 +345,7 @@ class RankStep:
     def forward_step(self, mb: int, input_tensor: torch.Tensor | None, store: list[torch.Tensor]) -> torch.Tensor:
         if self.recorder is not None:
             self.recorder.begin_op("forward", self.spec, mb)
+        self.model_input = input_tensor  # set_input_tensor: the model keeps it until the next forward step
         x = self._ids(mb, 0) if self.spec.is_first else input_tensor
         labels = self._ids(mb, 1) if self.spec.is_last else None
         output = self.module(x, labels) if labels is not None else self.module(x)
@@ -366,21 +372,24 @@ class RankStep:
     def no_pipelining(self) -> list[torch.Tensor]:
         """forward_backward_no_pipelining: forward then backward, microbatch by microbatch."""
         store: list[torch.Tensor] = []
+        total_num_tokens = torch.zeros([], dtype=torch.int)  # noqa: F841 - Megatron's, alive until it returns
         for i in range(self.m):
             output_tensor = self.forward_step(i, None, store)
             self.backward_step(i, None, output_tensor, None)
-            output_tensor = None  # noqa: F841 - Megatron releases the graph head before the next forward
+            del output_tensor  # Megatron releases the graph head before the next forward
         self.finalize_grads()
         return store
 
     def one_f_one_b(self) -> list[torch.Tensor]:
         """forward_backward_pipelining_without_interleaving, line by line (its variables hold what Megatron's
         hold, for as long)."""
-        p2p, store = self.p2p, []
+        p2p = self.p2p
         num_warmup = min(self.lay.pp - self.lay.pp_rank - 1, self.m)
         remaining = self.m - num_warmup
         input_tensors: list[Any] = []
         output_tensors: list[Any] = []
+        total_num_tokens = torch.zeros([], dtype=torch.int)  # noqa: F841 - Megatron's, alive until it returns
+        store: list[torch.Tensor] = []  # forward_data_store
         for i in range(num_warmup):
             input_tensor = p2p.recv_forward()
             output_tensor = self.forward_step(i, input_tensor, store)

@@ -61,9 +61,15 @@ from remat.units import CUDA_BLOCK
 #   gradients (allocated once, kept), the whole batch of token ids/labels on the first/last stage, and the stage
 #   outputs and input gradients that its schedules and its gloo/NCCL send handles keep alive (modelled by
 #   following the schedule code's references; see :func:`torch_runtime`). With ``runtime='megatron'``,
-#   Megatron-LM's: each received activation/gradient is a fresh tensor kept until the microbatch's backward ends,
-#   an output is freed once sent (``deallocate_pipeline_outputs``), an input gradient once sent, and each
-#   microbatch's token ids/labels are loaded at its forward and kept until its backward ends.
+#   Megatron-LM's, kept alive by what its schedule functions reference (:func:`megatron_runtime`; see NOTE
+#   [Megatron's schedule variables] in :mod:`remat.parallel.pipeline_runtime`): each receive is a fresh tensor,
+#   held by the schedule's variables and lists and by the autograd graph (the received input holds its ``.grad``,
+#   the input gradient), in places past the microbatch's backward; a sent output's storage becomes a one-element
+#   placeholder (``deallocate_output_tensor``) while the tensor object and its graph stay referenced; each
+#   microbatch's token ids/labels are made inside its forward (``get_batch``) and live as long as the chunk trace
+#   says; the last stage keeps a copy of each loss (``forward_data_store``). The non-interleaved schedules are
+#   followed line by line, as :mod:`remat.parallel.megatron_rank` runs them for real; the interleaved one is laid
+#   out action by action.
 # * **Partial recompute** (``partial_checkpoint_microbatches=N``, Megatron's
 #   ``num_microbatches_with_partial_activation_checkpoints``): Megatron checkpoints a forward k of a rank
 #   (counting the rank's forwards from 0) iff ``k % window >= N`` with ``window = warm-up forwards + 1``
@@ -91,11 +97,11 @@ def predict_pipeline(config: ModelConfig, policy: Policy | str, pp: int, microba
     chunk (groups and block counts count within a chunk); the step runs ``microbatches`` microbatches under
     ``schedule`` ('1f1b', 'gpipe' or 'interleaved' with ``vpp`` chunks per stage). ``layout`` gives the layers of
     each global chunk (default: even). ``partial_checkpoint_microbatches`` is Megatron's
-    ``num_microbatches_with_partial_activation_checkpoints`` (see the module docstring). ``runtime`` says whose
-    pipeline buffers to model: 'torch' (``torch.distributed.pipelining``, what
-    :func:`remat.parallel.pipeline_measure.measure_pipeline` runs) or 'megatron'. ``device='cuda'`` rounds storages to
-    512-byte
-    blocks. Nothing is allocated for real. Raises :class:`PipelineError` for settings that cannot run.
+    ``num_microbatches_with_partial_activation_checkpoints`` (see NOTE [Pipeline composition]). ``runtime`` says
+    whose pipeline buffers to model: 'torch' (``torch.distributed.pipelining``, what
+    :func:`remat.parallel.pipeline_measure.measure_pipeline` runs) or 'megatron' (Megatron-LM's schedules, as
+    :func:`megatron_runtime` follows them). ``device='cuda'`` rounds storages to 512-byte blocks. Nothing is
+    allocated for real. Raises :class:`PipelineError` for settings that cannot run.
 
     Each timeline's ``meta['pipeline']`` holds the stage's schedule, its warm-up forwards, the most microbatches it
     holds at once, and at its peak the (microbatch, chunk) pairs whose saved tensors are alive; ``meta['why']``

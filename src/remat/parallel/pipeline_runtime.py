@@ -418,13 +418,23 @@ class _MegatronSchedule:
         self.first_backward: set[int] = set()
 
     def run(self) -> None:
-        plan, h = self.plan, self.h
+        plan, h, composer, c = self.plan, self.h, self.composer, self.c
+        composer.phase("setup", "pipeline")
+        if not self.spec.is_first:  # the model's input tensor (set_input_tensor) is the last step's, with its grad
+            composer.alloc(("recv_act", c, -1), plan.activation_bytes, f"pipeline.stage{c}.recv_activation",
+                           plan.trace(Action("F", c, plan.microbatches - 1)).input_category)
+            composer.alloc(("igrad", c, -1), plan.activation_bytes, f"pipeline.stage{c}.input_grad")
+            h.add(("recv_act", c, -1), ("igrad", c, -1))
+            h.set("model.input_tensor", [("recv_act", c, -1)])
+        composer.alloc(("total_num_tokens", c), _storage_bytes(4, plan.block), "pipeline.total_num_tokens")
+        h.set("total_num_tokens", [("total_num_tokens", c)])
         if plan.pp == 1 and plan.schedule == "1f1b":
             self.no_pipelining()
         else:
             self.one_f_one_b(warmup_forwards(plan.schedule, plan.pp, plan.microbatches, 1, plan.rank, "megatron"))
-        self.composer.phase("setup", "pipeline")
+        composer.phase("setup", "pipeline")
         h.release("forward_data_store")  # returned to the caller; dropped once the step is done
+        # the model keeps the last input (and its grad) until the next step's first forward
 
     def receive(self, kind: str, mb: int) -> tuple[str, int, int]:
         """p2p_communication: every receive is a fresh tensor (none where the stage has no neighbour)."""
@@ -444,6 +454,7 @@ class _MegatronSchedule:
         plan, h, spec, c = self.plan, self.h, self.spec, self.c
         trace = plan.trace(Action("F", c, mb))
         out, graph, output = ("out", c, mb), ("graph", c, mb), ("output", c, mb)
+        h.set("model.input_tensor", [("recv_act", c, mb)])  # set_input_tensor: the model keeps it
         self.composer.segment(trace.forward, spec, mb, plan.prefix(spec), "F", keep_key=out)
         h.set(graph, [("recv_act", c, mb)])  # the AccumulateGrad node of the received input
         h.set(output, [out, graph])
@@ -461,9 +472,13 @@ class _MegatronSchedule:
         self.composer.alloc(("placeholder", c, mb), one, "pipeline.output_placeholder")
         self.h.set(("output", c, mb), [("placeholder", c, mb), ("graph", c, mb)])
 
-    def backward(self, mb: int) -> tuple[str, int, int]:
+    def backward(self, mb: int, deallocated: bool = True) -> tuple[str, int, int]:
         """backward_step: the chunk's backward; the input gradient becomes the received input's ``.grad``."""
+        reshaped = ("loss_grad", self.c, mb)
+        if self.spec.is_last and deallocated:  # the engine sums the placeholder's ones to the 0-dim loss's shape
+            self.composer.alloc(reshaped, self.plan.trace(Action("B", self.c, mb)).output_bytes, "head")
         grad = _backward(self.plan, self.composer, Action("B", self.c, mb), self.first_backward)
+        self.composer.free(reshaped)
         key = ("igrad", self.c, mb)
         if grad is not None:
             self.h.add(("recv_act", self.c, mb), key)
@@ -474,8 +489,10 @@ class _MegatronSchedule:
         h = self.h
         for i in range(self.plan.microbatches):
             h.set("output_tensor", [self.forward(i)])
-            self.backward(i)
+            self.backward(i, deallocated=False)
             h.release("output_tensor")
+        self.composer.phase("setup", "pipeline")
+        h.release("total_num_tokens")
 
     def one_f_one_b(self, warmup: int) -> None:
         """forward_backward_pipelining_without_interleaving, line by line."""
@@ -507,8 +524,8 @@ class _MegatronSchedule:
             h.set("input_tensor_grad", [self.backward(remaining + i)])
         self.composer.phase("setup", "pipeline")
         # the function returns: its locals go in the order they were first assigned
-        for holder in ("input_tensors", "output_tensors", "input_tensor", "output_tensor", "output_tensor_grad",
-                       "input_tensor_grad"):
+        for holder in ("input_tensors", "output_tensors", "total_num_tokens", "input_tensor", "output_tensor",
+                       "output_tensor_grad", "input_tensor_grad"):
             h.release(holder)
 
 

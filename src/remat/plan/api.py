@@ -13,7 +13,7 @@ import torch
 
 from remat.config import ModelConfig
 from remat.plan.costs import CostModel, candidate_units
-from remat.plan.megatron import Predicted, megatron_table, predict_plan
+from remat.plan.megatron import Predicted, megatron_policies, predicted
 from remat.plan.options import ParallelOptions, PlanOptions
 from remat.plan.pipeline import plan_pipeline
 from remat.plan.result import BudgetError, PlanChoice, PlanResult
@@ -21,7 +21,6 @@ from remat.plan.solver import Solution, min_peak, solve, tidy
 from remat.plan.unit_model import UnitModel, unit_model
 from remat.policy import Policy, PolicyError
 from remat.recompute.plan_format import Plan, PlanError, Unit
-from remat.timeline import Timeline
 from remat.units import format_bytes
 
 __all__ = ["BudgetError", "ParallelOptions", "PlanChoice", "PlanOptions", "PlanResult", "plan"]
@@ -94,14 +93,18 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
     units = candidate_units(L, offload=options.offload, engine=engine, selective_sets=options.selective_sets,
                             contractions=model.contractions)
 
+    # NOTE [the Megatron screen]: the Megatron settings are priced and screened with the unit model (exact where the
+    # tests say so; it can only over-estimate, by the side inputs' bytes), cheapest first, and only the settings that
+    # may fit are traced (predicted(): composed from cached shallow traces) until one's traced peak fits. The answer
+    # is the one the full sweep of traced peaks gave, for one or two traces instead of ~20 shallow ones.
     t = time.perf_counter()
-    table = megatron_table(config, device=device, engine=engine, tp=tp, sp=sp)
-    stats["megatron_seconds"] = time.perf_counter() - t
-    baseline = table[0][1]
-    meg: list[tuple[Policy, Predicted, Plan, int, int]] = []
-    for policy, pred in table:
+    baseline = predicted(config, Policy(engine=engine), device=device, tp=tp, sp=sp)
+    meg: list[tuple[Policy, Plan, int, int, int]] = []  # policy, plan, cost, model peak, rebuilt bytes
+    for policy in megatron_policies(L, engine):
         p = Plan.from_policy(policy, L)
-        meg.append((policy, pred, p, sum(cost.cost(model, u) for u in p.units()), model.peak(p.units())))
+        us = p.units()
+        meg.append((policy, p, sum(cost.cost(model, u) for u in us), model.peak(us),
+                    sum(model.shape(u).recompute_bytes for u in us)))
     # NOTE [tensor-parallel room]: with tp (and sp) the unit model, the Megatron sweep and the validation trace are
     # of one rank (remat.models.tensor_parallel's Megatron sharding on a simulated group), so the plan is one GPU's.
     # On real ranks a communication library may let go of a collective's buffer (a reduce-scatter input or
@@ -112,17 +115,23 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
         torch.empty((), dtype=config.torch_dtype).element_size() if tp > 1 else 0
     limit = budget_bytes - margin
     stats["collective_margin_bytes"] = margin
-    fitting = [m for m in meg if m[1].peak_bytes <= limit]
-    megatron_choice = None
-    if fitting:
-        # ties in cost (FLOP counters price norms at zero) go to the setting that rebuilds the fewest bytes
-        policy, pred, p, c, _ = min(fitting, key=lambda m: (
-            m[3], sum(model.shape(u).recompute_bytes for u in m[2].units()), m[1].peak_bytes))
-        megatron_choice = _choice(config, p, pred, "megatron", cost, model, baseline)
-        note = ""
-    else:
-        lowest = min(meg, key=lambda m: m[1].peak_bytes)
-        note = (f"the lowest Megatron peak is {format_bytes(lowest[1].peak_bytes)} ({lowest[0]}), above the budget")
+    slack = sum(model.side.values())
+    megatron_choice, traced = None, 0
+    # ties in cost (FLOP counters price norms at zero) go to the setting that rebuilds the fewest bytes
+    for policy, p, *_ in sorted((m for m in meg if m[3] - slack <= limit),
+                                key=lambda m: (m[2], m[4], m[3])):
+        pred = baseline if policy.is_none else predicted(config, policy, device=device, tp=tp, sp=sp)
+        traced += 1
+        if pred.peak_bytes <= limit:
+            megatron_choice = _choice(config, p, pred, "megatron", cost, model, baseline)
+            break
+    stats["megatron_seconds"] = time.perf_counter() - t
+    stats["megatron_traced"] = traced
+    note = ""
+    if megatron_choice is None:
+        lowest = min(meg, key=lambda m: m[3])
+        low = predicted(config, lowest[0], device=device, tp=tp, sp=sp)
+        note = f"the lowest Megatron peak is {format_bytes(low.peak_bytes)} ({lowest[0]}), above the budget"
 
     # NOTE [the guarantee]: the unit model is checked, not trusted. The chosen plan is predicted with the real trace
     # (predict_plan: remat.memory.compose from a shallow trace with every layer role of the plan, or the whole
@@ -136,10 +145,10 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
     # brute force over all segmentations of a 6-layer model). A budget below the smallest reachable peak raises
     # BudgetError with that peak and the plan that reaches it.
     model_budget = limit
-    chosen: tuple[Plan, Timeline, Solution] | None = None
+    chosen: tuple[Plan, Predicted, Solution] | None = None
     dp_seconds, entries, validate_seconds, resolves = 0.0, 0, 0.0, 0
     for _ in range(options.max_resolves + 1):
-        incumbent = min((m[3] for m in meg if m[4] <= model_budget), default=None)
+        incumbent = min((m[2] for m in meg if m[3] <= model_budget), default=None)
         sol = solve(model, L, model_budget, cost, units=units, incumbent=incumbent)
         if sol is None:
             break
@@ -148,7 +157,7 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
         tidied = tidy(model, sol.units, model_budget, cost)
         candidate = Plan.from_units(tidied, engine)
         t = time.perf_counter()
-        tl = predict_plan(config, candidate, device=device, tp=tp, sp=sp)
+        tl = predicted(config, candidate, device=device, tp=tp, sp=sp)
         validate_seconds += time.perf_counter() - t
         if tl.peak_bytes <= limit:
             chosen = (candidate, tl, sol)
@@ -179,9 +188,8 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
     return result
 
 
-def _choice(config: ModelConfig, plan_: Plan, tl: Timeline | Predicted, source: str, cost: CostModel,
+def _choice(config: ModelConfig, plan_: Plan, pred: Predicted, source: str, cost: CostModel,
             model: UnitModel, baseline: Predicted) -> PlanChoice:
-    pred = tl if isinstance(tl, Predicted) else Predicted.of(tl)
     base = baseline.flops.get("forward", 0) + baseline.flops.get("backward", 0)
     recompute = pred.flops.get("recompute", 0)
     policy, why = plan_.megatron_policy()
@@ -203,7 +211,7 @@ def _choice(config: ModelConfig, plan_: Plan, tl: Timeline | Predicted, source: 
 
 
 def _refusal(config: ModelConfig, model: UnitModel, units: list[Unit], cost: CostModel, budget: int, engine: str,
-             device: str, baseline: Predicted, meg: list[tuple[Policy, Predicted, Plan, int, int]],
+             device: str, baseline: Predicted, meg: list[tuple[Policy, Plan, int, int, int]],
              margin: int = 0) -> BudgetError:
     """The :class:`BudgetError` for a budget no plan fits: the smallest peak and the cheapest plan reaching it."""
     L = config.num_layers
@@ -211,11 +219,12 @@ def _refusal(config: ModelConfig, model: UnitModel, units: list[Unit], cost: Cos
     sol = solve(model, L, lowest, cost, units=units)
     assert sol is not None
     p = Plan.from_units(tidy(model, sol.units, lowest, cost), engine)
-    tl = predict_plan(config, p, device=device, tp=model.tp, sp=model.sp)
+    tl = predicted(config, p, device=device, tp=model.tp, sp=model.sp)
     choice = _choice(config, p, tl, "extended", cost, model, baseline)
-    best_meg = min(meg, key=lambda m: (m[1].peak_bytes, m[3]))
-    if best_meg[1].peak_bytes < choice.peak_bytes:  # only if the model were off: report the lower traced peak
-        choice = _choice(config, best_meg[2], best_meg[1], "megatron", cost, model, baseline)
+    policy, meg_plan = min(meg, key=lambda m: (m[3], m[2]))[:2]
+    meg_pred = predicted(config, policy, device=device, tp=model.tp, sp=model.sp)
+    if meg_pred.peak_bytes < choice.peak_bytes:  # only if the model were off: report the lower traced peak
+        choice = _choice(config, meg_plan, meg_pred, "megatron", cost, model, baseline)
     room = f" plus {margin:,} bytes of room for the collectives' buffers on real tensor-parallel ranks" if margin \
         else ""
     return BudgetError(

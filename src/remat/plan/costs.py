@@ -21,8 +21,15 @@ from remat.policy import SELECTIVE_MODULES, contraction_limit
 from remat.recompute.operators import MATMUL_OPS, contraction
 from remat.recompute.plan_format import KEEP, PlanError, Unit
 
-
 # ------------------------------------------------------------------------------------------------ costs
+# NOTE [roofline presets]: what prices the time objective on a GPU: dense bf16 tensor-core FLOP/s and HBM bandwidth
+# from the vendors' data sheets (H100 SXM, H200 SXM, A100 SXM 80GB, MI300X). A unit's recompute is charged its
+# FLOPs at the first plus the bytes it writes again at the second (a sum over the unit's operators: each is
+# compute- or memory-bound, so the sum bounds the roofline's max from above by at most 2x).
+ROOFLINES: dict[str, tuple[float, float]] = {
+    "h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12), "a100": (312e12, 2.039e12), "mi300x": (1307e12, 5.3e12)}
+
+
 @dataclass(frozen=True)
 class CostModel:
     """What a unit costs, as an integer the solver adds up.

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 from remat.config import ModelConfig
+from remat.memory import disk_cache
 from remat.memory.compose import CompositionError, ShallowTrace, compose, layer_roles
-from remat.memory.predict import predict_config, predict_many, trace_rank
+from remat.memory.disk_cache import cached_timeline
+from remat.memory.kernels import resolve_kernels
+from remat.memory.predict import predict_config, trace_rank
 from remat.policy import Policy
 from remat.recompute.plan_format import Plan, PlanError, Unit
 from remat.timeline import Timeline
 
 # NOTE [the Megatron space]: every setting Megatron-LM's flags can express for a dense model's layers: ``none``,
 # ``full/uniform/K`` and ``full/block/K`` for K = 1..L, and ``selective`` with each non-empty set of
-# MEGATRON_MODULES (remat's 'act' is MoE-only there; non_matmul is not Megatron's). plan() predicts each
-# (remat.memory.predict.predict_many: exact fake traces, composed for deep stacks) and answers with the setting of
-# least cost whose predicted peak fits; its cost also prunes the extended search (solve's incumbent).
+# MEGATRON_MODULES (remat's 'act' is MoE-only there; non_matmul is not Megatron's). plan() prices each with the
+# unit model and traces (predicted(): exact fake traces, composed for deep stacks, cached on disk) only the cheapest
+# that may fit until one's traced peak fits (NOTE [the Megatron screen] in remat.plan.api); that setting's cost
+# also prunes the extended search (solve's incumbent).
 # This is the one definition of that set: `remat predict/compare --sweep megatron` list it too (megatron_sweep).
 MEGATRON_MODULES = ("core_attn", "mlp", "layernorm")
 SWEEPS = ("megatron",)  # the names --sweep takes: megatron = megatron_sweep
@@ -108,7 +114,10 @@ def predict_plan(config: ModelConfig, plan: Plan, *, device: str = "cpu", tp: in
                 if key not in _STAND_INS:
                     if len(_STAND_INS) >= 32:
                         del _STAND_INS[next(iter(_STAND_INS))]
-                    _STAND_INS[key] = ShallowTrace(trace_rank(key[0], shallow, device, tp, sp), shallow)
+                    disk_key = {"config": key[0].to_dict(), "plan": str(shallow), "engine": shallow.engine,
+                                "device": device, "tp": tp, "sp": sp, "kernels": resolve_kernels(None, device)}
+                    _STAND_INS[key] = ShallowTrace(cached_timeline("plan_stand_in", disk_key, lambda: trace_rank(
+                        key[0], shallow, device, tp, sp)), shallow)
                 tl = compose(_STAND_INS[key], shallow, plan, plan.num_layers)
                 tl.meta["config"] = config.to_dict()
             except CompositionError as err:
@@ -138,19 +147,57 @@ class Predicted:
                    {k: int(v) for k, v in tl.meta.get("flops", {}).items()})
 
 
+_PREDICTED: dict[tuple[Any, ...], Predicted] = {}
+
+
+def predicted(config: ModelConfig, layout: Plan | Policy, *, device: str = "cpu", tp: int = 1,
+              sp: bool = False) -> Predicted:
+    """:class:`Predicted` of one step under ``layout`` (a plan, :func:`predict_plan`, or a policy,
+    :func:`remat.memory.predict.predict_config`), cached in memory and on disk (:mod:`remat.memory.disk_cache`):
+    what the planner needs of a traced prediction, without keeping the timeline."""
+    kernels = resolve_kernels(None, device)
+    what = f"plan {layout} @{layout.engine}" if isinstance(layout, Plan) else f"policy {layout!r}"
+    key = (config, what, device, tp, sp, kernels)
+    found = _PREDICTED.get(key)
+    if found is not None:
+        return found
+    disk_key = {"config": config.to_dict(), "layout": what, "device": device, "tp": tp, "sp": sp, "kernels": kernels}
+    stored = disk_cache.load("predicted", disk_key)
+    try:
+        found = None if stored is None else Predicted(int(stored["peak_bytes"]), str(stored["peak_phase"]),
+                                                      {str(k): int(v) for k, v in stored["at_peak"].items()},
+                                                      {str(k): int(v) for k, v in stored["flops"].items()})
+    except (KeyError, TypeError, ValueError, AttributeError):
+        found = None
+    if found is None:
+        tl = predict_plan(config, layout, device=device, tp=tp, sp=sp) if isinstance(layout, Plan) else \
+            predict_config(config, layout, device=device, tp=tp, sp=sp)
+        found = Predicted.of(tl)
+        disk_cache.store("predicted", disk_key, dataclasses.asdict(found))
+    if len(_PREDICTED) >= 1024:
+        del _PREDICTED[next(iter(_PREDICTED))]
+    _PREDICTED[key] = found
+    return found
+
+
 _MEGATRON: dict[tuple[ModelConfig, str, str, int, bool], list[tuple[Policy, Predicted]]] = {}
+
+
+def forget_predictions() -> None:
+    """Empty this process's caches of predictions and stand-in traces (the disk cache stays)."""
+    _PREDICTED.clear()
+    _STAND_INS.clear()
+    _MEGATRON.clear()
 
 
 def megatron_table(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
                    sp: bool = False) -> list[tuple[Policy, Predicted]]:
-    """Every Megatron setting (:func:`megatron_policies`) with its prediction
-    (:func:`remat.memory.predict.predict_many`);
-    cached per config."""
+    """Every Megatron setting (:func:`megatron_policies`) with its prediction (:func:`predicted`: cached per config
+    in memory and on disk)."""
     key = (config, device, engine, tp, sp)
     if key not in _MEGATRON:
         policies = megatron_policies(config.num_layers, engine)
-        predicted = predict_many(config, policies, device=device, tp=tp, sp=sp)
-        _MEGATRON[key] = [(p, Predicted.of(tl)) for p, tl in zip(policies, predicted)]
+        _MEGATRON[key] = [(p, predicted(config, p, device=device, tp=tp, sp=sp)) for p in policies]
         if len(_MEGATRON) > 16:
             del _MEGATRON[next(iter(_MEGATRON))]
     return _MEGATRON[key]

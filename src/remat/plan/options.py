@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from remat.config import ModelConfig
-from remat.plan.costs import CostModel, measure_layer_times
+from remat.plan.costs import ROOFLINES, CostModel, measure_layer_times
 from remat.plan.space import OBJECTIVES, selective_sets
 from remat.policy import ENGINES, SELECTIVE_MODULES
 from remat.recompute.plan_format import PlanError
@@ -71,6 +71,11 @@ class PlanOptions:
     memory_bandwidth: float = 3e12
     """Device memory bandwidth, bytes per second: prices recomputed bytes under the time objective."""
 
+    roofline: str | None = None
+    """A GPU whose FLOP/s and memory bandwidth price the time objective (:data:`remat.plan.costs.ROOFLINES`:
+    ``'h100'``, ``'h200'``, ``'a100'``, ``'mi300x'``); replaces :attr:`flops_per_second` and
+    :attr:`memory_bandwidth`. None: those two as given."""
+
     max_resolves: int = 4
     """How often a plan whose traced peak exceeds the budget is re-solved under a lower budget before giving up."""
 
@@ -101,6 +106,12 @@ class PlanOptions:
         for name in ("flops_per_second", "bandwidth", "memory_bandwidth"):
             _positive(owner, name, getattr(self, name))
         _count(owner, "max_resolves", self.max_resolves, 0, "give a count >= 0")
+        if self.roofline is not None:
+            if self.roofline not in ROOFLINES:
+                raise PlanError(f"{owner}.roofline={self.roofline!r}: use one of {', '.join(ROOFLINES)} or None")
+            fps, bandwidth = ROOFLINES[self.roofline]
+            object.__setattr__(self, "flops_per_second", fps)
+            object.__setattr__(self, "memory_bandwidth", bandwidth)
 
     def cost_model(self, config: ModelConfig) -> CostModel:
         """The :class:`CostModel` these options price with; measures the layer times first when

@@ -150,7 +150,7 @@ def plan_pipeline(config: ModelConfig, budget: int | str, parallel: ParallelOpti
         chosen = None
         tries = 0
         while tries <= max_resolves:
-            sol = _solve_stage(model, Lc, budget - delta, n, cost, units, stored(keep_plan))
+            sol = solve_stage(model, Lc, budget - delta, n, cost, units, stored(keep_plan))
             if sol is None:
                 break
             d = delta
@@ -210,7 +210,7 @@ def plan_pipeline(config: ModelConfig, budget: int | str, parallel: ParallelOpti
     return report
 
 
-def _solve_stage(model: UnitModel, num_layers: int, budget: int, in_flight: int, cost: CostModel,
+def solve_stage(model: UnitModel, num_layers: int, budget: int, in_flight: int, cost: CostModel,
                  units: list[Unit], max_stored: int) -> Solution | None:
     """The cheapest plan of a stage's layers when ``in_flight - 1`` other microbatches keep the plan's stored bytes
     each: the least cost over a grid of caps T on the stored bytes of ``solve(budget - (in_flight - 1) T,

@@ -23,8 +23,10 @@ from remat.recompute.plan_format import PlanError, usable_set
 #   and is copied back when the group's backward starts (remat.recompute.offload). Gradients are the plain model's,
 #   bit for bit.
 OBJECTIVES = ("extra_flops", "time")
+# the selective modules of the reference (dense) GPT's layers: MoE and MLA modules (remat.policy) are not searched
+DENSE_MODULES = tuple(m for m in SELECTIVE_MODULES if m in ("core_attn", "mlp", "layernorm", "act", "non_matmul"))
 SELECTIVE_SETS: tuple[tuple[str, ...], ...] = tuple(
-    c for n in range(1, len(SELECTIVE_MODULES) + 1) for c in itertools.combinations(SELECTIVE_MODULES, n)
+    c for n in range(1, len(DENSE_MODULES) + 1) for c in itertools.combinations(DENSE_MODULES, n)
     if usable_set(c))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import re
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from remat.config import ModelConfig
+from remat.memory import disk_cache
+from remat.memory.kernels import resolve_kernels
 from remat.memory.measure import StepRecorder, record_step
 from remat.memory.predict import rank_model_factory
 from remat.models.gpt import sample_batch
@@ -313,7 +316,7 @@ class UnitModel:
         return best
 
 
-_MODELS: dict[tuple[ModelConfig, str, str, int, bool], UnitModel] = {}
+UNIT_MODELS: dict[tuple[ModelConfig, str, str, int, bool], UnitModel] = {}
 
 
 def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
@@ -321,12 +324,27 @@ def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reent
     """The :class:`UnitModel` of ``config``'s layers (any depth), built from two fake traces and cached; with
     ``tp``/``sp``, of one tensor-parallel rank."""
     key = (config.replace(num_layers=1), device, engine, tp, sp)
-    if key in _MODELS:
-        return _MODELS[key]
+    if key in UNIT_MODELS:
+        return UNIT_MODELS[key]
     if device not in ("cpu", "cuda"):
         raise PlanError(f"device={device!r}: plans are predicted for 'cpu' (exact bytes) or 'cuda' (512-byte blocks)")
     if engine not in ENGINES:
         raise PlanError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
+    disk_key = {"config": key[0].to_dict(), "device": device, "engine": engine, "tp": tp, "sp": sp,
+                "kernels": resolve_kernels(None, device)}
+    stored = disk_cache.load("unit_model", disk_key)
+    if stored is not None:
+        try:
+            UNIT_MODELS[key] = model_from_dict(stored)
+            return UNIT_MODELS[key]
+        except (KeyError, TypeError, ValueError) as err:
+            warnings.warn(f"remat cache: a stored unit model is malformed ({err}); rebuilding it", stacklevel=2)
+    UNIT_MODELS[key] = model = _build_unit_model(config, device, engine, tp, sp)
+    disk_cache.store("unit_model", disk_key, model_to_dict(model))
+    return model
+
+
+def _build_unit_model(config: ModelConfig, device: str, engine: str, tp: int, sp: bool) -> UnitModel:
     start = time.perf_counter()
     group_modes = ("checkpoint", "offload") if engine == "reentrant" else ("checkpoint",)
     # the profile stack: a checkpointed layer at the bottom keeps every side input, so no unit above is the lowest
@@ -406,8 +424,67 @@ def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reent
     model.hidden_bytes = model.shapes[Unit("checkpoint", 1)].forward.net - (
         model.shapes[Unit("offload", 1)].forward.net if Unit("offload", 1) in model.shapes else 0)
     model.build_seconds = time.perf_counter() - start
-    _MODELS[key] = model
     return model
+
+
+# ------------------------------------------------------------------------------------------------ JSON form
+def _unit_json(unit: Unit) -> list[Any]:
+    return [unit.mode, unit.size, list(unit.modules)]
+
+
+def _unit_of(data: list[Any]) -> Unit:
+    return Unit(str(data[0]), int(data[1]), tuple(str(m) for m in data[2]))
+
+
+def _block_of(data: list[Any]) -> Block:
+    return Block(int(data[0]), int(data[1]))
+
+
+def _piece_json(p: _Piece) -> list[Any]:
+    return [p.offset, p.block.net, p.block.high, p.flops, p.remat_bytes]
+
+
+def _piece_of(data: list[Any]) -> _Piece:
+    return _Piece(None if data[0] is None else int(data[0]), Block(int(data[1]), int(data[2])), int(data[3]),
+                  int(data[4]))
+
+
+def model_to_dict(model: UnitModel) -> dict[str, Any]:
+    """The JSON form of ``model`` (what the disk cache keeps; :func:`model_from_dict` reads it back equal)."""
+    return {
+        "config": model.config.to_dict(), "device": model.device, "engine": model.engine,
+        "setup_fixed": model.setup_fixed, "setup_per_layer": model.setup_per_layer,
+        "embedding": [model.embedding.net, model.embedding.high],
+        "head_forward": [[sorted(k), [b.net, b.high]] for k, b in model.head_forward.items()],
+        "head_backward": [model.head_backward.net, model.head_backward.high],
+        "tail": [model.tail.net, model.tail.high], "grad_per_layer": model.grad_per_layer, "side": model.side,
+        "hidden_bytes": model.hidden_bytes, "layer_forward_flops": model.layer_forward_flops,
+        "layer_backward_flops": model.layer_backward_flops, "contractions": list(model.contractions),
+        "tp": model.tp, "sp": model.sp, "build_seconds": model.build_seconds,
+        "shapes": [[_unit_json(u), [sh.forward.net, sh.forward.high], [sh.backward.net, sh.backward.high],
+                    sh.recompute_flops, sh.recompute_bytes] for u, sh in model.shapes.items()],
+        "group_pieces": {mode: [[_piece_json(p) for p in fwd], [_piece_json(p) for p in bwd], traced]
+                         for mode, (fwd, bwd, traced) in model.group_pieces.items()},
+    }
+
+
+def model_from_dict(data: dict[str, Any]) -> UnitModel:
+    """:func:`model_to_dict`'s form read back (KeyError/TypeError/ValueError when malformed)."""
+    return UnitModel(
+        config=ModelConfig.from_dict(data["config"]), device=str(data["device"]), engine=str(data["engine"]),
+        setup_fixed=int(data["setup_fixed"]), setup_per_layer=int(data["setup_per_layer"]),
+        embedding=_block_of(data["embedding"]),
+        head_forward={frozenset(k): _block_of(b) for k, b in data["head_forward"]},
+        head_backward=_block_of(data["head_backward"]), tail=_block_of(data["tail"]),
+        grad_per_layer=int(data["grad_per_layer"]), side={str(k): int(v) for k, v in data["side"].items()},
+        hidden_bytes=int(data["hidden_bytes"]), layer_forward_flops=int(data["layer_forward_flops"]),
+        layer_backward_flops=int(data["layer_backward_flops"]),
+        contractions=tuple(int(k) for k in data["contractions"]), tp=int(data["tp"]), sp=bool(data["sp"]),
+        shapes={_unit_of(u): UnitShape(_block_of(f), _block_of(b), int(fl), int(by))
+                for u, f, b, fl, by in data["shapes"]},
+        group_pieces={str(mode): ([_piece_of(p) for p in fwd], [_piece_of(p) for p in bwd], int(traced))
+                      for mode, (fwd, bwd, traced) in data["group_pieces"].items()},
+        build_seconds=float(data["build_seconds"]))
 
 
 class _ContractionCollector(TorchDispatchMode):

@@ -10,8 +10,11 @@ from typing import Any
 from torch import nn
 
 import remat.recompute.hf as hf
-from remat.policy import CONTRACTION_PREFIX, NON_MATMUL_INCLUDES, Policy, contraction_limit
+from remat.models.moe import MoELayer
+from remat.policy import CONTRACTION_PREFIX, NON_MATMUL_INCLUDES, OUTPUT_DISCARDING_MODULES, Policy, contraction_limit
+from remat.recompute.discard import OutputDiscardingRegion
 from remat.recompute.region import (
+    DISCARD_TARGETS,
     LAYER_STACK_PATHS,
     SELECTIVE_TARGETS,
     AppliedPolicy,
@@ -71,17 +74,54 @@ def _stack_members(container: nn.Module, path: str) -> list[nn.Module]:
 
 
 def _selective_targets(layer: nn.Module, layer_name: str, module: str) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``layer`` that selective ``module`` checkpoints; [] when the layer has none (an MoE
+    module in a dense layer, mlp in an MoE layer: Megatron's mlp is for dense MLPs only)."""
     found = []
-    for rel in SELECTIVE_TARGETS[module]:
+    for rel in SELECTIVE_TARGETS[module] if module not in DISCARD_TARGETS else DISCARD_TARGETS[module][:1]:
         try:
-            found.append((f"{layer_name}.{rel}", layer.get_submodule(rel)))
+            target = layer.get_submodule(rel)
         except AttributeError:
             continue
-    if not found:
-        children = ", ".join(n for n, _ in layer.named_modules() if n) or "none"
-        raise ApplyError(f"selective module {module!r}: {layer_name} ({type(layer).__name__}) has none of "
-                         f"{', '.join(SELECTIVE_TARGETS[module])}; its submodules are: {children}")
+        if module in ("mlp", "moe") and isinstance(target, MoELayer) != (module == "moe"):
+            continue
+        found.append((f"{layer_name}.{rel}", target))
     return found
+
+
+def _no_targets(stack: list[nn.Module], names: list[str], module: str) -> ApplyError:
+    """The error for a selective module that no layer of the stack has, saying what the model lacks."""
+    layer, name = stack[0], names[0]
+    if module in ("moe", "moe_act", "shared_experts") and not any(isinstance(m, MoELayer) for m in layer.modules()):
+        return ApplyError(f"recompute module {module!r} is for MoE layers, but no layer of the stack has one: set "
+                          "num_moe_experts (and moe_layer_freq) in the model config, or drop it")
+    if module == "shared_experts":
+        return ApplyError("recompute module 'shared_experts': the MoE layers have no shared expert: set "
+                          "moe_shared_expert_intermediate_size, or drop it")
+    if module == "mla_up_proj":
+        return ApplyError("recompute module 'mla_up_proj' is for multi-latent attention (Megatron refuses it without "
+                          "multi_latent_attention): set multi_latent_attention=True, or drop it")
+    candidates = SELECTIVE_TARGETS.get(module) or DISCARD_TARGETS[module][:1]
+    children = ", ".join(n for n, _ in layer.named_modules() if n) or "none"
+    return ApplyError(f"selective module {module!r}: {name} ({type(layer).__name__}) has none of "
+                      f"{', '.join(candidates)}; its submodules are: {children}")
+
+
+def _discarding_region(index: int, layer: nn.Module, layer_name: str, i: int, module: str) -> Region | None:
+    """The output-discarding region of ``module`` in one layer (None when the layer lacks the part)."""
+    producer_path, consumer_path = DISCARD_TARGETS[module]
+    if module == "moe_act" and isinstance(getattr(layer, "mlp", None), MoELayer) and \
+            hasattr(layer.mlp.experts, "local_experts"):
+        raise ApplyError(f"recompute module 'moe_act': {layer_name}.mlp.experts are separate expert MLPs "
+                         "(moe_grouped_gemm=False), and Megatron refuses moe_act without grouped GEMM ('moe_act in "
+                         "recompute_modules is only supported with moe_grouped_gemm'): set moe_grouped_gemm=True, or "
+                         "recompute the experts with selective/moe")
+    try:
+        producer, consumer = layer.get_submodule(producer_path), layer.get_submodule(consumer_path)
+    except AttributeError:
+        return None
+    return OutputDiscardingRegion(index, f"selective:{module}", [producer, consumer],
+                                  [f"{layer_name}.{producer_path}", f"{layer_name}.{consumer_path}"], "reentrant",
+                                  layer_indices=(i,))
 
 
 def applied(model: nn.Module) -> AppliedPolicy | None:
@@ -184,6 +224,7 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
     distribute = _distribute_group(model, policy)
     regions: list[Region] = []
     grouped: set[int] = set()
+    found: set[str] = set()  # selective modules with a target in some layer
     for group in policy.layer_groups(len(stack)):
         regions.append(Region(len(regions), "layers", [stack[i] for i in group], [names[i] for i in group],
                               policy.engine, layer_indices=tuple(group), distribute=distribute))
@@ -195,11 +236,26 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
                              "recomputes everything in it; drop one of the two")
         if "non_matmul" in modules:
             regions.append(_operator_level_region(len(regions), layer, names[i], i, modules))
+            found.update(m for m in modules if m not in SELECTIVE_TARGETS and m not in DISCARD_TARGETS
+                         or _selective_targets(layer, names[i], m))
             continue
         for module in modules:
+            if module in OUTPUT_DISCARDING_MODULES:
+                region = _discarding_region(len(regions), layer, names[i], i, module)
+                if region is not None:
+                    regions.append(region)
+                    found.add(module)
+                continue
             for name, target in _selective_targets(layer, names[i], module):
                 regions.append(Region(len(regions), f"selective:{module}", [target], [name], policy.engine,
                                       layer_indices=(i,)))
+                found.add(module)
+            if module == "mlp" and isinstance(getattr(layer, "mlp", None), MoELayer):
+                found.add(module)  # Megatron's mlp recomputes dense MLPs only: nothing to do in an MoE layer
+    missing = [m for i in range(len(stack)) for m in policy.selective_modules(i) if m not in found
+               and m != "non_matmul" and not m.startswith(CONTRACTION_PREFIX)]
+    if missing:
+        raise _no_targets(stack, names, missing[0])
     _mark_offloaded(policy, len(stack), regions)
     _refuse_shared_modules(regions, stack, stack_path)
     remove(model)
@@ -228,7 +284,8 @@ def _refuse_shared_modules(regions: list[Region], stack: list[nn.Module], stack_
         positions.setdefault(id(layer), []).append(i)
     seen: dict[int, tuple[str, int]] = {}
     for region in regions:
-        for k, (module, name) in enumerate(zip(region.modules, region.names)):
+        owned = region.modules[:1] if isinstance(region, OutputDiscardingRegion) else region.modules  # not consumers
+        for k, (module, name) in enumerate(zip(owned, region.names)):
             layer = region.layer_indices[min(k, len(region.layer_indices) - 1)] if region.layer_indices else -1
             if id(module) not in seen:
                 seen[id(module)] = (name, layer)

@@ -1,19 +1,22 @@
 """Hugging Face transformers models: what :func:`remat.recompute.apply` needs to recompute them the Megatron way
 (refusing HF's own gradient checkpointing, an attention-core submodule for ``core_attn``, no KV cache in
-recomputed layers). :func:`~remat.recompute.apply` calls into this module only when ``transformers`` is already
-imported, so nothing is imported for other models."""
+recomputed layers), and what a fake trace of one needs to take the real step's mask path (:func:`fake_mask_reads`,
+used by :func:`remat.memory.predict.trace`). :func:`~remat.recompute.apply` calls into this module only when
+``transformers`` is already imported, so nothing is imported for other models."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.recompute.region import SELECTIVE_TARGETS, AppliedPolicy, ApplyError, RecomputeLayout
 
@@ -296,3 +299,136 @@ def _without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
     return args, kwargs
+
+
+# ------------------------------------------------------------------------------------------------ masks in a fake trace
+# NOTE [HF masks in a fake trace]
+# transformers decides from tensor values whether an attention mask must be built: sdpa gets attn_mask=None and
+# is_causal=True when the attention_mask masks no token and the position_ids hold one sequence per row
+# (masking_utils: find_packed_sequence_indices, _ignore_causal_mask_sdpa). Those reads are guarded by is_tracing(),
+# which counts fake tensors as tracing, so under FakeTensorMode the conservative path was taken: position ids
+# treated as packed, a (batch, 1, s, s) bool mask built (plus its index temporaries) and kept all step, and every
+# sdpa call given that mask - with GQA that also means repeat_kv copies of keys and values saved per layer instead
+# of enable_gqa. The real step skipped all of it, so the prediction was above the measurement (gpu_check's tiny
+# HF Llama: +5.6% with no recompute).
+#
+# fake_mask_reads makes the fake trace take the real step's path: for the reads masking_utils makes at the sites
+# below (MASK_READ_SITES), fake tensors no longer count as tracing, and the value read (aten._local_scalar_dense)
+# is answered from the real batch (BatchMasks): "no padding" from its attention_mask, "not packed" from its
+# position_ids (absent ones are made by the model as an arange: not packed). The tensors of the comparison itself
+# (the `== 0`, `.all()`, `sum()` results) are still made, fake, as the real step makes them. A read elsewhere, or
+# one whose answer the batch cannot give (a pre-filled KV cache, q_length != kv_length, or a static cache's tensor
+# offset), stays traced as before. A batch made by a function under the fake mode has no values: it is taken as
+# unpadded and unpacked.
+MASK_READ_SITES = {  # masking_utils function -> which fact of the batch its reads ask for
+    "find_packed_sequence_indices": "unpacked",
+    "_ignore_causal_mask_sdpa": "unpadded",
+    "_ignore_bidirectional_mask_sdpa": "unpadded",
+    "_can_skip_bidirectional_mask_xpu": "unpadded",
+    "create_recurrent_attention_mask": "unpadded",
+}
+_MASKING_MODULE = "transformers.masking_utils"
+
+
+@dataclass(frozen=True)
+class BatchMasks:
+    """What transformers' mask code reads from a batch's values."""
+
+    unpadded: bool = True  # its 2-D attention_mask (if any) masks no token
+    unpacked: bool = True  # its position_ids (if any) hold one sequence per row
+
+    @classmethod
+    def of(cls, model: nn.Module, batch: Any) -> BatchMasks:
+        """The facts of a real ``batch`` for ``model`` (a dict of keyword arguments or a tuple of positional ones);
+        a batch that is not real tensors (a function, fake tensors) gives the defaults."""
+        from torch._subclasses.fake_tensor import FakeTensor
+        from transformers.masking_utils import find_packed_sequence_indices
+
+        if isinstance(batch, dict):
+            named = batch
+        elif isinstance(batch, (tuple, list)):
+            try:
+                named = inspect.signature(model.forward).bind_partial(*batch).arguments
+            except TypeError:
+                named = {}
+        else:
+            return cls()
+        mask, positions = (t if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.dim() == 2
+                           else None for t in (named.get("attention_mask"), named.get("position_ids")))
+        return cls(unpadded=mask is None or bool((mask == 1).all()),
+                   unpacked=positions is None or find_packed_sequence_indices(positions) is None)
+
+
+def _mask_read_site(frame: Any) -> str | None:
+    """The fact a masking_utils read made in ``frame`` asks for, or None when the batch cannot answer it."""
+    name = frame.f_code.co_name
+    if frame.f_globals.get("__name__") != _MASKING_MODULE or name not in MASK_READ_SITES:
+        return None
+    if name == "_ignore_causal_mask_sdpa":
+        local = frame.f_locals
+        if isinstance(local.get("q_offset"), torch.Tensor) or local.get("q_length") not in (1, local.get("kv_length")):
+            return None  # a static cache's offset, or a pre-filled cache: other questions than "any padding?"
+    return MASK_READ_SITES[name]
+
+
+class _MaskReads(TorchDispatchMode):
+    """Answers masking_utils' reads of fake values (``aten._local_scalar_dense``) from the batch's facts."""
+
+    def __init__(self, facts: BatchMasks):
+        super().__init__()
+        self.facts = facts
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].dtype == torch.bool:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_globals.get("__name__") != _MASKING_MODULE:
+                frame = frame.f_back
+            fact = _mask_read_site(frame) if frame is not None else None
+            if fact is not None:
+                return getattr(self.facts, fact)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def fake_mask_reads(model: nn.Module, batch: Any) -> Iterator[BatchMasks | None]:
+    """Run the block (a fake trace of ``model``, inside ``FakeTensorMode``) with transformers' mask decisions taken
+    as the real ``batch`` makes them (NOTE [HF masks in a fake trace]); nothing changes for a model that is not a
+    Hugging Face one.
+
+    Args:
+        model: the model being traced.
+        batch: its inputs as real tensors (a dict of keyword arguments or a tuple of positional ones), or anything
+            else (e.g. the function that makes them), which is taken as unpadded and unpacked.
+
+    Returns:
+        A context manager yielding the :class:`BatchMasks` used, or None for a model that is not an HF one.
+
+    Example::
+
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> with FakeTensorMode(), fake_mask_reads(torch.nn.Linear(2, 2), {}) as facts:
+        ...     facts is None
+        True
+    """
+    if not is_hf_model(model):
+        yield None
+        return
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from transformers import masking_utils
+
+    with unset_fake_temporarily():
+        facts = BatchMasks.of(model, batch)
+    tracing = masking_utils.is_tracing
+
+    def is_tracing(tensor: Any = None) -> bool:
+        if isinstance(tensor, FakeTensor) and _mask_read_site(sys._getframe(1)) is not None:
+            tensor = None  # the batch answers this read (_MaskReads): only real tracing counts
+        return tracing(tensor)
+
+    masking_utils.is_tracing = is_tracing
+    try:
+        with _MaskReads(facts):
+            yield facts
+    finally:
+        masking_utils.is_tracing = tracing

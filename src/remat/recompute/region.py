@@ -55,6 +55,14 @@ SELECTIVE_TARGETS: dict[str, tuple[str, ...]] = {
     "act": ("mlp.activation", "mlp.act_fn", "mlp.act", "feed_forward.act_fn",
             "activation_fn",  # OPT
             "mlp.gelu"),      # nanoGPT
+    # MoE and MLA (remat's reference model, Megatron's names); "mlp" skips MoE layers, "moe" takes only them
+    "moe": ("mlp",),
+    "shared_experts": ("mlp.shared_experts",),
+}
+# Output-discarding modules: (producer whose outputs are discarded, consumer that uses them) inside one layer
+DISCARD_TARGETS: dict[str, tuple[str, str]] = {
+    "moe_act": ("mlp.experts.activation", "mlp.experts.linear_fc2"),
+    "mla_up_proj": ("self_attention.up_proj", "self_attention.core_attention"),
 }
 
 

@@ -1,0 +1,281 @@
+"""The reference model's mixture-of-experts layer, shaped like Megatron-LM's ``MoELayer``: router, token dispatch,
+experts (separate MLPs or one grouped weight), combine, and the optional shared expert."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from remat.config import ConfigError, ModelConfig, RoutingAssumption
+from remat.models.blocks import SwiGLU
+
+
+def expert_activation(config: ModelConfig) -> nn.Module:
+    """The experts' activation function: SwiGLU for ``activation='swiglu'``, else GeLU."""
+    if config.activation == "swiglu":
+        return SwiGLU()
+    return nn.GELU()
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Megatron's trick for the load-balancing loss: the forward passes ``output`` through unchanged, the
+    backward also sends a gradient of 1 into ``aux_loss`` (so the loss need not be added to the model's)."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss)
+
+
+# NOTE [routing under fake tensors]
+# How many tokens each expert receives depends on the router's scores, which fake tensors do not have. So the
+# router decides in two steps: the scores and the top-k choice are computed as usual, then the token counts and
+# the permutation into expert order come either from the real choice (real tensors, no assumption) or from the
+# routing assumption (config.moe_routing_assumption, or 'balanced' under fake tensors). Both ways end with the
+# same operators on tensors of the same shapes (the permutation is made from a Python list in both), so a
+# prediction with the counts a real run reported allocates what that run allocated, byte for byte. Under an
+# assumption, expert e takes the next c_e token copies in token order (wrapping round when the counts add up to
+# more than tokens x topk, as a capacity assumption does), with the probabilities the router gave those copies.
+def host_values(values: list[int], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """``values`` (decided in Python) as a tensor on ``like``'s device. Under fake tensors an empty one of the same
+    size: ``torch.tensor`` would first make a real constant, which a recorder would count as a second
+    allocation that the real run does not have."""
+    if isinstance(like, FakeTensor):
+        return torch.empty(len(values), dtype=dtype, device=like.device)
+    return torch.tensor(values, dtype=dtype, device=like.device)
+
+
+class Router(nn.Module):
+    """Scores each token against every expert and picks ``moe_router_topk`` of them (Megatron's TopKRouter)."""
+
+    def __init__(self, config: ModelConfig, moe_index: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size))
+        nn.init.normal_(self.weight, std=0.02)
+        self.topk = config.moe_router_topk
+        self.score_function = config.moe_router_score_function
+        self.capacity_factor = config.moe_expert_capacity_factor
+        self.aux_loss_coeff = config.moe_aux_loss_coeff
+        self.moe_index = moe_index
+        self.assumption = (RoutingAssumption.parse(config.moe_routing_assumption)
+                           if config.moe_routing_assumption is not None else None)
+        self.last_counts: list[int] = []
+        self.last_source = ""
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Route ``tokens`` ([T, h]); return the probability of each routed copy ([T * topk]), the copies in
+        expert order (indices into the T * topk copies) and the tokens each expert receives."""
+        logits = F.linear(tokens, self.weight)
+        chooser = logits if self.score_function == "softmax" else logits.sigmoid()
+        choice = chooser.topk(self.topk, dim=-1).indices
+        chosen = logits.gather(1, choice)
+        if self.score_function == "softmax":  # Megatron's default: softmax over the top-k logits
+            probs = chosen.softmax(dim=-1)
+        else:  # sigmoid scores, normalised over the top-k
+            probs = chosen.sigmoid()
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20) if self.topk > 1 else probs
+        counts, order = self.dispatch_order(choice, logits.shape[1])
+        if self.aux_loss_coeff > 0:
+            probs = MoEAuxLossAutoScaler.apply(probs, self.aux_loss(logits, counts))
+        self.last_counts = counts
+        return probs.flatten(), host_values(order, torch.long, tokens), counts
+
+    def dispatch_order(self, choice: torch.Tensor, experts: int) -> tuple[list[int], list[int]]:
+        """(tokens per expert, the routed copies in expert order): real or assumed (NOTE [routing under fake
+        tensors])."""
+        copies = choice.numel()
+        assumption = self.assumption
+        if assumption is None and isinstance(choice, FakeTensor):
+            assumption = RoutingAssumption()
+        if assumption is not None:
+            counts = assumption.tokens_per_expert(choice.shape[0], experts, self.topk, self.moe_index)
+            self.last_source = str(assumption)
+            return counts, [p % copies for p in range(sum(counts))]
+        self.last_source = "measured"
+        expert_of = choice.flatten().tolist()
+        order = sorted(range(copies), key=expert_of.__getitem__)
+        counts = [0] * experts
+        for e in expert_of:
+            counts[e] += 1
+        if self.capacity_factor is not None:  # drop the copies beyond each expert's capacity, later tokens first
+            capacity = math.ceil(copies / experts * self.capacity_factor)
+            starts = [sum(counts[:e]) for e in range(experts)]
+            order = [p for e in range(experts) for p in order[starts[e]:starts[e] + min(counts[e], capacity)]]
+            counts = [min(c, capacity) for c in counts]
+        return counts, order
+
+    def aux_loss(self, logits: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Megatron's switch load-balancing loss: experts x sum_e(mean score_e x tokens_e) x coeff / (T x topk)."""
+        tokens, experts = logits.shape
+        scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
+        per_expert = host_values(counts, scores.dtype, scores)
+        scale = experts * self.aux_loss_coeff / (tokens * tokens * self.topk)
+        return (scores.sum(dim=0) * per_expert).sum() * scale
+
+
+class ActivationWithProbs(nn.Module):
+    """The experts' activation, scaled by each routed copy's probability (Megatron's
+    ``activation_func_with_probs``): what ``moe_act`` recomputes."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.activation = expert_activation(config)
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        return self.activation(x) * probs.unsqueeze(-1)
+
+
+class ExpertMLP(nn.Module):
+    """One expert of the separate-MLP form (Megatron's SequentialMLP member)."""
+
+    def __init__(self, config: ModelConfig, ffn_size: int):
+        super().__init__()
+        gated = config.activation == "swiglu"
+        self.linear_fc1 = nn.Linear(config.hidden_size, ffn_size * (2 if gated else 1), bias=config.add_bias_linear)
+        self.activation = ActivationWithProbs(config)
+        self.linear_fc2 = nn.Linear(ffn_size, config.hidden_size, bias=config.add_bias_linear)
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.activation(self.linear_fc1(x), probs))
+
+
+class SequentialMLP(nn.Module):
+    """The experts as separate MLPs, each run on its slice of the permuted tokens."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.local_experts = nn.ModuleList(ExpertMLP(config, config.moe_ffn_size)
+                                           for _ in range(config.num_moe_experts))
+
+    def forward(self, permuted: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
+        outputs = [expert(x, p) for expert, x, p in zip(self.local_experts, permuted.split(counts),
+                                                         probs.split(counts))]
+        return torch.cat(outputs)
+
+
+class GroupedMatmul(torch.autograd.Function):
+    """``x @ weight[e]`` for each expert's consecutive rows of ``x``, as one grouped GEMM (Megatron's ``gmm``):
+    the output and each gradient are one tensor, and only ``x`` and ``weight`` are saved. Equal counts run as one
+    ``bmm``; unequal ones expert by expert into slices of the same tensors, which allocates the same."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        return grouped_mm(x, weight, counts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        counts = ctx.counts
+        grad_x = grouped_mm(grad, weight.transpose(1, 2), counts) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            experts = len(counts)
+            if len(set(counts)) == 1:
+                grad_weight = torch.bmm(x.view(experts, counts[0], -1).transpose(1, 2),
+                                        grad.view(experts, counts[0], -1))
+            else:
+                grad_weight = weight.new_empty(weight.shape)
+                for e, (rows, g) in enumerate(zip(x.split(counts), grad.split(counts))):
+                    torch.mm(rows.t(), g, out=grad_weight[e])
+        return grad_x, grad_weight, None
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[sum(counts), in] x [experts, in, out] -> [sum(counts), out]: rows of expert e times ``weight[e]``."""
+    experts = len(counts)
+    if len(set(counts)) == 1:
+        return torch.bmm(x.view(experts, counts[0], -1), weight).view(x.shape[0], -1)
+    out = x.new_empty(x.shape[0], weight.shape[-1])
+    for e, (rows, dest) in enumerate(zip(x.split(counts), out.split(counts))):
+        torch.mm(rows, weight[e], out=dest)
+    return out
+
+
+class GroupedLinear(nn.Module):
+    """``num_experts`` weights in one parameter [experts, in, out]; expert e multiplies its rows."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, in_features, out_features))
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(in_features))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return GroupedMatmul.apply(x, self.weight, counts)
+
+
+class GroupedMLP(nn.Module):
+    """The experts as grouped weights (Megatron's GroupedMLP, ``moe_grouped_gemm``): fc1 -> activation with
+    probabilities -> fc2, each one tensor for all experts' tokens."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        gated = config.activation == "swiglu"
+        experts, h, f = config.num_moe_experts, config.hidden_size, config.moe_ffn_size
+        self.linear_fc1 = GroupedLinear(experts, h, f * (2 if gated else 1))
+        self.activation = ActivationWithProbs(config)
+        self.linear_fc2 = GroupedLinear(experts, f, h)
+
+    def forward(self, permuted: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
+        intermediate = self.activation(self.linear_fc1(permuted, counts), probs)
+        return self.linear_fc2(intermediate, counts)
+
+
+class SharedExpertMLP(nn.Module):
+    """The shared expert: a dense MLP every token goes through (``moe_shared_expert_intermediate_size``)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        size = int(config.moe_shared_expert_intermediate_size or 0)
+        gated = config.activation == "swiglu"
+        self.linear_fc1 = nn.Linear(config.hidden_size, size * (2 if gated else 1), bias=config.add_bias_linear)
+        self.activation = expert_activation(config)
+        self.linear_fc2 = nn.Linear(size, config.hidden_size, bias=config.add_bias_linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.activation(self.linear_fc1(x)))
+
+
+class MoELayer(nn.Module):
+    """Router -> dispatch (the routed copies permuted into expert order) -> experts -> combine (weighted copies
+    added back to their tokens) [+ shared expert]; a layer's ``mlp`` where ``moe_layer_freq`` says so."""
+
+    def __init__(self, config: ModelConfig, moe_index: int):
+        super().__init__()
+        if config.expert_model_parallel_size > 1:
+            raise ConfigError(f"expert_model_parallel_size={config.expert_model_parallel_size}: remat's reference "
+                              "model holds every expert on one rank; expert parallelism is not modelled yet, so "
+                              "predict with expert_model_parallel_size=1 (the experts' activations are the same "
+                              "under balanced routing; the parameters are not)")
+        self.topk = config.moe_router_topk
+        self.router = Router(config, moe_index)
+        self.experts = GroupedMLP(config) if config.moe_grouped_gemm else SequentialMLP(config)
+        self.shared_experts = (SharedExpertMLP(config) if config.moe_shared_expert_intermediate_size is not None
+                               else None)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shape = hidden.shape
+        tokens = hidden.reshape(-1, shape[-1])
+        probs, order, counts = self.router(tokens)
+        token_of = order.div(self.topk, rounding_mode="floor")
+        permuted = tokens.index_select(0, token_of)                                  # dispatch
+        expert_output = self.experts(permuted, counts, probs.index_select(0, order))
+        output = torch.zeros_like(tokens).index_add_(0, token_of, expert_output)    # combine
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(tokens)
+        return output.view(shape)
+
+    def routing_report(self) -> dict[str, Any]:
+        """Where the last forward's token counts came from (an assumption, or 'measured') and the counts."""
+        return {"source": self.router.last_source, "tokens_per_expert": list(self.router.last_counts)}

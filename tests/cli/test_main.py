@@ -1,0 +1,89 @@
+"""``remat`` itself: --version, a missing command, and everyday use of every subcommand (JSON on stdout, errors
+in one line); the shared policy-list flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from remat.cli import main
+from remat.cli.common import parse_policy_list
+from remat.policy import PolicyError
+
+
+def _subcommands():
+    from remat.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return {name: ({o for a in p._actions for o in a.option_strings},
+                   {a.option_strings[0] if a.option_strings else a.dest for a in p._actions if a.required})
+            for name, p in sub.choices.items()}
+
+
+SUBCOMMANDS = _subcommands()
+TINY_FLAGS = {"--layers": "2", "--hidden": "32", "--heads": "2", "--seq": "16", "--batch": "1", "--vocab": "64",
+              "--repeats": "0"}
+REQUIRED_VALUES = {"--budget": "1GiB"}  # values for the subcommands' required options
+
+
+def _tiny_args(name: str, tmp_path) -> list[str]:
+    options, required = SUBCOMMANDS[name]
+    if "--layers" not in options:
+        pytest.skip(f"remat {name} does not take the model flags")
+    unknown = required - set(REQUIRED_VALUES)
+    if unknown:
+        pytest.skip(f"remat {name} requires {', '.join(sorted(unknown))}: add a value to REQUIRED_VALUES")
+    args = [x for flag, value in {**TINY_FLAGS, **REQUIRED_VALUES}.items() if flag in options for x in (flag, value)]
+    if "--no-plot" in options:
+        args.append("--no-plot")
+    if "--out" in options:
+        args += ["--out", str(tmp_path / f"{name}-out")]
+    return args
+
+
+def test_version(capsys):
+    from remat import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"remat {__version__}"
+
+
+def test_a_missing_command_is_a_usage_error(capsys):
+    assert main([]) == 2  # --version is test_version's
+    assert capsys.readouterr().err.startswith("remat: error: ")
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_every_subcommand_prints_json(name, tmp_path, capsys):
+    import json
+
+    assert "--json" in SUBCOMMANDS[name][0], f"remat {name} has no --json"
+    assert main([name, *_tiny_args(name, tmp_path), "--json"]) == 0
+    json.loads(capsys.readouterr().out)  # stdout is the JSON document and nothing else
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_every_subcommand_errors_in_one_line(name, tmp_path, capsys):
+    from remat.config import ConfigError
+
+    args = _tiny_args(name, tmp_path)
+    args[args.index("--layers") + 1] = "0"  # refused by the flag's type: a usage error naming the flag
+    assert main([name, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("remat: error: ") and err.count("\n") == 1 and "--layers" in err, err
+    args[args.index("--layers") + 1] = "2"
+    args[args.index("--heads") + 1] = "3"  # a valid number, a model that cannot be: ConfigError names the fields
+    assert main([name, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("remat: error: ") and err.count("\n") == 1 and "num_attention_heads=3" in err, err
+    with pytest.raises(ConfigError):
+        main(["--debug", name, *args])
+
+
+# ------------------------------------------------------------------------------------------------ shared flags
+def test_parse_policy_list_keeps_options():
+    assert parse_policy_list("none, full/uniform/2,distribute,selective") == [
+        "none", "full/uniform/2,distribute", "selective"]
+    assert parse_policy_list(None) is None
+    with pytest.raises(PolicyError):
+        parse_policy_list(" , ")

@@ -1,0 +1,124 @@
+"""Planning a whole Megatron job (remat.plan.job_plan): the extended planner per stage under the budget left by the
+rank's model state, every plan reported as fitting checked by the exact whole-rank prediction."""
+
+from __future__ import annotations
+
+import pytest
+
+from remat.config import ModelConfig
+from remat.job import Job
+from remat.parallel.job_predict import PARTS, predict_job, predict_stage, stage_state
+from remat.plan.costs import CostModel
+from remat.plan.job_plan import plan_job, rank_config
+from remat.plan.megatron import megatron_policies
+from remat.plan.options import PlanOptions
+from remat.plan.unit_model import unit_model
+from remat.policy import Policy
+from remat.recompute.plan_format import Plan, PlanError
+
+CONFIG = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
+                     vocab_size=128, attention="sdpa")
+JOB = Job.build(CONFIG, precision="bf16", tp=2, sp=True, pp=2, num_microbatches=4, dp=2, distributed_optimizer=True)
+
+
+@pytest.fixture(scope="module")
+def peaks() -> tuple[int, int]:
+    """The worst rank's exact peak with nothing recomputed and with every layer recomputed."""
+    keep = predict_job(JOB).worst.peak_bytes
+    full = predict_job(JOB.replace(policy=Policy.parse("full/uniform/1"))).worst.peak_bytes
+    return keep, full
+
+
+@pytest.fixture(scope="module")
+def middle(peaks) -> tuple[int, object]:
+    keep, full = peaks
+    budget = (keep + full) // 2
+    return budget, plan_job(JOB, budget)
+
+
+def test_every_plan_reported_as_fitting_is_its_exact_whole_rank_prediction(middle):
+    budget, result = middle
+    assert result.fits and result.state_fits
+    for s in result.stages:
+        ext = s.extended
+        again = predict_stage(JOB, s.stage, layout=ext.plan)  # the plan run by every chunk of the stage
+        assert ext.prediction.peak_bytes == again.peak_bytes <= budget
+        assert ext.prediction.parts == again.parts and sum(again.parts[p] for p in PARTS) == again.peak_bytes
+        assert again.parts["optimizer_state"] == stage_state(JOB, s.stage).optimizer_state > 0
+        meg = predict_stage(JOB.replace(policy=s.policy), s.stage)
+        assert s.megatron.prediction.peak_bytes == meg.peak_bytes <= budget
+    rows = predict_job(JOB.replace(policy=result.uniform)).ranks
+    assert [r.peak_bytes for r in result.uniform_ranks] == [r.peak_bytes for r in rows]
+    assert max(r.peak_bytes for r in rows) <= budget
+
+
+def test_the_extended_plan_is_never_costlier_than_megatron_and_cheaper_here(middle):
+    _, result = middle
+    for s in result.stages:
+        assert s.extended.cost <= s.megatron.cost
+    stage0 = result.stages[0]
+    assert stage0.extended.cost < stage0.megatron.cost and stage0.extended.policy is None  # not a Megatron setting
+
+
+def test_the_megatron_answer_is_the_cheapest_setting_that_fits_by_exact_prediction(middle):
+    budget, result = middle
+    model = unit_model(rank_config(JOB), tp=JOB.tp, sp=JOB.sp)
+    cost = CostModel()
+    L = JOB.layers_per_chunk
+    stage = result.stages[0]
+    fitting = []
+    for policy in megatron_policies(L):
+        peak = predict_stage(JOB.replace(policy=policy), 0).peak_bytes
+        if peak <= budget:
+            fitting.append(sum(cost.cost(model, u) for u in Plan.from_policy(policy, L).units()))
+    assert stage.megatron.cost == min(fitting)
+
+
+def test_a_budget_nothing_recomputed_fits_plans_nothing_and_one_below_recomputes(peaks):
+    keep, _ = peaks
+    nothing = Plan.from_policy("none", JOB.layers_per_chunk)
+    result = plan_job(JOB, keep)
+    assert result.fits and result.uniform == Policy()
+    assert all(s.extended.plan == nothing for s in result.stages)
+    below = plan_job(JOB, keep - 1)
+    assert below.fits and below.stages[0].extended.plan != nothing  # (norms recompute at no FLOP cost)
+    assert max(r.peak_bytes for r in below.ranks()) <= keep - 1
+
+
+def test_a_budget_below_every_plan_does_not_fit_and_says_the_lowest_peak(peaks):
+    _, full = peaks
+    state = max(stage_state(JOB, s).total for s in range(JOB.pp))
+    result = plan_job(JOB, state + 1)
+    assert result.state_fits and not result.fits and result.ranks() == []
+    worst = result.stages[0]
+    assert worst.extended is None and worst.policy is None and worst.prediction.peak_bytes > state + 1
+
+
+def test_a_model_state_over_the_budget_traces_nothing():
+    state = stage_state(JOB, 0).total
+    result = plan_job(JOB, state - 1)
+    assert not result.state_fits and not result.fits
+    assert all(s.prediction is None and not s.tried for s in result.stages)
+
+
+def test_options_shape_the_search(peaks):
+    keep, full = peaks
+    budget = full + (keep - full) // 4
+    result = plan_job(JOB, budget, PlanOptions(objective="time", offload=False, selective_sets="core_attn,mlp"))
+    assert result.fits and result.objective == "time"
+    for s in result.stages:
+        for unit in s.extended.plan.units():
+            assert unit.mode != "offload" and set(unit.modules) <= {"core_attn", "mlp"}
+    with pytest.raises(PlanError, match=r"measured_times \(--measured-times\).*tp=2"):
+        plan_job(JOB, budget, PlanOptions(measured_times=True))
+
+
+def test_stage_predictions_are_read_back_from_the_disk_cache(peaks, tmp_path, monkeypatch):
+    keep, full = peaks
+    budget = (keep + full) // 2 + 4096
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
+    first = plan_job(JOB, budget)
+    second = plan_job(JOB, budget)
+    assert first.stats["exact_predictions"] > 0 and second.stats["exact_predictions"] == 0
+    strip = [{k: v for k, v in d.items() if k != "stats"} for d in (first.to_dict(), second.to_dict())]
+    assert strip[0] == strip[1]
