@@ -18,6 +18,11 @@ Methods, at each budget:
   not. Every distinct ratio is one compile (cached across budgets); both counts are reported. Its recomputed
   FLOPs are counted on the compiled forward and backward graphs (``torch.utils.flop_counter`` formulas on each
   node's fake value) against ratio 1.0;
+* **torch sac_milp** (benchmarks/torch_sac.py): torch's own SAC planner (torch.distributed._tools: MemTracker,
+  SACEstimator, sac_milp with PuLP/CBC, then each layer's operator knapsack applied with torch's selective
+  checkpoint), its operators priced by the roofline max(FLOPs / 400 TFLOP/s, bytes / 3 TB/s); beside it **remat
+  extended, roofline**: ``objective='time'`` at the same 400 TFLOP/s and 3 TB/s. Needs ``pulp`` and ``pwlf``
+  (``.venv/bin/pip install pulp pwlf``); without them the column is skipped with that reason;
 * **rockmate** (PyPI ``rockmate==2.0.0``): imported in-process, or in the interpreter of ``--rockmate-python``
   (a throwaway venv); if it cannot be imported the exact error is reported.
 
@@ -39,11 +44,8 @@ Solve time: remat's dynamic program (and its whole ``plan()`` call: unit model, 
 trace the first time, cached afterwards), torch.compile's compiles. The dynamic program alone is
 also timed on a ``--dp-layers`` (128) deep version of the model.
 
-Usage::
-
-    python benchmarks/bench_plan.py                       # ~15-25 min on a shared 2-core machine
-    python benchmarks/bench_plan.py --quick               # a smoke run
-    python benchmarks/bench_plan.py --rockmate-python ~/rockmate_venv/bin/python --json out.json
+Usage: ``python benchmarks/bench_plan.py`` (~15-25 min on a shared 2-core machine; ``--quick``: a smoke run;
+``--rockmate-python ~/rockmate_venv/bin/python --json out.json``).
 """
 
 from __future__ import annotations

@@ -81,7 +81,33 @@ def grid_configs(quick: bool) -> list[tuple[str, ModelConfig]]:
             for dtype in ("fp32", "bf16"):
                 groups = {"num_query_groups": dims["num_attention_heads"] // 2} if style == "llama" else {}
                 out.append((f"{style}-{size}-{dtype}", ModelConfig(**dims, **fields, **groups, dtype=dtype)))
+    for size, dims in (QUICK_SIZES if quick else SIZES).items():
+        # MoE rows: a first dense layer, then MoE layers (balanced routing forced in both runs, as the prediction
+        # assumes it): Mixtral-style separate experts in bf16, DeepSeek-style grouped experts + MLA in fp32
+        first_dense = (0,) + (1,) * (dims["num_layers"] - 1)
+        moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=dims["hidden_size"],
+                   moe_layer_freq=first_dense, moe_routing_assumption="balanced", **LLAMA)
+        out.append((f"moe-{size}-bf16", ModelConfig(**dims, **moe, moe_shared_expert_intermediate_size=dims[
+            "hidden_size"], dtype="bf16")))
+        mla = dict(multi_latent_attention=True, q_lora_rank=dims["hidden_size"] // 2, kv_lora_rank=16,
+                   qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8)
+        out.append((f"mla-moe-{size}-fp32", ModelConfig(**dims, **{**moe, "attention": "math"}, **mla,
+                                                        moe_grouped_gemm=True, moe_router_score_function="sigmoid")))
     return out
+
+
+def moe_policies(config: ModelConfig) -> list[str]:
+    """Megatron's MoE/MLA recompute modules the config has (moe_act only with grouped experts), both engines."""
+    if not config.is_moe:
+        return []
+    names = ["selective/moe", "selective/shared_experts", "selective/core_attn+moe"]
+    if config.moe_grouped_gemm:
+        names += ["selective/moe_act", "selective/moe_act+moe"]
+    if config.multi_latent_attention:
+        names += ["selective/mla_up_proj", "selective/core_attn+mla_up_proj+moe_act"]
+    if config.moe_shared_expert_intermediate_size is None:
+        names.remove("selective/shared_experts")
+    return names + [f"{n}@non-reentrant" for n in names]
 
 
 def foundation_policies(num_layers: int) -> list[str]:
@@ -112,7 +138,7 @@ def accuracy(quick: bool) -> dict[str, Any]:
     print("-" * len(header))
     for name, config in grid_configs(quick):
         batch = sample_batch(config)
-        for policy in foundation_policies(config.num_layers):
+        for policy in foundation_policies(config.num_layers) + moe_policies(config):
             # predict first: this also warms torch's lazy imports before the first real step is recorded
             pred = predict(config, policy)
             model = build_model(config, seed=0)

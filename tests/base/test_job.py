@@ -183,7 +183,7 @@ def test_recompute_flags(extra, policy):
     ("--recompute-granularity", ["--recompute-granularity needs one value"]),
     ("--recompute-activations yes", ["--recompute-activations takes no value"]),
     ("--recompute-foo 1", ["--recompute-foo"]),
-    ("--moe-layer-recompute", ["--moe-layer-recompute", "drop it"]),
+    ("--moe-layer-recompute", ["--moe-layer-recompute", "adds MoE layers", "remove it"]),
 ])
 def test_recompute_refusals(extra, fragments):
     refused(extra, *fragments)

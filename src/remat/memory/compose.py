@@ -84,7 +84,7 @@ def shallow_stand_ins(policy: Policy, depth: int, max_depth: int = 12) -> Iterat
                 yield candidate, small_depth
 
 
-def shallow_stand_ins_of_kinds(policy: Policy, kinds: Sequence[str], max_depth: int = 12,
+def shallow_stand_ins_of_kinds(policy: Policy, kinds: Sequence[str], max_depth: int = 16,
                                ) -> Iterator[tuple[Policy, int, tuple[str, ...]]]:
     """:func:`shallow_stand_ins` for a stack of mixed layer kinds (``kinds``, e.g. dense layers then MoE layers):
     each (policy, depth, layer kinds) whose layers have every role, kinds included, of ``(policy, kinds)``."""

@@ -355,6 +355,9 @@ def check_tensor_parallel(config: ModelConfig, tp: int, sp: bool) -> None:
     """Refuse a tensor-parallel size that does not divide what it splits, naming the field."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp={tp!r}: the tensor-parallel size must be a positive integer")
+    if (tp > 1 or sp) and (config.is_moe or config.multi_latent_attention):
+        raise ConfigError(f"tp={tp}: the tensor-parallel reference model has no MoE/MLA layers yet "
+                          "(num_moe_experts / multi_latent_attention); predict this config with tp=1")
     for name, value in (("num_attention_heads", config.num_attention_heads),
                         ("num_query_groups", config.query_groups), ("ffn_hidden_size", config.ffn_size),
                         ("vocab_size", config.vocab_size)):

@@ -37,7 +37,7 @@ class StageModule(nn.Module):
             self.head = source.head if spec.is_last else None
         else:
             self.embedding = Embedding(config) if spec.is_first else None
-            self.layers = nn.ModuleList(TransformerLayer(config) for _ in span)
+            self.layers = nn.ModuleList(TransformerLayer(config, i) for i in span)
             self.head = LMHead(config) if spec.is_last else None
             if config.tie_embeddings and self.embedding is not None and self.head is not None:
                 self.head.output_layer.weight = self.embedding.word_embeddings.weight

@@ -256,12 +256,16 @@ class UnitModel:
     shapes: dict[Unit, UnitShape] = field(default_factory=dict)
     group_pieces: dict[str, tuple[list[_Piece], list[_Piece], int]] = field(default_factory=dict)
     build_seconds: float = 0.0
+    _holds: dict[Unit, frozenset[str]] = field(default_factory=dict, compare=False, repr=False)
 
     def setup(self, num_layers: int) -> int:
         return self.setup_fixed + self.setup_per_layer * num_layers
 
     def holds(self, unit: Unit) -> frozenset[str]:
-        return unit_holds(unit, self.side)
+        found = self._holds.get(unit)
+        if found is None:
+            found = self._holds[unit] = unit_holds(unit, self.side)
+        return found
 
     def shape(self, unit: Unit) -> UnitShape:
         """The unit's shape; groups larger than the traced ones are expanded from their middle layers."""
@@ -285,35 +289,39 @@ class UnitModel:
         """``(peak, where)``: the modelled peak and the block it is in."""
         L = sum(u.size for u in units)
         level = self.setup(L)
-        best = (level + max(self.embedding.high, 0), "forward embedding")
+        best, tag = level + max(self.embedding.high, 0), ("forward embedding", -1)
 
-        def visit(block: Block, where: str) -> None:
-            nonlocal level, best
-            if block.high != NO_EVENT and level + block.high > best[0]:
-                best = (level + block.high, where)
+        def visit(block: Block, at: tuple[str, int]) -> None:  # the block's label is made only for the answer
+            nonlocal level, best, tag
+            if block.high != NO_EVENT and level + block.high > best:
+                best, tag = level + block.high, at
             level += block.net
 
-        visit(self.embedding, "forward embedding")
-        shapes = [self.shape(u) for u in units]
-        at = 0
-        for unit, shape in zip(units, shapes):
-            visit(shape.forward, f"forward {unit} at layer {at}")
-            at += unit.size
-        holds = [self.holds(u) for u in units]
+        visit(self.embedding, ("forward embedding", -1))
+        shapes: list[UnitShape] = []
+        holds: list[frozenset[str]] = []
+        prev = None
+        for u in units:  # plans repeat the same Unit object in runs: look each run up once
+            if u is not prev:
+                shape, hold, prev = self.shape(u), self.holds(u), u
+            shapes.append(shape)
+            holds.append(hold)
+        for j, shape in enumerate(shapes):
+            visit(shape.forward, ("forward", j))
         below: list[frozenset[str]] = []
         held: frozenset[str] = frozenset()
         for h in holds:
             below.append(held)
             held = held | h
-        visit(self.head_forward[held], "forward head")
-        visit(self.head_backward, "backward head")
+        visit(self.head_forward[held], ("forward head", -1))
+        visit(self.head_backward, ("backward head", -1))
         for j in reversed(range(len(units))):
-            at -= units[j].size
-            visit(shapes[j].backward, f"backward {units[j]} at layer {at}")
+            visit(shapes[j].backward, ("backward", j))
             for c in holds[j] - below[j]:  # the lowest holder frees the side input at its end
                 level -= self.side[c]
-        visit(self.tail, "backward embedding")
-        return best
+        visit(self.tail, ("backward embedding", -1))
+        kind, j = tag
+        return best, kind if j < 0 else f"{kind} {units[j]} at layer {sum(u.size for u in units[:j])}"
 
 
 UNIT_MODELS: dict[tuple[ModelConfig, str, str, int, bool], UnitModel] = {}

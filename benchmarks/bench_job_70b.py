@@ -2,7 +2,7 @@
 parts, plus Megatron's theoretical_memory_usage weight+optimizer formula (with its 12/dp taken over the dp x cp
 ranks the distributed optimizer really shards over) beside remat's bytes for each stage.
 
-Run: ``python benchmarks/job_predict_70b.py`` (prints a table; no files written)."""
+Run: ``python benchmarks/bench_job_70b.py`` (prints a table; no files written)."""
 
 from __future__ import annotations
 
