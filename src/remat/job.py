@@ -44,6 +44,7 @@ from remat.job_flags import (
     JobError,
     check_value_count,
     classify_megatron_flag,
+    flag_groups,
     flag_tokens,
     flag_value,
 )
@@ -437,16 +438,7 @@ def parse_megatron_args(argv: Sequence[str] | str) -> tuple[Job, list[str]]:
     tokens, ignored = flag_tokens(argv)
     got: dict[str, Any] = {}
     recompute: list[str] = []
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        if not tok.startswith("--"):
-            raise JobError(f"unexpected {tok!r}: Megatron takes only --flags, each followed by its value(s)")
-        name, eq, inline = tok.partition("=")
-        vals, i = ([inline] if eq else []), i + 1
-        while not eq and i < len(tokens) and not tokens[i].startswith("--"):
-            vals.append(tokens[i])
-            i += 1
+    for name, vals in flag_groups(tokens):
         kind, reason = classify_megatron_flag(name)
         if kind == "recompute":
             if name in RECOMPUTE_FLAGS:

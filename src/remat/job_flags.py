@@ -235,6 +235,24 @@ def flag_tokens(argv: Sequence[str] | str) -> tuple[list[str], list[str]]:
     return tokens[script + 1:], [" ".join(tokens[:script + 1])]
 
 
+def flag_groups(tokens: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """Megatron's flags as ``(flag, values)``: each ``--flag`` with the tokens up to the next ``--flag`` (or its
+    ``=value``). A token before any flag raises :class:`JobError`."""
+    groups: list[tuple[str, list[str]]] = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("--"):
+            raise JobError(f"unexpected {tok!r}: Megatron takes only --flags, each followed by its value(s)")
+        name, eq, inline = tok.partition("=")
+        vals, i = ([inline] if eq else []), i + 1
+        while not eq and i < len(tokens) and not tokens[i].startswith("--"):
+            vals.append(tokens[i])
+            i += 1
+        groups.append((name, vals))
+    return groups
+
+
 def check_value_count(name: str, vals: list[str], n: int | str) -> None:
     if n == 0 and vals:
         raise JobError(f"{name} takes no value, got {' '.join(vals)!r}: write just {name}")

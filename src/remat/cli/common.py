@@ -271,6 +271,20 @@ def write_out(path: Path, obj: Any) -> Path:
         return write_json(path, obj)
 
 
+def emit_report(args: argparse.Namespace, report: Any, print_text: Callable[[], None]) -> None:
+    """The end of every report-printing command: ``--out FILE`` gets the JSON (atomically), then ``--json`` prints
+    it, else ``print_text()`` prints the text; a written file is said last, on stderr."""
+    out = getattr(args, "out", None)
+    if out is not None:
+        write_out(out, report)
+    if args.json:
+        print(json_text(report))
+    else:
+        print_text()
+    if out is not None:
+        info(f"wrote {out}")
+
+
 def check_writable(args: argparse.Namespace, *, files: Sequence[str] = (), folders: Sequence[str] = ()) -> None:
     """Refuse, naming the flag, an output path that cannot be written, before anything runs.
 

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from remat.analysis.job_report import describe_job, format_job_plan, format_job_prediction, not_counted_line, rank_row
-from remat.cli.common import info, json_text, write_out
+from remat.cli.common import emit_report, info
 from remat.cli.job_args import JobSource, job_flags_given, job_from_args, job_policies
 from remat.job import Job
 from remat.job_flags import JobError
@@ -73,17 +73,13 @@ def run_predict_job(args: argparse.Namespace) -> int:
               "assumed": source.assumed, "ignored_flags": source.ignored, "not_counted": not_counted_line(),
               "rows": [rank_row(r, policy=str(p)) for p, pred in predictions for r in pred.ranks],
               "seconds": time.perf_counter() - started}
-    if args.out is not None:
-        write_out(args.out, report)
-    if args.json:
-        print(json_text(report))
-    else:
+    def print_text() -> None:
         print(_header(source) + "\n")
         for policy, pred in predictions:
             print(format_job_prediction(pred, str(policy)) + "\n")
         print(not_counted_line())
-    if args.out is not None:
-        info(f"wrote {args.out}")
+
+    emit_report(args, report, print_text)
     return 0
 
 
@@ -101,18 +97,14 @@ def run_compare_job(args: argparse.Namespace) -> int:
         rows += [{"policy": str(policy), **row} for row in compare_job(job, timeout=args.timeout or DEFAULT_TIMEOUT)]
     report = {"format": "remat.compare-job", "version": 1, "job": _job_dict(source), "assumed": source.assumed,
               "ignored_flags": source.ignored, "not_counted": not_counted_line(), "rows": rows}
-    if args.out is not None:
-        write_out(args.out, report)
-    if args.json:
-        print(json_text(report))
-    else:
+    def print_text() -> None:
         print(_header(source) + "\n")
         for policy in dict.fromkeys(r["policy"] for r in rows):
             print(f"policy {policy}: predicted vs measured per rank (error = (predicted - measured) / measured)")
             print(format_rows([r for r in rows if r["policy"] == policy]) + "\n")
         print(not_counted_line())
-    if args.out is not None:
-        info(f"wrote {args.out}")
+
+    emit_report(args, report, print_text)
     if args.max_error is not None and any(abs(r["error"]) > args.max_error for r in rows):
         info(f"remat compare: a rank's peak error exceeds --max-error {args.max_error}")
         return 1
@@ -132,14 +124,11 @@ def run_plan_job(args: argparse.Namespace, options: PlanOptions) -> int:
     result = plan_job(source.job, args.budget, options)
     report = {**result.to_dict(), "job": _job_dict(source), "assumed": source.assumed,
               "ignored_flags": source.ignored, "not_counted": not_counted_line(args.budget, args.reserve)}
-    if args.out is not None:
-        write_out(args.out, report)
-        info(f"wrote {args.out}")
-    if args.json:
-        print(json_text(report))
-    else:
+    def print_text() -> None:
         print(_header(source) + "\n")
         print(format_job_plan(result))
         print(not_counted_line(args.budget, args.reserve))
+
+    emit_report(args, report, print_text)
     return 0 if result.fits else 1
 

@@ -9,7 +9,7 @@ import warnings
 
 from remat.analysis.megatron_report import COMPARE_COLUMNS, RANK_COLUMNS, rank_rows
 from remat.analysis.report import format_table
-from remat.cli.common import info, json_text, write_out
+from remat.cli.common import emit_report
 from remat.megatron import config_from_args, measure_megatron_core, measure_megatron_core_distributed, predict_from_args
 
 # Flags that describe remat's reference model or job: with --megatron-core everything comes from --megatron-args,
@@ -44,12 +44,11 @@ def check_megatron_core_args(args: argparse.Namespace) -> str:
 
 
 def print_rows(args: argparse.Namespace, rows: list[dict], columns: list, title: str) -> None:
-    report = {"format": "remat.megatron-core", "version": 1, "rows": rows}
-    if getattr(args, "out", None) is not None:
-        write_out(args.out, report)
-    if args.json:
-        print(json_text(report))
-        return
+    emit_report(args, {"format": "remat.megatron-core", "version": 1, "rows": rows},
+                lambda: print_text(rows, columns, title))
+
+
+def print_text(rows: list[dict], columns: list, title: str) -> None:
     print(title + "\n")
     print(format_table(rows, columns))
     ignored = rows[0]["ignored_flags"] if rows else []
@@ -62,8 +61,6 @@ def print_rows(args: argparse.Namespace, rows: list[dict], columns: list, title:
                                "at the peak; grads include Megatron's fp32 main-grad buffer; optim: Adam's states "
                                "(and fp32 master parameters), sharded with --use-distributed-optimizer. Not counted: "
                                "the CUDA context, NCCL buffers and allocator fragmentation.", width=110))
-    if getattr(args, "out", None) is not None:
-        info(f"wrote {args.out}")
 
 
 def quiet_megatron_warnings() -> None:

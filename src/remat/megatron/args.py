@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from remat.job_flags import classify_megatron_flag, flag_tokens
+from remat.job_flags import classify_megatron_flag, flag_groups, flag_tokens
 from remat.megatron.compat import MegatronSettingError
 
 INT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -74,19 +74,11 @@ def parse_args(argv: str | Sequence[str]) -> MegatronArgs:
     docstring); a flag remat does not know to be harmless is refused in one line naming it."""
     try:
         tokens, ignored = flag_tokens(argv)
+        groups = flag_groups(tokens)
     except ValueError as err:
         raise MegatronSettingError(str(err)) from None
     out = MegatronArgs(ignored=ignored)
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        if not tok.startswith("--"):
-            raise MegatronSettingError(f"unexpected {tok!r}: Megatron takes only --flags, each followed by its values")
-        name, eq, inline = tok.partition("=")
-        vals, i = ([inline] if eq else []), i + 1
-        while not eq and i < len(tokens) and not tokens[i].startswith("--"):
-            vals.append(tokens[i])
-            i += 1
+    for name, vals in groups:
         key = _flag_field(name)
         if name in JOB_INT_FLAGS:
             out.job[JOB_INT_FLAGS[name]] = _number(name, vals, int)
