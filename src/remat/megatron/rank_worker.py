@@ -4,10 +4,8 @@ timeline, or its error, into FOLDER; it ends itself when its launcher is gone or
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import sys
 import threading
 import time
@@ -15,28 +13,8 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from remat.parallel.launch import process_alive
+from remat.parallel.launch import report_error, watchdog
 from remat.timeline import write_atomic
-
-
-def report_error(folder: Path, rank: int, error: str, trace: str) -> None:
-    """Write this rank's error where the launcher looks for it (``rank<r>.error.json``, with the time)."""
-    write_atomic(folder / f"rank{rank}.error.json",
-                 json.dumps({"rank": rank, "error": error, "traceback": trace, "time": time.time()}))
-
-
-def watchdog(launcher: int, deadline: float, folder: Path, rank: int) -> None:
-    """End this process when its launcher is gone (a SIGKILLed launcher cleans nothing: remove its folder) or
-    past ``deadline``."""
-    while True:
-        time.sleep(0.2)
-        if not process_alive(launcher):
-            shutil.rmtree(folder, ignore_errors=True)
-            os._exit(4)
-        if time.time() > deadline:
-            with contextlib.suppress(Exception):
-                report_error(folder, rank, "worker stopped: the run's timeout passed", "")
-            os._exit(4)
 
 
 def run_rank(folder: Path, rank: int, launcher: int) -> int:

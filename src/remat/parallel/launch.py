@@ -257,3 +257,26 @@ def inject_fault(fault: dict[str, Any], rank: int) -> None:
     if kind == "kill":  # as the kernel's OOM killer or a user's kill -9 would
         os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(fault.get("message", f"fault injected on rank {rank}"))
+
+
+# What a worker process runs beside its job (parallel.worker, megatron.rank_worker): the other half of the
+# launcher's protocol (the error file first_failure reads, the watchdog of a launcher that is gone).
+def watchdog(launcher: int, deadline: float, folder: Path, rank: int) -> None:
+    """End this worker when the process that launched it is gone or the run's time is over (the launcher
+    normally kills it first). A launcher that is gone ran no cleanup (it was SIGKILLed): remove its folder."""
+    while True:
+        time.sleep(0.2)
+        gone = not process_alive(launcher)
+        if gone:
+            shutil.rmtree(folder, ignore_errors=True)
+            os._exit(4)
+        if time.time() > deadline:
+            with contextlib.suppress(Exception):
+                report_error(folder, rank, "worker stopped: the run's timeout passed", "")
+            os._exit(4)
+
+
+def report_error(folder: Path, rank: int, error: str, trace: str) -> None:
+    """Write this rank's error where the launcher looks for it (``rank<r>.error.json``, with the time)."""
+    write_atomic(folder / f"rank{rank}.error.json",
+                 json.dumps({"rank": rank, "error": error, "traceback": trace, "time": time.time()}))

@@ -7,7 +7,6 @@ import contextlib
 import datetime
 import json
 import os
-import shutil
 import sys
 import threading
 import time
@@ -16,36 +15,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from remat.parallel.job_measure import measure_job_rank
-from remat.parallel.launch import inject_fault, process_alive
+from remat.parallel.launch import inject_fault, report_error, watchdog
 from remat.parallel.pipeline_measure import measure_pipeline_rank
 from remat.parallel.tensor import measure_tensor_parallel_rank
 from remat.timeline import write_atomic
 
 
 # ------------------------------------------------------------------------------------------------ worker
-def _watchdog(launcher: int, deadline: float, folder: Path, rank: int) -> None:
-    """End this worker when the process that launched it is gone or the run's time is over (the launcher
-    normally kills it first). A launcher that is gone ran no cleanup (it was SIGKILLed): remove its folder."""
-    while True:
-        time.sleep(0.2)
-        gone = not process_alive(launcher)
-        if gone:
-            shutil.rmtree(folder, ignore_errors=True)
-            os._exit(4)
-        if time.time() > deadline:
-            with contextlib.suppress(Exception):
-                _report_error(folder, rank, "worker stopped: the run's timeout passed", "")
-            os._exit(4)
-
-
-def _report_error(folder: Path, rank: int, error: str, trace: str) -> None:
-    write_atomic(folder / f"rank{rank}.error.json",
-                 json.dumps({"rank": rank, "error": error, "traceback": trace, "time": time.time()}))
-
-
 def _worker(folder: Path, rank: int, launcher: int) -> int:
     job = json.loads((folder / "job.json").read_text(encoding="utf-8"))
-    threading.Thread(target=_watchdog, args=(launcher, time.time() + job["timeout"] + 5.0, folder, rank),
+    threading.Thread(target=watchdog, args=(launcher, time.time() + job["timeout"] + 5.0, folder, rank),
                      daemon=True).start()
     try:
         fault = job.get("fault") or {}
@@ -77,7 +56,7 @@ def _worker(folder: Path, rank: int, launcher: int) -> int:
         return 0
     except BaseException as err:  # noqa: BLE001 - every failure is reported to the parent
         message = "".join(traceback.format_exception_only(type(err), err)).strip()
-        _report_error(folder, rank, message, traceback.format_exc())
+        report_error(folder, rank, message, traceback.format_exc())
         return 1
 
 
