@@ -8,7 +8,13 @@ main-gradient buffer, fp32 master parameters and Adam moments, an optimizer step
 * (a) TP=2 x PP=2 (4 processes), h=64, 4 microbatches, Megatron's 1F1B;
 * (b) DP=2 with the distributed optimizer (2 processes), h=48 (so Megatron's 64-element parameter padding
   shows), 2 microbatches: reduce-scatter of the gradient buffer, the sharded Adam step and the parameter
-  all-gather inside the measured step.
+  all-gather inside the measured step;
+* (c) EP=2 (2 processes, dp=2) of an MoE GPT (4 experts of ffn 32, top-2, layers 1..3 MoE, 2 local experts per
+  rank), distributed optimizer, 2 microbatches, balanced routing forced in run and prediction: Megatron's
+  all-to-all dispatcher (counts exchanged, tokens and probabilities all-to-all, chunks sorted by local expert)
+  and the separate expert gradient buffer sharded over the expert data-parallel ranks;
+* (d) the same EP=2 job with real routing (grouped experts, 1 microbatch), predicted from the token counts the
+  run reported: the two ranks' experts receive different counts, each priced from its own trace.
 
 Per rank: stage, tensor-parallel and data-parallel position, predicted and measured peak bytes, error =
 (predicted - measured) / measured, the parts alive at the measured peak, and where they differ from the
@@ -33,11 +39,25 @@ from remat.timeline import write_atomic
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=32,
                     micro_batch_size=2, attention="sdpa")
+MOE = MODEL.replace(num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=(0, 1, 1, 1))
+
+
+def given_counts(job: Job, measured: list) -> Job:
+    """``job`` predicted with the token counts per expert its real run reported (one list per MoE layer; every
+    rank routes the same tokens alike, so rank 0's counts are every rank's)."""
+    reports = measured[0].meta["moe_routing"]
+    counts = ";".join(",".join(map(str, r["tokens_per_expert"])) for r in reports)
+    return job.replace(model=job.model.replace(moe_routing_assumption=f"counts:{counts}"))
 JOBS = {
     "(a) tp=2 x pp=2, 1f1b, 4 microbatches": Job.build(MODEL, precision="bf16", tp=2, pp=2, num_microbatches=4),
     "(b) dp=2, distributed optimizer, 2 microbatches": Job.build(MODEL.replace(hidden_size=48), precision="bf16",
                                                                  dp=2, distributed_optimizer=True,
                                                                  num_microbatches=2),
+    "(c) ep=2 (dp=2) MoE, balanced routing, distributed optimizer": Job.build(
+        MOE.replace(moe_routing_assumption="balanced"), precision="bf16", ep=2, dp=2, distributed_optimizer=True,
+        num_microbatches=2),
+    "(d) ep=2 (dp=2) MoE, real routing, predicted from its counts": Job.build(
+        MOE.replace(moe_grouped_gemm=True), precision="bf16", ep=2, dp=2),
 }
 
 
@@ -51,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, job in JOBS.items():
         start = time.perf_counter()
         measured = measure_job(job, timeout=args.timeout)
-        rows = rank_rows(job, measured)
+        real_routing = job.model.is_moe and job.model.moe_routing_assumption is None
+        rows = rank_rows(given_counts(job, measured) if real_routing else job, measured)
         print(f"{name}: {job.world_size} ranks, {time.perf_counter() - start:.1f} s")
         print(format_rows(rows))
         print()

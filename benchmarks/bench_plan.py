@@ -4,13 +4,11 @@ reachable peak to the no-recompute peak, on one model, on this machine, in one r
 
 Methods, at each budget:
 
-* **remat Megatron**: the best Megatron-LM setting (:func:`remat.plan.plan`, ``.megatron``);
-* **remat extended**: the best extended plan (``.extended``: per-layer keep/selective - module-level, or
-  operator-level with ``non_matmul`` -, free checkpoint groups, offloaded groups), found by the exact dynamic
-  program and validated by the trace, least recomputed FLOPs first;
-* **remat extended, time**: the same search with ``objective='time'`` and recompute priced by forward times
-  measured on this machine (:func:`remat.plan.measure_layer_times`, once): FLOP counts price norms, softmax,
-  dropout and activations at zero, measured times do not;
+* **remat Megatron**: the best Megatron-LM setting (:func:`remat.plan.plan`, ``.megatron``), priced as below;
+* **remat (time)**: the best extended plan (``.extended``: per-layer keep / selective modules / kept operators
+  (``keep_ops``) / free checkpoint groups / offloaded groups) under ``plan()``'s default objective, the least
+  predicted step time, priced by operator times measured on this machine (:func:`remat.plan.measure_layer_times`,
+  once): what a CPU user gets. Found by the exact dynamic program and validated by the trace;
 * **torch.compile**: ``torch._functorch.config.activation_memory_budget`` with ``backend='aot_eager'`` (the
   min-cut partitioner honours the budget; nothing is code-generated on CPU). The ratio is a fraction of saved
   activation memory, not a peak limit, so it is chosen per budget: probes (0.5, 0.25, 0.75, ...) until one
@@ -21,8 +19,9 @@ Methods, at each budget:
 * **torch sac_milp** (benchmarks/torch_sac.py): torch's own SAC planner (torch.distributed._tools: MemTracker,
   SACEstimator, sac_milp with PuLP/CBC, then each layer's operator knapsack applied with torch's selective
   checkpoint), its operators priced by the roofline max(FLOPs / 400 TFLOP/s, bytes / 3 TB/s); beside it **remat
-  extended, roofline**: ``objective='time'`` at the same 400 TFLOP/s and 3 TB/s. Needs ``pulp`` and ``pwlf``
-  (``.venv/bin/pip install pulp pwlf``); without them the column is skipped with that reason;
+  (roofline)**: ``plan()`` with its default options, the time objective priced by the 400 TFLOP/s, 3 TB/s
+  roofline (the same price). Needs ``pulp`` and ``pwlf`` (``.venv/bin/pip install pulp pwlf``); without them the
+  column is skipped with that reason;
 * **rockmate** (PyPI ``rockmate==2.0.0``): imported in-process, or in the interpreter of ``--rockmate-python``
   (a throwaway venv); if it cannot be imported the exact error is reported.
 
@@ -44,7 +43,7 @@ Solve time: remat's dynamic program (and its whole ``plan()`` call: unit model, 
 trace the first time, cached afterwards), torch.compile's compiles. The dynamic program alone is
 also timed on a ``--dp-layers`` (128) deep version of the model.
 
-Usage: ``python benchmarks/bench_plan.py`` (~15-25 min on a shared 2-core machine; ``--quick``: a smoke run;
+Usage: ``python benchmarks/bench_plan.py`` (~10-15 min on a shared 2-core machine; ``--quick``: a smoke run;
 ``--rockmate-python ~/rockmate_venv/bin/python --json out.json``).
 """
 
@@ -60,7 +59,6 @@ import json
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -75,8 +73,9 @@ from remat import ModelConfig, build_model, measure, sample_batch
 from remat.plan.api import BudgetError, PlanOptions, plan
 from remat.plan.costs import CostModel, candidate_units, measure_layer_times
 from remat.plan.megatron import megatron_policies
+from remat.plan.operator_space import layer_operators, operator_kinds
 from remat.plan.solver import min_peak, solve
-from remat.plan.unit_model import unit_model
+from remat.plan.unit_model import add_traced_units, unit_model
 from remat.recompute.plan_format import Plan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -234,37 +233,6 @@ class CompileSearch:
         return self.get(lo), len(evaluated), len(self.cache) - before
 
 
-# ------------------------------------------------------------------------------------------------ rockmate
-def probe_rockmate(python: str | None) -> dict[str, Any]:
-    """Whether rockmate imports here (and in ``python``), with the exact error when it does not."""
-    code = (
-        "import importlib.metadata as md, sys\n"
-        "out = {'python': sys.executable}\n"
-        "try:\n"
-        "    out['rockmate_version'] = md.version('rockmate')\n"
-        "    out['rkgb_version'] = md.version('rkgb')\n"
-        "    out['rkgb_files'] = sorted(str(f) for f in (md.files('rkgb') or []) if str(f).endswith('.py'))\n"
-        "except Exception as e:\n"
-        "    out['metadata_error'] = f'{type(e).__name__}: {e}'\n"
-        "try:\n"
-        "    import rockmate\n"
-        "    out['import'] = 'ok'\n"
-        "except Exception as e:\n"
-        "    out['import'] = f'{type(e).__name__}: {e}'\n"
-        "import json; print(json.dumps(out))\n")
-    results = {}
-    for name, exe in (("this interpreter", sys.executable), ("--rockmate-python", python)):
-        if exe is None:
-            continue
-        try:
-            done = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=300)
-            results[name] = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {
-                "import": f"interpreter failed: {done.stderr.strip()[-300:]}"}
-        except Exception as err:  # noqa: BLE001 - report whatever stops the probe
-            results[name] = {"import": f"{type(err).__name__}: {err}"}
-    return results
-
-
 # ------------------------------------------------------------------------------------------------ main
 def ratio_text(timing: dict[str, dict], name: str) -> str:
     r = timing.get(name, {}).get("ratio")
@@ -332,8 +300,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for budget in budgets:
         row: dict[str, Any] = {"budget": budget}
         start = time.perf_counter()
-        try:
-            result = plan(cfg, budget)
+        try:  # the default objective (time), priced by this machine's measured operator times
+            result = plan(cfg, budget, PlanOptions(measured_times=layer_times))
         except BudgetError as err:
             row["remat_error"] = str(err)
             rows.append(row)
@@ -343,8 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row["remat_megatron_sweep_seconds"] = result.stats["megatron_seconds"]
         row["remat_validate_seconds"] = result.stats["validate_seconds"]
         row["remat_model_seconds"] = result.stats["model_seconds"]
-        timed = plan(cfg, budget, PlanOptions(objective="time", measured_times=layer_times))
-        roofline = plan(cfg, budget, PlanOptions(objective="time"))  # torch SAC's price: the same roofline
+        roofline = plan(cfg, budget)  # the default options: torch SAC's price, the same roofline
         variants: dict[str, Any] = {"eager none": build_model(cfg, seed=0)}
         baselines = {}
         if peer is not None:
@@ -360,8 +327,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if peak is not None:
                 row["torch_sac"]["extra_compute_pct"] = 100 * row["torch_sac"]["recompute_flops"] / base_flops
                 variants["torch sac"], baselines["torch sac"] = m, "eager none"
-        for key, choice in (("megatron", result.megatron), ("extended", result.extended),
-                            ("extended_time", timed.extended), ("extended_roofline", roofline.extended)):
+        for key, choice in (("megatron", result.megatron), ("extended_time", result.extended),
+                            ("extended_roofline", roofline.extended)):
             if choice is None:
                 row[key] = None
                 continue
@@ -372,7 +339,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             baselines[f"remat {key}"] = "eager none"
             row[key] = {"plan": str(choice.plan), "predicted_peak": choice.peak_bytes, "measured_peak": peak,
                         "profiler_peak": prof, "fits": peak <= budget, "recompute_flops": choice.recompute_flops,
-                        "extra_compute_pct": choice.extra_compute_pct,
+                        "extra_compute_pct": choice.extra_compute_pct, "step_time_ratio": choice.step_time_ratio,
                         "megatron_args": choice.megatron_args}
         start = time.perf_counter()
         found, evaluated, fresh = search.fit(budget)
@@ -391,11 +358,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         timing = time_steps(variants, batch, args.rounds, baselines)
         row["timing"] = timing
         rows.append(row)
-        ext, meg, comp = row.get("extended"), row.get("megatron"), row["compile"]
+        meg, comp = row.get("megatron"), row["compile"]
         ext_t = row.get("extended_time")
         print(f"budget {budget / MIB:8.2f} MiB | megatron {fmt_mib(meg and meg['measured_peak'])} "
-              f"x{ratio_text(timing, 'remat megatron')} | extended {fmt_mib(ext and ext['measured_peak'])} "
-              f"x{ratio_text(timing, 'remat extended')} ({ext and ext['plan']}) | extended/time "
+              f"x{ratio_text(timing, 'remat megatron')} | remat (time) "
               f"{fmt_mib(ext_t and ext_t['measured_peak'])} x{ratio_text(timing, 'remat extended_time')} "
               f"({ext_t and ext_t['plan']}) | compile r={comp.get('ratio', '-')} "
               f"{fmt_mib(comp.get('profiler_peak'))} x{ratio_text(timing, 'compile ratio')} "
@@ -415,39 +381,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # the dynamic program alone, on a deep version of the model
     deep = cfg.replace(num_layers=args.dp_layers)
     dmodel = unit_model(deep)
-    units = candidate_units(args.dp_layers)
+    cost = CostModel()  # the default objective: time, by the roofline
+    kinds = operator_kinds(layer_operators(cfg), cost.operator_price(), most=PlanOptions().operator_sets)
+    units = candidate_units(args.dp_layers, contractions=dmodel.contractions) + add_traced_units(
+        dmodel, [remat.plan.Unit("selective", 1, k) for k in kinds])
     dlo, dhi = min_peak(dmodel, args.dp_layers, units), dmodel.peak([remat.plan.KEEP] * args.dp_layers)
-    cost = CostModel()
     meg_units = [Plan.from_policy(p, args.dp_layers).units() for p in megatron_policies(args.dp_layers)]
     meg_costs = [(dmodel.peak(u), sum(cost.cost(dmodel, x) for x in u)) for u in meg_units]
     dp = []
     for b in np.linspace(dlo, dhi, 8):
         b = int(b)
         inc = min((c for pk, c in meg_costs if pk <= b), default=None)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         sol = solve(dmodel, args.dp_layers, b, cost, units=units, incumbent=inc)
-        with_inc = time.perf_counter() - start
+        with_inc, with_inc_cpu = time.perf_counter() - start, time.process_time() - cpu
         start = time.perf_counter()
         sol2 = solve(dmodel, args.dp_layers, b, cost, units=units)
         without = time.perf_counter() - start
         assert sol is not None and sol2 is not None and sol.cost == sol2.cost
-        dp.append({"budget": b, "seconds": with_inc, "seconds_without_incumbent": without, "entries": sol.entries})
-    report["dp_deep"] = {"layers": args.dp_layers, "runs": dp}
-    report["rockmate"] = probe_rockmate(args.rockmate_python)
+        dp.append({"budget": b, "seconds": with_inc, "cpu_seconds": with_inc_cpu,
+                   "seconds_without_incumbent": without, "entries": sol.entries})
+    report["dp_deep"] = {"layers": args.dp_layers, "runs": dp, "unit_kinds": len(units)}
+    report["rockmate"] = torch_sac.probe_rockmate(args.rockmate_python)
     return report
 
 
 def peer_table(report: dict[str, Any]) -> list[str]:
     """The side-by-side table: per budget, each method's measured peak (* over budget), extra step time over
-    its own no-recompute step (median ratio - 1) and recomputed FLOPs (% of the plain step)."""
+    its own no-recompute step (median ratio - 1; torch.compile's over compiled 1.0) and recomputed FLOPs (% of the
+    plain step)."""
     rows = [r for r in report["rows"] if "remat_error" not in r]
-    cols = [("remat (roofline)", "extended_roofline", "remat extended_roofline"),
-            ("remat (FLOPs)", "extended", "remat extended"),
-            ("torch sac_milp", "torch_sac", "torch sac"), ("torch.compile", "compile", "compile ratio"),
+    cols = [("remat (time)", "extended_time", "remat extended_time"),
+            ("remat (roofline)", "extended_roofline", "remat extended_roofline"),
+            ("torch sac_milp (roofline)", "torch_sac", "torch sac"), ("torch.compile", "compile", "compile ratio"),
             ("remat Megatron", "megatron", "remat megatron")]
     head = "budget MiB | " + " | ".join(f"{name:^27}" for name, _, _ in cols)
     lines = ["", "measured peak MiB (* over budget) / extra step time % / recomputed FLOPs %", head, "-" * len(head)]
-    wins = {"time": 0, "peak": 0, "n": 0}
+    wins = {"time": 0, "peak": 0, "n": 0, "torch_fits": 0}
     for r in rows:
         cells = []
         for _, key, timing_key in cols:
@@ -467,26 +437,27 @@ def peer_table(report: dict[str, Any]) -> list[str]:
             wins["n"] += 1
             wins["time"] += a is not None and b is not None and a <= b + 0.02
             wins["peak"] += mine["measured_peak"] <= r["budget"]
+            wins["torch_fits"] += bool(sac.get("fits"))
     if report.get("torch_sac_skipped"):
         lines.append(f"torch sac_milp skipped: {report['torch_sac_skipped']}")
     else:
-        lines.append(f"remat (same roofline price) vs torch sac_milp: extra step time <= torch's (+2% noise "
-                     f"allowance) at {wins['time']}/{wins['n']} budgets; remat within budget at "
-                     f"{wins['peak']}/{wins['n']}, torch at "
-                     f"{sum(bool((r.get('torch_sac') or {}).get('fits')) for r in rows)}/{wins['n']}")
+        lines.append(f"remat (roofline) vs torch sac_milp at the same roofline price: extra step time <= torch's (+2% "
+                     f"noise allowance) at {wins['time']}/{wins['n']} budgets where torch's ILP has a plan; remat "
+                     f"within budget at {wins['peak']}/{wins['n']}, torch at {wins['torch_fits']}/{wins['n']}; "
+                     f"torch's ILP has no plan at {len(rows) - wins['n']}/{len(rows)}")
     return lines
 
 
 def summary(report: dict[str, Any]) -> str:
     rows = [r for r in report["rows"] if "remat_error" not in r]
     lines = [*peer_table(report), "", "=" * 150,
-             "budget MiB | remat Megatron: measured MiB, step x, FLOP% | remat extended (FLOPs): measured MiB "
-             "(profiler), step x, FLOP% | remat extended (time): MiB, step x, FLOP% | torch.compile: ratio, peak MiB, "
-             "step x vs compiled 1.0 (1.0 vs eager), FLOP%, compiles",
+             "budget MiB | remat Megatron: measured MiB, step x, FLOP% | remat (time): measured MiB (profiler), "
+             "predicted step x, step x, FLOP% | remat (roofline): MiB, step x, FLOP% | torch.compile: ratio, peak "
+             "MiB, step x vs compiled 1.0 (1.0 vs eager), FLOP%, compiles",
              "-" * 150]
     for r in rows:
         tm = r["timing"]
-        meg, ext, ext_t, comp = r.get("megatron"), r.get("extended"), r.get("extended_time"), r["compile"]
+        meg, ext, ext_r, comp = r.get("megatron"), r.get("extended_time"), r.get("extended_roofline"), r["compile"]
 
         def x(name: str, tm: dict = tm) -> str:
             return f"{ratio_text(tm, name):>6}"
@@ -494,29 +465,31 @@ def summary(report: dict[str, Any]) -> str:
         meg_txt = (f"{meg['measured_peak'] / MIB:7.2f} {x('remat megatron')} {meg['extra_compute_pct']:5.1f}%"
                    if meg else "   none fits          ")
         ext_txt = (f"{ext['measured_peak'] / MIB:7.2f} ({ext['profiler_peak'] / MIB:7.2f}) "
-                   f"{x('remat extended')} {ext['extra_compute_pct']:5.1f}%")
-        ext_t_txt = (f"{ext_t['measured_peak'] / MIB:7.2f} {x('remat extended_time')} "
-                     f"{ext_t['extra_compute_pct']:5.1f}%" if ext_t else "-")
+                   f"{ext['step_time_ratio']:6.3f} {x('remat extended_time')} {ext['extra_compute_pct']:5.1f}%")
+        ext_r_txt = (f"{ext_r['measured_peak'] / MIB:7.2f} {x('remat extended_roofline')} "
+                     f"{ext_r['extra_compute_pct']:5.1f}%" if ext_r else "-")
         if "ratio" in comp:
             comp_txt = (f"r={comp['ratio']:.4f} {comp['profiler_peak'] / MIB:7.2f} {x('compile ratio')} "
                         f"({ratio_text(tm, 'compile 1.0')}) {comp['extra_compute_pct']:5.1f}% "
                         f"{comp['ratios_evaluated']:2d}/{comp['fresh_compiles']:2d}")
         else:
             comp_txt = f"no ratio fits ({comp['ratios_evaluated']} evaluated, {comp['fresh_compiles']} compiled)"
-        lines.append(f"{r['budget'] / MIB:9.2f} | {meg_txt} | {ext_txt} | {ext_t_txt} | {comp_txt}")
+        lines.append(f"{r['budget'] / MIB:9.2f} | {meg_txt} | {ext_txt} | {ext_r_txt} | {comp_txt}")
     for r in rows:
-        plans = [f"{k}: {r[k]['plan']}" for k in ("megatron", "extended", "extended_time") if r.get(k)]
-        lines.append(f"{r['budget'] / MIB:9.2f} | " + " | ".join(plans))
+        plans = [f"{k}: {r[k]['plan']}" for k in ("megatron", "extended_time", "extended_roofline") if r.get(k)]
+        sac = (r.get("torch_sac") or {}).get("plan")
+        lines.append(f"{r['budget'] / MIB:9.2f} | " + " | ".join(plans) + (f" | torch sac: {sac}" if sac else ""))
     lines.append("-" * 118)
     lines.append("solve seconds | remat Megatron: predict_many sweep (cached after the first budget) | remat "
-                 "extended: unit model, DP, validation trace | torch.compile: ratio search incl. compiles")
+                 "(time): unit model, DP, validation trace | torch.compile: ratio search incl. compiles")
     for r in rows:
         megatron_plan = (r.get("megatron") or {}).get("plan")
         lines.append(f"{r['budget'] / MIB:9.2f} | {r['remat_megatron_sweep_seconds']:7.2f} | "
                      f"{r['remat_model_seconds']:6.2f} {r['remat_dp_seconds']:7.4f} {r['remat_validate_seconds']:6.2f} "
                      f"| {r['compile']['search_seconds']:7.2f}  (Megatron plan: {megatron_plan})")
     lines.append("-" * 118)
-    plans = [(r["budget"], c) for r in rows for c in (r.get("megatron"), r.get("extended")) if c]
+    plans = [(r["budget"], c) for r in rows for k in ("megatron", "extended_time", "extended_roofline")
+             for c in (r.get(k),) if c]
     inside = sum(c["measured_peak"] <= b for b, c in plans)
     lines.append(f"remat plans within budget (remat.measure, real CPU tensors): {inside}/{len(plans)}")
     comp_fit = [r for r in rows if "ratio" in r["compile"]]
@@ -524,11 +497,7 @@ def summary(report: dict[str, Any]) -> str:
                  f"({sum(r['compile']['fits'] for r in comp_fit)} fit on the profiler); compiles per budget "
                  f"{[r['compile']['ratios_evaluated'] for r in rows]} (evaluated), "
                  f"{sum(r['compile']['fresh_compiles'] for r in rows)} distinct compiles in all")
-    flop_ok = [r["extended"]["recompute_flops"] <= r["compile"]["recompute_flops"] for r in comp_fit]
-    meg_ok = [r["extended"]["recompute_flops"] <= r["megatron"]["recompute_flops"] for r in rows if r.get("megatron")]
-    lines.append(f"remat extended recompute FLOPs <= torch.compile's at {sum(flop_ok)}/{len(flop_ok)} budgets where "
-                 f"compile fits; <= remat Megatron's at {sum(meg_ok)}/{len(meg_ok)}")
-    for key in ("extended", "extended_time"):
+    for key in ("extended_time", "extended_roofline"):
         own, eager = [], []
         for r in comp_fit:
             tm = r["timing"]
@@ -537,17 +506,23 @@ def summary(report: dict[str, Any]) -> str:
             if a is not None and b is not None and base is not None:
                 own.append((a - 1) <= (b - 1) + 0.02)
                 eager.append(a <= b * base + 0.02)
-        lines.append(f"remat {key.replace('_', ' (')}{')' if '_' in key else ''} step time: extra over its own "
-                     f"no-recompute step <= torch.compile's over compiled 1.0 (+2% noise allowance) at "
-                     f"{sum(own)}/{len(own)} budgets; step time <= torch.compile's, both against eager no-recompute, "
-                     f"at {sum(eager)}/{len(eager)}")
+        name = "remat (time)" if key == "extended_time" else "remat (roofline)"
+        lines.append(f"{name} step time: extra over its own no-recompute step <= torch.compile's over compiled 1.0 "
+                     f"(+2% noise allowance) at {sum(own)}/{len(own)} budgets where both fit; step time <= "
+                     f"torch.compile's, both against eager no-recompute, at {sum(eager)}/{len(eager)}")
+    err = [abs(r["extended_time"]["step_time_ratio"] - r["timing"]["remat extended_time"]["ratio"])
+           for r in rows if r.get("extended_time") and r["timing"].get("remat extended_time", {}).get("ratio")]
+    if err:
+        lines.append(f"remat (time): predicted vs measured step-time ratio, largest difference {max(err):.3f}")
     lt = report["layer_times"]
     lines.append(f"measured layer forward {1e3 * lt['layer']:.2f} ms: non-matmul operators "
                  f"{1e3 * lt['non_matmul']:.2f} ms ({100 * lt['non_matmul'] / lt['layer']:.0f}%), core_attn "
                  f"{1e3 * lt['core_attn']:.2f} ms, mlp {1e3 * lt['mlp']:.2f} ms")
     dp = report["dp_deep"]
     secs = [d["seconds"] for d in dp["runs"]]
-    lines.append(f"dynamic program alone, {dp['layers']} layers, 8 budgets: max {max(secs):.3f} s, median "
+    cpu = [d["cpu_seconds"] for d in dp["runs"]]
+    lines.append(f"dynamic program alone, {dp['layers']} layers, {dp['unit_kinds']} unit kinds (keep_ops included), "
+                 f"time objective, 8 budgets: max {max(secs):.3f} s ({max(cpu):.3f} s of CPU), median "
                  f"{statistics.median(secs):.3f} s (without the Megatron incumbent: max "
                  f"{max(d['seconds_without_incumbent'] for d in dp['runs']):.3f} s)")
     solve_first = rows[0]["remat_plan_seconds"] if rows else 0

@@ -10,7 +10,8 @@ FakeTensorMode, composed from shallow stand-ins) and measured on this CPU with r
 (``remat.measure``). Printed per row: both peaks, the peak error and the worst error among the parts alive at the
 peak (parameters, gradients, group inputs, saved activations, recompute, head/loss, other); then the worst of
 each over the grid. error = (predicted - measured) / measured; a part measured as 0 bytes is taken relative to
-the peak.
+the peak. Offloading rows (Megatron's fine-grained activation offloading, ``,offload:...``) also check the host
+bytes (``meta['host_memory']``: peak, per module, series) predicted == measured.
 
 (b) Speed, on the ``llama3-70b`` preset (80 layers, h=8192, s=8192, GQA, SwiGLU): for ``full/uniform/1`` (the
 headline) and a few other policies, the full fake trace of all 80 layers (``predict_config(...,
@@ -110,6 +111,17 @@ def moe_policies(config: ModelConfig) -> list[str]:
     return names + [f"{n}@non-reentrant" for n in names]
 
 
+def offload_policies(config: ModelConfig) -> list[str]:
+    """Megatron's fine-grained activation offloading, alone and beside selective recompute; the minimum size is
+    b*s elements so that hidden-sized tensors move at these sizes (Megatron's default, 1M elements, moves none)."""
+    low = f"offload_min:{config.micro_batch_size * config.seq_length}"
+    names = [f"none,offload:attn_norm+qkv_linear+core_attn+attn_proj+mlp_norm,{low}",
+             f"selective/core_attn,offload:attn_norm+core_attn+attn_proj,{low}"]
+    if config.moe_grouped_gemm:
+        names.append(f"selective/moe_act,offload:mlp_norm+expert_fc1+moe_act,{low}")
+    return names
+
+
 def foundation_policies(num_layers: int) -> list[str]:
     """Every policy remat implements on a ``num_layers`` stack, with both engines (none once)."""
     act_sets = ["selective/" + "+".join(c) for n in range(1, 4) for c in combinations(("core_attn", "layernorm",
@@ -138,7 +150,7 @@ def accuracy(quick: bool) -> dict[str, Any]:
     print("-" * len(header))
     for name, config in grid_configs(quick):
         batch = sample_batch(config)
-        for policy in foundation_policies(config.num_layers) + moe_policies(config):
+        for policy in foundation_policies(config.num_layers) + moe_policies(config) + offload_policies(config):
             # predict first: this also warms torch's lazy imports before the first real step is recorded
             pred = predict(config, policy)
             model = build_model(config, seed=0)
@@ -153,7 +165,9 @@ def accuracy(quick: bool) -> dict[str, Any]:
             rows.append({"config": name, "policy": policy, "predicted_bytes": pred.peak_bytes,
                          "measured_bytes": meas.peak_bytes, "error": error,
                          "worst_part": worst if worst_error else None, "worst_part_error": worst_error,
-                         "composed": "composed_from" in pred.meta})
+                         "composed": "composed_from" in pred.meta,
+                         # offloading: the host bytes too (series, peak, per module) must be the same
+                         "host_equal": pred.meta.get("host_memory") == meas.meta.get("host_memory")})
             print(f"{name:<17} {policy:<50} {pred.peak_bytes:>12,} {meas.peak_bytes:>12,} {100 * error:>+10.4f} "
                   f"{worst if worst_error else '-':>17} {100 * worst_error:>+10.4f}", flush=True)
     worst_peak = max(rows, key=lambda r: abs(r["error"]))
@@ -164,7 +178,11 @@ def accuracy(quick: bool) -> dict[str, Any]:
     print(f"worst peak error: {100 * worst_peak['error']:+.4f}% ({worst_peak['config']} {worst_peak['policy']})")
     print(f"worst part error: {100 * worst_part['worst_part_error']:+.4f}% ({worst_part['config']} "
           f"{worst_part['policy']}, {worst_part['worst_part'] or 'every part exact'})")
-    return {"rows": rows, "worst_peak_error": worst_peak["error"], "worst_part_error": worst_part["worst_part_error"]}
+    offloaded = [r for r in rows if ",offload:" in r["policy"]]
+    print(f"offloading rows: {len(offloaded)}, host bytes (peak, per module, series) predicted == measured in "
+          f"{sum(r['host_equal'] for r in offloaded)}")
+    return {"rows": rows, "worst_peak_error": worst_peak["error"], "worst_part_error": worst_part["worst_part_error"],
+            "host_bytes_equal": all(r["host_equal"] for r in rows)}
 
 
 # ------------------------------------------------------------------------------------------------ (b) speed
@@ -276,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if "accuracy" in result:
         acc = result["accuracy"]
-        ok &= abs(acc["worst_peak_error"]) <= 0.01 and abs(acc["worst_part_error"]) <= 0.02
+        ok &= abs(acc["worst_peak_error"]) <= 0.01 and abs(acc["worst_part_error"]) <= 0.02 and acc["host_bytes_equal"]
     if "speed" in result:
         ok &= all(r["equal"] for r in result["speed"]["policies"])
     return 0 if ok else 1

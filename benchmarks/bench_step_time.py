@@ -4,13 +4,15 @@
 Table 1: the step time (forward + loss + backward, no optimizer) of the reference GPT under
 ``none``, ``full/uniform/1``, ``full/uniform/L``, ``full/block/(L/2)``, ``selective/core_attn``,
 ``selective/core_attn+mlp`` and ``selective/non_matmul`` with both engines (reentrant, non-reentrant;
-non_matmul always runs torch's non-reentrant selective checkpointing), next to the bound
+non_matmul always runs remat's operator checkpoint, remat.recompute.operator_checkpoint), plus, for
+reference, the same non_matmul layers under torch's own selective activation checkpointing
+(``torch.utils.checkpoint`` with ``create_selective_checkpoint_contexts``, hand-written), next to the bound
 ``1 + F_recomputed / (F + B)``: F and B are the plain (``none``) step's forward and backward times,
 timed separately, and F_recomputed is the forward time of what the policy recomputes (all layers for
 full/uniform; the first L/2 layers for full/block/(L/2); the core attention / MLP modules for
-selective), found by a probe step that times those modules with forward hooks (non_matmul: the layers'
-forward times the share of non-matmul operators in one layer's forward, timed operator by operator by
-``remat.plan.measure_layer_times``). A recomputing step
+selective), found by a probe step that times those modules with forward hooks (non_matmul: the non-matmul
+operators of the layers' forward, timed operator by operator by a second probe step; both probes run in
+every round, so the bound follows the machine's load as the steps do). A recomputing step
 should cost at most the plain step plus one more forward of what it recomputes; PASS means
 ``ratio <= bound + tolerance`` (``--tolerance``, 0.05 of a plain step by default).
 
@@ -48,6 +50,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import functools
 import gc
 import json
 import platform
@@ -62,10 +65,11 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import ModelConfig, build_model, sample_batch
-from remat.plan.costs import measure_layer_times
+from remat.recompute.operators import MATMUL_OPS
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -203,8 +207,10 @@ def remat_variant(bench: Bench, policy: str) -> Variant:
     return Variant(policy, setup)
 
 
-def handwritten_forward(model: remat.GPT, k: int, use_reentrant: bool) -> Forward:
-    """The reference GPT's forward with groups of k layers checkpointed by torch.utils.checkpoint directly."""
+def handwritten_forward(model: remat.GPT, k: int, use_reentrant: bool,
+                        context_fn: Callable[[], Any] = torch.utils.checkpoint.noop_context_fn) -> Forward:
+    """The reference GPT's forward with groups of k layers checkpointed by torch.utils.checkpoint directly
+    (``context_fn``: see torch.utils.checkpoint.checkpoint, non-reentrant only)."""
     layers = list(model.layers)
     groups = [layers[s:s + k] for s in range(0, len(layers), k)]
 
@@ -219,7 +225,9 @@ def handwritten_forward(model: remat.GPT, k: int, use_reentrant: bool) -> Forwar
                     h = layer(h, m, r)
                 return h
 
-            hidden = torch.utils.checkpoint.checkpoint(run_group, hidden, mask, rotary, use_reentrant=use_reentrant)
+            extra = {} if use_reentrant else {"context_fn": context_fn}
+            hidden = torch.utils.checkpoint.checkpoint(run_group, hidden, mask, rotary, use_reentrant=use_reentrant,
+                                                       **extra)
         return model.head(hidden, labels)
 
     return forward
@@ -233,6 +241,78 @@ def hand_variant(bench: Bench, k: int, engine: str, name: str | None = None) -> 
         return forward
 
     return Variant(name or f"hand/{k}@{engine}", setup)
+
+
+def keep_matmul_outputs(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
+    """torch's selective-checkpoint policy of a non_matmul layer: keep the outputs of the matrix multiplies."""
+    if func.overloadpacket in MATMUL_OPS:
+        return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+    return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def torch_selective_variant(bench: Bench) -> Variant:
+    """selective/non_matmul written by hand with torch's selective activation checkpointing (a reference row)."""
+    contexts = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, keep_matmul_outputs)
+    forward = handwritten_forward(bench.model, 1, use_reentrant=False, context_fn=contexts)
+
+    def setup() -> Forward:
+        remat.remove(bench.model)
+        return forward
+
+    return Variant("torch SAC non_matmul (reference)", setup)
+
+
+class OperatorProbe:
+    """Times the operators of the layers' forward that are not matrix multiplies (what a non_matmul layer
+    recomputes), operator by operator, in a plain step: seconds per round in ``per_round``."""
+
+    def __init__(self, model: remat.GPT, device: torch.device):
+        self.model, self.device = model, device
+        self.depth = 0  # > 0 inside a layer's forward
+        self.current = 0.0
+        self.per_round: list[float] = []
+        self.handles: list[Any] = []
+
+    def variant(self) -> Variant:
+        probe = self
+
+        class Timer(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                                   kwargs: dict[str, Any] | None = None) -> Any:
+                if not probe.depth or func.overloadpacket in MATMUL_OPS:
+                    return func(*args, **(kwargs or {}))
+                _sync(probe.device)
+                start = time.perf_counter()
+                out = func(*args, **(kwargs or {}))
+                _sync(probe.device)
+                probe.current += time.perf_counter() - start
+                return out
+
+        def enter(module: nn.Module, args: Any) -> None:
+            probe.depth += 1
+
+        def leave(module: nn.Module, args: Any, out: Any) -> None:
+            probe.depth -= 1
+
+        def forward(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            with Timer():
+                return self.model(tokens, labels)
+
+        def setup() -> Forward:
+            remat.remove(self.model)
+            self.current, self.depth = 0.0, 0
+            for layer in self.model.layers:
+                self.handles += [layer.register_forward_pre_hook(enter),
+                                 layer.register_forward_hook(leave, always_call=True)]
+            return forward
+
+        def teardown() -> None:
+            for h in self.handles:
+                h.remove()
+            self.handles.clear()
+            self.per_round.append(self.current)
+
+        return Variant("operator probe", setup, teardown)
 
 
 class ForwardProbe:
@@ -323,13 +403,15 @@ def table1(bench: Bench, args: argparse.Namespace, rng: random.Random) -> dict[s
     half = max(1, L // 2)
     policies = ["full/uniform/1", f"full/uniform/{L}", f"full/block/{half}", "selective/core_attn",
                 "selective/core_attn+mlp", "selective/non_matmul"]
-    operators = measure_layer_times(bench.model.config, device=bench.device)
     none = remat_variant(bench, "none")
     probe = ForwardProbe(bench.model, bench.device)
     probe_v = probe.variant()
+    operators = OperatorProbe(bench.model, bench.device)
+    operators_v = operators.variant()
     variants = [(p, e, remat_variant(bench, p if e == "reentrant" else f"{p}@{e}"))
                 for e in ENGINES for p in policies]
-    everything = [none, probe_v] + [v for _, _, v in variants]
+    variants.append(("selective/non_matmul", "torch", torch_selective_variant(bench)))
+    everything = [none, probe_v, operators_v] + [v for _, _, v in variants]
 
     def schedule(r: random.Random) -> list[Variant]:
         order = list(everything)
@@ -343,11 +425,13 @@ def table1(bench: Bench, args: argparse.Namespace, rng: random.Random) -> dict[s
     plain = F + B
     shares = probe.shares(probe_v)
     layer_fw = [shares[f"layer{i}"] * F for i in range(L)]
+    # the non-matmul operators' seconds of each round, against the plain step of the same round
+    non_matmul_share = median([t / n for t, n in zip(operators.per_round[-rounds:], none.step_times)])
     recomputed = {  # forward seconds each policy recomputes
         "full/uniform/1": sum(layer_fw), f"full/uniform/{L}": sum(layer_fw), f"full/block/{half}": sum(layer_fw[:half]),
         "selective/core_attn": shares["core_attn"] * F,
         "selective/core_attn+mlp": (shares["core_attn"] + shares["mlp"]) * F,
-        "selective/non_matmul": operators["non_matmul"] / operators["layer"] * sum(layer_fw),
+        "selective/non_matmul": non_matmul_share * plain,
     }
     rows = []
     for p, e, v in variants:
@@ -382,11 +466,14 @@ def table1(bench: Bench, args: argparse.Namespace, rng: random.Random) -> dict[s
               f"{r['bound']:>8.3f}  {r['verdict']}")
     full = overall([r["verdict"] for r in rows if r["full"]])
     print(f"  full recompute within its bound + {args.tolerance:.2f} (both engines): {full}")
+    non_matmul = overall([r["verdict"] for r in rows if r["policy"].startswith("selective/non_matmul")])
+    print(f"  selective/non_matmul within its bound + {args.tolerance:.2f}: {non_matmul}")
     return {"rounds": rounds, "F_s": F, "B_s": B, "forward_share": F / plain,
             "layers_share": sum(layer_fw) / plain, "core_attn_share": shares["core_attn"] * F / plain,
-            "mlp_share": shares["mlp"] * F / plain, "tolerance": args.tolerance, "rows": rows, "full": full,
+            "mlp_share": shares["mlp"] * F / plain, "non_matmul_share": non_matmul_share, "tolerance": args.tolerance,
+            "rows": rows, "full": full, "non_matmul": non_matmul,
             "raw": {v.name: {"forward_s": v.forward_times, "backward_s": v.backward_times, "cpu_s": v.cpu_times}
-                    for v in everything}}
+                    for v in everything} | {"non_matmul_operators_s": operators.per_round[-rounds:]}}
 
 
 def table2(bench: Bench, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:

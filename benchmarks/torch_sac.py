@@ -9,12 +9,16 @@ FakeTensorMode, :func:`aggregate_stats` + :func:`parse_module_info` into a modul
 (:func:`roofline`), replacing torch's CUDA-only roofline, so both planners optimise the same objective.
 
 Needs ``pulp`` and ``pwlf`` (``.venv/bin/pip install pulp pwlf``); :func:`missing` says what is absent.
+:func:`probe_rockmate` says whether the other peer bench_plan.py knows of, rockmate, imports here.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -139,3 +143,33 @@ def _selective(forward: Callable[..., Any], keep: list[int], skipped: set[Any]) 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
     return wrapped
+
+
+def probe_rockmate(python: str | None) -> dict[str, Any]:
+    """Whether rockmate imports here (and in ``python``), with the exact error when it does not."""
+    code = (
+        "import importlib.metadata as md, sys\n"
+        "out = {'python': sys.executable}\n"
+        "try:\n"
+        "    out['rockmate_version'] = md.version('rockmate')\n"
+        "    out['rkgb_version'] = md.version('rkgb')\n"
+        "    out['rkgb_files'] = sorted(str(f) for f in (md.files('rkgb') or []) if str(f).endswith('.py'))\n"
+        "except Exception as e:\n"
+        "    out['metadata_error'] = f'{type(e).__name__}: {e}'\n"
+        "try:\n"
+        "    import rockmate\n"
+        "    out['import'] = 'ok'\n"
+        "except Exception as e:\n"
+        "    out['import'] = f'{type(e).__name__}: {e}'\n"
+        "import json; print(json.dumps(out))\n")
+    results = {}
+    for name, exe in (("this interpreter", sys.executable), ("--rockmate-python", python)):
+        if exe is None:
+            continue
+        try:
+            done = subprocess.run([exe, "-c", code], capture_output=True, text=True, timeout=300)
+            results[name] = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {
+                "import": f"interpreter failed: {done.stderr.strip()[-300:]}"}
+        except Exception as err:  # noqa: BLE001 - report whatever stops the probe
+            results[name] = {"import": f"{type(err).__name__}: {err}"}
+    return results

@@ -198,8 +198,9 @@ class ModelConfig:
 # replaces the dense MLP: router (linear h -> experts, softmax or sigmoid scores, top-k), token dispatch (the
 # routed copies of the tokens permuted into expert order, as the all-to-all dispatcher does on one rank),
 # experts, combine (weighted and scattered back), plus the shared expert when set. Which layers are MoE follows
-# moe_layer_freq exactly as Megatron's get_gpt_decoder_block_spec reads it. expert_model_parallel_size is kept
-# so that a Megatron config reads in; a prediction refuses values above 1 (see remat.models.moe).
+# moe_layer_freq exactly as Megatron's get_gpt_decoder_block_spec reads it. expert_model_parallel_size ep > 1
+# makes the model one expert-parallel rank: num_moe_experts / ep experts, tokens exchanged all-to-all
+# (remat.models.expert_parallel).
 def check_moe_fields(config: ModelConfig) -> None:
     """Refuse MoE fields Megatron would refuse, naming the field and the fix."""
     set_ = object.__setattr__
@@ -271,6 +272,15 @@ class RoutingAssumption:
     capacity_factor: float | None = None
     counts: tuple[tuple[int, ...], ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.kind not in ROUTING_KINDS:
+            raise ConfigError(f"RoutingAssumption kind={self.kind!r}: use one of {', '.join(ROUTING_KINDS)}")
+        factor = self.capacity_factor
+        if self.kind == "capacity" and (factor is None or not 0 < factor < float("inf")):
+            raise ConfigError("routing 'capacity' needs a capacity_factor > 0 (e.g. 'capacity:1.25')")
+        if self.kind == "counts" and (not self.counts or any(not layer or min(layer) < 0 for layer in self.counts)):
+            raise ConfigError("routing 'counts' needs one count >= 0 per expert (e.g. 'counts:6,2,4,4')")
+
     @classmethod
     def parse(cls, text: str) -> RoutingAssumption:
         """``balanced``, ``capacity:<factor>`` or ``counts:<c0>,<c1>,...[;<next MoE layer>...]``."""
@@ -306,14 +316,17 @@ class RoutingAssumption:
         """Whether the MoE layers receive different counts (so they are not interchangeable)."""
         return len(set(self.counts)) > 1
 
-    def tokens_per_expert(self, tokens: int, experts: int, topk: int, layer: int) -> list[int]:
-        """Tokens each of ``experts`` experts receives in MoE layer ``layer`` (0 = the first MoE layer) from
-        ``tokens`` tokens routed to ``topk`` experts each."""
+    def tokens_per_expert(self, tokens: int, experts: int, topk: int, layer: int = 0) -> list[int]:
+        """Tokens each of ``experts`` experts receives in MoE layer ``layer`` (0 = the first MoE layer; with one
+        count list, every MoE layer) from ``tokens`` tokens routed to ``topk`` experts each."""
         if self.kind == "counts":
             if layer >= len(self.counts) and len(self.counts) > 1:
                 raise ConfigError(f"moe_routing_assumption gives counts for {len(self.counts)} MoE layers; MoE layer "
                                   f"{layer} has none: give one list per MoE layer, or one for all")
             counts = list(self.counts[min(layer, len(self.counts) - 1)])
+            if len(counts) != experts:
+                raise ConfigError(f"moe_routing_assumption={self}: {len(counts)} counts, but the model has {experts} "
+                                  "experts: give one count per expert")
         elif self.kind == "capacity":
             counts = [math.ceil(tokens * topk / experts * float(self.capacity_factor or 1.0))] * experts
         else:

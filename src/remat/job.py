@@ -23,6 +23,8 @@ Decisions (facts from NVIDIA/Megatron-LM at d98e8a6, August 2026; files cited wh
   local`` store the s x s scores (remat's ``math``). ``--use-flash-attn`` has no effect on Megatron-core models.
 * ``--world-size`` and ``--data-parallel-size`` are remat's own flags (Megatron reads the world size from the
   launcher); without either, dp = 1. Tokens up to the script (``torchrun ... pretrain_gpt.py``) are the launcher's.
+* MoE and MLA flags (``--num-experts``, ``--moe-*``, ``--multi-latent-attention``, ...) and the expert layout
+  (``--expert-model-parallel-size``): :mod:`remat.job_experts`.
 * Every other flag is modelled, ignored (known not to change memory: :data:`remat.job_flags.IGNORED_FLAGS`), or
   refused by name (changes memory in a way remat cannot model yet: ``REFUSED_FLAGS``); an unlisted flag is refused.
 """
@@ -38,6 +40,7 @@ from fractions import Fraction
 from typing import Any
 
 from remat.config import DTYPES, ConfigError, ModelConfig
+from remat.job_experts import check_expert_layout, check_recompute_modules, model_with_ep, moe_mla_args, moe_mla_fields
 from remat.job_flags import (
     DEFAULT_ONLY_FLAGS,
     RECOMPUTE_FLAGS,
@@ -99,7 +102,8 @@ class Job:
     dp: int = 1
     """Data-parallel size (world size / (tp*pp*cp)); also shards the distributed optimizer."""
     ep: int = 1
-    """Expert-parallel size (``--expert-model-parallel-size``); 1 until ModelConfig has experts."""
+    """Expert-parallel size (``--expert-model-parallel-size``): each rank holds num_moe_experts / ep experts; it
+    must equal ``model.expert_model_parallel_size`` (:meth:`build` and :meth:`replace` set it)."""
     etp: int | None = None
     """Expert tensor-parallel size (``--expert-tensor-parallel-size``); None means tp, as in Megatron."""
     num_microbatches: int = 1
@@ -147,6 +151,8 @@ class Job:
         canon = {"ffn_hidden_size": None} if m.ffn_hidden_size == m.replace(ffn_hidden_size=None).ffn_size else {}
         if m.num_query_groups == m.num_attention_heads:
             canon["num_query_groups"] = None
+        if m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size == m.ffn_size:
+            canon["moe_ffn_hidden_size"] = None
         if canon:
             set_(self, "model", m := m.replace(**canon))
 
@@ -180,10 +186,7 @@ class Job:
         # megatron/core/tensor_parallel/mappings.py::_split_along_first_dim: the s/cp tokens split over tp.
         _require(not self.sp or (s // cp) % tp == 0, f"sp=True (--sequence-parallel) splits the s/cp={s // cp} "
                  f"tokens over tp={tp} ranks, which does not divide them: change tp, cp or --seq-length")
-        _require(self.etp in (None, tp), f"{_f('etp')}={self.etp}: expert tensor parallelism applies to MoE layers "
-                 "and the model has no experts; drop it (or set it to tp)")
-        _require(self.ep == 1, f"{_f('ep')}={self.ep}: the model has no experts (ModelConfig has no MoE fields "
-                 "yet); use ep=1")
+        check_expert_layout(self.model, ep=self.ep, etp=self.expert_tp, tp=tp, cp=cp, dp=self.dp)
 
         vpp, pp = self.vpp, self.pp
         chunks, where = pp * (vpp or 1), "pp" if vpp is None else "pp*vpp"
@@ -206,6 +209,7 @@ class Job:
         _require(vpp is None or self.num_microbatches % pp == 0, f"{_f('num_microbatches')}={self.num_microbatches}"
                  f": Megatron's interleaved schedule needs a multiple of pp={pp}; change --global-batch-size")
         pol = self.policy
+        check_recompute_modules(m, pol.modules)
         _require(not pol.distribute_saved_activations or (tp > 1 and not self.sp), "--distribute-saved-activations "
                  "splits checkpoints over the tensor-parallel ranks: Megatron needs tp > 1 and refuses it with "
                  "--sequence-parallel; drop one of them")
@@ -214,6 +218,17 @@ class Job:
                  f"most {L // chunks}")
 
     # ------------------------------------------------------------------ derived
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size: ``etp``, or tp when unset (Megatron's default)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """The expert data-parallel size, tp x cp x dp / (ep x expert tp): the ranks holding the same experts, over
+        which Megatron reduces (and, with the distributed optimizer, shards) the expert parameters' gradients."""
+        return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
+
     @property
     def world_size(self) -> int:
         """Ranks in the job: tp * pp * cp * dp."""
@@ -288,7 +303,8 @@ class Job:
         """A Job whose model dtype follows ``precision`` (default: the model's dtype).
 
         Args:
-            model: the decoder; its dtype is replaced by ``precision``.
+            model: the decoder; its dtype is replaced by ``precision``, its ``expert_model_parallel_size`` by
+                ``ep`` (default: the model's).
             **fields: any other Job fields; ``vpp`` without ``schedule`` selects the interleaved schedule.
 
         Returns:
@@ -303,15 +319,17 @@ class Job:
             raise JobError(f"precision={precision!r} (--bf16/--fp16): must be one of {', '.join(PRECISIONS)}")
         if fields.get("vpp") is not None:
             fields.setdefault("schedule", "interleaved")
-        return cls(model=model.replace(dtype=precision), **fields)
+        ep = fields.setdefault("ep", model.expert_model_parallel_size)
+        return cls(model=model_with_ep(model.replace(dtype=precision), ep), **fields)
 
     def replace(self, **changes: Any) -> Job:
         """A copy with ``changes``; derived fields follow unless given.
 
         Args:
             **changes: Job fields. ``precision`` also sets ``model.dtype`` (unless ``model`` is given) and resets
-                ``accumulate_grads_in_fp32`` to its default; ``vpp`` picks the schedule (interleaved, or 1f1b when
-                set to None); an ``optimizer`` other than sgd resets ``sgd_momentum`` to 0.
+                ``accumulate_grads_in_fp32`` to its default; ``ep`` sets ``model.expert_model_parallel_size``;
+                ``vpp`` picks the schedule (interleaved, or 1f1b when set to None); an ``optimizer`` other than sgd
+                resets ``sgd_momentum`` to 0.
 
         Returns:
             The validated Job.
@@ -325,6 +343,8 @@ class Job:
                 raise JobError(f"precision={changes['precision']!r}: must be one of {', '.join(PRECISIONS)}")
             changes.setdefault("model", self.model.replace(dtype=changes["precision"]))
             changes.setdefault("accumulate_grads_in_fp32", None)
+        if "ep" in changes:
+            changes["model"] = model_with_ep(changes.get("model", self.model), changes["ep"])
         if "vpp" in changes and "schedule" not in changes:
             vpp = changes["vpp"]
             changes["schedule"] = "interleaved" if vpp is not None else (
@@ -393,8 +413,10 @@ class Job:
         args += ["--swiglu"] * (m.activation == "swiglu") + ["--untie-embeddings-and-output-weights"] * (
             not m.tie_embeddings) + ["--disable-bias-linear"] * (not m.add_bias_linear)
         args += ["--attention-backend", "unfused"] * (m.attention == "math")
+        args += ["--kv-channels", str(m.kv_channels)] * (m.kv_channels is not None) + moe_mla_args(m)
         args += ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
                  "--context-parallel-size", str(self.cp)] + ["--sequence-parallel"] * self.sp
+        args += ["--expert-model-parallel-size", str(self.ep)] * (self.ep > 1)
         if self.vpp is not None:
             args += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp)]
         if self.etp is not None:
@@ -489,9 +511,7 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
             raise JobError(f"Megatron's default --ffn-hidden-size for --swiglu with --hidden-size {h} is 0: "
                            "give --ffn-hidden-size")
     kv = got.get("--kv-channels")
-    if kv is not None and h % a == 0 and kv != h // a:
-        raise JobError(f"--kv-channels {kv}: remat's model has head dimension hidden/heads = {h // a}; "
-                       f"drop it or use {h // a}")
+    kv = None if kv is not None and h % a == 0 and kv == h // a else kv  # the default head dimension
     pe = "rope" if got.get("--use-rotary-position-embeddings") else got.get("--position-embedding-type",
                                                                             "learned_absolute")
     maxpos = got.get("--max-position-embeddings", s)
@@ -528,7 +548,7 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
             position="rope" if pe == "rope" else "learned", attention="math" if unfused else "sdpa",
             hidden_dropout=got.get("--hidden-dropout", 0.1), attention_dropout=got.get("--attention-dropout", 0.1),
             dtype=precision, tie_embeddings=not got.get("--untie-embeddings-and-output-weights"),
-            add_bias_linear=not got.get("--disable-bias-linear"))
+            add_bias_linear=not got.get("--disable-bias-linear"), kv_channels=kv, **moe_mla_fields(got, tp=tp))
     except ConfigError as err:
         raise JobError(f"the model flags describe an invalid model: {err}") from None
 
@@ -566,8 +586,9 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
         policy = Policy.from_megatron_args(recompute)
     except PolicyError as err:
         raise JobError(str(err)) from None
-    return Job(model=model, tp=tp, sp=bool(got.get("--sequence-parallel")), pp=pp, vpp=vpp, cp=cp, dp=dp,
-               ep=got.get("--expert-model-parallel-size", 1), etp=got.get("--expert-tensor-parallel-size"),
+    ep = got.get("--expert-model-parallel-size", 1)
+    return Job(model=model_with_ep(model, ep), tp=tp, sp=bool(got.get("--sequence-parallel")), pp=pp, vpp=vpp, cp=cp,
+               dp=dp, ep=ep, etp=got.get("--expert-tensor-parallel-size"),
                num_microbatches=gb // (mbs * dp), schedule="interleaved" if vpp else "1f1b", precision=precision,
                accumulate_grads_in_fp32=acc, optimizer=optimizer, sgd_momentum=momentum,
                distributed_optimizer=bool(got.get("--use-distributed-optimizer")),

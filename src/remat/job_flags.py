@@ -22,13 +22,16 @@ def _table(groups: dict[str, str]) -> dict[str, str]:
 
 # Flags that change a rank's memory in a way remat cannot model yet: refused by name, with the reason.
 REFUSED_FLAGS: dict[str, str] = _table({
-    "adds MoE layers (the model has no experts; another issue adds MoE)": "--num-experts --moe-layer-recompute",
+    "changes the MoE layers in a way remat's reference MoE (Megatron's all-to-all dispatcher, dropless or capacity "
+    "routing, probabilities applied in the experts' activation) does not model":
+        "--moe-pad-expert-input-to-capacity --moe-extended-tp --moe-apply-probs-on-input --moe-enable-deepep "
+        "--moe-router-dtype --moe-input-jitter-eps --moe-z-loss-coeff --moe-router-pre-softmax "
+        "--moe-router-enable-expert-bias --moe-router-padding-for-quantization --moe-use-legacy-grouped-gemm",
     "trains in FP8/FP4 (quantised copies of weights and activations)":
         "--fp8-format --fp8-recipe --fp8-param-gather --fp4-format --fp4-recipe --fp4-param-gather "
         "--first-last-layers-bf16 --reuse-grad-buf-for-mxfp8-param-ag --te-precision-config-file",
     "offloads activations or optimizer state to host memory":
         "--cpu-offloading --cpu-offloading-num-layers --cpu-offloading-retain-pinned-cpu-buffers "
-        "--fine-grained-activation-offloading --offload-modules --min-offloaded-tensor-size "
         "--activation-offload-fraction --delta-offload-bytes-across-pp-ranks --optimizer-cpu-offload "
         "--optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d",
     "shards parameters and gradients too (FSDP)":
@@ -53,8 +56,7 @@ REFUSED_FLAGS: dict[str, str] = _table({
     "changes context-parallel attention (remat models the p2p ring)": "--cp-comm-type "
         "--hierarchical-context-parallel-sizes --hybrid-context-parallel --max-seqlen-per-dp-cp-rank",
     "describes layers remat's reference GPT does not have":
-        "--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim "
-        "--qk-layernorm --qk-l2-norm --attention-output-gate --add-qkv-bias --squared-relu --quick-geglu "
+        "--qk-l2-norm --attention-output-gate --add-qkv-bias --squared-relu --quick-geglu "
         "--openai-gelu --activation-func-clamp-value --softmax-type --window-size --experimental-attention-variant "
         "--apply-residual-connection-post-layernorm --fp32-residual-connection --no-position-embedding "
         "--hybrid-layer-pattern --hybrid-override-pattern --is-hybrid-model --enable-mhc-connections "
@@ -67,7 +69,7 @@ REFUSED_FLAGS: dict[str, str] = _table({
         "--model-parallel-size --batch-size",
 })
 REFUSED_PREFIXES: dict[str, str] = {
-    "--moe-": REFUSED_FLAGS["--num-experts"], "--fp8-": REFUSED_FLAGS["--fp8-format"],
+    "--moe-": REFUSED_FLAGS["--moe-extended-tp"], "--fp8-": REFUSED_FLAGS["--fp8-format"],
     "--fp4-": REFUSED_FLAGS["--fp8-format"], "--mtp-": "adds multi-token-prediction layers",
     "--mla-": REFUSED_FLAGS["--spec"], "--mamba-": REFUSED_FLAGS["--spec"], "--dsa-": REFUSED_FLAGS["--spec"],
     "--mhc-": REFUSED_FLAGS["--spec"], "--megatron-fsdp-": REFUSED_FLAGS["--use-megatron-fsdp"],
@@ -116,6 +118,14 @@ IGNORED_FLAGS: dict[str, str] = _table({
         "--profile-step-start --profile-step-end --profile-ranks --use-pytorch-profiler --record-memory-history "
         "--memory-snapshot-path --record-shapes --nvtx-ranges --no-one-logger --app-tag-run-name "
         "--app-tag-run-version --config-logger-dir --run-workload-inspector-server",
+    "MoE routing details that change which experts take the tokens, not how many (remat's routing assumption sets "
+    "the counts), fused kernels of the same operations, overlap scheduling or initialisation":
+        "--moe-router-force-load-balancing --moe-router-num-groups --moe-router-group-topk "
+        "--moe-router-topk-scaling-factor --moe-router-bias-update-rate --moe-token-drop-policy --moe-permute-fusion "
+        "--moe-router-fusion --moe-shared-expert-overlap --moe-per-layer-logging --moe-use-upcycling "
+        "--moe-upcycling-granularity --rope-type --rotary-scaling-factor --mscale --mscale-all-dim",
+    "the load-balancing loss's variant (remat prices the switch loss on the same [tokens, experts] scores when "
+    "--moe-aux-loss-coeff > 0)": "--moe-router-load-balancing-type",
     "run control (garbage collection, allocator cache, restarts, checks)": "--manual-gc --manual-gc-interval "
         "--no-manual-gc-eval --empty-unused-memory-level --train-sync-interval "
         "--check-weight-hash-across-dp-replicas-interval --no-check-for-nan-in-loss-and-grad "
@@ -141,9 +151,16 @@ _SWITCHES = ("--group-query-attention --swiglu --untie-embeddings-and-output-wei
              "--use-flash-attn --use-rotary-position-embeddings --no-pad-vocab-size --disable-pad-vocab-size "
              "--sequence-parallel --bf16 --fp16 --accumulate-allreduce-grads-in-fp32 --grad-reduce-in-bf16 "
              "--use-distributed-optimizer --overlap-grad-reduce --ddp-pad-buckets-for-high-nccl-busbw "
-             "--attention-softmax-in-fp32 --apply-query-key-layer-scaling")
+             "--attention-softmax-in-fp32 --apply-query-key-layer-scaling --moe-grouped-gemm --multi-latent-attention "
+             "--qk-layernorm")
+# MoE and MLA (remat.config's NOTE [MoE fields]; Megatron's names)
+_MOE_MLA_INT = ("--num-experts --moe-router-topk --moe-ffn-hidden-size --moe-shared-expert-intermediate-size "
+                "--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim")
 MODELLED_FLAGS: dict[str, Any] = {
     **dict.fromkeys(_POSITIVE_INT.split(), int), **dict.fromkeys(_SWITCHES.split(), bool),
+    **dict.fromkeys(_MOE_MLA_INT.split(), int), "--moe-layer-freq": str,
+    **dict.fromkeys(("--moe-expert-capacity-factor", "--moe-aux-loss-coeff"), float),
+    "--moe-router-score-function": ("softmax", "sigmoid"), "--moe-token-dispatcher-type": ("alltoall", "allgather"),
     **dict.fromkeys(("--hidden-dropout", "--attention-dropout", "--sgd-momentum"), float),
     "--normalization": ("LayerNorm", "RMSNorm"), "--position-embedding-type": ("learned_absolute", "rope"),
     "--attention-backend": ("auto", "flash", "fused", "unfused", "local"),
@@ -152,7 +169,9 @@ MODELLED_FLAGS: dict[str, Any] = {
 # Recompute flags go to Policy.from_megatron_args (value counts checked here; other --recompute-* there).
 RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
               "--recompute-modules": "+", "--recompute-activations": 0, "--distribute-saved-activations": 0,
-              "--checkpoint-activations": 0}  # --moe-layer-recompute: refused with --num-experts (REFUSED_FLAGS)
+              "--checkpoint-activations": 0, "--moe-layer-recompute": 0,
+              # Megatron's fine-grained activation offloading is a part of the Policy too (remat.offload_policy)
+              "--fine-grained-activation-offloading": 0, "--offload-modules": "+", "--min-offloaded-tensor-size": 1}
 
 
 def classify_megatron_flag(name: str) -> tuple[str, str]:

@@ -9,6 +9,19 @@ import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from remat.offload_policy import (
+    MIN_OFFLOADED_TENSOR_SIZE,
+    OFFLOAD_GRAMMAR,
+    OffloadPolicyError,
+    check_min_size,
+    check_offload_combination,
+    format_offload,
+    normalise_offload_modules,
+    offload_from_megatron,
+    offload_to_megatron,
+    parse_offload_option,
+)
+
 GRANULARITIES = ("none", "full", "selective")
 METHODS = ("uniform", "block")
 # act = the dense MLP's activation function; moe_act, moe, shared_experts (MoE layers) and mla_up_proj (MLA) are
@@ -39,8 +52,9 @@ expected one of:
   selective/M1+M2+...   M from core_attn, mlp, layernorm, act, moe_act, moe, shared_experts, mla_up_proj,
                         non_matmul, e.g. selective/core_attn+mlp;
                         with non_matmul also matmul_k<N>, e.g. selective/non_matmul+matmul_k128
-optionally followed by ',distribute' (full only), then '@reentrant' or '@non-reentrant',
-e.g. full/block/4,distribute@non-reentrant"""
+optionally followed by ',distribute' (full only) and by
+""" + OFFLOAD_GRAMMAR + """
+then '@reentrant' or '@non-reentrant', e.g. full/block/4,distribute@non-reentrant"""
 
 
 class PolicyError(ValueError):
@@ -113,7 +127,9 @@ def normalise_modules(value: object) -> tuple[str, ...]:
 # remat refuses, with the fix in the message, some inputs Megatron silently accepts or ignores: method/num_layers
 # without a granularity, modules with full granularity, an empty module list, --recompute-activations together
 # with --recompute-granularity full (Megatron overrides it to selective) and, in Policy.layer_groups,
-# num_layers above the stack's depth.
+# num_layers above the stack's depth; for offloading, --offload-modules / --min-offloaded-tensor-size without
+# --fine-grained-activation-offloading, offloading with full/uniform or non_matmul (nothing is saved to offload)
+# and, with the non-reentrant engine, a module both recomputed and offloaded (torch's checkpoint keeps it).
 @dataclass(frozen=True)
 class Policy:
     """Which activations of a stack of ``depth`` transformer layers are kept for backward and which are dropped
@@ -166,6 +182,12 @@ class Policy:
     ranks and all-gathers it before recompute; Megatron also requires TP > 1 and refuses it with sequence
     parallelism, which a policy alone cannot check.
 
+    ``offload_modules`` is Megatron's fine-grained activation offloading (``--fine-grained-activation-offloading
+    --offload-modules ...``, :mod:`remat.offload_policy`), combinable with any granularity but ``full/uniform``: in
+    every layer, the tensors the named modules save for backward that have at least ``min_offloaded_tensor_size``
+    elements wait in host memory from the module's forward until backward needs them (the last layer of each
+    module keeps them, as in Megatron's steady state); :mod:`remat.recompute.activation_offload` runs it.
+
     Args:
         granularity: ``'none'``, ``'full'`` or ``'selective'`` (None means ``'none'``).
         method: full only: ``'uniform'`` or ``'block'``.
@@ -174,6 +196,10 @@ class Policy:
             stored deduplicated, in :data:`SELECTIVE_MODULES` order.
         engine: ``'reentrant'`` (Megatron's) or ``'non-reentrant'``.
         distribute_saved_activations: full only; see above.
+        offload_modules: names from :data:`~remat.offload_policy.OFFLOAD_MODULES`, stored deduplicated in that
+            order (``attn_proj`` needs ``core_attn``, as in Megatron); ``()`` offloads nothing.
+        min_offloaded_tensor_size: with offload_modules, saved tensors of fewer elements stay on the device
+            (Megatron's ``--min-offloaded-tensor-size``, default 1048576).
 
     Raises:
         PolicyError: a field or combination Megatron-LM (or remat) refuses; the message says how to fix it.
@@ -184,7 +210,9 @@ class Policy:
         True
         >>> Policy("selective", modules=("mlp", "core_attn"))
         Policy(granularity='selective', method=None, num_layers=None, modules=('core_attn', 'mlp'), \
-engine='reentrant', distribute_saved_activations=False)
+engine='reentrant', distribute_saved_activations=False, offload_modules=(), min_offloaded_tensor_size=1048576)
+        >>> str(Policy("selective", modules=("core_attn",), offload_modules=("attn_norm", "core_attn")))
+        'selective/core_attn,offload:attn_norm+core_attn'
     """
 
     granularity: str = "none"
@@ -193,6 +221,8 @@ engine='reentrant', distribute_saved_activations=False)
     modules: tuple[str, ...] = ()  # selective only; sorted in SELECTIVE_MODULES order, deduplicated
     engine: str = "reentrant"
     distribute_saved_activations: bool = False  # full only
+    offload_modules: tuple[str, ...] = ()  # Megatron's fine-grained activation offloading; OFFLOAD_MODULES order
+    min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE  # elements; smaller saved tensors stay
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -211,6 +241,13 @@ engine='reentrant', distribute_saved_activations=False)
         if not isinstance(self.distribute_saved_activations, bool):
             raise PolicyError("distribute_saved_activations must be True or False, "
                               f"got {self.distribute_saved_activations!r}")
+        try:
+            set_(self, "offload_modules", normalise_offload_modules(self.offload_modules))
+            set_(self, "min_offloaded_tensor_size", check_min_size(self.min_offloaded_tensor_size,
+                                                                   self.offload_modules))
+            check_offload_combination(self.offload_modules, g, self.method, self.modules, self.engine)
+        except OffloadPolicyError as err:
+            raise PolicyError(str(err)) from None
 
         if g != "full" and self.distribute_saved_activations:
             raise PolicyError("--distribute-saved-activations only applies to full granularity: "
@@ -255,8 +292,13 @@ engine='reentrant', distribute_saved_activations=False)
     # ----------------------------------------------------------------- properties
     @property
     def is_none(self) -> bool:
-        """True when nothing is recomputed by granularity (``none``)."""
-        return self.granularity == "none"
+        """True for the plain model: nothing is recomputed (granularity ``none``) and nothing offloaded."""
+        return self.granularity == "none" and not self.offload_modules
+
+    @property
+    def offloads(self) -> bool:
+        """True when some modules' saved tensors are offloaded to host memory (``offload_modules``)."""
+        return bool(self.offload_modules)
 
     @property
     def recomputes_layers(self) -> bool:
@@ -278,6 +320,7 @@ engine='reentrant', distribute_saved_activations=False)
             text = "none"
         if self.distribute_saved_activations:
             text += ",distribute"
+        text += format_offload(self.offload_modules, self.min_offloaded_tensor_size)
         return text if self.engine == "reentrant" else f"{text}@{self.engine}"
 
     @classmethod
@@ -287,17 +330,19 @@ engine='reentrant', distribute_saved_activations=False)
         The grammar (:data:`GRAMMAR`)::
 
             none | full/uniform/K | full/block/K | selective | selective/M1+M2+...
-            followed optionally by ",distribute" (full only) and then "@reentrant" or "@non-reentrant"
+            followed optionally by ",distribute" (full only), ",offload:M1+M2..." and ",offload_min:N" (in any
+            order), and then "@reentrant" or "@non-reentrant"
 
-        Case and spaces around ``/ + , @`` are ignored; ``selective`` alone means ``selective/core_attn``. The
+        Case and spaces around ``/ + , : @`` are ignored; ``selective`` alone means ``selective/core_attn``. The
         Megatron flags each form stands for: ``full/uniform/2`` is ``--recompute-granularity full
         --recompute-method uniform --recompute-num-layers 2``; ``selective/core_attn+mlp`` is
         ``--recompute-granularity selective --recompute-modules core_attn mlp``; ``,distribute`` is
-        ``--distribute-saved-activations``.
+        ``--distribute-saved-activations``; ``,offload:core_attn+attn_proj`` is ``--fine-grained-activation-offloading
+        --offload-modules core_attn attn_proj`` and ``,offload_min:N`` is ``--min-offloaded-tensor-size N``.
 
         Args:
             text: the short form, e.g. ``'full/uniform/2'``, ``'full/block/4,distribute@non-reentrant'``,
-                ``'selective/core_attn+mlp'``.
+                ``'selective/core_attn+mlp'``, ``'none,offload:core_attn+attn_proj,offload_min:65536'``.
 
         Returns:
             The :class:`Policy`; ``Policy.parse(str(p)) == p`` for every policy ``p``.
@@ -310,13 +355,15 @@ engine='reentrant', distribute_saved_activations=False)
 
             >>> Policy.parse("full/uniform/2")
             Policy(granularity='full', method='uniform', num_layers=2, modules=(), engine='reentrant', \
-distribute_saved_activations=False)
+distribute_saved_activations=False, offload_modules=(), min_offloaded_tensor_size=1048576)
             >>> str(Policy.parse(" Selective / MLP + core_attn @ non-reentrant "))
             'selective/core_attn+mlp@non-reentrant'
+            >>> Policy.parse("none, offload: attn_proj + core_attn").offload_modules
+            ('core_attn', 'attn_proj')
         """
         if not isinstance(text, str):
             raise PolicyError(f"a recompute policy string is expected, got {text!r}\n{GRAMMAR}")
-        norm = re.sub(r"\s*([/@+,])\s*", r"\1", text.strip().lower())
+        norm = re.sub(r"\s*([/@+,:])\s*", r"\1", text.strip().lower())
 
         def bad(reason: str) -> PolicyError:
             return PolicyError(f"cannot parse recompute policy {text!r}: {reason}\n{GRAMMAR}")
@@ -328,11 +375,16 @@ distribute_saved_activations=False)
             raise bad("more than one '@engine' suffix")
         body, _, opts = body.partition(",")
         distribute = False
-        if opts:
-            if opts != "distribute":
-                raise bad(f"unknown option {opts!r} after ',' (only 'distribute')")
-            distribute = True
         fields: dict = {}
+        for opt in opts.split(",") if opts else []:
+            try:
+                known = parse_offload_option(opt, fields)
+            except OffloadPolicyError as err:
+                raise bad(str(err)) from None
+            if not known and (opt != "distribute" or distribute):
+                raise bad(f"unknown option {opt!r} after ',' (distribute, offload:M1+M2, offload_min:N)"
+                          if opt != "distribute" else "',distribute' is given twice")
+            distribute = distribute or opt == "distribute"
         parts = body.split("/")
         if parts == ["none"]:
             fields["granularity"] = "none"
@@ -369,7 +421,9 @@ distribute_saved_activations=False)
         ``--flag=value``. Flags not starting with ``--recompute`` or ``--distribute-saved-activations`` are
         ignored, so a whole pasted command line works; an unknown ``--recompute-*`` flag and the removed
         ``--checkpoint-activations`` are errors. The deprecated ``--moe-layer-recompute`` means selective with
-        ``moe`` added to the modules (refused with full granularity, as Megatron does).
+        ``moe`` added to the modules (refused with full granularity, as Megatron does). Fine-grained activation
+        offloading is read too: ``--fine-grained-activation-offloading``, ``--offload-modules`` and
+        ``--min-offloaded-tensor-size`` (:func:`remat.offload_policy.offload_from_megatron`).
 
         Args:
             argv: the command line as one string (split like a shell: quotes group words) or a list of tokens.
@@ -389,9 +443,14 @@ distribute_saved_activations=False)
             'full/block/4'
             >>> str(Policy.from_megatron_args(["--recompute-activations"]))
             'selective/core_attn'
+            >>> str(Policy.from_megatron_args("--fine-grained-activation-offloading --offload-modules attn_norm"))
+            'none,offload:attn_norm'
         """
         tokens = _megatron_tokens(argv)
-        opts: dict = {}
+        try:
+            opts: dict = offload_from_megatron(tokens)
+        except OffloadPolicyError as err:
+            raise PolicyError(str(err)) from None
         activations = moe_layer = False
         i = 0
         while i < len(tokens):
@@ -470,12 +529,16 @@ distribute_saved_activations=False)
         return cls(granularity=granularity or "none", **opts)
 
     def to_megatron_args(self) -> list[str]:
-        """Megatron-LM flags reproducing this policy ([] for none).
+        """Megatron-LM flags reproducing this policy ([] for none), the offloading flags last.
 
         The engine is not a Megatron flag (Megatron is reentrant): a non-reentrant policy gets the
         flags of its reentrant twin. Raises :class:`PolicyError` for the ``act`` module, which
         Megatron has only for MoE experts, and for ``non_matmul`` (operator-level, remat's own).
         """
+        return self._recompute_megatron_args() + offload_to_megatron(self.offload_modules,
+                                                                      self.min_offloaded_tensor_size)
+
+    def _recompute_megatron_args(self) -> list[str]:
         if self.granularity == "none":
             return []
         if self.granularity == "full":

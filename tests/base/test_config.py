@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import GPT as SMALL_GPT
 
 from remat.config import ConfigError, ModelConfig
 from remat.models.gpt import GPT, build_model, sample_batch
@@ -219,10 +220,6 @@ def test_sample_batch_is_seeded():
 
 
 # ------------------------------------------------------------------------ presets and config files
-SMALL_GPT = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
-                        vocab_size=64)
-
-
 def test_presets_have_the_published_shapes() -> None:
     assert PRESETS["gpt-small"] == ModelConfig()
     gpt3 = PRESETS["gpt3-175b"]

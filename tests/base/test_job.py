@@ -183,7 +183,7 @@ def test_recompute_flags(extra, policy):
     ("--recompute-granularity", ["--recompute-granularity needs one value"]),
     ("--recompute-activations yes", ["--recompute-activations takes no value"]),
     ("--recompute-foo 1", ["--recompute-foo"]),
-    ("--moe-layer-recompute", ["--moe-layer-recompute", "adds MoE layers", "remove it"]),
+    ("--moe-layer-recompute", ["'moe'", "--moe-layer-recompute", "MoE layers", "add --num-experts"]),
 ])
 def test_recompute_refusals(extra, fragments):
     refused(extra, *fragments)
@@ -203,6 +203,15 @@ ROUND_TRIP = [
               pp=4, num_microbatches=7, etp=1, policy=Policy.parse("full/block/2")),
     Job.build(model(), precision="fp16", optimizer="sgd", sgd_momentum=0.0, cp=4, dp=2,
               policy=Policy.parse("selective/layernorm")),
+    Job.build(model(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512, activation="swiglu",
+                    num_query_groups=2, kv_channels=64), precision="bf16", ep=4, dp=4, distributed_optimizer=True,
+              policy=Policy.parse("selective/moe")),
+    Job.build(model(num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=128, moe_grouped_gemm=True,
+                    moe_shared_expert_intermediate_size=256, moe_layer_freq=(0, 0, 1, 1, 1, 1, 1, 1),
+                    moe_router_score_function="sigmoid", moe_expert_capacity_factor=1.25, moe_aux_loss_coeff=0.001,
+                    multi_latent_attention=True, position="rope", q_lora_rank=64, kv_lora_rank=32, qk_head_dim=32,
+                    qk_pos_emb_head_dim=16, v_head_dim=32), precision="bf16", ep=8, dp=8, pp=2, num_microbatches=4,
+              policy=Policy.parse("selective/moe_act+mla_up_proj")),
 ]
 
 
@@ -228,8 +237,9 @@ def test_to_megatron_args_refuses_what_megatron_cannot_run(job, fragment):
 @pytest.mark.parametrize("extra, fragments", [
     ("--frobnicate 3", ["remat does not know whether --frobnicate changes memory", "remove it"]),
     ("--fp8-format hybrid", ["--fp8-format", "FP8", "remove it"]),
-    ("--num-experts 8", ["--num-experts", "no experts", "remove it"]),
-    ("--moe-router-topk 2", ["--moe-router-topk", "MoE"]),
+    ("--moe-router-topk 2", ["--moe-router-topk", "MoE", "add --num-experts"]),
+    ("--num-experts 8 --moe-extended-tp", ["--moe-extended-tp", "does not model", "remove it"]),
+    ("--num-experts 8 --moe-input-jitter-eps 0.1", ["--moe-input-jitter-eps", "remove it"]),
     ("--cpu-offloading-num-layers 2", ["--cpu-offloading-num-layers", "host memory"]),
     ("--use-torch-fsdp2", ["--use-torch-fsdp2", "FSDP"]),
     ("--cross-entropy-loss-fusion", ["--cross-entropy-loss-fusion", "cross-entropy"]),
@@ -243,7 +253,6 @@ def test_to_megatron_args_refuses_what_megatron_cannot_run(job, fragment):
     ("--bf16 --fp16", ["--bf16 and --fp16", "keep one"]),
     ("--grad-reduce-in-bf16", ["--grad-reduce-in-bf16", "--bf16"]),
     ("--num-query-groups 2", ["--num-query-groups", "--group-query-attention"]),
-    ("--kv-channels 64", ["--kv-channels 64", "use 32"]),
     ("--max-position-embeddings 256", ["--max-position-embeddings 256", "--max-position-embeddings 512"]),
     ("--max-position-embeddings 1024", ["learned position table", "--max-position-embeddings 512"]),
     ("--attention-backend unfused --use-flash-attn", ["--use-flash-attn", "keep one"]),
@@ -446,8 +455,53 @@ def test_flag_tables():
     assert not set(REFUSED_FLAGS) & set(IGNORED_FLAGS)
     assert classify_megatron_flag("--lr") == ("ignored", IGNORED_FLAGS["--lr"])
     assert classify_megatron_flag("--log-interval=5")[0] == "ignored"
-    assert classify_megatron_flag("--moe-grouped-gemm")[0] == "refused"
+    assert classify_megatron_flag("--moe-grouped-gemm")[0] == "modelled"
+    assert classify_megatron_flag("--moe-extended-tp")[0] == "refused"
     assert classify_megatron_flag("--tensor-model-parallel-size")[0] == "modelled"
     assert classify_megatron_flag("--recompute-modules")[0] == "recompute"
     assert classify_megatron_flag("--cp-comm-type")[0] == "default-only"
     assert classify_megatron_flag("--no-such-flag")[0] == "unknown"
+
+
+# --------------------------------------------------------------------------- MoE and MLA flags
+DEEPSEEK_LIKE = ("--num-experts 16 --moe-router-topk 4 --moe-ffn-hidden-size 128 --moe-grouped-gemm "
+                 "--moe-shared-expert-intermediate-size 256 --moe-layer-freq ([0]*2+[1]*6) "
+                 "--moe-router-score-function sigmoid --moe-token-dispatcher-type alltoall "
+                 "--multi-latent-attention --qk-layernorm --q-lora-rank 64 --kv-lora-rank 32 --qk-head-dim 32 "
+                 "--qk-pos-emb-head-dim 16 --v-head-dim 32 --position-embedding-type rope --bf16 "
+                 "--world-size 8 --expert-model-parallel-size 8 --use-distributed-optimizer")
+
+
+def test_moe_and_mla_flags_set_the_model_fields():
+    job, ignored = parse_megatron_args(f"{BASE} {DEEPSEEK_LIKE} --moe-router-load-balancing-type seq_aux_loss "
+                                       "--moe-layer-recompute")
+    m = job.model
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_grouped_gemm) == (16, 4, 128, True)
+    assert (m.moe_shared_expert_intermediate_size, m.moe_layer_freq) == (256, (0, 0, 1, 1, 1, 1, 1, 1))
+    assert (m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank, m.v_head_dim) == (True, 64, 32, 32)
+    assert (job.ep, m.expert_model_parallel_size, job.dp, job.expert_data_parallel) == (8, 8, 8, 1)
+    assert job.policy == Policy.parse("selective/moe") and ignored == ["--moe-router-load-balancing-type"]
+    # Megatron's defaults: top-2 softmax routing, experts of --ffn-hidden-size, every layer MoE
+    plain = parse("--num-experts 4").model
+    assert (plain.moe_router_topk, plain.moe_ffn_size, plain.moe_layer_freq) == (2, plain.ffn_size, 1)
+    assert parse("--kv-channels 64").model.head_dim == 64
+
+
+@pytest.mark.parametrize("extra, fragments", [
+    ("--num-experts 6 --expert-model-parallel-size 4 --world-size 4 --moe-token-dispatcher-type alltoall",
+     ["ep (--expert-model-parallel-size)=4", "num_moe_experts=6", "use ep from 1, 2, 3, 6"]),
+    ("--num-experts 8 --expert-model-parallel-size 4 --world-size 2 --moe-token-dispatcher-type alltoall",
+     ["ep (--expert-model-parallel-size)=4", "raise dp", "multiple of 4"]),
+    ("--num-experts 8 --expert-model-parallel-size 2 --world-size 2",
+     ["Megatron's default is allgather", "--moe-token-dispatcher-type alltoall"]),
+    ("--num-experts 8 --moe-token-dispatcher-type flex", ["--moe-token-dispatcher-type flex", "alltoall"]),
+    ("--position-embedding-type rope --multi-latent-attention --kv-lora-rank 32",
+     ["--multi-latent-attention without --qk-layernorm", "add --qk-layernorm"]),
+    ("--position-embedding-type rope --multi-latent-attention --qk-layernorm", ["needs --kv-lora-rank"]),
+    ("--qk-layernorm", ["--qk-layernorm needs --multi-latent-attention", "no q/k norms"]),
+    ("--kv-lora-rank 32", ["--kv-lora-rank needs --multi-latent-attention"]),
+    ("--recompute-granularity selective --recompute-modules mla_up_proj",
+     ["'mla_up_proj'", "multi-latent attention", "add --multi-latent-attention"]),
+])
+def test_moe_and_mla_refusals_name_the_flag_and_the_fix(extra, fragments):
+    refused(extra, *fragments)

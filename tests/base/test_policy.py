@@ -427,3 +427,111 @@ def test_the_docstring_examples_hold():
 
     result = doctest.testmod(remat.policy, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0, result
+
+
+# ------------------------------------------------------------------------ fine-grained activation offloading
+OFFLOADED = [
+    Policy(offload_modules=("core_attn", "attn_proj")),
+    Policy(offload_modules=("attn_norm",), min_offloaded_tensor_size=0),
+    Policy("selective", modules=("core_attn",), offload_modules=("attn_norm", "qkv_linear", "core_attn", "attn_proj",
+                                                                 "mlp_norm", "expert_fc1", "moe_act")),
+    Policy("selective", modules=("mlp", "layernorm"), offload_modules=("core_attn",), engine="non-reentrant",
+           min_offloaded_tensor_size=4096),
+    Policy("full", "block", 2, offload_modules=("mlp_norm",), distribute_saved_activations=True),
+    Policy("selective", modules=("moe_act",), offload_modules=("expert_fc1", "moe_act")),
+]
+
+
+@pytest.mark.parametrize("policy", OFFLOADED, ids=str)
+def test_offload_short_form_and_megatron_flags_round_trip(policy):
+    assert Policy.parse(str(policy)) == policy
+    twin = dataclasses.replace(policy, engine="reentrant")
+    assert Policy.from_megatron_args(policy.to_megatron_args()) == twin
+    assert Policy.from_megatron_args(" ".join(policy.to_megatron_args())) == twin
+    assert not policy.is_none and policy.offloads
+
+
+def test_offload_short_form_text():
+    policy = Policy("selective", modules=("core_attn",), offload_modules=["moe_act", "core_attn", "attn_norm"],
+                    min_offloaded_tensor_size=65536)
+    assert policy.offload_modules == ("attn_norm", "core_attn", "moe_act")  # Megatron's order, deduplicated
+    assert str(policy) == "selective/core_attn,offload:attn_norm+core_attn+moe_act,offload_min:65536"
+    assert str(Policy(offload_modules=("attn_norm",))) == "none,offload:attn_norm"  # default min size not written
+    assert Policy.parse(" NONE , Offload : Attn_Proj + core_attn , offload_min : 0 @ non-reentrant ") == Policy(
+        offload_modules=("core_attn", "attn_proj"), min_offloaded_tensor_size=0, engine="non-reentrant")
+    assert Policy.parse("full/block/1,offload:mlp_norm,distribute") == Policy(
+        "full", "block", 1, distribute_saved_activations=True, offload_modules=("mlp_norm",))
+    assert Policy().is_none and not Policy().offloads
+
+
+def test_offload_megatron_flags_text():
+    policy = Policy("selective", modules=("core_attn",), offload_modules=("attn_norm", "core_attn"),
+                    min_offloaded_tensor_size=4096)
+    assert policy.to_megatron_args() == [
+        "--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+        "--fine-grained-activation-offloading", "--offload-modules", "attn_norm", "core_attn",
+        "--min-offloaded-tensor-size", "4096"]
+    assert Policy(offload_modules=("qkv_linear",)).to_megatron_args() == [
+        "--fine-grained-activation-offloading", "--offload-modules", "qkv_linear"]
+    assert Policy.from_megatron_args("pretrain_gpt.py --bf16 --fine-grained-activation-offloading "
+                                     "--offload-modules=moe_act --min-offloaded-tensor-size=8 --lr 1e-4") == Policy(
+        offload_modules=("moe_act",), min_offloaded_tensor_size=8)
+
+
+@pytest.mark.parametrize("argv,phrase", [
+    ("--fine-grained-activation-offloading --offload-modules attn_proj", "attn_proj needs core_attn"),
+    ("--fine-grained-activation-offloading --offload-modules core_attn mlp", "unknown offload module 'mlp'"),
+    ("--fine-grained-activation-offloading --offload-modules core_attn,attn_proj", "separate modules with spaces"),
+    ("--fine-grained-activation-offloading", "needs --offload-modules with at least one module"),
+    ("--fine-grained-activation-offloading --offload-modules --bf16", "at least one module"),
+    ("--offload-modules core_attn", "--offload-modules without --fine-grained-activation-offloading"),
+    ("--min-offloaded-tensor-size 4", "add --fine-grained-activation-offloading, or drop"),
+    ("--fine-grained-activation-offloading --offload-modules core_attn --cpu-offloading", "drop --cpu-offloading"),
+    ("--fine-grained-activation-offloading --offload-modules core_attn --min-offloaded-tensor-size x",
+     "--min-offloaded-tensor-size needs an integer >= 0"),
+    ("--fine-grained-activation-offloading --offload-modules core_attn --min-offloaded-tensor-size", "needs a value"),
+    ("--fine-grained-activation-offloading=1 --offload-modules core_attn", "takes no value"),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+     "--fine-grained-activation-offloading --offload-modules core_attn", "use full/block/K or selective"),
+])
+def test_offload_megatron_flag_refusals(argv, phrase):
+    with pytest.raises(PolicyError) as info:
+        Policy.from_megatron_args(argv)
+    assert phrase in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs,phrase", [
+    ({"offload_modules": ("attn_proj",)}, "add core_attn"),
+    ({"offload_modules": ("layernorm",)}, "valid modules are attn_norm, qkv_linear, core_attn"),
+    ({"offload_modules": "core_attn"}, "must be a list or tuple"),
+    ({"offload_modules": ("core_attn",), "min_offloaded_tensor_size": -1}, "integer >= 0"),
+    ({"offload_modules": ("core_attn",), "min_offloaded_tensor_size": 1.5}, "integer >= 0"),
+    ({"min_offloaded_tensor_size": 7}, "has no effect without offload modules"),
+    ({"granularity": "full", "method": "uniform", "num_layers": 2, "offload_modules": ("core_attn",)},
+     "full/uniform checkpoints every layer"),
+    ({"granularity": "selective", "modules": ("non_matmul",), "offload_modules": ("core_attn",)}, "drop non_matmul"),
+    ({"granularity": "selective", "modules": ("core_attn",), "offload_modules": ("core_attn",),
+      "engine": "non-reentrant"}, "use the reentrant engine"),
+    ({"granularity": "selective", "modules": ("layernorm",), "offload_modules": ("mlp_norm",),
+      "engine": "non-reentrant"}, "stop offloading mlp_norm"),
+])
+def test_offload_policy_refusals(kwargs, phrase):
+    with pytest.raises(PolicyError) as info:
+        Policy(**kwargs)
+    assert phrase in str(info.value)
+
+
+@pytest.mark.parametrize("text,phrase", [
+    ("none,offload", "needs a value after ':'"),
+    ("none,offload:", "needs a value after ':'"),
+    ("none,offload:core_attn+", "empty offload module name"),
+    ("none,offload:core_attn,offload:attn_norm", "given twice"),
+    ("none,offload:core_attn,offload_min:1e6", "digits 0-9"),
+    ("none,offload:core_attn,swap", "unknown option 'swap'"),
+    ("full/block/1,distribute,distribute", "given twice"),
+    ("none,offload:attn_proj", "needs core_attn"),
+])
+def test_offload_short_form_refusals(text, phrase):
+    with pytest.raises(PolicyError) as info:
+        Policy.parse(text)
+    assert repr(text) in str(info.value) and phrase in str(info.value)

@@ -8,15 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import GPT, GPT_FLAGS
 
 import remat.memory.comparison as comparison
-from remat.config import ModelConfig
 from remat.policy import Policy
 from remat.units import KIB, format_bytes
 
-GPT = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
-                  vocab_size=64)
-TINY_FLAGS = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16", "--batch", "2", "--vocab", "64"]
+TINY_FLAGS = GPT_FLAGS
 
 
 def test_cli_compare(run_cli, tmp_path: Path) -> None:

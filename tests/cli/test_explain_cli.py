@@ -4,6 +4,8 @@ anything runs (tiny models, a few seconds each)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -28,14 +30,16 @@ CLI_MODEL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
+    """One default run (plot, timings, the contrast vocabulary): its exit code, folder and printed text."""
     out = tmp_path_factory.mktemp("explain") / "out"
-    code = main(["explain", *TINY, "--policies", ",".join(POLICIES), "--repeats", "1", "--out", str(out)])
-    return code, out
+    with contextlib.redirect_stdout(io.StringIO()) as text:
+        code = main(["explain", *TINY, "--policies", ",".join(POLICIES), "--repeats", "1", "--out", str(out)])
+    return code, out, text.getvalue()
 
 
 # ------------------------------------------------------------------------------------------------ files and output
 def test_cli_writes_png_json_and_timelines(cli_run):
-    code, out = cli_run
+    code, out, _ = cli_run
     assert code == 0
     assert (out / "timelines.png").read_bytes()[:8] == PNG_MAGIC
     report = json.loads((out / "explain.json").read_text())
@@ -53,7 +57,7 @@ def test_cli_writes_png_json_and_timelines(cli_run):
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
-def test_cli_table_output(cli_run, capsys, tmp_path):
+def test_cli_table_output(capsys, tmp_path):
     code = main(["explain", *TINY, "--policies", "none,full/uniform/4", "--repeats", "0", "--no-plot",
                  "--out", str(tmp_path)])
     assert code == 0
@@ -64,7 +68,7 @@ def test_cli_table_output(cli_run, capsys, tmp_path):
 
 def test_cli_json_output(capsys, tmp_path):
     code = main(["explain", *TINY, "--policies", "full/uniform/2", "--repeats", "1", "--json", "--no-plot",
-                 "--engine", "non-reentrant", "--out", str(tmp_path)])
+                 "--engine", "non-reentrant", "--contrast-vocab", "0", "--out", str(tmp_path)])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     # none is always measured as the baseline; --engine applies to policies without '@engine'.
@@ -83,8 +87,8 @@ def test_cli_html_and_snapshot(tmp_path, capsys):
     assert html.exists() and '<tr class="policy-row' in html.read_text(encoding="utf-8")
     assert (tmp_path / "snap-none.pickle").exists() and (tmp_path / "snap-full-uniform-2.pickle").exists()
     assert "r.html" in capsys.readouterr().err
-    code = main(["explain", *CLI_MODEL, "--policies", "none", "--out", str(tmp_path / "out"), "--snapshot",
-                 str(snap), "--json"])
+    code = main(["explain", *CLI_MODEL, "--policies", "none", "--contrast-vocab", "0", "--out",
+                 str(tmp_path / "out"), "--snapshot", str(snap), "--json"])
     assert code == 0 and snap.exists()
 
 
@@ -120,12 +124,11 @@ def test_cli_debug_raises(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ both regimes
-def test_default_cli_shows_both_regimes(tmp_path, capsys):
+def test_default_cli_shows_both_regimes(cli_run):
     assert build_parser().parse_args(["explain"]).contrast_vocab == 32000
     assert ModelConfig().vocab_size == 512  # --vocab keeps its meaning: the main run's vocabulary
-    out = tmp_path / "out"
-    assert main(["explain", *TINY, "--policies", "none,full/uniform/4", "--repeats", "0", "--out", str(out)]) == 0
-    text = capsys.readouterr().out
+    code, out, text = cli_run  # run with the default --contrast-vocab
+    assert code == 0
     assert text.startswith("In short") and "vocab 128:" in text and "vocab 32000:" in text
     report = json.loads((out / "explain.json").read_text())
     assert report["config"]["vocab_size"] == 128 and report["contrast"]["config"]["vocab_size"] == 32000

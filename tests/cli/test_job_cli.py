@@ -88,19 +88,19 @@ def test_plan_of_tp_with_pp_picks_per_stage_plans_with_every_part(capsys):
         assert exact.peak_bytes == row["peak_bytes"] and exact.parts == {p: row[p] for p in PARTS}
 
 
-def test_plan_search_flags_shape_a_job_plan(capsys):
+def test_plan_search_flags_shape_a_job_plan(capsys, tmp_path):
     job = Job.build(SMALL_CONFIG, precision="bf16", pp=2, num_microbatches=4)
     budget = (predict_job(job).worst.peak_bytes + predict_job(job.replace(policy=Policy.parse(
         "full/uniform/1"))).worst.peak_bytes) // 2
-    report = _json(capsys, ["plan", "--budget", str(budget), *SMALL, "--pp", "2", "--microbatches", "4",
-                            "--precision", "bf16", "--objective", "time", "--no-offload",
-                            "--selective-modules", "core_attn,mlp"])
+    # one run: the text on stdout, the JSON report in --out
+    assert main(["plan", "--budget", str(budget), *SMALL, "--pp", "2", "--microbatches", "4", "--precision", "bf16",
+                 "--objective", "time", "--no-offload", "--selective-modules", "core_attn,mlp",
+                 "--out", str(tmp_path / "plan.json")]) == 0
+    report = json.loads((tmp_path / "plan.json").read_text())
     assert report["fits"] is True and report["objective"] == "time"
     for row in report["stages"]:
         for seg in row["extended"]["plan_json"]["segments"]:
             assert seg["mode"] != "offload" and set(seg.get("modules") or ()) <= {"core_attn", "mlp"}
-    assert main(["plan", "--budget", str(budget), *SMALL, "--pp", "2", "--microbatches", "4", "--precision",
-                 "bf16"]) == 0
     out = capsys.readouterr().out
     assert "with a plan per stage" in out and "stage 1 (layers 2-3, 1 in flight)" in out
     assert "one Megatron setting for every stage" in out and "not counted" in out
@@ -214,6 +214,7 @@ def test_impossible_megatron_jobs_are_refused_naming_the_flag(capsys, extra, wor
      ["--recompute-* flags", "remat plan chooses"]),
     (["compare", *TINY, "--dp", "2", "--cp", "2", "--precision", "fp32"], ["cp=2", "cp=1"]),
     (["compare", *TINY, "--dp", "2", "--device", "cuda"], ["--device cuda"]),
+    (["compare", *TINY, "--dp", "2", "--kernels", "cuda"], ["--kernels cuda", "drop --kernels"]),
 ])
 def test_job_flags_refused_with_the_fix(capsys, argv, words):
     _err(capsys, argv, *words)
@@ -224,8 +225,9 @@ def test_compare_runs_every_rank_of_a_data_parallel_job_beside_its_prediction(ca
     report = _json(capsys, ["compare", *TINY, "--dp", "2", "--distributed-optimizer", "--precision", "bf16"])
     job = Job.build(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16,
                                 micro_batch_size=1, vocab_size=64), precision="bf16", dp=2, distributed_optimizer=True)
-    predicted = predict_job(job).worst
-    assert report["format"] == "remat.compare-job" and sorted(r["rank"] for r in report["rows"]) == [0, 1]
+    predicted = predict_job(job, kernels="cpu").worst  # its ranks run on CPU: the CPU kernels
+    assert report["format"] == "remat.compare-job" and report["kernels"] == "cpu"
+    assert sorted(r["rank"] for r in report["rows"]) == [0, 1]
     priced = next(r for r in report["rows"] if r["dp_rank"] == predicted.state.dp_rank)
     assert priced["predicted_bytes"] == predicted.peak_bytes and priced["predicted_parts"] == predicted.parts
     assert all(r["measured_bytes"] > 0 and r["policy"] == "none" for r in report["rows"])

@@ -21,8 +21,10 @@ def _subcommands():
 
 
 SUBCOMMANDS = _subcommands()
+# --policies (explain, measure): two policies, not the default list of six, each measured for real; the default
+# list is tests/analysis/test_explain.py's and predict's and compare's (--policy) here.
 TINY_FLAGS = {"--layers": "2", "--hidden": "32", "--heads": "2", "--seq": "16", "--batch": "1", "--vocab": "64",
-              "--repeats": "0"}
+              "--repeats": "0", "--policies": "none,full/uniform/2"}
 REQUIRED_VALUES = {"--budget": "1GiB"}  # values for the subcommands' required options
 
 

@@ -7,18 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_models import GPT, GPT_FLAGS, LLAMA
 
-from remat.config import ModelConfig
 from remat.memory.predict import predict
 from remat.plan.megatron import megatron_sweep
 from remat.presets import load_config
 
-# The GPT and Llama of tests/memory/test_predict.py.
-GPT = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
-                  vocab_size=64)
-LLAMA = GPT.replace(num_query_groups=2, activation="swiglu", normalization="rmsnorm", position="rope",
-                    attention="sdpa", hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False)
-TINY_FLAGS = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16", "--batch", "2", "--vocab", "64"]
+TINY_FLAGS = GPT_FLAGS
 
 
 def test_cli_predict_table(run_cli) -> None:

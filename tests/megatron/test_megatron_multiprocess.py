@@ -34,6 +34,7 @@ def test_tensor_parallel_two_processes_per_rank(small_config, step_shape):
     hidden = 32 * 2 * 64 * 4  # one all-reduced activation
     for rank in (0, 1):
         assert measured[rank].meta["rank"] == rank and measured[rank].meta["backend"] == "cpu"
+        assert measured[rank].meta["pid"] > 0  # the launcher names the worker process
         p, m = predicted[rank].at_peak, measured[rank].at_peak
         # exact, or one all-reduced activation more in one part: gloo's worker thread can drop its last reference
         # to a finished all-reduce after the Python code dropped its own (a race of the real run; see NOTE [gloo's

@@ -11,7 +11,14 @@ try:
 except MegatronUnavailable as err:
     pytest.skip(str(err), allow_module_level=True)
 
-from remat.megatron import RoutingAssumption, measure_megatron_core, predict_megatron_core  # noqa: E402
+from remat.config import ConfigError  # noqa: E402
+from remat.config import RoutingAssumption as ConfigRoutingAssumption  # noqa: E402
+from remat.megatron import (  # noqa: E402
+    RoutingAssumption,
+    measure_megatron_core,
+    predict_megatron_core,
+    routing_assumption,
+)
 
 SETTINGS = {
     "none": {},
@@ -111,9 +118,13 @@ def test_routing_assumption_counts():
     assert RoutingAssumption().tokens_per_expert(9, 4, 2) == [5, 5, 4, 4]
     assert RoutingAssumption.parse("capacity:1.25").tokens_per_expert(64, 4, 2) == [40] * 4
     assert RoutingAssumption.parse("counts:6,2,4,4").tokens_per_expert(8, 4, 2) == [6, 2, 4, 4]
-    with pytest.raises(MegatronSettingError, match="'capacity:1.25'"):
-        RoutingAssumption.parse("capcity")
-    with pytest.raises(MegatronSettingError, match="the model has 4"):
+    # the front end's routing= is remat.config's RoutingAssumption, its errors naming routing=
+    assert RoutingAssumption is ConfigRoutingAssumption and routing_assumption("capacity:1.25").capacity_factor == 1.25
+    with pytest.raises(MegatronSettingError, match="routing='capcity'.*'capacity:1.25'"):
+        routing_assumption("capcity")
+    with pytest.raises(MegatronSettingError, match="every MoE layer alike"):
+        routing_assumption("counts:1,2;2,1")
+    with pytest.raises(ConfigError, match="the model has 4"):
         RoutingAssumption.parse("counts:1,2").tokens_per_expert(8, 4, 2)
 
 

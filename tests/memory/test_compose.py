@@ -9,13 +9,12 @@ dtype, other depth), so every policy meets both styles, both dtypes, both depths
 
 from __future__ import annotations
 
-import gc
 import os
 
 import numpy as np
 import pytest
+from tiny_models import ENGINES, GPT, STYLES, with_engine
 
-from remat.config import ModelConfig
 from remat.memory.compose import CompositionError, compose, shallow_stand_in
 from remat.memory.predict import predict_config, trace
 from remat.policy import Policy
@@ -23,18 +22,17 @@ from remat.timeline import Timeline
 
 FULL_GRID = os.environ.get("REMAT_FULL_GRID") == "1"
 
-GPT = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
-                  vocab_size=64)
-LLAMA = GPT.replace(num_query_groups=2, activation="swiglu", normalization="rmsnorm", position="rope",
-                    attention="sdpa", hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False)
-STYLES = {"gpt": GPT, "llama": LLAMA}
-ENGINES = ("reentrant", "non-reentrant")
 # Deep enough that every policy of the grid has a shallower stand-in (a uniform group of k >= 3 layers needs about
 # 3k of them: a bottom, a middle and a top group), and 11 leaves a shorter last group for every k = 2, 3, 4, 10.
 DEPTHS = (10, 11)
 GRID_CONFIGS = [(style, dtype, depth) for style in STYLES for dtype in ("fp32", "bf16") for depth in DEPTHS]
-GRID_SELECTIVE = ["selective/core_attn", "selective/mlp", "selective/layernorm+act", "selective/non_matmul",
-                  "selective/core_attn+non_matmul", "selective/core_attn+mlp+layernorm"]
+# A selective set changes what each layer keeps inside, not the layer roles that composition copies: the default
+# grid runs one set of each kind (attention alone, norms and activation, every non-matmul operator, three modules
+# together); selective/mlp and selective/core_attn+non_matmul (made of those parts) join under REMAT_FULL_GRID=1.
+GRID_SELECTIVE = ["selective/core_attn", "selective/layernorm+act", "selective/non_matmul",
+                  "selective/core_attn+mlp+layernorm"]
+if FULL_GRID:
+    GRID_SELECTIVE += ["selective/mlp", "selective/core_attn+non_matmul"]
 # (label, policy at depth L): uniform k = 1, 2, 3, 4, L-1, L; block k = 1, 3, L; none; the selective sets.
 GRID_POLICIES = [("none", lambda L: "none"),
                  *[(f"full/uniform/{k}", lambda L, k=k: f"full/uniform/{k}") for k in (1, 2, 3, 4)],
@@ -43,10 +41,6 @@ GRID_POLICIES = [("none", lambda L: "none"),
                  ("full/block/1", lambda L: "full/block/1"), ("full/block/3", lambda L: "full/block/3"),
                  ("full/block/L", lambda L: f"full/block/{L}"),
                  *[(name, lambda L, name=name: name) for name in GRID_SELECTIVE]]
-
-
-def with_engine(policy: str, engine: str) -> str:
-    return policy if engine == "reentrant" or policy == "none" else f"{policy}@{engine}"
 
 
 def grid_cases() -> list[tuple[str, str, int, int, str]]:
@@ -89,15 +83,6 @@ def assert_same_timeline(composed: Timeline, full: Timeline) -> None:
     assert composed.peak_phase.label == full.peak_phase.label, (composed.peak_phase, full.peak_phase)
     assert composed.at_peak == full.at_peak, (composed.at_peak, full.at_peak)
     assert composed.meta["flops"] == full.meta["flops"], (composed.meta["flops"], full.meta["flops"])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_gc():
-    """Move the objects alive now (torch, pytest, ...) out of the cycle collector's way while this module's many
-    small traces run."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 def test_grid_design_covers_every_policy_engine_style_dtype_and_depth() -> None:

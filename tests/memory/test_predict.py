@@ -9,7 +9,6 @@ complementary config (other style, size and dtype). ``REMAT_FULL_GRID=1`` runs t
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -18,6 +17,7 @@ import textwrap
 
 import pytest
 import torch
+from tiny_models import ENGINES, GPT, STYLES, with_engine
 from torch import nn
 
 from remat.config import ModelConfig
@@ -34,26 +34,6 @@ from remat.timeline import Timeline
 
 FULL_GRID = os.environ.get("REMAT_FULL_GRID") == "1"
 
-GPT = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
-                  vocab_size=64)
-LLAMA = GPT.replace(num_query_groups=2, activation="swiglu", normalization="rmsnorm", position="rope",
-                    attention="sdpa", hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False)
-STYLES = {"gpt": GPT, "llama": LLAMA}
-ENGINES = ("reentrant", "non-reentrant")
-
-
-def with_engine(policy: str, engine: str) -> str:
-    return policy if engine == "reentrant" or policy == "none" else f"{policy}@{engine}"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_gc():
-    """Move the objects alive now (torch, pytest, ...) out of the cycle collector's way, which otherwise rescans
-    them between this module's many small recorded steps."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
 
 # ================================================================================ predicted == measured (CPU)
 MEASURE_CONFIGS = [(style, size, dtype) for style in STYLES for size in ("small", "wide") for dtype in ("fp32", "bf16")]
@@ -62,8 +42,10 @@ SIZES = {"small": {}, "wide": {"hidden_size": 64, "seq_length": 24, "micro_batch
 
 def measure_policies() -> list[str]:
     base = ["full/uniform/1", "full/uniform/2", "full/uniform/3", "full/uniform/4", "full/block/1", "full/block/2",
-            "full/block/4", "selective/core_attn", "selective/mlp", "selective/layernorm+act",
-            "selective/core_attn+mlp+layernorm", "selective/non_matmul", "selective/core_attn+mlp+non_matmul"]
+            "full/block/4", "selective/core_attn", "selective/layernorm+act", "selective/core_attn+mlp+layernorm",
+            "selective/non_matmul"]
+    if FULL_GRID:  # sets made of parts the others run (the MLP alone, a union): the same kernels
+        base += ["selective/mlp", "selective/core_attn+mlp+non_matmul"]
     return [with_engine(p, e) for p in base for e in ENGINES]
 
 

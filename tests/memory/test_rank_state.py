@@ -91,3 +91,67 @@ def test_megatron_theoretical_memory_usage_weights_and_optimizer(dp, distributed
               f"{state.total} B, Megatron's formula {megatron:.0f} B")
     assert state.total == megatron
 
+
+
+# --------------------------------------------------------------------------- MoE and expert parallelism
+MOE = ModelConfig(num_layers=2, hidden_size=24, num_attention_heads=2, vocab_size=64, seq_length=16,
+                  num_moe_experts=4, moe_ffn_hidden_size=16, moe_layer_freq=(0, 1))
+
+
+def test_every_layer_is_built_as_itself_and_experts_are_sharded_by_ep():
+    h, v, s, f, fm, e = 24, 64, 16, 4 * 24, 16, 4
+    embedding = v * h + s * h
+    attention = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h  # input norm, qkv, proj, pre-MLP norm
+    dense_mlp = (h * f + f) + (f * h + h)
+    expert = (h * fm + fm) + (fm * h + h)
+    head = 2 * h + h * v
+    for ep in (1, 2, 4):
+        params = rank_parameters(MOE.replace(expert_model_parallel_size=ep), first=True, last=True, num_layers=2)
+        local = e // ep * expert
+        assert sum(p.numel for p in params) == embedding + attention + dense_mlp + attention + e * h + local + head
+        # Megatron marks the routed experts' weights allreduce=False only under expert parallelism
+        assert sum(p.numel for p in params if p.expert) == (local if ep > 1 else 0)
+        assert {p.name.split(".mlp.")[1].split(".")[0] for p in params if p.expert} <= {"experts"}
+    # a chunk of the second layer alone is an MoE layer, named from 0 as in its own module
+    tail = rank_parameters(MOE, first=False, last=True, num_layers=1, layer_offset=1, pipelined=True)
+    assert [p.name for p in tail][8] == "layers.0.mlp.router.weight"
+    built = sum(p.numel() for p in build_model(MOE).parameters())
+    assert sum(p.numel for p in rank_parameters(MOE, first=True, last=True, num_layers=2)) == built
+
+
+def test_expert_parameters_have_their_own_buffer_sharded_over_the_expert_data_parallel_ranks():
+    # dp=4, ep=2: the dense buffer is sharded 4 ways, the experts' 2 ways (tp x cp x dp / ep); rank g holds dense
+    # shard g and expert shard g // 2 (NOTE [expert parameters])
+    job = Job.build(MOE, precision="bf16", ep=2, dp=4, distributed_optimizer=True)
+    assert job.expert_data_parallel == 2
+    params = rank_parameters(job.model, first=True, last=True, num_layers=2)
+    state = rank_state(job, [params])
+    dense, expert = state.layouts
+    assert (dense.expert, expert.expert) == (False, True)
+    assert dense == buffer_layout([p for p in params if not p.expert], distributed_optimizer=True, dp_size=4)
+    assert expert.numel == buffer_layout([p for p in params if p.expert], distributed_optimizer=True,
+                                         dp_size=2).numel
+    per_rank = [shard_elements(dense, 4, g) + shard_elements(expert, 2, g // 2) for g in range(4)]
+    assert state.shard_elements == max(per_rank) and state.dp_rank == per_rank.index(max(per_rank))
+    assert (state.ep_rank, state.expert_dp_rank) == (state.dp_rank % 2, state.dp_rank // 2)
+    assert state.gradients == 4 * (dense.numel + expert.numel)
+    assert state.master_parameters == 4 * state.shard_elements and state.optimizer_state == 8 * state.shard_elements
+    # with ep = 1 the experts stay in the dense buffer, as in Megatron
+    assert len(rank_state(Job.build(MOE, precision="bf16", dp=4, distributed_optimizer=True),
+                          [rank_parameters(MOE, first=True, last=True, num_layers=2)]).layouts) == 1
+
+
+def test_deepseek_v3_per_rank_state_at_ep64():
+    # the published size (671B), and a middle pipeline stage of 4 MoE layers at ep=64, dp=64: each rank holds 4 of
+    # the 256 routed experts per layer and the whole MLA attention, shared expert and router
+    model = get_preset("deepseek-v3")
+    assert round(sum(p.numel for p in rank_parameters(model, first=True, last=True, num_layers=61)) / 1e9) == 671
+    job = Job.build(model, precision="bf16", ep=64, dp=64, distributed_optimizer=True)
+    params = rank_parameters(job.model, first=False, last=False, num_layers=4, layer_offset=20, pipelined=True)
+    h, f = 7168, 2048
+    mla = h * 1536 + 1536 + 1536 * 128 * 192 + h * 576 + 512 + 512 * 128 * 256 + 128 * 128 * h
+    layer = 2 * h + mla + 256 * h + 3 * h * f + 4 * 3 * h * f  # norms, MLA, router, shared expert, 4 experts
+    assert sum(p.numel for p in params) == 4 * layer
+    assert sum(p.numel for p in params if p.expert) == 4 * 4 * 3 * h * f
+    state = rank_state(job, [params])
+    assert 17 * 2 ** 30 < state.total < 17.5 * 2 ** 30  # 2 + 4 bytes per parameter, 12 per sharded element

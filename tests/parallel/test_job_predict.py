@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from remat.config import ModelConfig
 from remat.job import Job, JobError
+from remat.memory.cuda_sdpa import select_backend
+from remat.memory.kernels import use_kernels
 from remat.memory.rank_state import rank_parameters, rank_state
-from remat.parallel.job_predict import NOT_COUNTED, PARTS, predict_job, ring_exchange_bytes
+from remat.parallel.job_predict import NOT_COUNTED, PARTS, predict_job, predict_stage, ring_exchange_bytes
 from remat.parallel.pipeline_predict import predict_pipeline
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128,
@@ -40,8 +43,8 @@ def test_activations_equal_the_pipeline_prediction_without_state():
     # tp=1: the job's activation timeline is Megatron's pipeline composition; only model state is added, and the
     # traced .grad tensors become transients (the DDP hook moves them into the main-gradient buffer)
     job = Job.build(MODEL, precision="fp32", pp=2, num_microbatches=3, optimizer="none")
-    stages = predict_pipeline(MODEL, "none", 2, 3, runtime="megatron")
-    for r in predict_job(job).ranks:
+    stages = predict_pipeline(MODEL, "none", 2, 3, runtime="megatron")  # the CPU kernels
+    for r in predict_job(job, kernels="cpu").ranks:
         plain = stages[r.stage]
         grads = sum(n for n, c in zip(plain.nbytes, plain.category) if c == "gradients")
         assert grads == r.state.gradients  # fp32 .grad tensors == the unpadded fp32 buffer
@@ -57,3 +60,39 @@ def test_context_parallel_holds_s_over_cp_and_the_ring_buffers():
     assert two.worst.parts["activations"] < one.worst.parts["activations"]
     with pytest.raises(JobError, match="--attention-backend"):
         predict_job(Job.build(MODEL.replace(attention="math"), precision="bf16", cp=2))
+
+
+# MLA as DeepSeek-V3 has it, small: query/key heads of 16 + 8 (rotary) dims, value heads of 16
+MLA = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=2, vocab_size=128, seq_length=64,
+                  micro_batch_size=1, attention="sdpa", position="rope", normalization="rmsnorm", activation="swiglu",
+                  hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, multi_latent_attention=True,
+                  q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
+
+
+def test_a_gpu_job_keeps_what_cuda_attention_keeps():
+    # a job runs on GPUs: by default its ranks keep what the CUDA kernels keep. With q/k heads of 24 and v heads of
+    # 16 flash refuses (one head dim) and memory-efficient attention runs (sdp_utils.cpp: q == k dims, 8-aligned),
+    # keeping the output and an fp32 logsumexp; CPU's math attention keeps the [b, heads, s, s] scores.
+    q, v = torch.empty(1, 2, 64, 24, dtype=torch.bfloat16), torch.empty(1, 2, 64, 16, dtype=torch.bfloat16)
+    assert select_backend(q, q, v, is_causal=True) == "efficient"
+    assert select_backend(q, q, q, is_causal=True) == "flash"
+    job = Job.build(MLA, precision="bf16", pp=2, num_microbatches=2)
+    scores = 1 * 2 * 64 * 64 * 2  # one bf16 [b, heads, s, s] tensor
+
+    def attention_rows(timeline):
+        return [n for n, m in zip(timeline.nbytes, timeline.module) if m.endswith("core_attention")]
+
+    gpu, cpu = predict_stage(job, 0), predict_stage(job, 0, kernels="cpu")
+    assert gpu.timeline.meta["kernels"] == "cuda" and cpu.timeline.meta["kernels"] == "cpu"
+    assert attention_rows(gpu.timeline) and max(attention_rows(gpu.timeline)) < scores
+    assert max(attention_rows(cpu.timeline)) >= scores
+    assert gpu.peak_bytes < cpu.peak_bytes and gpu.state == cpu.state
+
+
+def test_the_kernel_profile_follows_remat_kernels():
+    job = Job.build(MODEL, precision="bf16", pp=2, num_microbatches=2)
+    with use_kernels("cpu"):  # remat --kernels cpu
+        chosen = predict_job(job)
+    assert {r.timeline.meta["kernels"] for r in chosen.ranks} == {"cpu"}
+    assert chosen.rows() == predict_job(job, kernels="cpu").rows()
+    assert predict_job(job).worst.timeline.meta["kernels"] == "cuda"

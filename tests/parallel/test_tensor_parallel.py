@@ -9,7 +9,7 @@ import torch
 from remat import ApplyError, ConfigError, ModelConfig, Policy, apply
 from remat.memory.predict import predict_config
 from remat.models.tensor_parallel import SimulatedGroup, build_tp_model
-from remat.parallel.tensor import measure_tensor_parallel
+from remat.parallel.tensor import measure_tensor_parallel_many
 
 TINY = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                    vocab_size=128)
@@ -87,8 +87,8 @@ def test_sp_and_distribution_refusals():
                                           (True, ["full/uniform/1", "selective/core_attn", "selective/non_matmul"])])
 def test_real_two_rank_runs_match_prediction(sp, policies):
     losses = []
-    for policy in policies:
-        ranks = measure_tensor_parallel(TINY, policy, tp=2, sp=sp, timeout=240)
+    # one launch measures every policy (each rank rebuilds its model for each); the plan path is test_plan.py's
+    for policy, ranks in zip(policies, measure_tensor_parallel_many(TINY, policies, tp=2, sp=sp, timeout=240)):
         predicted = predict_config(TINY, policy, tp=2, sp=sp)
         for timeline in ranks:
             assert abs(timeline.peak_bytes / predicted.peak_bytes - 1) <= 0.02

@@ -4,6 +4,7 @@ rebuilt, and --no-cache / REMAT_NO_CACHE leave the folder untouched."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 from pathlib import Path
@@ -49,8 +50,24 @@ def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.json"))
 
 
-def test_unit_model_round_trip_is_exact(cache: Path) -> None:
-    model = unit_model(CFG)
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, Path, str]:
+    """unit_model(CFG) built once, from traces, into a cache folder of its own: the model, and its stored entry
+    (path relative to the folder, text). Shared by the tests that read a fresh build without changing it."""
+    root = tmp_path_factory.mktemp("built")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(disk_cache.CACHE_ENV, str(root))
+        patch.delenv(disk_cache.NO_CACHE_ENV, raising=False)
+        disk_cache.set_enabled(True)
+        _forget()
+        model = unit_model(CFG)
+        _forget()
+    [path] = [p for p in _files(root) if p.parent.name == "unit_model"]
+    return model, path.relative_to(root), path.read_text()
+
+
+def test_unit_model_round_trip_is_exact(built: tuple[object, Path, str]) -> None:
+    model = copy.deepcopy(built[0])  # the shared build stays as built
     model.shape(Unit("checkpoint", 7))  # an expanded group is kept too
     assert model_from_dict(json.loads(json.dumps(model_to_dict(model)))) == model
 
@@ -97,14 +114,14 @@ def test_warm_plan_is_the_cold_plan_and_reads_no_trace(cache: Path, monkeypatch:
     assert warm.to_dict()["megatron"] == cold.to_dict()["megatron"]
 
 
-def test_corrupt_unit_model_entry_is_rebuilt(cache: Path) -> None:
-    first = unit_model(CFG)
-    [path] = [p for p in _files(cache) if p.parent.name == "unit_model"]
-    path.write_text(path.read_text()[:50])
-    _forget()
+def test_corrupt_unit_model_entry_is_rebuilt(cache: Path, built: tuple[object, Path, str]) -> None:
+    first, entry, text = built  # the entry unit_model(CFG) stores, truncated
+    (cache / entry).parent.mkdir(parents=True, exist_ok=True)
+    (cache / entry).write_text(text[:50])
     with pytest.warns(UserWarning, match="corrupt"):
         again = unit_model(CFG)
     assert model_to_dict(again) | {"build_seconds": 0} == model_to_dict(first) | {"build_seconds": 0}
+    assert json.loads((cache / entry).read_text())["key"] == json.loads(text)["key"]  # rewritten in place
 
 
 def test_shallow_trace_from_disk_gives_the_same_timeline(cache: Path) -> None:

@@ -16,7 +16,7 @@ from remat.plan.unit_model import unit_model
 from remat.policy import Policy
 from remat.recompute.plan_format import Plan, PlanError
 
-CONFIG = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
+CONFIG = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                      vocab_size=128, attention="sdpa")
 JOB = Job.build(CONFIG, precision="bf16", tp=2, sp=True, pp=2, num_microbatches=4, dp=2, distributed_optimizer=True)
 

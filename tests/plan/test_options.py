@@ -6,11 +6,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 
 import pytest
 
 import remat.cli.common as cli_common
-from remat.cli import main
+from remat.cli import build_parser, main
+from remat.cli.plan import plan_options
 from remat.config import ModelConfig
 from remat.plan import MEGATRON_MODULES, megatron_policies, megatron_sweep
 from remat.plan.api import plan
@@ -55,6 +57,8 @@ def test_options_are_frozen_keyword_only_and_every_field_is_documented(kind):
     ({"bandwidth": float("inf")}, "PlanOptions.bandwidth=inf: give a positive finite number"),
     ({"memory_bandwidth": True}, "PlanOptions.memory_bandwidth=True"),
     ({"max_resolves": -1}, "PlanOptions.max_resolves=-1: give a count >= 0"),
+    ({"operator_sets": -2}, "PlanOptions.operator_sets=-2: give a count >= 0 (0: no keep_ops kinds) or None"),
+    ({"operator_sets": 2.5}, "PlanOptions.operator_sets=2.5: give a count"),
 ])
 def test_plan_options_refuse_bad_fields_naming_field_and_fix(kwargs, message):
     with pytest.raises(PlanError) as info:
@@ -85,7 +89,9 @@ def test_plan_options_normalise_and_price():
                               "mlp_matmuls")}
     cost = PlanOptions(measured_times=times, flops_per_second=1e12).cost_model(TINY)
     assert cost.objective == "time" and dict(cost.measured) == times and cost.flops_per_second == 1e12
-    assert PlanOptions().cost_model(TINY).objective == "extra_flops"
+    assert PlanOptions().objective == "time" and PlanOptions().cost_model(TINY).objective == "time"  # the default
+    assert PlanOptions(objective="extra_flops").cost_model(TINY).objective == "extra_flops"
+    assert PlanOptions().operator_sets == 16 and PlanOptions(operator_sets=None).operator_sets is None
     assert PlanOptions().budget("1KiB") == (1024, "1.00 KiB")
     assert ParallelOptions(pp=4).num_microbatches == 4 and ParallelOptions(pp=4, microbatches=8).num_microbatches == 8
 
@@ -134,3 +140,16 @@ def test_one_definition_of_the_megatron_sweep():
     with pytest.raises(ValueError, match="num_layers=0"):
         megatron_policies(0)
 
+
+
+def test_cli_operator_sets_and_default_objective(capsys):
+    """`remat plan` minimises predicted step time by default; --operator-sets 0 leaves keep_ops kinds out of the
+    search, -1 offers all of them; a bad count names the field."""
+    assert main(["plan", "--budget", "64MiB", *FLAGS, "--json", "--operator-sets", "0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["objective"] == "time" and report["stats"]["operator_kinds"] == 0
+    assert report["extended"]["step_time_ratio"] == 1.0
+    ns = build_parser().parse_args(["plan", "--budget", "1GiB", *FLAGS, "--operator-sets", "-1"])
+    assert plan_options(ns).operator_sets is None and plan_options(ns).objective == "time"
+    assert main(["plan", "--budget", "64MiB", *FLAGS, "--operator-sets", "-5"]) == 2
+    assert "PlanOptions.operator_sets=-5" in capsys.readouterr().err

@@ -415,7 +415,7 @@ def test_operator_level_costs():
     model = unit_model(TINY)
     lean, lean_core = Unit("selective", 1, ("non_matmul",)), Unit("selective", 1, ("core_attn", "non_matmul"))
     core = Unit("selective", 1, ("core_attn",))
-    flops, timed = CostModel(), CostModel("time", memory_bandwidth=1e12)
+    flops, timed = CostModel("extra_flops"), CostModel("time", memory_bandwidth=1e12)
     assert flops.cost(model, lean) == 0 and model.shape(lean).recompute_bytes > 0
     assert flops.cost(model, lean_core) == flops.cost(model, core) > 0
     assert timed.cost(model, lean) == math.ceil(1e9 * model.shape(lean).recompute_bytes / 1e12)
@@ -442,10 +442,11 @@ def test_operator_level_plan_needs_no_flops_where_module_level_does():
     lean = [Unit("selective", 1, ("non_matmul",))] * SMALL.num_layers
     budget = model.peak(lean)
     assert budget < model.peak([KEEP] * SMALL.num_layers)
-    result = plan(SMALL, budget)
+    result = plan(SMALL, budget, PlanOptions(objective="extra_flops"))
     assert result.extended.recompute_flops == 0 and measured_peak(SMALL, result.extended.plan) <= budget
     assert result.extended.recompute_bytes > 0 and "rebuilt in backward" in result.format()  # the work FLOPs miss
-    module_level = plan(SMALL, budget, PlanOptions(selective_sets=selective_sets("core_attn,mlp,layernorm,act")))
+    module_level = plan(SMALL, budget, PlanOptions(objective="extra_flops",
+                                                   selective_sets=selective_sets("core_attn,mlp,layernorm,act")))
     assert module_level.extended.recompute_flops > 0
     assert not any("non_matmul" in u.modules for u in module_level.extended.plan.units())
     with pytest.raises(PlanError, match="valid modules are"):

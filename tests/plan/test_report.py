@@ -20,10 +20,10 @@ TINY = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_leng
 FLAGS = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "2", "--vocab", "128"]
 
 
-def choice(flops: int, rebuilt: int, cost: int) -> PlanChoice:
+def choice(flops: int, rebuilt: int, cost: int, ratio: float = 1.0) -> PlanChoice:
     return PlanChoice(plan=Plan.parse("keep 0-1"), source="x", peak_bytes=1000, peak_phase="backward layer 1",
                       at_peak={"parameters": 1000}, recompute_flops=flops, extra_compute_pct=0.0, cost=cost,
-                      recompute_bytes=rebuilt)
+                      recompute_bytes=rebuilt, step_time_ratio=ratio)
 
 
 def result(cost: CostModel, extended: PlanChoice, megatron: PlanChoice) -> PlanResult:
@@ -38,21 +38,40 @@ def headline(text: str) -> str:
 def test_flop_headline_says_when_the_step_is_slower():
     """Fewer FLOPs (non_matmul: none) but 2 GB rebuilt at 1 GB/s: the step is longer, and the report says so."""
     cost = CostModel("extra_flops", flops_per_second=1e12, memory_bandwidth=1e9)
-    text = result(cost, choice(0, 2 * 10**9, 0), choice(10**12, 0, 10**12)).format()
+    text = result(cost, choice(0, 2 * 10**9, 0, 5 / 3), choice(10**12, 0, 10**12, 4 / 3)).format()
     assert "less extra compute" not in text
     assert headline(text) == (
         "Extended plan vs the best Megatron setting: recomputed FLOPs: 100.0% fewer (0 vs 1,000,000,000,000); "
-        "predicted step time: 25.0% longer (5 s vs 4 s: forward and backward FLOPs at 1 TFLOP/s, plus recompute: "
-        "its FLOPs at that rate and its rebuilt bytes at 1 GB/s).")
+        "predicted step time: 25.0% longer (1.6667x vs 1.3333x no recompute; FLOPs at 1 TFLOP/s and written bytes "
+        "at 1 GB/s).")
 
 
 def test_time_headline_leads_with_step_time_and_says_more_flops():
     cost = CostModel("time", flops_per_second=1e12, memory_bandwidth=1e9)
-    text = result(cost, choice(2 * 10**12, 0, 10**9), choice(10**12, 0, 2 * 10**9)).format()
+    text = result(cost, choice(2 * 10**12, 0, 10**9, 4 / 3), choice(10**12, 0, 2 * 10**9, 5 / 3)).format()
     assert headline(text) == (
-        "Extended plan vs the best Megatron setting: predicted step time: 20.0% shorter (4 s vs 5 s: forward and "
-        "backward FLOPs at 1 TFLOP/s, plus recompute: its FLOPs at that rate and its rebuilt bytes at 1 GB/s); "
-        "recomputed FLOPs: 100.0% more (2,000,000,000,000 vs 1,000,000,000,000).")
+        "Extended plan vs the best Megatron setting: predicted step time: 20.0% shorter (1.3333x vs 1.6667x no "
+        "recompute; FLOPs at 1 TFLOP/s and written bytes at 1 GB/s); recomputed FLOPs: 100.0% more "
+        "(2,000,000,000,000 vs 1,000,000,000,000).")
+
+
+def test_report_leads_with_the_step_time_ratio_then_flops(capsys):
+    """`remat plan` (default objective: time) prints each answer's predicted step-time ratio first, then its
+    recomputed FLOPs; the JSON has the ratio of each answer."""
+    from remat.plan import PlanOptions, plan
+
+    assert PlanOptions().objective == "time"
+    result = plan(TINY, 10**9)  # no recompute needed
+    lines = result.format().splitlines()
+    assert lines[1] == ("predicted step time: 1.0000x (extended plan), 1.0000x (best Megatron setting) of the "
+                        "no-recompute step; recomputed FLOPs: 0.00% (extended plan), 0.00% (best Megatron setting) "
+                        "of the step's")
+    block = lines[lines.index("Best extended plan:") + 1:]
+    assert block[1].startswith("  step time:      1.0000x no recompute predicted") and \
+        block[4].startswith("  extra compute:")
+    assert main(["plan", "--budget", "1GB", *FLAGS, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["objective"] == "time" and report["extended"]["step_time_ratio"] == 1.0
 
 
 def test_pipeline_summary_says_longer_and_more():

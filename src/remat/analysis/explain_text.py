@@ -91,6 +91,18 @@ def short_answer(config: ModelConfig, formula: Sequence[FormulaRow], regimes: Se
 
 
 # ------------------------------------------------------------------------------------------------ detail
+def host_memory_sentence(policy: str, tl: Timeline) -> str:
+    """What fine-grained activation offloading kept in host memory (``meta['host_memory']``), or ''."""
+    host = tl.meta.get("host_memory")
+    if not host:
+        return ""
+    total = sum(host["offloaded_bytes"].values())
+    parts = ", ".join(f"{m} {format_bytes(b)}" for m, b in host["offloaded_bytes"].items())
+    return (f"{policy} copies {format_bytes(total)} of saved tensors to host memory in forward ({parts}), at most "
+            f"{format_bytes(host['peak_bytes'])} at once; those bytes are not in its device peak, and backward copies "
+            "each group back when it reaches it.")
+
+
 def _peak_sentence(row: PolicyRow, tl: Timeline) -> str:
     phase = tl.peak_phase
     if phase.kind == "backward" and phase.region == "head":
@@ -276,6 +288,7 @@ def explain_sentences(config: ModelConfig, policies: Sequence[Policy], rows: Seq
     out = [f"Model: {model_words(config)}, {config.attention} attention; one forward+backward step, bytes of every "
            "storage alive counted exactly."]
     out += [_peak_sentence(r, timelines[r.policy]) for r in rows]
+    out += [line for r in rows if (line := host_memory_sentence(r.policy, timelines[r.policy]))]
     whole = whole_stack_policy(policies, config.num_layers)
     if whole is not None:
         out += _whole_stack_sentences(config, by_name[str(whole)], rows[0], plain, regime)

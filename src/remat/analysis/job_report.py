@@ -21,11 +21,14 @@ def describe_job(job: Job) -> str:
     m = job.model
     gqa = f", {m.query_groups} kv groups" if m.query_groups != m.num_attention_heads else ""
     layout = f"tp={job.tp}{' sp' if job.sp else ''} pp={job.pp}" + (f" vpp={job.vpp}" if job.vpp else "") + \
-        f" cp={job.cp} dp={job.dp} ({job.world_size} ranks)"
+        f" cp={job.cp} dp={job.dp}" + (f" ep={job.ep}" if job.ep > 1 else "") + f" ({job.world_size} ranks)"
+    moe = (f", {m.num_moe_experts} experts (top-{m.moe_router_topk}, ffn={m.moe_ffn_size}) in "
+           f"{sum(m.moe_layer_pattern())} layers") if m.is_moe else ""
     mixed = " mixed precision (fp32 main grads" + (", fp32 master params)" if job.optimizer != "none" else ")") \
         if job.precision != "fp32" else ""
-    opt = job.optimizer + (" distributed over dp x cp" if job.distributed_optimizer else "")
-    return (f"{m.num_layers} layers, h={m.hidden_size}, {m.num_attention_heads} heads{gqa}, ffn={m.ffn_size}, "
+    opt = job.optimizer + (" distributed over dp x cp" if job.distributed_optimizer else "") + (
+        " (experts' over the expert data-parallel ranks)" if job.distributed_optimizer and job.ep > 1 else "")
+    return (f"{m.num_layers} layers, h={m.hidden_size}, {m.num_attention_heads} heads{gqa}, ffn={m.ffn_size}{moe}, "
             f"s={m.seq_length}, b={m.micro_batch_size}, vocab={m.vocab_size}; {layout}; {job.num_microbatches} "
             f"microbatch{'es' * (job.num_microbatches > 1)}, {job.schedule}; {job.precision}{mixed}; optimizer {opt}")
 
@@ -73,7 +76,9 @@ def format_job_prediction(prediction: JobPrediction, policy: str) -> str:
     w = prediction.worst
     parts = ", ".join(f"{p} {format_bytes(v)}" for p, v in w.parts.items() if v)
     lines = [f"policy {policy}: worst rank {w.rank} (stage {w.stage}) peaks at {format_bytes(w.peak_bytes)} "
-             f"({w.peak_bytes:,} bytes) in {w.timeline.peak_phase.label}: {parts}"]
+             f"({w.peak_bytes:,} bytes) in {w.timeline.peak_phase.label}: {parts}",
+             f"  kernels {w.timeline.meta.get('kernels', 'cpu')}: what these kernels save for backward "
+             "(--kernels cpu|cuda|te)"]
     return "\n".join(lines + _rank_lines(prediction.ranks))
 
 

@@ -32,6 +32,10 @@ def prediction_row(policy: Any, timeline: Any, seconds: float | None = None) -> 
         "flops": flops,
         "extra_compute_pct": 100.0 * flops.get("recompute", 0) / base if base else 0.0,
     }
+    host = timeline.meta.get("host_memory")
+    if host:  # fine-grained activation offloading: host bytes, apart from the device peak
+        row["host_peak_bytes"] = host["peak_bytes"]
+        row["offloaded_bytes"] = dict(host["offloaded_bytes"])
     if "composed_from" in timeline.meta:
         row["composed_from"] = timeline.meta["composed_from"]
     if "composition_refused" in timeline.meta:
@@ -50,6 +54,8 @@ def format_prediction_table(rows: Sequence[dict[str, Any]]) -> str:
     parts = [(k, h) for k, h in PART_COLUMNS if k != "optimizer_state" or any(r["at_peak"].get(k) for r in rows)]
     columns = [("policy", "policy", str), ("peak_bytes", f"peak {unit}", size), ("peak_phase", "where", str)]
     columns += [(f"part:{k}", h, size) for k, h in parts]
+    if any("host_peak_bytes" in r for r in rows):  # offloading policies: their host memory
+        columns.append(("host_peak_bytes", f"host {unit}", lambda v: size(v) if v is not None else "-"))
     columns.append(("extra_compute_pct", "extra compute %", lambda v: f"{v:.1f}"))
     return format_table(flat, columns)
 

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--kernels", choices=KERNELS, default=None,
             help="whose kernels' saved tensors predictions trace: cpu (exact CPU kernels), cuda (PyTorch eager on "
                  "CUDA: fused dropout, fp32 norm statistics, CUDA attention backends), te (TransformerEngine's "
-                 "fused layers); default cuda with --device cuda, else cpu (docs/kernels.md)")
+                 "fused layers); default cuda with --device cuda or a whole job (its ranks run on GPUs; compare "
+                 "measures a job on CPU, with cpu), else cpu (docs/kernels.md)")
     return parser
 
 

@@ -19,6 +19,7 @@ from remat.analysis.report import write_json
 from remat.config import ACTIVATIONS, ATTENTIONS, DTYPES, NORMALIZATIONS, POSITIONS, ConfigError, ModelConfig
 from remat.parallel.launch import DEFAULT_TIMEOUT
 from remat.parallel.schedule import RUNTIMES, SCHEDULES, PipelineError, check_schedule, partition
+from remat.plan.fine_offload import OFFLOAD_SWEEP_DESCRIPTION, offload_sweep
 from remat.plan.megatron import SWEEP_DESCRIPTION, SWEEPS, megatron_sweep
 from remat.policy import ENGINES, GRAMMAR, Policy, PolicyError
 from remat.presets import get_preset, load_config, preset_names
@@ -120,8 +121,8 @@ def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_policy_list(text: str | None) -> list[str] | None:
     """``'none, full/uniform/2'`` -> ``['none', 'full/uniform/2']``; None stays None (the default list).
 
-    Commas inside a policy (``full/uniform/2,distribute``) are kept: a piece that is only an option is
-    joined to the policy before it.
+    Commas inside a policy (``full/uniform/2,distribute``, ``selective,offload:core_attn+attn_proj,offload_min:0``)
+    are kept: a piece that is only an option is joined to the policy before it.
     """
     if text is None:
         return None
@@ -130,7 +131,7 @@ def parse_policy_list(text: str | None) -> list[str] | None:
     for piece in pieces:
         if not piece:
             continue
-        if re.fullmatch(r"distribute(@[\w-]+)?", piece) and out:
+        if re.fullmatch(r"(distribute|offload\s*:[\w+\s]*|offload_min\s*:[\s\w]*)(\s*@[\w-]+)?", piece) and out:
             out[-1] += "," + piece
         else:
             out.append(piece)
@@ -240,19 +241,23 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                         "comma-separated list (default: none, full/uniform/K for K = 1, 2, 4, ... and L, "
                         "full/block/L/4 and L/2, selective/core_attn, selective/core_attn+mlp)")
     g.add_argument("--sweep", choices=SWEEPS,
-                   help=f"megatron: {SWEEP_DESCRIPTION}; added to any --policy")
+                   help=f"megatron: {SWEEP_DESCRIPTION}; megatron-offload: the same plus Megatron's fine-grained "
+                        f"activation offloading, {OFFLOAD_SWEEP_DESCRIPTION}; added to any --policy")
 
 
-def resolve_cli_policies(args: argparse.Namespace, num_layers: int) -> list[Any]:
-    """The :class:`Policy` list of ``--policy``/``--sweep`` (``--engine`` applied), ``none`` first."""
+def resolve_cli_policies(args: argparse.Namespace, num_layers: int, config: ModelConfig | None = None) -> list[Any]:
+    """The :class:`Policy` list of ``--policy``/``--sweep`` (``--engine`` applied), ``none`` first; ``config``:
+    the model, whose MoE/MLA modules ``--sweep megatron`` lists too."""
 
     items: list[str] | None = None
     if args.policy:
         items = []
         for text in args.policy:
             items.extend(parse_policy_list(text) or [])
-    if args.sweep == "megatron":
-        items = (items or []) + megatron_sweep(num_layers)
+    if args.sweep in ("megatron", "megatron-offload"):
+        items = (items or []) + megatron_sweep(num_layers, config=config)
+    if args.sweep == "megatron-offload":  # fine-grained offloading variants (remat.plan.fine_offload)
+        items = (items or []) + offload_sweep(num_layers)
     return resolve_policies(items, num_layers, args.engine)
 
 
@@ -283,6 +288,16 @@ def emit_report(args: argparse.Namespace, report: Any, print_text: Callable[[], 
         print_text()
     if out is not None:
         info(f"wrote {out}")
+
+
+def max_error_status(args: argparse.Namespace, rows: Sequence[dict[str, Any]], what: str = "a peak") -> int:
+    """The exit status of ``remat compare``: 1 when ``--max-error`` is given and some row's ``|error|`` exceeds it
+    (saying so on stderr, naming ``what`` exceeded it), else 0."""
+    limit = getattr(args, "max_error", None)
+    if limit is not None and any(abs(r["error"]) > limit for r in rows):
+        info(f"remat compare: {what} error exceeds --max-error {limit}")
+        return 1
+    return 0
 
 
 def check_writable(args: argparse.Namespace, *, files: Sequence[str] = (), folders: Sequence[str] = ()) -> None:
@@ -471,8 +486,10 @@ def policies_from_args(args: argparse.Namespace, config: ModelConfig, pipe: Pipe
         elif value:
             texts.extend(value)
     names = [n for text in texts for n in (parse_policy_list(text) or [])]
-    if getattr(args, "sweep", None) == "megatron":
-        names += megatron_sweep(min(s.num_layers for s in partition(config, pipe.pp, pipe.vpp, pipe.layout)))
+    if getattr(args, "sweep", None) in ("megatron", "megatron-offload"):
+        depth = min(s.num_layers for s in partition(config, pipe.pp, pipe.vpp, pipe.layout))
+        names += megatron_sweep(depth, config=config)
+        names += offload_sweep(depth) if args.sweep == "megatron-offload" else []
     engine = getattr(args, "engine", None)
     out: list[Policy] = []
     for name in names or list(default):

@@ -17,14 +17,13 @@ from remat.cli.common import (
     add_policy_arguments,
     add_subcommand,
     check_writable,
-    info,
-    json_text,
+    emit_report,
+    max_error_status,
     model_summary,
     non_negative_number,
     parallel_kwargs,
     resolve_cli_policies,
     resolve_model_config,
-    write_out,
 )
 from remat.cli.job import job_requested, run_compare_job
 from remat.cli.job_args import add_job_arguments
@@ -69,7 +68,7 @@ def run_compare(args: argparse.Namespace) -> int:
                              "whole job, run on gloo: Megatron's fp32 moments and master parameters)")
         return run_pipeline_compare(args)
     config = resolve_model_config(args)
-    policies = resolve_cli_policies(args, config.num_layers)
+    policies = resolve_cli_policies(args, config.num_layers, config)
     if parallel_kwargs(args):
         raise ValueError("compare measures one unsharded process: --tp/--sp are for predict (real tensor-parallel "
                          "ranks are measured by remat.parallel.tensor.measure_tensor_parallel)")
@@ -78,11 +77,8 @@ def run_compare(args: argparse.Namespace) -> int:
         rows = compare_policies(config, policies, device=args.device, adam=args.adam, progress=bar)
     finally:
         bar.close()
-    if args.out is not None:
-        write_out(args.out, rows)
-    if args.json:
-        print(json_text(rows))
-    else:
+
+    def print_text() -> None:
         unit, divisor = table_unit(max(r["measured_bytes"] for r in rows))
         size = size_cell(divisor)
         pct = lambda v: f"{100 * v:+.2f}"
@@ -96,9 +92,6 @@ def run_compare(args: argparse.Namespace) -> int:
         print(f"\nworst peak error {100 * worst_row['error']:+.3f}% ({worst_row['policy']}); worst part error "
               f"{100 * max(abs(r['worst_part_error']) for r in rows):.3f}%. error = (predicted - measured) / "
               "measured; a part measured as 0 is taken relative to the peak.")
-    if args.out is not None:
-        info(f"wrote {args.out}")
-    if args.max_error is not None and any(abs(r["error"]) > args.max_error for r in rows):
-        info(f"remat compare: a peak error exceeds --max-error {args.max_error}")
-        return 1
-    return 0
+
+    emit_report(args, rows, print_text)
+    return max_error_status(args, rows)

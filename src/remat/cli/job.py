@@ -9,12 +9,12 @@ import time
 from typing import Any
 
 from remat.analysis.job_report import describe_job, format_job_plan, format_job_prediction, not_counted_line, rank_row
-from remat.cli.common import emit_report, info
+from remat.cli.common import emit_report, max_error_status
 from remat.cli.job_args import JobSource, job_flags_given, job_from_args, job_policies
 from remat.job import Job
 from remat.job_flags import JobError
 from remat.parallel.job_measure import check_measurable, compare_job, format_rows
-from remat.parallel.job_predict import predict_job
+from remat.parallel.job_predict import job_kernels, predict_job
 from remat.parallel.launch import DEFAULT_TIMEOUT
 from remat.plan.job_plan import plan_job
 from remat.plan.options import PlanOptions
@@ -70,6 +70,7 @@ def run_predict_job(args: argparse.Namespace) -> int:
     predictions = [(p, predict_job(source.job.replace(policy=p), device=args.device))
                    for p in job_policies(args, source)]
     report = {"format": "remat.predict-job", "version": 1, "job": _job_dict(source), "device": args.device,
+              "kernels": job_kernels(),  # --kernels, default cuda: a job runs on GPUs
               "assumed": source.assumed, "ignored_flags": source.ignored, "not_counted": not_counted_line(),
               "rows": [rank_row(r, policy=str(p)) for p, pred in predictions for r in pred.ranks],
               "seconds": time.perf_counter() - started}
@@ -89,13 +90,17 @@ def run_compare_job(args: argparse.Namespace) -> int:
     if args.device != "cpu":
         raise ValueError(f"--device {args.device} with a whole job: its ranks run as CPU processes on gloo; drop "
                          "--device")
+    if getattr(args, "kernels", None) not in (None, "cpu"):
+        raise ValueError(f"--kernels {args.kernels} with a whole job: compare runs its ranks as CPU processes on gloo "
+                         "and predicts them with the CPU kernels; drop --kernels (remat predict prices the GPU job)")
     source = job_from_args(args, default_microbatches=_microbatches)
     rows = []
     for policy in job_policies(args, source):
         job: Job = source.job.replace(policy=policy)
         check_measurable(job)
         rows += [{"policy": str(policy), **row} for row in compare_job(job, timeout=args.timeout or DEFAULT_TIMEOUT)]
-    report = {"format": "remat.compare-job", "version": 1, "job": _job_dict(source), "assumed": source.assumed,
+    report = {"format": "remat.compare-job", "version": 1, "job": _job_dict(source), "kernels": "cpu",
+              "assumed": source.assumed,
               "ignored_flags": source.ignored, "not_counted": not_counted_line(), "rows": rows}
     def print_text() -> None:
         print(_header(source) + "\n")
@@ -105,10 +110,7 @@ def run_compare_job(args: argparse.Namespace) -> int:
         print(not_counted_line())
 
     emit_report(args, report, print_text)
-    if args.max_error is not None and any(abs(r["error"]) > args.max_error for r in rows):
-        info(f"remat compare: a rank's peak error exceeds --max-error {args.max_error}")
-        return 1
-    return 0
+    return max_error_status(args, rows, "a rank's peak")
 
 
 def run_plan_job(args: argparse.Namespace, options: PlanOptions) -> int:
@@ -122,7 +124,7 @@ def run_plan_job(args: argparse.Namespace, options: PlanOptions) -> int:
         raise ValueError("--recompute-* flags in --megatron-args: remat plan chooses the recompute setting; drop "
                          "them (or use remat predict to price that setting)")
     result = plan_job(source.job, args.budget, options)
-    report = {**result.to_dict(), "job": _job_dict(source), "assumed": source.assumed,
+    report = {**result.to_dict(), "job": _job_dict(source), "kernels": job_kernels(), "assumed": source.assumed,
               "ignored_flags": source.ignored, "not_counted": not_counted_line(args.budget, args.reserve)}
     def print_text() -> None:
         print(_header(source) + "\n")

@@ -20,7 +20,7 @@ from remat.policy import Policy
 # --precision) make predict/compare/plan describe a whole Megatron-LM job (remat.job.Job): every part of every
 # rank. Without them the single-process commands run as before. A flag the job path cannot honour is refused, by
 # name, with the fix; so is a flag that --megatron-args already sets (the job has one source).
-JOB_FLAGS = ("megatron_args", "dp", "cp", "distributed_optimizer", "optimizer", "precision")
+JOB_FLAGS = ("megatron_args", "dp", "cp", "ep", "distributed_optimizer", "optimizer", "precision")
 # CLI flag -> the Megatron flag that sets it inside --megatron-args
 _MEGATRON_NAME = {
     "preset": "the model flags (--num-layers, --hidden-size, ...)", "config": "the model flags (--num-layers, ...)",
@@ -28,6 +28,7 @@ _MEGATRON_NAME = {
     "vpp": "--num-virtual-stages-per-pipeline-rank", "microbatches": "--global-batch-size",
     "schedule": "--num-virtual-stages-per-pipeline-rank (interleaved) or nothing (1f1b)",
     "dp": "--data-parallel-size or --world-size", "cp": "--context-parallel-size",
+    "ep": "--expert-model-parallel-size",
     "distributed_optimizer": "--use-distributed-optimizer", "optimizer": "--optimizer", "precision": "--bf16/--fp16",
     "dropout": "--hidden-dropout/--attention-dropout", "layers": "--num-layers", "hidden": "--hidden-size",
     "heads": "--num-attention-heads", "query_groups": "--num-query-groups", "ffn": "--ffn-hidden-size",
@@ -52,6 +53,10 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", type=positive_int, metavar="D", help="data-parallel size (default 1)")
     g.add_argument("--cp", type=positive_int, metavar="C",
                    help="context-parallel size: each rank holds s/cp tokens, plus ring attention's K/V buffers")
+    g.add_argument("--ep", type=positive_int, metavar="E",
+                   help="expert-parallel size (Megatron's --expert-model-parallel-size, MoE models): each rank holds "
+                        "num_moe_experts/ep experts and exchanges routed tokens all-to-all; dp must be a multiple of "
+                        "ep (default: the model's, 1)")
     g.add_argument("--distributed-optimizer", action="store_true", default=None,
                    help="Megatron's --use-distributed-optimizer: master params and optimizer state sharded over dp")
     g.add_argument("--optimizer", choices=OPTIMIZERS,
@@ -147,13 +152,14 @@ def job_from_args(args: argparse.Namespace, *, default_microbatches: Callable[[i
         assumed.append("--optimizer adam (fp32 moments)")
     if args.dp is None:
         assumed.append("--dp 1")
+    ep = args.ep or config.expert_model_parallel_size
     pp = getattr(args, "pp", None) or 1
     vpp = getattr(args, "vpp", None)
     vpp = None if vpp in (None, 1) else vpp
     microbatches = getattr(args, "microbatches", None) or default_microbatches(pp)
     schedule = getattr(args, "schedule", None) or ("interleaved" if vpp else "1f1b")
     job = Job.build(config, precision=precision, tp=args.tp, sp=args.sp, pp=pp, vpp=vpp, cp=args.cp or 1,
-                    dp=args.dp or 1, num_microbatches=microbatches, schedule=schedule, optimizer=optimizer,
+                    dp=args.dp or 1, ep=ep, num_microbatches=microbatches, schedule=schedule, optimizer=optimizer,
                     distributed_optimizer=bool(args.distributed_optimizer))
     return JobSource(job, [], assumed, False)
 
@@ -166,7 +172,7 @@ def job_policies(args: argparse.Namespace, source: JobSource) -> list[Policy]:
         if source.recompute_given:
             raise ValueError("--policy/--sweep with --recompute-* flags in --megatron-args: the job has one "
                              "source of its recompute policy; drop one of them")
-        return resolve_cli_policies(args, job.layers_per_chunk)
+        return resolve_cli_policies(args, job.layers_per_chunk, job.model)
     policy = job.policy
     engine = getattr(args, "engine", None)
     if engine:

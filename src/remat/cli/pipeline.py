@@ -18,6 +18,7 @@ from remat.cli.common import (
     config_from_args,
     file_name,
     json_text,
+    max_error_status,
     pipeline_args,
     policies_from_args,
     write_out,
@@ -154,8 +155,7 @@ def run_pipeline_compare(args: argparse.Namespace) -> int:
                       format_table(rows, COMPARE_COLUMNS),
                       f"largest error: {100 * worst['error']:+.3f}% (stage {worst['stage']}, {worst['policy']})"])
     _print(args, rows, text)
-    limit = getattr(args, "max_error", None)
-    return 1 if limit is not None and abs(worst["error"]) > limit else 0
+    return max_error_status(args, rows, "a stage's peak")
 
 
 @_real_run

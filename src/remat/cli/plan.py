@@ -34,10 +34,11 @@ def plan_command(sub: Subparsers) -> Runner:
 
     parser = add_subcommand(
         sub, "plan", help="the cheapest recompute plan that fits a memory budget, guaranteed by the trace",
-        description="Find the recompute plan of least extra compute whose predicted peak memory fits --budget: the "
-                    "best Megatron-LM setting (every uniform/block/selective setting, predicted) and the best "
-                    "extended plan (per-layer keep / selective / checkpoint groups of any size / offloaded groups, "
-                    "found by an exact dynamic program and checked with the real trace), for one process, one "
+        description="Find the recompute plan of least predicted step time whose predicted peak memory fits "
+                    "--budget: the best Megatron-LM setting (every uniform/block/selective setting, predicted) and "
+                    "the best extended plan (per-layer keep / selective modules / kept operators / checkpoint groups "
+                    "of any size / offloaded groups, found by an exact dynamic program and checked with the real "
+                    "trace), for one process, one "
                     "tensor-parallel rank (--tp, --sp) or each pipeline stage (--pp). Exit code 1 when no plan "
                     "fits: the smallest reachable peak and its plan are printed.")
     add_model_source_arguments(parser)
@@ -48,8 +49,12 @@ def plan_command(sub: Subparsers) -> Runner:
     g.add_argument("--reserve", default=DEFAULT_RESERVE, metavar="R",
                    help="what a GPU budget keeps free: a percentage, a fraction or bytes (default "
                         f"{DEFAULT_RESERVE.replace('%', '%%')})")
-    g.add_argument("--objective", choices=OBJECTIVES, default="extra_flops",
-                   help="minimise recomputed FLOPs (default) or estimated seconds")
+    g.add_argument("--objective", choices=OBJECTIVES, default="time",
+                   help="minimise the predicted step time (default: recompute priced by --roofline, or by "
+                        "--throughput and --memory-bandwidth, or by --measured-times) or recomputed FLOPs")
+    g.add_argument("--operator-sets", type=int, default=16, metavar="N",
+                   help="keep_ops kinds per layer the search offers: which operators' outputs a layer keeps, "
+                        "ordered by recompute price per byte freed (default 16; 0: none; -1: all)")
     g.add_argument("--measured-times", action="store_true",
                    help="price recompute by layer/submodule forward times measured on this machine (real tensors)")
     g.add_argument("--engine", choices=ENGINES, default="reentrant",
@@ -60,11 +65,16 @@ def plan_command(sub: Subparsers) -> Runner:
                    help="budget reserved memory (the CUDA caching allocator's segments, replayed from the plan's "
                         "predicted step), not only allocated memory: what runs out on a GPU")
     g.add_argument("--no-offload", action="store_true", help="do not offload group inputs to host memory")
+    g.add_argument("--fine-grained-offload", action="store_true",
+                   help="also trace and price Megatron's fine-grained activation offloading (none and "
+                        "selective/core_attn beside each --offload-modules set; transfers at --bandwidth, overlapped "
+                        "with up to one layer's forward) and list them beside the answers")
     g.add_argument("--no-cache", action="store_true",
                    help="neither read nor write the on-disk cache of traces and unit models ($REMAT_CACHE_DIR, "
                         "default ~/.cache/remat)")
     g.add_argument("--bandwidth", type=float, default=25.0, metavar="GB/S",
-                   help="host-device bandwidth for offload, GB/s (default 25, PCIe 4 x16)")
+                   help="host-device bandwidth for offload, GB/s (default 25, PCIe 4 x16; about 50 for PCIe 5 "
+                        "x16, 450 for Grace Hopper's NVLink-C2C)")
     g.add_argument("--throughput", type=float, default=400.0, metavar="TFLOP/S",
                    help="compute throughput that converts seconds and FLOPs (default 400)")
     g.add_argument("--memory-bandwidth", type=float, default=3000.0, metavar="GB/S",
@@ -90,10 +100,16 @@ def plan_command(sub: Subparsers) -> Runner:
 def plan_options(args: argparse.Namespace) -> PlanOptions:
     """The :class:`PlanOptions` of ``remat plan``'s flags."""
     return PlanOptions(reserve=args.reserve, objective=args.objective, engine=args.engine, device=args.device,
-                       offload=not args.no_offload, selective_sets=args.selective_modules,
+                       offload=not args.no_offload, fine_grained_offload=args.fine_grained_offload,
+                       selective_sets=args.selective_modules,
                        measured_times=args.measured_times, flops_per_second=args.throughput * 1e12,
                        bandwidth=args.bandwidth * 1e9, memory_bandwidth=args.memory_bandwidth * 1e9,
-                       roofline=getattr(args, "roofline", None))
+                       roofline=getattr(args, "roofline", None),
+                       operator_sets=_operator_sets(getattr(args, "operator_sets", 16)))
+
+
+def _operator_sets(value: int) -> int | None:
+    return None if value == -1 else value
 
 
 def parallel_options(args: argparse.Namespace) -> ParallelOptions:

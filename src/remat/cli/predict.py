@@ -82,7 +82,7 @@ def run_predict(args: argparse.Namespace) -> int:
                              "whole-job prediction: Megatron's fp32 moments and master parameters on every stage)")
         return run_pipeline_predict(args)
     config = resolve_model_config(args)
-    policies = resolve_cli_policies(args, config.num_layers)
+    policies = resolve_cli_policies(args, config.num_layers, config)
     parallel = parallel_kwargs(args)
     started = time.perf_counter()
     bar = ProgressBar("remat predict")

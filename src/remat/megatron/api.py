@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from remat.config import RoutingAssumption
 from remat.megatron.compat import MegatronSettingError
 from remat.megatron.cpu_patches import megatron_on_cpu
 from remat.megatron.recorder import record_megatron_step
-from remat.megatron.routing import RoutingAssumption, assume_routing
+from remat.megatron.routing import assume_routing, routing_assumption
 from remat.megatron.settings import check_settings
 from remat.megatron.world import ParallelSizes, megatron_world
 from remat.timeline import Timeline
@@ -283,7 +284,7 @@ def predict_megatron_core(model: Any, layer_spec: Any = None, *, seq_length: int
         use_distributed_optimizer: shard the optimizer state (and DDP's reduce-scatter) over the dp ranks.
         optimizer: ``'adam'`` adds Megatron's mixed-precision Adam state (fp32 master copy unless the model is
             fp32, two fp32 moments) as allocated buffers; ``'none'`` leaves it out.
-        routing: MoE routing assumption (:class:`~remat.megatron.routing.RoutingAssumption`; default balanced).
+        routing: MoE routing assumption (:class:`~remat.config.RoutingAssumption` or its text; default balanced).
         device: ``'cpu'`` (exact bytes) or ``'cuda'`` (512-byte blocks of the caching allocator).
 
     Returns:
@@ -298,8 +299,7 @@ def predict_megatron_core(model: Any, layer_spec: Any = None, *, seq_length: int
         >>> timelines = predict_megatron_core(config, seq_length=512, micro_batch_size=2, vocab_size=32000, tp=2)
     """
     sizes = ParallelSizes(tp, pp, cp, ep, etp, dp)
-    if isinstance(routing, str):
-        routing = RoutingAssumption.parse(routing)
+    routing = routing_assumption(routing)
     shape = StepShape(seq_length, micro_batch_size, vocab_size)
     return {rank: trace_rank(model, layer_spec, shape, sizes, rank, fake=True, ddp=ddp,
                              use_distributed_optimizer=use_distributed_optimizer, optimizer=optimizer,
@@ -317,8 +317,7 @@ def measure_megatron_core(model: Any, layer_spec: Any = None, *, seq_length: int
     ``predict_megatron_core(..., tp=1)`` rank by rank (``{0: Timeline}``). MoE runs under the same routing
     assumption as the prediction, so the token counts are the ones predicted.
     """
-    if isinstance(routing, str):
-        routing = RoutingAssumption.parse(routing)
+    routing = routing_assumption(routing)
     shape = StepShape(seq_length, micro_batch_size, vocab_size)
     timeline = trace_rank(model, layer_spec, shape, ParallelSizes(), 0, fake=False, ddp=ddp, optimizer=optimizer,
                           routing=routing, allow_untested=allow_untested)

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from remat.job_flags import classify_megatron_flag, flag_groups, flag_tokens
 from remat.megatron.compat import MegatronSettingError
+from remat.megatron.settings import FINE_GRAINED_OFFLOADING
+from remat.offload_policy import OFFLOAD_FLAGS
 
 INT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -101,6 +103,8 @@ def parse_args(argv: str | Sequence[str]) -> MegatronArgs:
             if not vals:
                 raise MegatronSettingError("--recompute-modules needs at least one module, e.g. core_attn mlp")
             out.config_fields["recompute_modules"] = vals
+        elif name in OFFLOAD_FLAGS:
+            raise MegatronSettingError(FINE_GRAINED_OFFLOADING)
         elif name == "--optimizer":
             if _one(name, vals) != "adam":
                 raise MegatronSettingError(f"--optimizer {vals[0]}: the Megatron-core front end models adam only")

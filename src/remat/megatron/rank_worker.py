@@ -31,10 +31,10 @@ def run_rank(folder: Path, rank: int, launcher: int) -> int:
         warnings.simplefilter("ignore")  # megatron-core's import-time warnings (no Apex, no TransformerEngine)
         from remat.megatron.api import StepShape, trace_rank
         from remat.megatron.config_json import config_from_json
-        from remat.megatron.routing import RoutingAssumption
+        from remat.megatron.routing import routing_assumption
         from remat.megatron.world import ParallelSizes
 
-        routing = RoutingAssumption.parse(job["routing"]) if job.get("routing") else None
+        routing = routing_assumption(job.get("routing"))
         timeline = trace_rank(config_from_json(job["config"]), None,
                               StepShape(job["seq_length"], job["micro_batch_size"], job["vocab_size"]),
                               ParallelSizes(**job["sizes"]), rank, fake=False, ddp=job["ddp"],

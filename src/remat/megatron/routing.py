@@ -11,80 +11,37 @@ a prediction and a measurement see the same token counts.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from remat.config import ConfigError, RoutingAssumption
 from remat.megatron.compat import MegatronSettingError
 from remat.megatron.cpu_patches import replaced
 
-ROUTING_KINDS = ("balanced", "capacity", "counts")
+ROUTING_FORMS = "'balanced', 'capacity:1.25' or 'counts:6,2,4,4'"
 
 
-@dataclass(frozen=True)
-class RoutingAssumption:
-    """How a rank's tokens are routed to the experts.
+def routing_assumption(routing: RoutingAssumption | str | None) -> RoutingAssumption | None:
+    """The ``routing=`` of the megatron-core front end: None (balanced), a :class:`remat.config.RoutingAssumption`
+    or its text (``balanced``, ``capacity:<factor>`` or ``counts:<c0>,<c1>,...``).
 
-    ``balanced``: the ``tokens x topk`` assignments spread evenly (the first experts take one more when it does
-    not divide). ``capacity``: every expert receives its capacity ``ceil(tokens x topk / experts x factor)``, the
-    worst case Megatron's ``--moe-expert-capacity-factor`` allows. ``counts``: tokens per expert, given (for this
-    rank's tokens, one count per expert of the model).
-    """
-
-    kind: str = "balanced"
-    capacity_factor: float | None = None
-    counts: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ROUTING_KINDS:
-            raise MegatronSettingError(f"routing kind {self.kind!r}: use one of {', '.join(ROUTING_KINDS)}")
-        if self.kind == "capacity" and (self.capacity_factor is None or self.capacity_factor <= 0):
-            raise MegatronSettingError("routing 'capacity' needs capacity_factor > 0 (e.g. 'capacity:1.25')")
-        if self.kind == "counts" and (not self.counts or any(c < 0 for c in self.counts)):
-            raise MegatronSettingError("routing 'counts' needs one count >= 0 per expert (e.g. 'counts:6,2,4,4')")
-
-    @classmethod
-    def parse(cls, text: str) -> RoutingAssumption:
-        """``balanced``, ``capacity:<factor>`` or ``counts:<c0>,<c1>,...``."""
-        kind, _, arg = text.partition(":")
+    megatron-core's router does not say which MoE layer it routes, so one assumption holds for every MoE layer:
+    per-layer counts (``;``) are refused. Bad text raises :class:`MegatronSettingError` naming ``routing``."""
+    if routing is None:
+        return None
+    if isinstance(routing, str):
         try:
-            if kind == "capacity":
-                return cls("capacity", capacity_factor=float(arg))
-            if kind == "counts":
-                return cls("counts", counts=tuple(int(c) for c in arg.split(",")))
-        except ValueError:
-            raise MegatronSettingError(f"routing {text!r}: write 'balanced', 'capacity:1.25' or "
-                                       "'counts:6,2,4,4'") from None
-        if arg or kind != "balanced":
-            raise MegatronSettingError(f"routing {text!r}: write 'balanced', 'capacity:1.25' or 'counts:6,2,4,4'")
-        return cls()
-
-    def __str__(self) -> str:
-        if self.kind == "capacity":
-            return f"capacity:{self.capacity_factor:g}"
-        if self.kind == "counts":
-            return "counts:" + ",".join(map(str, self.counts or ()))
-        return "balanced"
-
-    def tokens_per_expert(self, tokens: int, experts: int, topk: int) -> list[int]:
-        """Tokens each expert receives from ``tokens`` tokens routed to ``topk`` of ``experts`` experts."""
-        if self.kind == "counts":
-            counts = list(self.counts or ())
-            if len(counts) != experts:
-                raise MegatronSettingError(f"routing counts give {len(counts)} experts; the model has {experts}")
-        elif self.kind == "capacity":
-            counts = [math.ceil(tokens * topk / experts * float(self.capacity_factor or 1.0))] * experts
-        else:
-            base, extra = divmod(tokens * topk, experts)
-            counts = [base + (e < extra) for e in range(experts)]
-        too_many = [c for c in counts if c > tokens]
-        if too_many:
-            raise MegatronSettingError(f"routing {self}: an expert would receive {too_many[0]} tokens, more than the "
-                                       f"{tokens} of this rank's microbatch")
-        return counts
+            routing = RoutingAssumption.parse(routing)
+        except ConfigError:
+            raise MegatronSettingError(f"routing={routing!r}: write {ROUTING_FORMS}") from None
+    if not isinstance(routing, RoutingAssumption):
+        raise MegatronSettingError(f"routing={routing!r}: give a RoutingAssumption or its text, {ROUTING_FORMS}")
+    if len(routing.counts) > 1:
+        raise MegatronSettingError(f"routing={str(routing)!r}: megatron-core routes every MoE layer alike; give one "
+                                   "count list for all of them (e.g. 'counts:6,2,4,4')")
+    return routing
 
 
 def _routing(original: Any, assumption: RoutingAssumption) -> Any:
@@ -139,6 +96,9 @@ def assume_routing(assumption: RoutingAssumption | None, config: Any) -> Iterato
                                    "to the 'allgather' dispatcher only; use --moe-token-dispatcher-type allgather "
                                    "(the same expert activations, other communication buffers)")
     assumption = assumption or RoutingAssumption()
+    if assumption.counts and len(assumption.counts[0]) != config.num_moe_experts:
+        raise MegatronSettingError(f"routing={str(assumption)!r}: {len(assumption.counts[0])} counts, but the model "
+                                   f"has {config.num_moe_experts} experts (num_moe_experts): give one count per expert")
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 

@@ -13,10 +13,20 @@ from typing import Any
 from remat.megatron.compat import MegatronSettingError
 from remat.megatron.world import ParallelSizes
 
+# megatron-core's fine-grained activation offloading (PipelineOffloadManager) makes torch.cuda streams and events and
+# needs TransformerEngine's cpu_offload module: it cannot run on CPU or under fake tensors here.
+FINE_GRAINED_OFFLOADING = (
+    "fine_grained_activation_offloading (--fine-grained-activation-offloading --offload-modules ...): megatron-core "
+    "0.16.1 runs it on CUDA streams with TransformerEngine's cpu_offload, which cannot be traced on CPU; predict it "
+    "on remat's reference model instead, with the same flags (remat predict --megatron-args '... "
+    "--fine-grained-activation-offloading --offload-modules ...', or --policy 'selective,offload:core_attn+attn_proj')")
+
 
 def known_failures(config: Any) -> list[str]:
     """One line per setting of ``config`` that megatron-core 0.16.1 fails on here."""
     problems = []
+    if getattr(config, "fine_grained_activation_offloading", False):
+        problems.append(FINE_GRAINED_OFFLOADING)
     modules = set(config.recompute_modules or ()) if config.recompute_granularity == "selective" else set()
     if "mlp" in modules and config.add_bias_linear and not config.num_moe_experts:
         problems.append("recompute_modules=['mlp'] with add_bias_linear=True: megatron-core 0.16.1 recurses without "

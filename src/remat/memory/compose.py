@@ -4,12 +4,14 @@ an 80-layer model costs a few shallow traces; see the NOTE beside :func:`compose
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from remat.config import ModelConfig
 from remat.policy import Policy
+from remat.recompute.plan_format import Plan, Unit
 from remat.recompute.region import RecomputeLayout, group_label
 from remat.timeline import Phase, Timeline
 
@@ -56,9 +58,16 @@ def layer_regions(policy: RecomputeLayout, depth: int) -> list[tuple[str, int]]:
 
 
 def layer_roles(policy: RecomputeLayout, depth: int, kinds: Sequence[str] | None = None) -> list[Role]:
+    """Each layer's :class:`Role` in ``policy`` on ``depth`` layers (``kinds``: see :func:`layer_kinds`)."""
     regions = layer_regions(policy, depth)
+    return _roles_of(regions, _bounds_of(regions), None if kinds is None else tuple(kinds))
+
+
+def _roles_of(regions: list[tuple[str, int]], bounds: list[tuple[int, int]],
+              kinds: tuple[str, ...] | None) -> list[Role]:
+    depth = len(regions)
     roles = []
-    for i, ((mode, _), (first, last)) in enumerate(zip(regions, _region_bounds(policy, depth))):
+    for i, ((mode, _), (first, last)) in enumerate(zip(regions, bounds)):
         kind = "/".join(kinds[j] if 0 <= j < depth else "" for j in (i - 1, i, i + 1)) if kinds else ""
         if first < i < last:  # inside a group, a layer only deals with its two neighbours
             roles.append(Role(mode, True, True, None, None, 3, kind))
@@ -68,10 +77,24 @@ def layer_roles(policy: RecomputeLayout, depth: int, kinds: Sequence[str] | None
     return roles
 
 
+@functools.lru_cache(maxsize=65536)
+def _cached_role_set(policy: RecomputeLayout, depth: int, kinds: tuple[str, ...] | None) -> frozenset[Role]:
+    return frozenset(layer_roles(policy, depth, kinds))
+
+
+def role_set(policy: RecomputeLayout, depth: int, kinds: Sequence[str] | None = None) -> frozenset[Role]:
+    """The set of :func:`layer_roles` (memoised: a sweep asks for the same ones many times)."""
+    key = None if kinds is None else tuple(kinds)
+    try:
+        return _cached_role_set(policy, depth, key)
+    except TypeError:  # a layout that is not hashable
+        return frozenset(layer_roles(policy, depth, key))
+
+
 def shallow_stand_ins(policy: Policy, depth: int, max_depth: int = 12) -> Iterator[tuple[Policy, int]]:
     """Every (policy, depth) of the same kind, shallowest first, whose layers have every role of
     ``(policy, depth)`` (so its trace can be composed into the deep one)."""
-    need = set(layer_roles(policy, depth))
+    need = role_set(policy, depth)
     for small_depth in range(1, min(depth, max_depth) + 1):
         if policy.granularity == "full":
             low = 1 if policy.method == "uniform" else 0
@@ -80,7 +103,7 @@ def shallow_stand_ins(policy: Policy, depth: int, max_depth: int = 12) -> Iterat
         else:
             candidates = [policy]
         for candidate in candidates:
-            if need <= set(layer_roles(candidate, small_depth)):
+            if need <= role_set(candidate, small_depth):
                 yield candidate, small_depth
 
 
@@ -89,7 +112,7 @@ def shallow_stand_ins_of_kinds(policy: Policy, kinds: Sequence[str], max_depth: 
     """:func:`shallow_stand_ins` for a stack of mixed layer kinds (``kinds``, e.g. dense layers then MoE layers):
     each (policy, depth, layer kinds) whose layers have every role, kinds included, of ``(policy, kinds)``."""
     depth = len(kinds)
-    need = set(layer_roles(policy, depth, kinds))
+    need = role_set(policy, depth, kinds)
     names = sorted(set(kinds))
     for small_depth in range(1, min(depth, max_depth) + 1):
         patterns = {tuple(kinds[:small_depth]), tuple(kinds[-small_depth:])}
@@ -102,8 +125,42 @@ def shallow_stand_ins_of_kinds(policy: Policy, kinds: Sequence[str], max_depth: 
             candidates = [policy]
         for candidate in candidates:
             for pattern in sorted(patterns):
-                if need <= set(layer_roles(candidate, small_depth, pattern)):
+                if need <= role_set(candidate, small_depth, pattern):
                     yield candidate, small_depth, pattern
+
+
+def policy_family(policy: Policy) -> tuple[object, ...]:
+    """What a stand-in shares with the policy it stands in for: every field but full's layer count."""
+    return tuple(getattr(policy, f.name) for f in dataclasses.fields(policy) if f.name != "num_layers")
+
+
+@functools.lru_cache(maxsize=256)
+def config_family(config: ModelConfig) -> tuple[object, ...]:
+    """Every field of ``config`` but the depth and the MoE layer pattern: a stand-in's config is ``config`` cut
+    shallower (:meth:`~remat.config.ModelConfig.with_depth`)."""
+    return tuple(getattr(config, f.name) for f in dataclasses.fields(config)
+                 if f.name not in ("num_layers", "moe_layer_freq"))
+
+
+def shallow_plan(plan: Plan) -> Plan | None:
+    """A shallow plan with every layer role (:func:`layer_roles`) of ``plan``, for composing its timeline from a
+    shallow trace: groups of more than 3 layers shrink to 3 and runs of more than 3 equal units to 3 (a role sees
+    only its neighbours and region sizes up to 3). None when that is not shallower, or when the plan offloads
+    (composition does not tell offload groups from checkpoint groups)."""
+    if any(s.mode == "offload" for s in plan.segments):
+        return None
+    small: list[Unit] = []
+    for unit in plan.units():
+        u = Unit(unit.mode, min(unit.size, 3), unit.modules) if unit.is_group else unit
+        if len(small) >= 3 and small[-1] == small[-2] == small[-3] == u:
+            continue
+        small.append(u)
+    shallow = Plan.from_units(small, plan.engine)
+    if shallow.num_layers >= plan.num_layers:
+        return None
+    if not role_set(plan, plan.num_layers) <= role_set(shallow, shallow.num_layers):
+        return None
+    return shallow
 
 
 def shallow_stand_in(policy: Policy, depth: int, max_depth: int = 12) -> tuple[Policy, int]:
@@ -178,6 +235,7 @@ class ShallowTrace:
         config = timeline.meta.get("config")
         self.kinds = layer_kinds(ModelConfig.from_dict(config)) if isinstance(config, dict) else None
         self.roles = layer_roles(policy, self.depth, self.kinds)
+        self.role_set = frozenset(self.roles)
         self.bounds = _region_bounds(policy, self.depth)
         tl = timeline
         event_row: list[tuple[bool, int]] = [(False, -1)] * tl.num_events
@@ -292,7 +350,7 @@ class ShallowTrace:
 # The result is a Timeline like any other: the deep trace's peak and at-peak parts are reproduced exactly when the
 # layers are homogeneous (tests/memory/test_compose.py checks this against full fake traces, byte for byte).
 def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, policy: RecomputeLayout,
-            depth: int, kinds: Sequence[str] | None = None) -> Timeline:
+            depth: int, kinds: Sequence[str] | None = None, *, sources: list[int] | None = None) -> Timeline:
     """Lay out the fake trace of a shallow reference stack as the step of a ``depth``-layer stack (see the NOTE
     above).
 
@@ -304,6 +362,7 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
         depth: the deep stack's layer count.
         kinds: for a stack that mixes dense and MoE layers, each layer's kind (:func:`layer_kinds`); the shallow
             trace must then mix them too.
+        sources: when given, a list that receives, for each row of the result, the shallow row it copies.
 
     Returns:
         The deep step's :class:`~remat.timeline.Timeline`, with ``meta['composed_from']`` naming the shallow
@@ -377,6 +436,8 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
         n = len(block.rows)
         out.nbytes.extend(block.nbytes)
         out.category.extend(block.category)
+        if sources is not None:
+            sources.extend(block.rows)
         out.phase_index.extend([len(out.phases) - 1] * n)
         out.free_at.extend([-1] * n)
         if offsets is None:  # setup: allocations one after the other
@@ -461,15 +522,17 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
 
 def _region_bounds(policy: RecomputeLayout, depth: int) -> list[tuple[int, int]]:
     """(first layer, last layer) of each layer's checkpoint region (the layer itself outside full groups)."""
-    regions = layer_regions(policy, depth)
-    bounds = []
-    for i in range(depth):
-        first = last = i
-        while first > 0 and regions[first - 1][1] == regions[i][1]:
-            first -= 1
-        while last + 1 < depth and regions[last + 1][1] == regions[i][1]:
-            last += 1
-        bounds.append((first, last))
+    return _bounds_of(layer_regions(policy, depth))
+
+
+def _bounds_of(regions: list[tuple[str, int]]) -> list[tuple[int, int]]:
+    """(first, last) of each layer's run of equal region ids (regions are runs of consecutive layers)."""
+    bounds: list[tuple[int, int]] = []
+    first = 0
+    for i in range(1, len(regions) + 1):
+        if i == len(regions) or regions[i][1] != regions[first][1]:
+            bounds += [(first, i - 1)] * (i - first)
+            first = i
     return bounds
 
 

@@ -156,6 +156,12 @@ class StepRecorder(TorchDispatchMode):
         self.recomputing: list[tuple[Region, Phase, int]] = []
         self._phase: Phase | None = None
         self._handles: list[Any] = []
+        # fine-grained activation offloading (remat.recompute.activation_offload): host bytes, apart from the timeline
+        self.host_bytes = 0
+        self.host_series: list[list[int]] = []  # [event, host bytes from that event on]
+        self.offloaded_bytes: dict[str, int] = {}  # offload module -> bytes copied to the host
+        self.offloaded_by_layer: dict[str, int] = {}  # layer index (as text, as JSON keeps it) -> bytes
+        self.reload_rows: set[int] = set()
         self.set_phase("setup", "")
 
     # -- events -------------------------------------------------------------------------------------------
@@ -288,6 +294,23 @@ class StepRecorder(TorchDispatchMode):
             else:  # the phase as it was, its detail already complete (a subclass may add to details)
                 StepRecorder.set_phase(self, before.kind, before.region, before.detail)
 
+    def on_offload(self, module: str, nbytes: int, layer: int) -> None:
+        """``nbytes`` of saved tensors of offload module ``module`` of stack layer ``layer`` were copied to host
+        memory (the device copies' frees follow as their storages go)."""
+        self.host_bytes += nbytes
+        self.host_series.append([self.timeline.num_events, self.host_bytes])
+        self.offloaded_bytes[module] = self.offloaded_bytes.get(module, 0) + nbytes
+        self.offloaded_by_layer[str(layer)] = self.offloaded_by_layer.get(str(layer), 0) + nbytes
+
+    def on_reload(self, module: str, tensors: Sequence[torch.Tensor], nbytes: int) -> None:
+        """An offloaded group came back: its device copies ``tensors`` are allocated now, ``nbytes`` leave the host."""
+        self.host_bytes -= nbytes
+        self.host_series.append([self.timeline.num_events, self.host_bytes])
+        for t in tensors:
+            row = self.track(t)
+            if row is not None:
+                self.reload_rows.add(row)
+
     # -- lifecycle ----------------------------------------------------------------------------------------
     def __enter__(self) -> StepRecorder:
         super().__enter__()
@@ -330,6 +353,8 @@ class StepRecorder(TorchDispatchMode):
                 category = "optimizer_state"
             elif row in self.group_input_rows:
                 category = "group_inputs"
+            elif row in self.reload_rows:  # saved activations brought back from host memory
+                category = "saved_activations"
             elif phase.region == "head":
                 category = "head_loss"
             elif phase.kind == "recompute":
@@ -415,6 +440,11 @@ def _record(recorder: StepRecorder, model: nn.Module, batch: Batch, optimizer: t
     else:
         tl.meta.setdefault("policy", "none")
     tl.meta["num_layers"] = len(stack)
+    if recorder.host_series:  # fine-grained activation offloading: host memory beside the device timeline
+        tl.meta["host_memory"] = {"peak_bytes": max(b for _, b in recorder.host_series),
+                                  "offloaded_bytes": recorder.offloaded_bytes,
+                                  "offloaded_bytes_by_layer": recorder.offloaded_by_layer,
+                                  "series": recorder.host_series}
     routing = getattr(model, "routing_report", None)  # MoE models: the token counts and where they came from
     if callable(routing) and routing() is not None:
         tl.meta["moe_routing"] = routing()
@@ -449,7 +479,12 @@ def measure(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimizer 
 
     Returns:
         The step's :class:`~remat.timeline.Timeline`; ``meta`` holds ``backend``, ``device``, ``policy``,
-        ``num_layers``, ``flops`` per phase kind, ``loss`` and ``record_seconds``.
+        ``num_layers``, ``flops`` per phase kind, ``loss`` and ``record_seconds``. With fine-grained activation
+        offloading (:mod:`remat.recompute.activation_offload`) the host copies are not device rows: ``meta
+        ['host_memory']`` holds ``peak_bytes`` (the most on the host at once), ``offloaded_bytes`` per offload
+        module and ``offloaded_bytes_by_layer`` (copied to the host in forward) and ``series``: ``[event, bytes]``
+        pairs, the host holding ``bytes`` from that event on; a reloaded copy is a device row of category
+        ``saved_activations`` allocated when its group comes back.
 
     Raises:
         MeasureError: a model that is not a module, has no trainable parameters, is run with gradients disabled

@@ -17,7 +17,10 @@ from remat.memory.compose import (
     CompositionError,
     ShallowTrace,
     compose,
+    config_family,
     layer_kinds,
+    policy_family,
+    role_set,
     shallow_stand_ins,
     shallow_stand_ins_of_kinds,
 )
@@ -126,7 +129,8 @@ def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "
 
     A deep stack is composed from the cached fake trace of a shallow one with every layer role of the deep one
     (:func:`remat.memory.compose.compose`, exact for the reference model); when composition is refused the whole
-    stack is traced and the reason is kept in ``meta['composition_refused']``.
+    stack is traced and the reason is kept in ``meta['composition_refused']``. A policy with fine-grained
+    offloading (``offload_modules``) is always traced in full; its host bytes are in ``meta['host_memory']``.
 
     Args:
         config: the reference model's configuration.
@@ -166,24 +170,15 @@ def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "
     kinds = layer_kinds(config)
     per_layer = config.moe_routing_assumption is not None and \
         RoutingAssumption.parse(config.moe_routing_assumption).per_layer
-    if not compose_layers or per_layer:
-        stand_ins: list[tuple[Policy, int, tuple[str, ...] | None]] = []
-    elif kinds is None:
-        stand_ins = [(p, d, None) for p, d in shallow_stand_ins(policy, config.num_layers)]
-    else:
-        stand_ins = list(shallow_stand_ins_of_kinds(policy, kinds))
-
-    def shallow_config(stand_in: tuple[Policy, int, tuple[str, ...] | None]) -> ModelConfig:
-        small_kinds = stand_in[2]
-        return config.with_depth(stand_in[1], None if small_kinds is None else tuple(k == "moe" for k in small_kinds))
-
-    # a stand-in already traced (for another policy of a sweep) beats a shallower one still to trace
-    kernels = resolve_kernels(None, device)
-    stand_ins.sort(key=lambda c: ((shallow_config(c), c[0], device, tp, sp, kernels) not in SHALLOW_TRACES, c[1]))
-    if stand_ins and stand_ins[0][1] < config.num_layers:
-        shallow_policy, shallow_depth, _ = stand_ins[0]
+    # offloading moves bytes to the host at moments the roles do not describe: traced in full
+    stand_in = None if not compose_layers or per_layer or policy.offloads else \
+        _stand_in(config, policy, kinds, (device, tp, sp, resolve_kernels(None, device)))
+    if stand_in is not None and stand_in[1] < config.num_layers:
+        shallow_policy, shallow_depth, small_kinds = stand_in
+        small_config = config.with_depth(shallow_depth, None if small_kinds is None else
+                                         tuple(k == "moe" for k in small_kinds))
         try:
-            shallow = _shallow_trace(shallow_config(stand_ins[0]), shallow_policy, device, tp, sp)
+            shallow = _shallow_trace(small_config, shallow_policy, device, tp, sp)
             timeline = compose(shallow, shallow_policy, policy, config.num_layers, kinds)
         except CompositionError as err:
             timeline = trace_rank(config, policy, device, tp, sp)
@@ -193,6 +188,22 @@ def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "
             timeline.meta.update({"tp": tp, "sp": sp})
         return timeline
     return trace_rank(config, policy, device, tp, sp)
+
+
+def _stand_in(config: ModelConfig, policy: Policy, kinds: tuple[str, ...] | None, where: tuple[str, int, bool, str],
+              ) -> tuple[Policy, int, tuple[str, ...] | None] | None:
+    """The shallow (policy, depth, layer kinds) to compose ``config``'s step from: a shallow trace already made
+    (for another policy of a sweep) that has every layer role of this one, else the shallowest stand-in
+    (:func:`~remat.memory.compose.shallow_stand_ins`); None when there is none."""
+    need = role_set(policy, config.num_layers, kinds)
+    family, config_kind = policy_family(policy), config_family(config)
+    for (small_config, small_policy, *rest), trace_ in reversed(SHALLOW_TRACES.items()):
+        if tuple(rest) == where and policy_family(small_policy) == family and need <= trace_.role_set and \
+                small_config.num_layers < config.num_layers and config_family(small_config) == config_kind:
+            return small_policy, small_config.num_layers, trace_.kinds
+    if kinds is None:
+        return next(((p, d, None) for p, d in shallow_stand_ins(policy, config.num_layers)), None)
+    return next(shallow_stand_ins_of_kinds(policy, kinds), None)
 
 
 def rank_model_factory(config: ModelConfig, tp: int = 1, sp: bool = False) -> Callable[[], nn.Module]:

@@ -3,13 +3,15 @@
 A rank's model state is: its parameters (in the training precision), Megatron DDP's contiguous gradient buffer
 ("main grads", allocated at start-up and alive all step), and the optimizer's fp32 master parameters and state
 (Adam's two moments, SGD's momentum), sharded over the data-parallel (x context-parallel) ranks with the
-distributed optimizer. The parameters are counted from the rank's real module (its pipeline chunks, sharded by
-tensor parallelism) built under ``FakeTensorMode`` (:func:`rank_parameters`); the buffers follow Megatron's
-layout rules (:func:`buffer_layout`), so the padding is exact too.
+distributed optimizer. The parameters are counted from the rank's real module (its pipeline chunks, every layer
+built as itself, sharded by tensor parallelism and its MoE experts by expert parallelism) built under
+``FakeTensorMode`` (:func:`rank_parameters`); the buffers follow Megatron's layout rules (:func:`buffer_layout`,
+NOTE [expert parameters]), so the padding is exact too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +45,19 @@ from remat.models.tp_stage import build_tp_stage_module
 # the r-th of dp_size equal slices of every bucket; its fp32 master copies (shard_main_param = a clone of the
 # parameter's slice) and Adam's exp_avg/exp_avg_sq cover the parameter elements in that slice, never padding.
 
+# NOTE [expert parameters]
+# megatron/core/distributed/distributed_data_parallel.py (megatron-core 0.16): a parameter with
+# ``allreduce=False`` goes into separate "expert_parallel_buffers" (one per (param dtype, grad dtype), after the
+# dense buffers, same bucket size), laid out over ``intra_expt_dp_group`` instead of ``intra_dp_cp_group``; the
+# distributed optimizer (optimizer/__init__.py: a second optimizer over the expert buffers with
+# ``data_parallel_group=intra_expt_dp_group``) shards the expert parameters over that group. Only the routed
+# experts' weights are marked (transformer/moe/experts.py and tensor_parallel/layers.py: ``allreduce = not
+# (is_expert and expert_parallel)``, expert_parallel meaning expert_model_parallel_size > 1): with ep = 1 they sit
+# in the dense buffer; the router and the shared expert are dense always. The expert data-parallel group has
+# tp x cp x dp / (ep x expert tp) ranks (parallel_state's expert rank generator, order tp-ep-dp-pp over etp, ep,
+# edp), so rank g of a stage (tp = etp = 1) is expert-parallel rank g % ep and expert data-parallel rank g // ep,
+# and dense data-parallel (x cp) rank g.
+
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -52,6 +67,7 @@ class ParamInfo:
     name: str
     numel: int
     shared_embedding: bool = False
+    expert: bool = False  # a routed expert's weight under expert parallelism (NOTE [expert parameters])
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,7 @@ class BufferLayout:
     numel_unpadded: int
     buckets: tuple[tuple[int, int], ...]  # [start, end) of each bucket, padded
     params: tuple[tuple[int, int], ...]  # [start, end) of each parameter, in buffer order
+    expert: bool = False  # the expert-parallel buffer, sharded over the expert data-parallel ranks
 
 
 @dataclass(frozen=True)
@@ -74,9 +91,11 @@ class RankState:
     gradients: int  # the main-gradient buffer, padding included
     master_parameters: int
     optimizer_state: int
-    dp_rank: int  # the data-parallel shard priced (the one holding the most optimizer elements)
+    dp_rank: int  # the data-parallel (x cp) shard priced (the one holding the most optimizer elements)
     shard_elements: int  # parameter elements in that shard (all of them without the distributed optimizer)
     layouts: tuple[BufferLayout, ...] = field(default=())
+    ep_rank: int = 0  # the priced rank's expert-parallel rank, and its expert data-parallel shard
+    expert_dp_rank: int = 0
 
     @property
     def total(self) -> int:
@@ -160,16 +179,57 @@ def shard_elements(layout: BufferLayout, dp_size: int, dp_rank: int) -> int:
     return total
 
 
-def rank_state(job: Job, chunks: Sequence[Sequence[ParamInfo]], *, pipeline_rank: int = 0) -> RankState:
+def chunk_layouts(job: Job, params: Sequence[ParamInfo], *, bucketed: bool) -> list[BufferLayout]:
+    """One model chunk's buffers: the dense parameters' over the data-parallel (x cp) ranks, then, under expert
+    parallelism, the experts' over the expert data-parallel ranks (NOTE [expert parameters]).
+
+    Args:
+        job: the job (distributed optimizer, dp/cp/ep, bucketing flags).
+        params: the chunk's parameters in module order (:func:`rank_parameters`).
+        bucketed: the chunk is split into buckets (``--overlap-grad-reduce`` on pipeline rank 0, first chunk).
+    """
+    bucket_size = (job.ddp_bucket_size or max(40_000_000, 1_000_000 * job.dp)) if bucketed else None
+    out = []
+    for expert, shards in ((False, job.dp * job.cp), (True, job.expert_data_parallel)):
+        group = [p for p in params if p.expert == expert]
+        if group or not expert:
+            lay = buffer_layout(group, distributed_optimizer=job.distributed_optimizer, dp_size=shards,
+                                bucket_size=bucket_size, pad_for_nccl_busbw=job.pad_buckets_for_high_nccl_busbw)
+            out.append(dataclasses.replace(lay, expert=expert))
+    return out
+
+
+def expert_position(job: Job, stage_rank: int) -> tuple[int, int, int]:
+    """(dense data-parallel x cp shard, expert-parallel rank, expert data-parallel shard) of the ``stage_rank``-th
+    rank of a pipeline stage (0 .. tp x cp x dp - 1, Megatron's order), tensor-parallel rank 0; see NOTE [expert
+    parameters] (tp = etp = 1 under expert parallelism here)."""
+    dense = stage_rank // job.tp
+    return dense, dense % job.ep, dense // job.ep
+
+
+def rank_shard_elements(job: Job, layouts: Sequence[BufferLayout], dense_shard: int, expert_shard: int) -> int:
+    """Parameter elements a rank's distributed-optimizer shards hold: its slice of every dense buffer (shard
+    ``dense_shard`` of dp x cp) and of every expert buffer (shard ``expert_shard`` of the expert data-parallel
+    size); all elements without the distributed optimizer."""
+    if not job.distributed_optimizer:
+        return sum(lay.numel_unpadded for lay in layouts)
+    return sum(shard_elements(lay, job.expert_data_parallel, expert_shard) if lay.expert else
+               shard_elements(lay, job.dp * job.cp, dense_shard) for lay in layouts)
+
+
+def rank_state(job: Job, chunks: Sequence[Sequence[ParamInfo]], *, pipeline_rank: int = 0,
+               ep_rank: int | None = None) -> RankState:
     """The model state of one rank of ``job`` that holds the model chunks ``chunks`` (one list per chunk).
 
     Args:
-        job: the training job (precision, optimizer, distributed optimizer, dp/cp, bucketing).
+        job: the training job (precision, optimizer, distributed optimizer, dp/cp/ep, bucketing).
         chunks: each model chunk's parameters (:func:`rank_parameters`).
         pipeline_rank: the rank's pipeline stage (buckets exist only on stage 0).
+        ep_rank: price a rank of this expert-parallel rank (None: any).
 
     Returns:
-        The :class:`RankState` of the data-parallel shard holding the most optimizer elements.
+        The :class:`RankState` of the rank (of the stage, tensor-parallel rank 0) whose distributed-optimizer
+        shards hold the most optimizer elements, the dense and expert shards together.
 
     Example:
         >>> job = Job.build(ModelConfig(), precision="bf16")
@@ -177,29 +237,25 @@ def rank_state(job: Job, chunks: Sequence[Sequence[ParamInfo]], *, pipeline_rank
         18000
     """
     dist = job.distributed_optimizer
-    dp_size = job.dp * job.cp
     size = {name: DTYPES[name].itemsize for name in DTYPES}
-    layouts = []
-    for index, params in enumerate(chunks):
-        bucket_size = None
-        if job.overlap_grad_reduce and pipeline_rank == 0 and index == 0:
-            bucket_size = job.ddp_bucket_size or max(40_000_000, 1_000_000 * job.dp)
-        layouts.append(buffer_layout(params, distributed_optimizer=dist, dp_size=dp_size, bucket_size=bucket_size,
-                                     pad_for_nccl_busbw=job.pad_buckets_for_high_nccl_busbw))
+    layouts = [lay for index, params in enumerate(chunks)
+               for lay in chunk_layouts(job, params, bucketed=job.overlap_grad_reduce and pipeline_rank == 0
+                                        and index == 0)]
     n = sum(lay.numel_unpadded for lay in layouts)
     padded = sum(lay.numel for lay in layouts)
-    best_rank, elements = 0, n
-    if dist:
-        counts = [sum(shard_elements(lay, dp_size, r) for lay in layouts) for r in range(dp_size)]
-        best_rank = max(range(dp_size), key=lambda r: counts[r])
-        elements = counts[best_rank]
+    candidates = [expert_position(job, g) for g in range(0, job.tp * job.cp * job.dp, job.tp)]
+    candidates = [c for c in candidates if ep_rank is None or c[1] == ep_rank]
+    if not dist:
+        candidates = candidates[:1]
+    elements, (best_rank, best_ep, best_edp) = max(
+        ((rank_shard_elements(job, layouts, c[0], c[2]), c) for c in candidates), key=lambda item: item[0])
     master = 4 if job.precision != "fp32" and job.optimizer != "none" else 0
     state = {"adam": 8, "sgd": 4 if job.sgd_momentum > 0 else 0, "none": 0}[job.optimizer]
     p_size = size[job.param_dtype]
     return RankState(num_parameters=n, parameters=n * p_size, parameter_padding=(padded - n) * p_size if dist else 0,
                      gradients=padded * size[job.main_grad_dtype], master_parameters=master * elements,
                      optimizer_state=state * elements, dp_rank=best_rank, shard_elements=elements,
-                     layouts=tuple(layouts))
+                     layouts=tuple(layouts), ep_rank=best_ep, expert_dp_rank=best_edp)
 
 
 def module_parameters(module: nn.Module, shared: Sequence[Any] = ()) -> list[ParamInfo]:
@@ -210,10 +266,12 @@ def module_parameters(module: nn.Module, shared: Sequence[Any] = ()) -> list[Par
 
 
 class _Chunk(nn.Module):
-    def __init__(self, config: ModelConfig, first: bool, last: bool, num_layers: int):
+    """A chunk of the reference GPT holding the embedding / head as asked and the layers ``layer_numbers``."""
+
+    def __init__(self, config: ModelConfig, first: bool, last: bool, layer_numbers: Sequence[int]):
         super().__init__()
         self.embedding = Embedding(config) if first else None
-        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in layer_numbers)
         self.head = LMHead(config) if last else None
         if config.tie_embeddings and first and last:
             self.head.output_layer.weight = self.embedding.word_embeddings.weight
@@ -229,11 +287,13 @@ class _Spec:
 
 
 def rank_parameters(config: ModelConfig, *, first: bool, last: bool, num_layers: int, tp: int = 1,
-                    sp: bool = False, pipelined: bool = False) -> list[ParamInfo]:
-    """The parameters of one model chunk of one tensor-parallel rank, counted from the module itself.
+                    sp: bool = False, pipelined: bool = False, layer_offset: int = 0) -> list[ParamInfo]:
+    """The parameters of one model chunk of one tensor-parallel (and expert-parallel) rank, counted from the
+    module itself.
 
     Args:
-        config: the whole model.
+        config: the whole model; ``expert_model_parallel_size`` ep > 1 gives each MoE layer
+            ``num_moe_experts / ep`` experts, whose weights are marked ``expert`` (NOTE [expert parameters]).
         first: the chunk holds the embedding.
         last: the chunk holds the final norm and output layer.
         num_layers: its transformer layers.
@@ -241,6 +301,8 @@ def rank_parameters(config: ModelConfig, *, first: bool, last: bool, num_layers:
         sp: sequence parallelism (no parameter changes; passed through to the module).
         pipelined: the model is split over several chunks; a tied embedding is then held twice (first and
             last chunk) and marked ``shared_embedding``, as Megatron does.
+        layer_offset: the chunk's first layer in the whole model: each layer is built as itself (a dense layer
+            or an MoE layer, as ``moe_layer_freq`` says for its number).
 
     Returns:
         One :class:`ParamInfo` per parameter, in module order.
@@ -253,21 +315,30 @@ def rank_parameters(config: ModelConfig, *, first: bool, last: bool, num_layers:
     """
     tied = config.tie_embeddings
     cfg = config.replace(tie_embeddings=False) if pipelined and tied else config
-    built = min(num_layers, 1)  # every layer is the same module: build one, list it once per layer
+    span = range(layer_offset, layer_offset + num_layers)
+    pattern = cfg.moe_layer_pattern()
+    if span and span[-1] >= len(pattern):
+        raise ValueError(f"layers {span[0]}..{span[-1]}: the model has {len(pattern)} layers")
+    # layers of the same kind hold the same parameters: build one of each kind, list it once per layer
+    built = list(dict.fromkeys({pattern[i]: i for i in reversed(span)}.values()))
     with FakeTensorMode():
         if tp == 1 and not sp:
             with building(cfg, "cpu"):
                 module: nn.Module = _Chunk(cfg, first, last, built)
-        else:
-            module = build_tp_stage_module(cfg, _Spec(first, last, built), SimulatedGroup(tp), sp, seed=None)
+        else:  # refuses MoE / MLA models under TP, naming the fields
+            module = build_tp_stage_module(cfg, _Spec(first, last, len(built)), SimulatedGroup(tp), sp, seed=None)
         shared = []
         if pipelined and tied:
             shared = [module.embedding.word_embeddings.weight] if first else []
             shared += [module.head.output_layer.weight] if last else []
         params = module_parameters(module, shared)
-    layer = [p for p in params if p.name.startswith("layers.0.")]
-    before = [p for p in params if not p.name.startswith("layers.") and p.name.startswith("embedding.")]
-    after = [p for p in params if p not in layer and p not in before]
-    layers = [ParamInfo(f"layers.{i}." + p.name[len("layers.0."):], p.numel, p.shared_embedding)
-              for i in range(num_layers) for p in layer]
+    expert_parallel = cfg.expert_model_parallel_size > 1
+    by_kind = {pattern[i]: [ParamInfo(p.name.split(".", 2)[2], p.numel, p.shared_embedding,
+                                      expert_parallel and ".mlp.experts." in p.name)
+                            for p in params if p.name.startswith(f"layers.{k}.")]
+               for k, i in enumerate(built)}
+    before = [p for p in params if p.name.startswith("embedding.")]
+    after = [p for p in params if not p.name.startswith(("embedding.", "layers."))]
+    layers = [ParamInfo(f"layers.{i - layer_offset}." + p.name, p.numel, p.shared_embedding, p.expert)
+              for i in span for p in by_kind[pattern[i]]]
     return before + layers + after

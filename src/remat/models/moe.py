@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from remat.config import ConfigError, ModelConfig, RoutingAssumption
+from remat.config import ModelConfig, RoutingAssumption
 from remat.models.blocks import SwiGLU
+from remat.models.expert_parallel import expert_group_for, host_values, run_experts_parallel
 
 
 def expert_activation(config: ModelConfig) -> nn.Module:
@@ -46,15 +47,6 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
 # prediction with the counts a real run reported allocates what that run allocated, byte for byte. Under an
 # assumption, expert e takes the next c_e token copies in token order (wrapping round when the counts add up to
 # more than tokens x topk, as a capacity assumption does), with the probabilities the router gave those copies.
-def host_values(values: list[int], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    """``values`` (decided in Python) as a tensor on ``like``'s device. Under fake tensors an empty one of the same
-    size: ``torch.tensor`` would first make a real constant, which a recorder would count as a second
-    allocation that the real run does not have."""
-    if isinstance(like, FakeTensor):
-        return torch.empty(len(values), dtype=dtype, device=like.device)
-    return torch.tensor(values, dtype=dtype, device=like.device)
-
-
 class Router(nn.Module):
     """Scores each token against every expert and picks ``moe_router_topk`` of them (Megatron's TopKRouter)."""
 
@@ -150,12 +142,13 @@ class ExpertMLP(nn.Module):
 
 
 class SequentialMLP(nn.Module):
-    """The experts as separate MLPs, each run on its slice of the permuted tokens."""
+    """The experts as separate MLPs, each run on its slice of the permuted tokens; ``num_experts`` of them (default
+    all, ``num_moe_experts / ep`` on an expert-parallel rank)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, num_experts: int | None = None):
         super().__init__()
         self.local_experts = nn.ModuleList(ExpertMLP(config, config.moe_ffn_size)
-                                           for _ in range(config.num_moe_experts))
+                                           for _ in range(num_experts or config.num_moe_experts))
 
     def forward(self, permuted: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         outputs = [expert(x, p) for expert, x, p in zip(self.local_experts, permuted.split(counts),
@@ -217,12 +210,13 @@ class GroupedLinear(nn.Module):
 
 class GroupedMLP(nn.Module):
     """The experts as grouped weights (Megatron's GroupedMLP, ``moe_grouped_gemm``): fc1 -> activation with
-    probabilities -> fc2, each one tensor for all experts' tokens."""
+    probabilities -> fc2, each one tensor for all experts' tokens; ``num_experts`` of them as for
+    :class:`SequentialMLP`."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, num_experts: int | None = None):
         super().__init__()
         gated = config.activation == "swiglu"
-        experts, h, f = config.num_moe_experts, config.hidden_size, config.moe_ffn_size
+        experts, h, f = num_experts or config.num_moe_experts, config.hidden_size, config.moe_ffn_size
         self.linear_fc1 = GroupedLinear(experts, h, f * (2 if gated else 1))
         self.activation = ActivationWithProbs(config)
         self.linear_fc2 = GroupedLinear(experts, f, h)
@@ -249,33 +243,45 @@ class SharedExpertMLP(nn.Module):
 
 class MoELayer(nn.Module):
     """Router -> dispatch (the routed copies permuted into expert order) -> experts -> combine (weighted copies
-    added back to their tokens) [+ shared expert]; a layer's ``mlp`` where ``moe_layer_freq`` says so."""
+    added back to their tokens) [+ shared expert]; a layer's ``mlp`` where ``moe_layer_freq`` says so.
+
+    With ``expert_model_parallel_size`` ep > 1 the layer holds ``num_moe_experts / ep`` experts and the permuted
+    copies go through Megatron's all-to-all dispatcher to the ranks holding their experts and back
+    (:func:`remat.models.expert_parallel.run_experts_parallel`), over the group of
+    :func:`remat.models.expert_parallel.expert_group_for`; router and shared expert are replicated."""
 
     def __init__(self, config: ModelConfig, moe_index: int):
         super().__init__()
-        if config.expert_model_parallel_size > 1:
-            raise ConfigError(f"expert_model_parallel_size={config.expert_model_parallel_size}: remat's reference "
-                              "model holds every expert on one rank; expert parallelism is not modelled yet, so "
-                              "predict with expert_model_parallel_size=1 (the experts' activations are the same "
-                              "under balanced routing; the parameters are not)")
         self.topk = config.moe_router_topk
+        self.ep_group = expert_group_for(config)
+        local = config.num_moe_experts // config.expert_model_parallel_size
         self.router = Router(config, moe_index)
-        self.experts = GroupedMLP(config) if config.moe_grouped_gemm else SequentialMLP(config)
+        self.experts = GroupedMLP(config, local) if config.moe_grouped_gemm else SequentialMLP(config, local)
         self.shared_experts = (SharedExpertMLP(config) if config.moe_shared_expert_intermediate_size is not None
                                else None)
+        self.last_received: list[int] = []
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
         probs, order, counts = self.router(tokens)
         token_of = order.div(self.topk, rounding_mode="floor")
-        permuted = tokens.index_select(0, token_of)                                  # dispatch
-        expert_output = self.experts(permuted, counts, probs.index_select(0, order))
+        if self.ep_group is None:
+            permuted = tokens.index_select(0, token_of)                              # dispatch
+            expert_output = self.experts(permuted, counts, probs.index_select(0, order))
+        else:  # dispatch to the ranks holding the experts and back (NOTE [the all-to-all dispatcher])
+            expert_output, self.last_received = run_experts_parallel(
+                self.experts, self.ep_group, tokens.index_select(0, token_of), probs.index_select(0, order), counts)
         output = torch.zeros_like(tokens).index_add_(0, token_of, expert_output)    # combine
         if self.shared_experts is not None:
             output = output + self.shared_experts(tokens)
         return output.view(shape)
 
     def routing_report(self) -> dict[str, Any]:
-        """Where the last forward's token counts came from (an assumption, or 'measured') and the counts."""
-        return {"source": self.router.last_source, "tokens_per_expert": list(self.router.last_counts)}
+        """Where the last forward's token counts came from (an assumption, or 'measured') and the counts this rank
+        routed to every expert; with expert parallelism also the copies its local experts received."""
+        report: dict[str, Any] = {"source": self.router.last_source,
+                                  "tokens_per_expert": list(self.router.last_counts)}
+        if self.ep_group is not None:
+            report["received_per_local_expert"] = list(self.last_received)
+        return report

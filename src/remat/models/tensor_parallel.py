@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -13,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.config import ConfigError, ModelConfig
+from remat.models.collectives import released
 from remat.models.gpt import GPT, MLP, CoreAttention, SelfAttention, SwiGLU, building, norm_layer
 
 
@@ -81,36 +79,17 @@ class DistributedGroup(TensorParallelGroup):
 
     def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         reduce_op = self.dist.ReduceOp.MAX if op == "max" else self.dist.ReduceOp.SUM
-        with _released(x):
+        with released(x):
             self.dist.all_reduce(x, op=reduce_op, group=self.group)
         return x
 
     def _all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        with _released(out, x):
+        with released(out, x):
             self.dist.all_gather_single(out, x, group=self.group)
 
     def _reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        with _released(out, x):
+        with released(out, x):
             self.dist.reduce_scatter_single(out, x, group=self.group)
-
-
-@contextlib.contextmanager
-def _released(*tensors: torch.Tensor, timeout: float = 1.0) -> Iterator[None]:
-    """Around a collective: on leaving, wait until the communication library holds no reference to ``tensors``.
-
-    gloo's worker thread drops its references (to the tensors, or to views of them it made) a moment after a
-    synchronous collective has returned (measured: 5% of 300 all-gathers on 2 ranks); a tensor the caller then
-    lets go of would be freed at that later, racy moment, and a rank's measured peak would differ from run to run
-    (seen under load: +16 and +24 KiB on a 1.1 MiB rank). Waiting until the tensors' and their storages' reference
-    counts are back makes every free happen in program order, as on the simulated rank that predicts it."""
-    def holders() -> list[int]:  # references to each tensor and to its storage (a view the library made holds it)
-        return [n for t in tensors for n in (t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata))]
-
-    before = holders()
-    yield
-    deadline = time.monotonic() + timeout
-    while any(now > then for now, then in zip(holders(), before)) and time.monotonic() < deadline:
-        time.sleep(0)
 
 
 # -- Megatron's mappings between parallel regions ----------------------------------------------------------------

@@ -43,17 +43,31 @@ class TPStageModule(nn.Module):
             self.head.output_layer.weight = self.embedding.word_embeddings.weight
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        s = self.config.seq_length  # under SP a middle chunk's input is [b*s/tp, h]: its shape does not give s
-        causal_mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril_().view(1, 1, s, s)
-        rotary = rotary_tables(self.config, s, x.device)
-        hidden = self.embedding(x) if self.embedding is not None else x
-        for layer in self.layers:
-            hidden = layer(hidden, causal_mask, rotary)
-        if self.head is None:
-            return hidden
-        if labels is None:
-            raise ValueError(f"chunk {getattr(self.spec, 'index', '?')} computes the loss and needs labels=")
-        return self.head(hidden, labels)
+        # under SP a middle chunk's input is [b*s/tp, h]: its shape does not give s
+        return chunk_forward(self, x, labels, self.config.seq_length)
+
+
+def chunk_forward(chunk: nn.Module, x: torch.Tensor, labels: torch.Tensor | None, seq_length: int,
+                  error: type[Exception] = ValueError) -> torch.Tensor:
+    """The forward of a pipeline chunk, plain (:class:`remat.parallel.stages.StageModule`) or tensor-parallel
+    (:class:`TPStageModule`): [``chunk.embedding``] -> ``chunk.layers`` -> [``chunk.head``], the first and last
+    None when the chunk has none (``chunk`` also has ``config`` and ``spec``).
+
+    Like :class:`remat.models.gpt.GPT`, the chunk makes its own causal mask and rotary tables for ``seq_length``
+    tokens, so a chunk that holds the whole model runs the GPT's operations in the same order. Returns the hidden
+    states, or the loss on the last chunk; a last chunk given no ``labels`` raises ``error`` naming the chunk.
+    """
+    s = seq_length
+    causal_mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril_().view(1, 1, s, s)
+    rotary = rotary_tables(chunk.config, s, x.device)
+    hidden = chunk.embedding(x) if chunk.embedding is not None else x
+    for layer in chunk.layers:
+        hidden = layer(hidden, causal_mask, rotary)
+    if chunk.head is None:
+        return hidden
+    if labels is None:
+        raise error(f"chunk {getattr(chunk.spec, 'index', '?')} computes the loss and needs labels=")
+    return chunk.head(hidden, labels)
 
 
 def hidden_shape(config: ModelConfig, tp: int = 1, sp: bool = False) -> tuple[int, ...]:

@@ -9,14 +9,29 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat.config import ModelConfig
-from remat.memory.compose import CompositionError
+from remat.memory.compose import (
+    CompositionError,
+    ShallowTrace,
+    compose,
+    config_family,
+    layer_kinds,
+    policy_family,
+    role_set,
+    shallow_plan,
+    shallow_stand_ins,
+    shallow_stand_ins_of_kinds,
+)
+from remat.memory.kernels import check_kernels, kernel_trace, prepare_model
+from remat.models.expert_parallel import simulated_expert_rank
 from remat.models.gpt import sample_batch
 from remat.models.tensor_parallel import SimulatedGroup
 from remat.models.tp_stage import build_tp_stage_module, hidden_shape
+from remat.parallel.chunk_compose import MicrobatchStep, join_microbatches, microbatch_step
 from remat.parallel.schedule import ChunkSpec, PipelineError
 from remat.parallel.stages import PipelineRecorder, build_stage_module, gc_paused
 from remat.policy import Policy
 from remat.recompute.apply import apply
+from remat.recompute.plan_format import Plan
 from remat.timeline import Timeline
 from remat.units import CUDA_BLOCK
 
@@ -55,32 +70,119 @@ class ChunkTrace:
     output_bytes: int  # one microbatch's chunk output (hidden states, or the loss)
     timeline: Timeline
     batch_in_forward: bool = False  # token ids / labels made inside each forward (see trace_chunk)
+    bounds: tuple[int, ...] = ()  # setup end, forward 0 end, forward 1 end, backward 0 end, backward 1 end, end
+    kept_rows: tuple[int | None, ...] = ()  # timeline rows of the outputs (mb 0, 1) and input gradients (mb 0, 1)
+    composed_from: int | None = None  # the layers of the shallow chunk it was laid out from (None: traced whole)
 
 
 _TRACES: dict[tuple[Any, ...], ChunkTrace] = {}
 _TRACES_CAPACITY = 128
 
 
-def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy | str, device: str = "cpu",
-                tp: int = 1, sp: bool = False, *, batch_in_forward: bool = False) -> ChunkTrace:
+def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy | Plan | str, device: str = "cpu",
+                tp: int = 1, sp: bool = False, *, batch_in_forward: bool = False,
+                compose_layers: bool = True, kernels: str = "cpu", drop_grads: bool = False) -> ChunkTrace:
     """Trace (fake) a chunk of ``kind`` = (has the embedding, has the head, layers) under ``policy``: two
     forwards whose outputs are kept, then their two backwards (each given the output gradient); cached.
 
     The first chunk's token ids and the last chunk's labels exist before the step (as torch.distributed.pipelining
     holds the whole batch), or with ``batch_in_forward`` are made inside each forward and held only by what the
-    forward keeps (as Megatron's get_batch makes them inside its forward step), so the trace says when they go."""
+    forward keeps (as Megatron's get_batch makes them inside its forward step), so the trace says when they go.
+
+    A deep chunk is laid out from the trace of a shallow one with every layer role of it (NOTE [composing a chunk
+    trace] in :mod:`remat.parallel.chunk_compose`; the same trace, event for event); ``compose_layers=False``, a
+    policy that offloads, or a shallow trace that cannot be laid out trace the whole chunk.
+
+    ``kernels``: whose kernels' saved tensors the chunk keeps (:mod:`remat.memory.kernels`: ``'cpu'``, ``'cuda'``,
+    ``'te'``); part of the cache key. ``drop_grads``: each parameter's ``.grad`` is dropped as soon as autograd has
+    accumulated it (a post-accumulate-grad hook), as Megatron's DDP hook does once it has added it into the
+    main-gradient buffer, so the trace frees it where a Megatron rank does; else ``.grad`` is kept."""
+    check_kernels(kernels)
     policy = Policy.parse(policy) if isinstance(policy, str) else policy
     batch_in_forward = batch_in_forward and (kind[0] or kind[1])  # a middle chunk has no batch
-    key = (config, kind, policy, device, tp, sp, batch_in_forward)  # tp/sp: one tp rank's chunk (models.tp_stage)
+    # tp/sp: one tp rank's chunk (models.tp_stage); the simulated expert-parallel rank its MoE layers play
+    key = (config, kind, policy, device, tp, sp, batch_in_forward, simulated_expert_rank(), compose_layers, kernels,
+           drop_grads)
     if key not in _TRACES:
         if len(_TRACES) >= _TRACES_CAPACITY:
             del _TRACES[next(iter(_TRACES))]
-        _TRACES[key] = _trace_chunk(config, kind, policy, device, tp, sp, batch_in_forward)
+        composed = (_composed_chunk(config, kind, policy, device, tp, sp, batch_in_forward, kernels, drop_grads)
+                    if compose_layers else None)
+        _TRACES[key] = composed or _trace_chunk(config, kind, policy, device, tp, sp, batch_in_forward, kernels,
+                                                drop_grads)
     return _TRACES[key]
 
 
-def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, device: str, tp: int = 1,
-                 sp: bool = False, batch_in_forward: bool = False) -> ChunkTrace:
+# shallow chunk traces, each with its two microbatch steps (chunk_compose.microbatch_step) ready to be composed
+_SHALLOW: dict[tuple[Any, ...], tuple[ChunkTrace, list[ShallowTrace], list[MicrobatchStep]]] = {}
+_SHALLOW_CAPACITY = 64
+
+
+def _chunk_stand_in(config: ModelConfig, layout: Policy | Plan, layers: int, where: tuple[Any, ...],
+                    ) -> tuple[Policy | Plan, int, tuple[bool, ...] | None] | None:
+    """The shallow (layout, layers, MoE pattern) a chunk of ``layers`` is composed from: a shallow chunk already
+    traced with every role, else the shallowest stand-in; None when there is none (or the layout offloads)."""
+    kinds = layer_kinds(config.with_depth(layers))
+    if isinstance(layout, Plan):
+        small = shallow_plan(layout) if kinds is None else None
+        return None if small is None else (small, small.num_layers, None)
+    if layout.offloads:
+        return None
+    need = role_set(layout, layers, kinds)
+    family, config_kind = policy_family(layout), config_family(config)
+    for (small_config, (_, _, depth), small_policy, *rest), (_, traces, _) in reversed(_SHALLOW.items()):
+        if tuple(rest) == where and isinstance(small_policy, Policy) and depth < layers and \
+                policy_family(small_policy) == family and config_family(small_config) == config_kind and \
+                need <= traces[0].role_set:
+            return small_policy, depth, small_config.moe_layer_pattern()
+    if kinds is None:
+        return next(((p, d, None) for p, d in shallow_stand_ins(layout, layers)), None)
+    found = next(shallow_stand_ins_of_kinds(layout, kinds), None)
+    return None if found is None else (found[0], found[1], tuple(k == "moe" for k in found[2]))
+
+
+def _composed_chunk(config: ModelConfig, kind: tuple[bool, bool, int], layout: Policy | Plan, device: str, tp: int,
+                    sp: bool, batch_in_forward: bool, kernels: str = "cpu", drop_grads: bool = False,
+                    ) -> ChunkTrace | None:
+    """The chunk trace laid out from a shallow chunk's (NOTE [composing a chunk trace]), or None."""
+    first, last, layers = kind
+    where = (device, tp, sp, batch_in_forward, simulated_expert_rank(), kernels, drop_grads)
+    found = _chunk_stand_in(config, layout, layers, where)
+    if found is None or found[1] >= layers:
+        return None
+    small_layout, depth, pattern = found
+    small_config = config.with_depth(depth, pattern)
+    key = (small_config, (first, last, depth), small_layout, *where)
+    try:
+        if key not in _SHALLOW:
+            if len(_SHALLOW) >= _SHALLOW_CAPACITY:
+                del _SHALLOW[next(iter(_SHALLOW))]
+            shallow = _trace_chunk(small_config, (first, last, depth), small_layout, device, tp, sp,
+                                   batch_in_forward, kernels, drop_grads)
+            meta = {"num_layers": depth, "config": small_config.to_dict()}
+            steps = [microbatch_step(shallow.timeline, shallow.bounds, m, meta) for m in (0, 1)]
+            _SHALLOW[key] = (shallow, [ShallowTrace(s.timeline, small_layout) for s in steps], steps)
+        shallow, traces, steps = _SHALLOW[key]
+        kinds = layer_kinds(config.with_depth(layers))
+        sources: list[list[int]] = [[], []]
+        deep = [compose(traces[m], small_layout, layout, layers, kinds, sources=sources[m]) for m in (0, 1)]
+        tl, bounds, kept = join_microbatches(deep, sources, shallow.timeline, shallow.bounds,
+                                             [s.rows for s in steps], shallow.kept_rows, 0 if first else 1)
+        n_inputs = sum(1 for e in shallow.timeline.alloc_at if e < shallow.bounds[0]) - len(shallow.params)
+        n_params = sum(1 for e in tl.alloc_at if e < bounds[0]) - n_inputs
+        trace = _cut(config, kind, layout, tl, bounds, n_params, kept, tl.meta["phase_flops"])
+    except CompositionError:
+        return None
+    trace.batch_in_forward, trace.bounds, trace.kept_rows = shallow.batch_in_forward, tuple(bounds), tuple(kept)
+    trace.composed_from = depth
+    if batch_in_forward and first:  # the token ids are made in each forward (see _trace_chunk)
+        trace.input_bytes, trace.input_category = shallow.input_bytes, shallow.input_category
+    return trace
+
+
+def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy | Plan, device: str, tp: int = 1,
+                 sp: bool = False, batch_in_forward: bool = False, kernels: str = "cpu",
+                 drop_grads: bool = False) -> ChunkTrace:
     if device not in ("cpu", "cuda"):
         raise PipelineError(f"device={device!r}: predict models 'cpu' (exact bytes) or 'cuda' (512-byte blocks)")
     first, last, layers = kind
@@ -88,11 +190,17 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
     spec = ChunkSpec(index, index + (1 if last else 2), 0, layers)
     policy.layer_groups(layers)  # refuses k > layers in the chunk, naming the depth
     tokens, labels = sample_batch(config)
-    with FakeTensorMode(allow_non_fake_inputs=False) as fake:
+    # the kernel profile inside the fake mode and before the recorder (remat.memory.kernels.kernel_trace)
+    with FakeTensorMode(allow_non_fake_inputs=False) as fake, kernel_trace(kernels):
         module = (build_stage_module(config, spec) if tp == 1 and not sp else
                   build_tp_stage_module(config, spec, SimulatedGroup(tp), sp, seed=None))
         shape = hidden_shape(config, tp, sp)  # [b*s/tp, h] token shards under SP, else [b, s, h]
+        prepare_model(module, kernels)  # te: TE's fused attention / SwiGLU forwards, before the policy wraps them
         apply(module, policy)
+        if drop_grads:  # Megatron's DDP hook (see trace_chunk); recomputation's inner backward runs it alike
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(_drop_grad)
         xs, ys, gs = [], [], []
         for _ in range(2):
             if first:
@@ -137,11 +245,15 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
     tl.meta["phase_flops"] = recorder.phase_flops
     bounds.append(tl.num_events)
     trace = _cut(config, kind, policy, tl, bounds, n_params, kept, recorder.phase_flops)
-    trace.batch_in_forward = batch_in_forward
+    trace.batch_in_forward, trace.bounds, trace.kept_rows = batch_in_forward, tuple(bounds), tuple(kept)
     if batch_in_forward and first:  # no token ids among the setup inputs: one microbatch's, made in its forward
         trace.input_bytes = -(-tokens.nbytes // recorder.block_bytes) * recorder.block_bytes
         trace.input_category = "other"
     return trace
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    param.grad = None
 
 
 def _cut(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, tl: Timeline, bounds: list[int],

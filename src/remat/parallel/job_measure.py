@@ -5,16 +5,18 @@ optimizer state, activations) alive at each peak."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from remat.config import DTYPES, ModelConfig
 from remat.job import Job, JobError
-from remat.memory.rank_state import shard_elements
+from remat.memory.rank_state import rank_shard_elements
+from remat.models.expert_parallel import DistributedExpertGroup, expert_parallel_group
 from remat.models.tensor_parallel import DistributedGroup
 from remat.models.tp_stage import build_tp_stage_module
-from remat.parallel.job_predict import PARTS, JobPrediction, parts_at, predict_job
+from remat.parallel.job_predict import PARTS, JobPrediction, RankPrediction, parts_at, predict_job, predict_stage
 from remat.parallel.launch import DEFAULT_TIMEOUT, launch_job
 from remat.parallel.megatron_rank import (
     GRAD_BUFFER,
@@ -56,6 +58,8 @@ def check_measurable(job: Job) -> None:
         (job.overlap_grad_reduce, "overlap_grad_reduce=True: the real run keeps one bucket per buffer; use False"),
         (job.world_size > MAX_WORLD, f"tp*pp*cp*dp = {job.world_size} processes: the real run starts one CPU "
                                      f"process per rank; use at most {MAX_WORLD}"),
+        (job.ep > 1 and job.tp > 1, f"ep={job.ep} with tp={job.tp}: the real run lays expert parallelism out over "
+                                    "tp=1 ranks only; use tp=1"),
     ]
     for bad, message in refusals:
         if bad:
@@ -91,7 +95,7 @@ def measure_job(job: Job, *, timeout: float = DEFAULT_TIMEOUT, seed: int = 0) ->
 def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timeline:
     """One rank of :func:`measure_job` (run by the worker process): build it, step once, record the next step."""
     job = job_from_dict(spec["job"])
-    lay = Layout(job.tp, job.dp, job.pp, rank)
+    lay = Layout(job.tp, job.dp, job.pp, rank, job.ep)
     groups = make_groups(lay)
     config = job.model
     pipelined = job.pp > 1
@@ -102,27 +106,43 @@ def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timel
         import torch
 
         torch.manual_seed(spec["seed"])
-        module = build_stage_module(config, chunk)
+        experts = (expert_parallel_group(DistributedExpertGroup(groups[3])) if job.ep > 1 else
+                   contextlib.nullcontext())
+        with experts:  # the MoE layers dispatch over the real expert-parallel group
+            module = build_stage_module(config, chunk)
     else:
         module = build_tp_stage_module(config, chunk, DistributedGroup(groups[0]), job.sp, seed=spec["seed"])
     apply(module, Policy.parse(policy_text))
-    params = [p for _, p in module.named_parameters()]
+    named_params = list(module.named_parameters())
+    params = [p for _, p in named_params]
     tied = []
     if pipelined and job.model.tie_embeddings:
         tied = ([module.embedding.word_embeddings.weight] if chunk.is_first else []) + (
             [module.head.output_layer.weight] if chunk.is_last else [])
-    buffer = GradBuffer(params, {id(t) for t in tied}, grad_dtype=DTYPES[job.main_grad_dtype],
-                        distributed=job.distributed_optimizer, dp_size=job.dp)
+    # Megatron's dense buffer over dp and, under expert parallelism, the experts' over the expert data-parallel
+    # ranks (NOTE [expert parameters] in remat.memory.rank_state), each with its own (distributed) optimizer
+    expert = [job.ep > 1 and ".mlp.experts." in name for name, _ in named_params]
+    edp = job.expert_data_parallel
+    buffers, optimizers = [], []
+    for is_expert, group, dp_rank, dp_size in ((False, groups[1], lay.dp_rank, job.dp),
+                                               (True, groups[4], lay.edp_rank, edp)):
+        mine = [p for p, e in zip(params, expert) if e == is_expert]
+        if not mine:
+            continue
+        buffer = GradBuffer(mine, {id(t) for t in tied}, grad_dtype=DTYPES[job.main_grad_dtype],
+                            distributed=job.distributed_optimizer, dp_size=dp_size)
+        buffer.group, buffer.dp_rank = group, dp_rank
+        buffers.append(buffer)
+        optimizers.append(MegatronOptimizer(buffer, mine, kind=job.optimizer, momentum=job.sgd_momentum,
+                                            mixed=job.precision != "fp32", distributed=job.distributed_optimizer,
+                                            dp_rank=dp_rank, dp_size=dp_size))
     add_grad_hooks(params)
-    optimizer = MegatronOptimizer(buffer, params, kind=job.optimizer, momentum=job.sgd_momentum,
-                                  mixed=job.precision != "fp32", distributed=job.distributed_optimizer,
-                                  dp_rank=lay.dp_rank, dp_size=job.dp)
-    step = RankStep(module, chunk, config, lay, job.num_microbatches, buffer, optimizer, groups, tied,
+    step = RankStep(module, chunk, config, lay, job.num_microbatches, buffers, optimizers, groups, tied,
                     job.distributed_optimizer, spec["seed"], job.sp)
     step.train_step()  # the optimizer's state and gloo's connections exist from now on: not recorded
     recorder = PipelineRecorder(module, [module])
-    named = [(GRAD_BUFFER, buffer.grad_data)] + [(MASTER, t) for t in optimizer.masters] + [
-        (STATE, t) for t in optimizer.states]
+    named = [(GRAD_BUFFER, b.grad_data) for b in buffers] + [(MASTER, t) for o in optimizers for t in o.masters] + [
+        (STATE, t) for o in optimizers for t in o.states]
     if step.model_input is not None:  # the last step's input, kept by the model until this step's first forward
         named += [("pipeline.model_input", step.model_input), ("pipeline.model_input.grad", step.model_input.grad)]
     with gc_paused(), recorder:
@@ -143,7 +163,10 @@ def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timel
     tl.meta.update({"backend": "cpu", "device": "cpu", "policy": policy_text, "rank": rank,
                     "config": config.to_dict(), "num_layers": chunk.num_layers,
                     "job_rank": {"rank": rank, "stage": lay.pp_rank, "tp_rank": lay.tp_rank,
-                                 "dp_rank": lay.dp_rank}})
+                                 "dp_rank": lay.dp_rank, "ep_rank": lay.ep_rank, "expert_dp_rank": lay.edp_rank}})
+    if job.model.is_moe:
+        tl.meta["moe_routing"] = [layer.mlp.routing_report() for layer in module.layers
+                                  if hasattr(layer.mlp, "routing_report")]
     return tl
 
 
@@ -154,17 +177,27 @@ def rank_rows(job: Job, measured: Sequence[Timeline], prediction: JobPrediction 
 
     The prediction prices one data-parallel shard (the one with the most optimizer elements); a rank holding
     another shard is predicted with its own shard's master parameters and optimizer state (alive the whole step,
-    so its peak moves by the difference)."""
-    prediction = prediction or predict_job(job)
+    so its peak moves by the difference), dense and expert shards alike; a rank at another expert-parallel
+    position than the priced one gets its own trace (its experts may receive other counts)."""
+    # the ranks ran on CPU (gloo): they are predicted with the CPU kernels (kernels='cpu'), to the byte
+    prediction = prediction or predict_job(job, kernels="cpu")
     by_stage = {r.stage: r for r in prediction.ranks}
+    by_expert_rank: dict[tuple[int, int], RankPrediction] = {}
     rows = []
     for tl in measured:
         where = tl.meta["job_rank"]
         guess = by_stage[where["stage"]]
+        ep_rank = where.get("ep_rank", 0)
+        if job.ep > 1 and ep_rank != guess.state.ep_rank:  # its experts may receive other counts: its own trace
+            key = (where["stage"], ep_rank)
+            if key not in by_expert_rank:
+                by_expert_rank[key] = predict_stage(job, where["stage"], ep_rank=ep_rank,
+                                                    kernels=prediction.ranks[0].timeline.meta["kernels"])
+            guess = by_expert_rank[key]
         parts = dict(guess.parts)
         shift = 0
         if job.distributed_optimizer:
-            mine = sum(shard_elements(lay, job.dp * job.cp, where["dp_rank"]) for lay in guess.state.layouts)
+            mine = rank_shard_elements(job, guess.state.layouts, where["dp_rank"], where.get("expert_dp_rank", 0))
             per_element = {k: v // max(guess.state.shard_elements, 1) for k, v in
                            (("master_parameters", guess.state.master_parameters),
                             ("optimizer_state", guess.state.optimizer_state))}

@@ -4,23 +4,35 @@ For each pipeline stage the activations of the microbatches in flight come from 
 (:mod:`remat.parallel.pipeline_predict`, Megatron's runtime), whose chunks are traced as one tensor-parallel
 rank's shard (:mod:`remat.models.tp_stage`) holding s/cp tokens; the static model state of the rank
 (:mod:`remat.memory.rank_state`: parameters, the fp32 main-gradient buffer, master parameters and optimizer state,
-with Megatron's padding) is added as allocations alive for the whole step. Ranks that hold the same bytes are
-computed once: all tensor-parallel and context-parallel positions of a stage are the same size, and of the
-data-parallel shards the one with the most optimizer elements is priced.
+with Megatron's padding) is added as allocations alive for the whole step. The chunks keep what the GPU kernels keep
+(:func:`job_kernels`: the ``cuda`` kernel profile unless told otherwise) and drop each parameter gradient where
+Megatron's DDP hook does. Ranks that hold the same bytes are computed once: all tensor-parallel and
+context-parallel positions of a stage are the same size, and of the data-parallel shards the one with the most
+optimizer elements is priced.
+
+MoE models (NOTE [expert parallelism in a job]): every chunk is traced with its own layers (dense or MoE, as
+``moe_layer_freq`` says for their numbers), its MoE layers as one expert-parallel rank of a simulated group
+(:mod:`remat.models.expert_parallel`), and the expert parameters are sharded by ep and kept in Megatron's
+separate expert buffers (:mod:`remat.memory.rank_state`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+from remat.config import ModelConfig, RoutingAssumption
 from remat.job import Job, JobError
+from remat.memory.kernels import resolve_kernels
 from remat.memory.rank_state import RankState, rank_parameters, rank_state
+from remat.models.expert_parallel import SimulatedExpertGroup, expert_parallel_group, received_per_rank
 from remat.parallel.chunk_trace import trace_chunk
 from remat.parallel.pipeline_predict import compose_stage
 from remat.parallel.pipeline_report import describe_stage
 from remat.parallel.pipeline_runtime import StagePlan
 from remat.parallel.schedule import (
+    ChunkSpec,
     check_schedule,
     checkpointed_forwards,
     partition,
@@ -123,12 +135,23 @@ def ring_exchange_bytes(job: Job) -> int:
     return 4 * kv * m.torch_dtype.itemsize
 
 
-def predict_job(job: Job, *, device: str = "cpu") -> JobPrediction:
+def job_kernels(kernels: str | None = None) -> str:
+    """The kernel profile a job's ranks are predicted with (:mod:`remat.memory.kernels`): ``kernels`` if given,
+    else the one :func:`remat.memory.kernels.use_kernels` set (``remat --kernels``), else ``'cuda'``: a Megatron
+    job runs on GPUs, whose kernels keep other tensors than the CPU ones (CUDA's attention backends keep an fp32
+    logsumexp where CPU's math attention keeps the [b, heads, s, s] scores). ``'cpu'`` is for jobs run on CPU
+    (:mod:`remat.parallel.job_measure` measures on gloo), predicted to the byte with the CPU kernels."""
+    return resolve_kernels(kernels, "cuda")
+
+
+def predict_job(job: Job, *, device: str = "cpu", kernels: str | None = None) -> JobPrediction:
     """Predict the whole training step of every distinct rank of ``job``.
 
     Args:
         job: the Megatron job (model, tp/sp/pp/vpp/cp/dp, batch, precision, optimizer, recompute policy).
         device: 'cpu' (exact bytes) or 'cuda' (activations rounded to 512-byte blocks).
+        kernels: whose kernels' saved tensors the ranks keep: 'cpu', 'cuda' or 'te'; None: :func:`job_kernels`
+            (default 'cuda', a GPU job).
 
     Returns:
         A :class:`JobPrediction`, worst rank first; each timeline's ``meta['job']`` says what is in it and
@@ -141,13 +164,27 @@ def predict_job(job: Job, *, device: str = "cpu") -> JobPrediction:
         >>> predict_job(job).worst.stage
         0
     """
-    out = [predict_stage(job, stage, device=device) for stage in range(job.pp)]
+    kernels = job_kernels(kernels)
+    out = [predict_stage(job, stage, device=device, kernels=kernels) for stage in range(job.pp)]
     out.sort(key=lambda r: (-r.peak_bytes, r.stage))
     return JobPrediction(job, out)
 
 
 def check_job(job: Job) -> None:
     """Refuse, naming the flag and the fix, a job whose rank this module cannot predict."""
+    m = job.model
+    if (job.tp > 1 or job.sp) and (m.is_moe or m.multi_latent_attention):
+        raise JobError(f"tp={job.tp} (--tensor-model-parallel-size) with {'MoE' if m.is_moe else 'MLA'} layers: "
+                       "remat's tensor-parallel reference model has no MoE/MLA layers yet; predict with tp=1 "
+                       "(shard the experts with --expert-model-parallel-size)")
+    if m.is_moe and job.expert_tp != 1:
+        raise JobError(f"etp (--expert-tensor-parallel-size)={job.expert_tp}: remat does not split the experts by "
+                       "tensor parallelism; use --expert-tensor-parallel-size 1")
+    if m.moe_routing_assumption and RoutingAssumption.parse(m.moe_routing_assumption).per_layer and \
+            job.pp * (job.vpp or 1) > 1:
+        raise JobError(f"moe_routing_assumption={m.moe_routing_assumption!r} gives each MoE layer its own counts, "
+                       "which a pipelined job's chunks do not follow yet: give one count list for every MoE layer, "
+                       "or pp=1")
     if job.cp > 1 and job.model.attention == "math":
         raise JobError(f"cp={job.cp} (--context-parallel-size): Megatron's context parallelism runs Transformer "
                        "Engine's fused/flash ring attention; unfused attention (--attention-backend unfused/local, "
@@ -155,9 +192,10 @@ def check_job(job: Job) -> None:
     check_schedule(job.schedule, job.pp, job.num_microbatches, job.vpp or 1, "megatron")
 
 
-def stage_state(job: Job, stage: int) -> RankState:
+def stage_state(job: Job, stage: int, ep_rank: int | None = None) -> RankState:
     """The model state (parameters, main grads, master parameters, optimizer state) of a rank of pipeline stage
-    ``stage``: what that rank holds all step whatever the recompute policy. Cheap: no step is traced.
+    ``stage`` (of expert-parallel rank ``ep_rank``, None: any): what that rank holds all step whatever the
+    recompute policy, the one with the fullest optimizer shards. Cheap: no step is traced.
 
     Example:
         >>> from remat.config import ModelConfig
@@ -171,11 +209,36 @@ def stage_state(job: Job, stage: int) -> RankState:
     split = job.model.replace(tie_embeddings=False) if pipelined else job.model  # tied: a copy on each end stage
     chunks = rank_chunks(partition(split, job.pp, vpp), job.pp, stage)
     params = [rank_parameters(job.model, first=s.is_first, last=s.is_last, num_layers=s.num_layers, tp=job.tp,
-                              sp=job.sp, pipelined=pipelined) for s in chunks]
-    return rank_state(job, params, pipeline_rank=stage)
+                              sp=job.sp, pipelined=pipelined, layer_offset=s.layer_offset) for s in chunks]
+    return rank_state(job, params, pipeline_rank=stage, ep_rank=ep_rank)
 
 
-def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | None = None) -> RankPrediction:
+# NOTE [expert parallelism in a job]
+# A stage's ranks differ in what their experts receive only through the routing: rank r of ep receives ep x its
+# experts' counts (every rank routing alike, remat.models.expert_parallel), so the expert-parallel rank whose
+# experts receive the most copies (received_per_rank; the first on a tie, rank 0 under balanced routing) is
+# traced, and of the ranks at that expert-parallel position the one with the fullest distributed-optimizer shards
+# (dense and expert) is priced: its model state is alive all step, so its peak is the traced peak plus its state.
+def busiest_expert_rank(config: ModelConfig) -> int:
+    """The expert-parallel rank whose experts receive the most routed copies in one micro-batch of ``config``
+    (``seq_length`` being what one rank holds); 0 without expert parallelism."""
+    if config.expert_model_parallel_size == 1:
+        return 0
+    received = received_per_rank(config, config.micro_batch_size * config.seq_length)
+    return received.index(max(received))
+
+
+def chunk_config(config: ModelConfig, spec: ChunkSpec) -> ModelConfig:
+    """The config a chunk is traced with: its own layers' kinds (dense or MoE) when the model mixes them, so that
+    the chunk built from layer 0 has them (a chunk trace is cached by config and kind)."""
+    pattern = config.moe_layer_pattern()
+    if len(set(pattern)) == 1:
+        return config
+    return config.with_depth(spec.num_layers, pattern[spec.layer_offset:spec.layer_offset + spec.num_layers])
+
+
+def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | None = None,
+                  ep_rank: int | None = None, kernels: str | None = None) -> RankPrediction:
     """Predict the whole training step of a rank of pipeline stage ``stage`` (one of :func:`predict_job`'s ranks).
 
     Args:
@@ -184,6 +247,10 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
         device: 'cpu' (exact bytes) or 'cuda' (activations rounded to 512-byte blocks).
         layout: a recompute plan of one model chunk's layers, run by every chunk of the stage instead of
             ``job.policy`` (remat plan's per-stage plans); None: ``job.policy``.
+        ep_rank: the expert-parallel rank to price; None: the one whose experts receive the most routed copies
+            (NOTE [expert parallelism in a job]).
+        kernels: whose kernels' saved tensors the rank keeps: 'cpu', 'cuda' or 'te'; None: :func:`job_kernels`
+            (default 'cuda', a GPU job). ``timeline.meta['kernels']`` says which.
 
     Returns:
         The stage's :class:`RankPrediction`: its timeline holds the model state and the activations of the
@@ -196,6 +263,7 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
         1
     """
     check_job(job)
+    kernels = job_kernels(kernels)
     model, tp, sp, pp, cp = job.model, job.tp, job.sp, job.pp, job.cp
     vpp = job.vpp or 1
     config = model.replace(seq_length=model.seq_length // cp)  # each rank holds s/cp tokens of every sequence
@@ -206,17 +274,25 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     actions = schedule_actions(schedule, pp, job.num_microbatches, vpp, stage, runtime="megatron")
     window = warmup_forwards(schedule, pp, job.num_microbatches, vpp, stage, "megatron") + 1
     recompute = job.policy if layout is None else layout
-    traces = {(s.index, True): trace_chunk(config, s.kind, recompute, device, tp, sp, batch_in_forward=True)
-              for s in chunks}
+    if ep_rank is None:
+        ep_rank = busiest_expert_rank(config)
+    elif not 0 <= ep_rank < job.ep:
+        raise JobError(f"ep_rank={ep_rank}: the job has expert-parallel ranks 0..{job.ep - 1}")
+    with expert_parallel_group(SimulatedExpertGroup(job.ep, ep_rank)) if ep_rank else contextlib.nullcontext():
+        traces = {(s.index, True): trace_chunk(chunk_config(config, s), s.kind, recompute, device, tp, sp,
+                                               batch_in_forward=True, kernels=kernels, drop_grads=True)
+                  for s in chunks}
     plan = ShardedStagePlan(config, pp, job.num_microbatches, vpp, stage, schedule, "megatron", chunks, actions,
                             checkpointed_forwards(actions, None, window), traces,
                             block=CUDA_BLOCK if device == "cuda" else 1, activation_shards=tp if sp else 1)
     timeline = compose_stage(plan, recompute)
-    state = stage_state(job, stage)
+    state = stage_state(job, stage, ep_rank if job.ep > 1 else None)
     add_model_state(timeline, state, ring_exchange_bytes(job))
     timeline.meta["job"] = {"stage": stage, "tp": tp, "sp": sp, "cp": cp, "dp": job.dp, "pp": pp, "vpp": job.vpp,
+                            "ep": job.ep, "ep_rank": state.ep_rank, "expert_dp_rank": state.expert_dp_rank,
                             "precision": job.precision, "optimizer": job.optimizer,
                             "distributed_optimizer": job.distributed_optimizer, "state": state.parts()}
+    timeline.meta["kernels"] = kernels
     timeline.meta["not_counted"] = NOT_COUNTED
     describe_stage(timeline)
     rank = state.dp_rank * tp + stage * tp * cp * job.dp  # tp rank 0 of the priced dp x cp shard
@@ -226,8 +302,9 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
 def add_model_state(timeline: Timeline, state: RankState, ring_bytes: int = 0) -> None:
     """Put a rank's model state into its stage timeline (in place).
 
-    The traced parameter gradients become transients (Megatron's DDP hook adds each ``param.grad`` to the
-    main-gradient buffer and drops it; with gradient-accumulation fusion it never exists), and the buffers that
+    The chunks are traced with Megatron's DDP hook (``trace_chunk(drop_grads=True)``: each ``param.grad`` is
+    dropped once autograd has accumulated it, so it dies where a Megatron rank's does); a gradient a trace still
+    keeps becomes a transient (with gradient-accumulation fusion it never exists), and the buffers that
     live all step are added at the first event: the main-gradient buffer, the parameter buffer's padding, the
     master parameters and the optimizer state, and context parallelism's ring buffers.
     """

@@ -21,6 +21,7 @@ from typing import Any
 from remat.timeline import write_atomic
 
 DEFAULT_TIMEOUT = 120.0
+PARALLEL_WORKER = ("remat.parallel.worker", "--worker")  # python -m <this> FOLDER RANK LAUNCHER_PID
 _GRACE = 1.0  # after a rank fails, how long to wait for the others' errors (to name the first one)
 FOLDER_PREFIX = "remat-pp-"  # + the launching process's pid + "-": a folder whose launcher is gone is stale
 
@@ -54,7 +55,7 @@ def free_port() -> int:
 
 def _worker_env() -> dict[str, str]:
     env = dict(os.environ)
-    src = str(Path(__file__).resolve().parent.parent)
+    src = str(Path(__file__).resolve().parents[2])  # the folder that holds the remat package
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the run stays on 127.0.0.1
@@ -62,7 +63,7 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _launch(job: dict[str, Any], world: int, timeout: float) -> list[list[dict[str, Any]]]:
+def _launch(job: dict[str, Any], world: int, timeout: float, worker: Sequence[str]) -> list[Any]:
     """Run the workers; return each rank's results, or raise DistributedError after ending every worker."""
     remove_stale_folders()
     folder = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
@@ -74,8 +75,7 @@ def _launch(job: dict[str, Any], world: int, timeout: float) -> list[list[dict[s
         for rank in range(world):
             with open(folder / f"rank{rank}.log", "wb") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "remat.parallel.worker", "--worker", str(folder), str(rank),
-                     str(os.getpid())],
+                    [sys.executable, "-m", *worker, str(folder), str(rank), str(os.getpid())],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                     start_new_session=True))  # its own process group: killed as a whole
         pids = [p.pid for p in procs]
@@ -108,8 +108,8 @@ def _launch(job: dict[str, Any], world: int, timeout: float) -> list[list[dict[s
                 out.append(json.loads(path.read_text(encoding="utf-8")))
             except (OSError, ValueError) as err:
                 raise DistributedError(f"rank {rank} exited without a result ({err})", rank, pids) from err
-        for rank, results in enumerate(out):
-            for data in results:
+        for rank, results in enumerate(out):  # one timeline dict, or a list of them
+            for data in results if isinstance(results, list) else [results]:
                 data.setdefault("meta", {})["pid"] = pids[rank]
         return out
     finally:
@@ -231,14 +231,18 @@ def cleanup_on_sigterm() -> Any:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def launch_job(job: dict[str, Any], world: int, timeout: float) -> list[list[dict[str, Any]]]:
+def launch_job(job: dict[str, Any], world: int, timeout: float,
+               worker: Sequence[str] = PARALLEL_WORKER) -> list[Any]:
     """Run ``job`` on ``world`` worker processes (a free port is chosen, and chosen again if it was taken);
-    each rank's list of timeline dicts. Every worker is ended before this returns or raises."""
+    each rank's result: what its worker wrote, a timeline dict or a list of them, each with ``meta['pid']`` set
+    to the worker's process. ``worker`` is the module (and leading arguments) each rank runs as ``python -m
+    <worker...> FOLDER RANK LAUNCHER_PID``: remat.parallel.worker by default, remat.megatron.rank_worker for
+    megatron-core jobs. Every worker is ended before this returns or raises."""
     for attempt in range(2):  # the free port may be taken between choosing it and rank 0 listening on it
         job["port"] = free_port()
         try:
             with cleanup_on_sigterm():
-                return _launch(job, world, float(timeout))
+                return _launch(job, world, float(timeout), tuple(worker))
         except DistributedError as err:
             if attempt or "address already in use" not in str(err).lower():
                 raise

@@ -84,12 +84,24 @@ def _run(tensors: Sequence[torch.Tensor], start: Callable[[], list[Any]]) -> Non
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a rank sits: Megatron's default order tp-cp-dp-pp (cp = 1 here)."""
+    """Where a rank sits: Megatron's default order tp-cp-dp-pp (cp = 1 here); with expert parallelism (tp = 1
+    here) the expert ranks are ordered ep-edp inside the data-parallel ranks (NOTE [expert parameters] in
+    :mod:`remat.memory.rank_state`)."""
 
     tp: int
     dp: int
     pp: int
     rank: int
+    ep: int = 1
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        """The rank's expert data-parallel shard."""
+        return self.dp_rank // self.ep
 
     @property
     def tp_rank(self) -> int:
@@ -107,10 +119,11 @@ class Layout:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
 
 
-def make_groups(lay: Layout) -> tuple[Any, Any, Any]:
-    """This rank's tensor-parallel, data-parallel and embedding (first + last stage) groups; every rank creates
-    every group, in the same order, as torch.distributed requires."""
-    tp_group = dp_group = embd_group = None
+def make_groups(lay: Layout) -> tuple[Any, Any, Any, Any, Any]:
+    """This rank's tensor-parallel, data-parallel, embedding (first + last stage), expert-parallel and expert
+    data-parallel groups (the last two None without expert parallelism); every rank creates every group, in the
+    same order, as torch.distributed requires."""
+    tp_group = dp_group = embd_group = ep_group = edp_group = None
     for d in range(lay.dp):
         for p in range(lay.pp):
             ranks = [lay.global_rank(t, d, p) for t in range(lay.tp)]
@@ -127,15 +140,31 @@ def make_groups(lay: Layout) -> tuple[Any, Any, Any]:
                 ranks = [lay.global_rank(t, d, 0), lay.global_rank(t, d, lay.pp - 1)]
                 group = dist.new_group(ranks)
                 embd_group = group if lay.rank in ranks else embd_group
-    return tp_group, dp_group, embd_group
+    if lay.ep > 1:  # tp = 1: expert-parallel rank e, expert data-parallel rank k is data-parallel rank e + ep*k
+        for p in range(lay.pp):
+            for k in range(lay.dp // lay.ep):
+                ranks = [lay.global_rank(0, e + lay.ep * k, p) for e in range(lay.ep)]
+                group = dist.new_group(ranks)
+                ep_group = group if lay.rank in ranks else ep_group
+            for e in range(lay.ep):
+                ranks = [lay.global_rank(0, e + lay.ep * k, p) for k in range(lay.dp // lay.ep)]
+                group = dist.new_group(ranks)
+                edp_group = group if lay.rank in ranks else edp_group
+    return tp_group, dp_group, embd_group, ep_group, edp_group
 
 
 # ------------------------------------------------------------------------------------------------ DDP buffer
 class GradBuffer:
-    """Megatron's _ParamAndGradBuffer for one model chunk (see NOTE [What a measured rank runs])."""
+    """Megatron's _ParamAndGradBuffer for one model chunk (see NOTE [What a measured rank runs]): of its dense
+    parameters, reduced over the data-parallel ranks, or of its expert parameters, reduced over the expert
+    data-parallel ranks (``group``, ``dp_rank``: this rank's group and position in it, set by the caller)."""
+
+    group: Any = None
+    dp_rank: int = 0
 
     def __init__(self, params: Sequence[nn.Parameter], shared: set[int], *, grad_dtype: torch.dtype,
                  distributed: bool, dp_size: int):
+        self.dp_size = dp_size
         divisor = math.lcm(dp_size, 128)
         pad_start = (lambda i: -(-i // 64) * 64) if distributed else (lambda i: i)
         pad_end = (lambda i: -(-i // divisor) * divisor) if distributed else (lambda i: i)
@@ -325,11 +354,11 @@ class RankStep:
     pipelining with pp=1), finalize the gradients, optimizer step (see NOTE [What a measured rank runs])."""
 
     def __init__(self, module: nn.Module, spec: ChunkSpec, config: ModelConfig, lay: Layout, microbatches: int,
-                 buffer: GradBuffer, optimizer: MegatronOptimizer, groups: tuple[Any, Any, Any],
+                 buffers: Sequence[GradBuffer], optimizers: Sequence[MegatronOptimizer], groups: tuple[Any, ...],
                  tied: list[torch.Tensor], distributed: bool, seed: int, sp: bool):
         self.module, self.spec, self.config, self.lay, self.m = module, spec, config, lay, microbatches
-        self.buffer, self.optimizer, self.distributed, self.seed = buffer, optimizer, distributed, seed
-        self.tp_group, self.dp_group, self.embd_group = groups
+        self.buffers, self.optimizers, self.distributed, self.seed = list(buffers), list(optimizers), distributed, seed
+        self.tp_group, self.dp_group, self.embd_group = groups[:3]
         self.tied = tied
         self.p2p = P2P(lay, hidden_shape(config, lay.tp, sp), config.torch_dtype)
         self.recorder: PipelineRecorder | None = None
@@ -429,30 +458,33 @@ class RankStep:
         if self.recorder is not None:
             self.recorder.set_phase("setup", "finalize_model_grads")
         dp = self.lay.dp
-        grad = self.buffer.grad_data
-        if dp > 1:
-            grad.mul_(1.0 / dp)
-            if self.distributed:
-                for b_start, b_end in self.buffer.buckets:
+        for buffer in self.buffers:  # each over its group: the dense one over dp, the experts' over edp
+            grad, n = buffer.grad_data, buffer.dp_size
+            if dp > 1:
+                grad.mul_(1.0 / dp)  # Megatron scales expert gradients by 1/dp too (then sums over edp)
+            if n > 1 and self.distributed:
+                for b_start, b_end in buffer.buckets:
                     bucket = grad[b_start:b_end]
-                    size = (b_end - b_start) // dp
-                    shard = bucket[self.lay.dp_rank * size:(self.lay.dp_rank + 1) * size]
-                    _run([bucket, shard], lambda b=bucket, sh=shard: [
-                        dist.reduce_scatter_tensor(sh, b, group=self.dp_group)])
-            else:
-                _run([grad], lambda: [dist.all_reduce(grad, group=self.dp_group)])
+                    size = (b_end - b_start) // n
+                    shard = bucket[buffer.dp_rank * size:(buffer.dp_rank + 1) * size]
+                    _run([bucket, shard], lambda b=bucket, sh=shard, g=buffer.group: [
+                        dist.reduce_scatter_tensor(sh, b, group=g)])
+            elif n > 1:
+                _run([grad], lambda g=grad, group=buffer.group: [dist.all_reduce(g, group=group)])
         for weight in self.tied:
             main_grad = weight.main_grad  # type: ignore[attr-defined]
             _run([main_grad], lambda g=main_grad: [dist.all_reduce(g, group=self.embd_group)])
 
     def train_step(self) -> None:
-        self.buffer.grad_data.zero_()
+        for buffer in self.buffers:
+            buffer.grad_data.zero_()
         for p in self.module.parameters():
             p.grad = None
         store = self.one_f_one_b() if self.lay.pp > 1 else self.no_pipelining()
         if self.recorder is not None:
             self.recorder.set_phase("optimizer", "")
-        self.optimizer.step(self.dp_group)
+        for optimizer in self.optimizers:
+            optimizer.step(optimizer.buffer.group)
         if self.recorder is not None:
             self.recorder.set_phase("setup", "end")
         del store

@@ -99,34 +99,23 @@ def compare_pipeline(config: ModelConfig, policies: Sequence[Policy | str], pp: 
                      schedule: str = "1f1b", vpp: int = 1, layout: Sequence[int] | None = None,
                      partial_checkpoint_microbatches: int | None = None, *, device: str = "cpu",
                      timeout: float = DEFAULT_TIMEOUT) -> list[dict[str, Any]]:
-    """Per stage and policy: the measured peak, the predicted peak (``runtime='torch'``) and
-    ``error = (predicted - measured) / measured``. Rows have ``stage``, ``policy``, ``predicted_bytes``,
-    ``measured_bytes``, ``error``, ``max_in_flight``, ``in_flight_at_peak`` and ``why`` (measured)."""
-
+    """Measure every policy's stages in one launch (:func:`measure_pipeline_many`) and put each beside its
+    prediction: the rows of :func:`measured_stage_rows`."""
     measured = measure_pipeline_many(config, policies, pp, microbatches, schedule, vpp, layout,
                                      partial_checkpoint_microbatches, device=device, timeout=timeout)
-    rows = []
-    for policy, stages in zip(policies, measured):
-        predicted = predict_pipeline(config, policy, pp, microbatches, schedule, vpp, layout,
-                                     partial_checkpoint_microbatches, runtime="torch", device=device)
-        for real, guess in zip(stages, predicted):
-            summary = stage_summary(real)
-            rows.append({"stage": summary["stage"], "policy": str(policy), "predicted_bytes": guess.peak_bytes,
-                         "measured_bytes": real.peak_bytes, "error": peak_error(real.peak_bytes, guess.peak_bytes),
-                         "max_in_flight": summary["max_in_flight"],
-                         "in_flight_at_peak": summary["in_flight_at_peak"],
-                         "predicted_phase": guess.peak_phase.label, "measured_phase": real.peak_phase.label,
-                         "why": summary["why"]})
-    return rows
+    return measured_stage_rows(config, policies, measured, pp, microbatches, schedule, vpp, layout,
+                               partial_checkpoint_microbatches, device=device)
 
 
 def measured_stage_rows(config: ModelConfig, policies: Sequence[Policy | str], measured: Sequence[Sequence[Timeline]],
                         pp: int, microbatches: int, schedule: str = "1f1b", vpp: int = 1,
                         layout: Sequence[int] | None = None, partial_checkpoint_microbatches: int | None = None, *,
                         device: str = "cpu") -> list[dict[str, Any]]:
-    """Per policy and stage: the measured stage's summary (:func:`~remat.parallel.pipeline_report.stage_summary`)
-    with ``measured_bytes``, ``predicted_bytes`` (``runtime='torch'``), ``error`` and the worker's ``pid``;
-    ``measured`` is what :func:`measure_pipeline_many` returned for ``policies``."""
+    """Per policy, then stage: the measured stage's summary (:func:`~remat.parallel.pipeline_report.stage_summary`:
+    ``stage``, ``policy``, ``peak_phase``, ``max_in_flight``, ``in_flight_at_peak``, ``why``, ...) with
+    ``measured_bytes``, ``predicted_bytes`` (``runtime='torch'``), ``error = (predicted - measured) / measured``,
+    ``measured_phase``, ``predicted_phase`` and the worker's ``pid``; ``measured`` is what
+    :func:`measure_pipeline_many` returned for ``policies``."""
     rows = []
     for policy, stages in zip(policies, measured):
         predicted = predict_pipeline(config, policy, pp, microbatches, schedule, vpp, layout,
@@ -134,7 +123,8 @@ def measured_stage_rows(config: ModelConfig, policies: Sequence[Policy | str], m
         for real, guess in zip(stages, predicted):
             summary = stage_summary(real)
             summary.update(measured_bytes=real.peak_bytes, predicted_bytes=guess.peak_bytes,
-                           error=peak_error(real.peak_bytes, guess.peak_bytes), pid=real.meta.get("pid"))
+                           error=peak_error(real.peak_bytes, guess.peak_bytes), pid=real.meta.get("pid"),
+                           measured_phase=real.peak_phase.label, predicted_phase=guess.peak_phase.label)
             rows.append(summary)
     return rows
 

@@ -11,7 +11,8 @@ from torch import nn
 
 from remat.config import ModelConfig
 from remat.memory.measure import StepRecorder
-from remat.models.gpt import GPT, Embedding, LMHead, TransformerLayer, build_model, building
+from remat.models.gpt import GPT, Embedding, LMHead, TransformerLayer, build_model, building, rotary_tables
+from remat.models.tp_stage import chunk_forward
 from remat.parallel.schedule import ChunkSpec, PipelineError
 from remat.recompute.apply import applied
 
@@ -43,20 +44,10 @@ class StageModule(nn.Module):
                 self.head.output_layer.weight = self.embedding.word_embeddings.weight
 
     def rotary_tables(self, seq_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return GPT.rotary_tables(self, seq_length, device)  # type: ignore[arg-type]  # uses only .config
+        return rotary_tables(self.config, seq_length, device)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        s = x.shape[1]
-        causal_mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril_().view(1, 1, s, s)
-        rotary = self.rotary_tables(s, x.device)
-        hidden = self.embedding(x) if self.embedding is not None else x
-        for layer in self.layers:
-            hidden = layer(hidden, causal_mask, rotary)
-        if self.head is None:
-            return hidden
-        if labels is None:
-            raise PipelineError(f"chunk {self.spec.index} computes the loss and needs labels=")
-        return self.head(hidden, labels)
+        return chunk_forward(self, x, labels, x.shape[1], PipelineError)  # x: token ids [b, s] or hidden [b, s, h]
 
 
 def build_stage_module(config: ModelConfig, spec: ChunkSpec, device: torch.device | str = "cpu") -> StageModule:

@@ -13,14 +13,16 @@ import torch
 
 from remat.config import ModelConfig
 from remat.plan.costs import CostModel, candidate_units
+from remat.plan.fine_offload import offload_options
 from remat.plan.megatron import Predicted, megatron_policies, predicted
+from remat.plan.operator_space import layer_operators, operator_kinds
 from remat.plan.options import ParallelOptions, PlanOptions
 from remat.plan.pipeline import plan_pipeline
 from remat.plan.result import BudgetError, PlanChoice, PlanResult
 from remat.plan.solver import Solution, min_peak, solve, tidy
-from remat.plan.unit_model import UnitModel, unit_model
+from remat.plan.unit_model import UnitModel, add_traced_units, unit_model
 from remat.policy import Policy, PolicyError
-from remat.recompute.plan_format import Plan, PlanError, Unit
+from remat.recompute.plan_format import Plan, PlanError, Unit, kept_operators
 from remat.units import format_bytes
 
 __all__ = ["BudgetError", "ParallelOptions", "PlanChoice", "PlanOptions", "PlanResult", "plan"]
@@ -31,8 +33,10 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
     """Find the cheapest recompute plans for ``config`` whose predicted peak memory is <= ``budget``.
 
     Two answers: the best Megatron-LM setting (every ``none``/``full/uniform/K``/``full/block/K``/``selective``
-    setting, predicted) and the best extended plan (per-layer keep / selective / checkpoint groups of any size /
-    offloaded groups, found by an exact dynamic program; see NOTE [the extended search] in :mod:`.solver`). The
+    setting, predicted) and the best extended plan (per-layer keep / selective modules / kept operators
+    (``keep_ops``, NOTE [operator kinds] in :mod:`.operator_space`) / checkpoint groups of any size / offloaded
+    groups, found by an exact dynamic program; see NOTE [the extended search] in :mod:`.solver`), by default the
+    one of least predicted step time (``PlanOptions.objective``). The
     extended plan's peak is checked with the real (fake-tensor) trace, never only modelled (NOTE [the guarantee]),
     and it never costs more than the Megatron answer.
 
@@ -63,7 +67,7 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
         >>> from remat.plan import PlanOptions, plan
         >>> config = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
         ...                      micro_batch_size=2, vocab_size=128)
-        >>> result = plan(config, "2.2MiB", PlanOptions(objective="time"))
+        >>> result = plan(config, "2.2MiB")  # least predicted step time (PlanOptions(objective="time"))
         >>> result.extended.peak_bytes <= result.budget_bytes
         True
         >>> model = remat.build_model(config)
@@ -92,6 +96,14 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
         options = dataclasses.replace(options, measured_times=dict(cost.measured))  # measured once, for pp too
     units = candidate_units(L, offload=options.offload, engine=engine, selective_sets=options.selective_sets,
                             contractions=model.contractions)
+    # NOTE [operator kinds] (remat.plan.operator_space): per layer, which operators' outputs it keeps, in kinds
+    # ordered by recompute price per byte freed, traced into the unit model (cached on disk) like every kind
+    t = time.perf_counter()
+    if options.operator_sets != 0 and options.selective_sets is None:
+        kinds = operator_kinds(layer_operators(config, tp, sp), cost.operator_price(), most=options.operator_sets)
+        units += add_traced_units(model, [Unit("selective", 1, k) for k in kinds])
+    stats["operator_kinds"] = sum(1 for u in units if kept_operators(u.modules) is not None)
+    stats["operator_seconds"] = time.perf_counter() - t
 
     # NOTE [the Megatron screen]: the Megatron settings are priced and screened with the unit model (exact where the
     # tests say so; it can only over-estimate, by the side inputs' bytes), cheapest first, and only the settings that
@@ -132,6 +144,11 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
         lowest = min(meg, key=lambda m: m[3])
         low = predicted(config, lowest[0], device=device, tp=tp, sp=sp)
         note = f"the lowest Megatron peak is {format_bytes(low.peak_bytes)} ({lowest[0]}), above the budget"
+    if options.fine_grained_offload:  # Megatron's fine-grained offloading variants, traced and priced, reported
+        t = time.perf_counter()
+        stats["fine_grained_offload"] = [o.to_dict() for o in offload_options(
+            config, cost, model, limit, device=device, engine=engine, tp=tp, sp=sp)]
+        stats["fine_grained_offload_seconds"] = time.perf_counter() - t
 
     # NOTE [the guarantee]: the unit model is checked, not trusted. The chosen plan is predicted with the real trace
     # (predict_plan: remat.memory.compose from a shallow trace with every layer role of the plan, or the whole
@@ -201,13 +218,16 @@ def _choice(config: ModelConfig, plan_: Plan, pred: Predicted, source: str, cost
             args, why = None, str(err)
     units = plan_.units()
     offloaded = sum(1 for u in units if u.mode == "offload")
+    plain = cost.plain_step_seconds(model, config.num_layers, base)
+    extra = sum(cost.extra_seconds(model, u) for u in units)
     return PlanChoice(
         plan=plan_, source=source, peak_bytes=pred.peak_bytes, peak_phase=pred.peak_phase, at_peak=pred.at_peak,
         recompute_flops=recompute, extra_compute_pct=100.0 * recompute / base if base else 0.0,
         cost=sum(cost.cost(model, u) for u in units), model_peak_bytes=model.peak(units),
         offload_bytes=offloaded * model.hidden_bytes, offload_seconds=offloaded * cost.offload_seconds(model),
         megatron_policy=None if policy is None else str(policy), megatron_args=args, why_not_megatron=why,
-        recompute_bytes=sum(model.shape(u).recompute_bytes for u in units))
+        recompute_bytes=sum(model.shape(u).recompute_bytes for u in units),
+        step_time_ratio=1.0 + extra / plain if plain > 0 else 1.0)
 
 
 def _refusal(config: ModelConfig, model: UnitModel, units: list[Unit], cost: CostModel, budget: int, engine: str,

@@ -12,14 +12,17 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from remat.config import ModelConfig
 from remat.models.gpt import build_model
+from remat.plan.operator_space import LayerOperator, layer_operators, measured_price, roofline_price
 from remat.plan.space import OBJECTIVES, SELECTIVE_SETS, contraction_sets
 from remat.plan.unit_model import UnitModel, layer_contractions
 from remat.policy import SELECTIVE_MODULES, contraction_limit
+from remat.recompute.apply import apply
 from remat.recompute.operators import MATMUL_OPS, contraction
-from remat.recompute.plan_format import KEEP, PlanError, Unit
+from remat.recompute.plan_format import KEEP, Plan, PlanError, Unit, keep_ops_token, kept_operators
 
 # ------------------------------------------------------------------------------------------------ costs
 # NOTE [roofline presets]: what prices the time objective on a GPU: dense bf16 tensor-core FLOP/s and HBM bandwidth
@@ -32,7 +35,7 @@ ROOFLINES: dict[str, tuple[float, float]] = {
 
 @dataclass(frozen=True)
 class CostModel:
-    """What a unit costs, as an integer the solver adds up.
+    """What a unit costs, as an integer the solver adds up (the default objective is ``'time'``).
 
     ``objective='extra_flops'``: FLOPs (the recomputed FLOPs, plus offload transfer seconds x
     ``flops_per_second``); ``'time'``: nanoseconds (FLOPs / ``flops_per_second`` plus the bytes the
@@ -41,12 +44,13 @@ class CostModel:
     objective charges their memory traffic (each recomputed byte written once: a lower bound). With
     ``measured`` (seconds per layer forward, per selective module and per operator class,
     :func:`measure_layer_times`) recompute is priced by those times instead (in FLOP-equivalents at
-    ``flops_per_second`` for the FLOP objective).
+    ``flops_per_second`` for the FLOP objective); a ``keep_ops`` layer costs ``sac_overhead`` plus the measured
+    times of the operators it does not keep (``op_<i>``).
     Offloading a group input of ``hidden_bytes`` costs ``hidden_bytes / bandwidth`` twice: the copy out overlaps
     one layer's forward (only the excess is charged), the copy back is charged in full (NOTE [offload charge]).
     """
 
-    objective: str = "extra_flops"
+    objective: str = "time"
     flops_per_second: float = 400e12
     bandwidth: float = 25e9
     measured: tuple[tuple[str, float], ...] | None = None
@@ -84,12 +88,17 @@ class CostModel:
             times = dict(self.measured)
             if unit.is_group:
                 return unit.size * times["layer"]
+            kept = kept_operators(unit.modules)
+            if kept is not None:  # the fixed price of a keep_ops layer, plus each item it does not keep
+                return times.get("sac_overhead", 0.0) + sum(
+                    t for key, t in times.items() if key.startswith("op_") and int(key[3:]) not in kept)
             if "non_matmul" in unit.modules:
                 limit = contraction_limit(unit.modules)
                 modules = [m for m in unit.modules if m in ("core_attn", "mlp")]
                 contractions = sum(t for key, t in times.items() if key.startswith("contraction_")
                                    and int(key.removeprefix("contraction_")) <= limit)
-                return times["non_matmul"] + sum(times[f"{m}_matmuls"] for m in modules) + contractions
+                return times["non_matmul"] + sum(times[f"{m}_matmuls"] for m in modules) + contractions + \
+                    times.get("sac_overhead", 0.0)
             return sum(times[m] for m in unit.modules)
         shape = model.shape(unit)
         return shape.recompute_flops / self.flops_per_second + shape.recompute_bytes / self.memory_bandwidth
@@ -123,6 +132,28 @@ class CostModel:
         seconds = shape.recompute_flops / self.flops_per_second + shape.recompute_bytes / self.memory_bandwidth
         return seconds + (self.offload_seconds(model) if unit.mode == "offload" else 0.0)
 
+    def operator_price(self) -> Callable[[LayerOperator], float]:
+        """What recomputing one operator of a layer costs under this model, for ordering a layer's operators by
+        price per byte (:func:`remat.plan.operator_space.operator_kinds`): measured seconds (``op_<i>``), the
+        roofline's seconds (``time``), or FLOPs (``extra_flops``)."""
+        if self.measured is not None:
+            return measured_price(dict(self.measured))
+        if self.objective == "time":
+            return roofline_price(self.flops_per_second, self.memory_bandwidth)
+        return lambda op: float(op.flops)
+
+    def plain_step_seconds(self, model: UnitModel, num_layers: int, baseline_flops: int) -> float:
+        """The predicted seconds of a step without recompute, what step-time ratios divide by. With measured
+        times: ``num_layers`` measured layer steps (forward + backward; 3 forwards when not measured). Else the
+        roofline: the step's forward and backward FLOPs (``baseline_flops``) at ``flops_per_second``, plus three
+        times each layer's forward bytes (what recomputing a layer writes, traced) at ``memory_bandwidth`` (the
+        backward writes about twice what the forward does)."""
+        if self.measured is not None:
+            times = dict(self.measured)
+            return num_layers * times.get("layer_step", 3 * times["layer"])
+        layer_bytes = model.shape(Unit("checkpoint", 1)).recompute_bytes
+        return baseline_flops / self.flops_per_second + 3 * num_layers * layer_bytes / self.memory_bandwidth
+
     def describe(self) -> str:
         unit = "FLOPs" if self.objective == "extra_flops" else "ns"
         how = "measured forward times" if self.measured is not None else "FLOP counts" if \
@@ -138,6 +169,7 @@ class _OperatorTimer(TorchDispatchMode):
         super().__init__()
         self.sync, self.inside = sync, inside
         self.spent: dict[str, float] = {}
+        self.count = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -149,6 +181,9 @@ class _OperatorTimer(TorchDispatchMode):
         where = self.inside()
         key = "non_matmul" if func.overloadpacket not in MATMUL_OPS else f"{where}_matmuls" if where else "matmuls"
         self.spent[key] = self.spent.get(key, 0.0) + seconds
+        if func not in SAC_IGNORED_OPS:  # numbered as keep_ops numbers them
+            self.spent[f"op_{self.count}"] = seconds
+            self.count += 1
         k = contraction(func, args)
         if k is not None:
             self.spent[f"contraction_{k}"] = self.spent.get(f"contraction_{k}", 0.0) + seconds
@@ -160,8 +195,12 @@ def measure_layer_times(config: ModelConfig, *, device: str = "cpu", repeats: in
     can target (``core_attn``, ``mlp``, ``layernorm`` = both norms, ``act``), with grad enabled as in a
     recomputation; and, timed operator by operator in another pass, ``non_matmul`` (the layer's operators other
     than matrix multiplies: what a non_matmul layer recomputes), ``core_attn_matmuls`` / ``mlp_matmuls`` (the
-    matrix multiplies inside those modules) and ``contraction_<K>`` (the matrix multiplies of contraction size K,
-    what ``matmul_k<N>`` adds for K <= N). Real tensors: the config must fit in this machine's memory."""
+    matrix multiplies inside those modules), ``contraction_<K>`` (the matrix multiplies of contraction size K,
+    what ``matmul_k<N>`` adds for K <= N) and ``op_<i>`` (operator i of the layer, numbered as ``keep_ops(...)``
+    numbers them, for each operator a keep_ops layer may keep: :func:`remat.plan.operator_space.layer_operators`);
+    then ``layer_step`` (one layer's forward + backward) and ``sac_overhead`` (what a keep_ops layer keeping all
+    it may keep adds to it: torch's selective-checkpointing dispatch and the operators it always recomputes).
+    Real tensors: the config must fit in this machine's memory."""
     cfg = config.replace(num_layers=1)
     model = build_model(cfg, device=device)
     layer = model.layers[0]
@@ -197,8 +236,10 @@ def measure_layer_times(config: ModelConfig, *, device: str = "cpu", repeats: in
     for name, modules in targets.items():
         for m in modules:
             handles += [m.register_forward_pre_hook(pre_for(name)), m.register_forward_hook(post_for(name))]
+    ops = layer_operators(config)
     operator_keys = ["non_matmul", "core_attn_matmuls", "mlp_matmuls",
-                     *(f"contraction_{k}" for k in layer_contractions(config))]
+                     *(f"contraction_{k}" for k in layer_contractions(config)),
+                     *(f"op_{op.index}" for op in ops if op.item >= 0)]
     samples: dict[str, list[float]] = {k: [] for k in ["layer", *targets, *operator_keys]}
     try:
         for i in range(repeats + 1):
@@ -225,21 +266,55 @@ def measure_layer_times(config: ModelConfig, *, device: str = "cpu", repeats: in
     finally:
         for handle in handles:
             handle.remove()
-    return {k: float(np.median(v)) for k, v in samples.items()}
+    out = {k: float(np.median(v)) for k, v in samples.items()}
+    out["layer_step"], out["sac_overhead"] = _layer_steps(cfg, device, repeats, ops, sync)
+    return out
+
+
+def _layer_steps(cfg: ModelConfig, device: str, repeats: int, ops: Sequence[LayerOperator],
+                 sync: Callable[[], None]) -> tuple[float, float]:
+    """Median seconds of one layer's forward + backward, and the median extra seconds when the layer is a
+    keep_ops layer keeping every operator it may keep (what every keep_ops layer pays for torch's selective
+    checkpointing, plus the operators it always recomputes), timed alternately."""
+    layers = []
+    for kept in (None, [op.index for op in ops if op.item >= 0]):
+        model = build_model(cfg, device=device, seed=0)
+        if kept is not None:
+            apply(model, Plan.from_units([Unit("selective", 1, (keep_ops_token(kept),))]))
+        layers.append(model.layers[0])
+    b, s, h = cfg.micro_batch_size, cfg.seq_length, cfg.hidden_size
+    hidden = torch.randn(b, s, h, device=device, dtype=cfg.torch_dtype, requires_grad=True)
+    mask = torch.ones(s, s, dtype=torch.bool, device=device).tril_().view(1, 1, s, s)
+    rotary = build_model(cfg, device=device).rotary_tables(s, torch.device(device))
+    grad = torch.ones(b, s, h, device=device, dtype=cfg.torch_dtype)
+    samples: list[list[float]] = [[], []]
+    for i in range(repeats + 1):
+        for k, layer in enumerate(layers):
+            sync()
+            t0 = time.perf_counter()
+            layer(hidden, mask, rotary).backward(grad)
+            sync()
+            if i:
+                samples[k].append(time.perf_counter() - t0)
+    plain = float(np.median(samples[0]))
+    return plain, max(0.0, float(np.median([b - a for a, b in zip(*samples)])))
 
 
 # ------------------------------------------------------------------------------------------------ solver
 def candidate_units(num_layers: int, *, offload: bool = True, engine: str = "reentrant",
                     selective_sets: Iterable[Sequence[str]] | None = None,
-                    max_group: int | None = None, contractions: Sequence[int] = ()) -> list[Unit]:
+                    max_group: int | None = None, contractions: Sequence[int] = (),
+                    operator_sets: Sequence[Sequence[str]] = ()) -> list[Unit]:
     """The units the extended search may use: keep, each selective set, ``non_matmul+matmul_k<K>`` for each of
     the layer's contraction sizes ``contractions`` (:attr:`UnitModel.contractions`) when the sets allow
-    ``non_matmul``, checkpoint (and offload) groups of 1 .. ``max_group`` (default: the whole stack) layers."""
+    ``non_matmul``, the ``keep_ops(...)`` sets ``operator_sets`` (:func:`remat.plan.operator_space.operator_kinds`;
+    the unit model must hold them, :func:`remat.plan.unit_model.add_traced_units`), checkpoint (and offload)
+    groups of 1 .. ``max_group`` (default: the whole stack) layers."""
     sets = SELECTIVE_SETS if selective_sets is None else tuple(
         tuple(m for m in SELECTIVE_MODULES if m in set(s)) for s in selective_sets)
     if ("non_matmul",) in sets:
         sets += contraction_sets(contractions)
-    units = [KEEP, *(Unit("selective", 1, s) for s in sets)]
+    units = [KEEP, *(Unit("selective", 1, s) for s in sets), *(Unit("selective", 1, tuple(s)) for s in operator_sets)]
     top = num_layers if max_group is None else max(1, min(max_group, num_layers))
     modes = ("checkpoint", "offload") if offload and engine == "reentrant" else ("checkpoint",)
     units += [Unit(m, k) for m in modes for k in range(1, top + 1)]

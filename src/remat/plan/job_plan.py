@@ -9,6 +9,7 @@ as fitting is that prediction, <= the budget (NOTE [the job search]).
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,9 +19,9 @@ from typing import Any
 from remat.config import ModelConfig
 from remat.job import Job
 from remat.memory import disk_cache
-from remat.memory.kernels import resolve_kernels
+from remat.memory.kernels import use_kernels
 from remat.memory.rank_state import RankState
-from remat.parallel.job_predict import RankPrediction, check_job, predict_stage, stage_state
+from remat.parallel.job_predict import RankPrediction, check_job, job_kernels, predict_stage, stage_state
 from remat.parallel.schedule import max_in_flight, partition, rank_chunks, schedule_actions
 from remat.plan.costs import CostModel, candidate_units
 from remat.plan.megatron import megatron_policies
@@ -197,7 +198,7 @@ class _Exact:
         self.done: dict[tuple[int, str], RankPrediction] = {}
         self.count = 0  # predictions made (not read from the disk cache)
         self.job_key = repr(job.replace(policy=Policy()))
-        self.kernels = resolve_kernels(None, device)
+        self.kernels = job_kernels()  # plan_job's profile (one for the search and every exact prediction)
 
     def __call__(self, stage: int, plan: Plan) -> RankPrediction:
         policy, _ = plan.megatron_policy()
@@ -258,6 +259,17 @@ class _StageModel:
                            100.0 * flops / base if base else 0.0)
 
 
+def _one_kernel_profile(plan: Callable[..., JobPlan]) -> Callable[..., JobPlan]:
+    """Run ``plan`` under the job's kernel profile (:func:`remat.parallel.job_predict.job_kernels`, default cuda):
+    the unit model the search prices (traced lazily) and the exact stage predictions keep the same kernels."""
+    @functools.wraps(plan)
+    def run(*args: Any, **kwargs: Any) -> JobPlan:
+        with use_kernels(job_kernels()):
+            return plan(*args, **kwargs)
+    return run
+
+
+@_one_kernel_profile
 def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) -> JobPlan:
     """The cheapest recompute plan of every pipeline stage of ``job`` whose whole rank fits ``budget``.
 

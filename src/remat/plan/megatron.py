@@ -9,12 +9,12 @@ from typing import Any
 
 from remat.config import ModelConfig
 from remat.memory import disk_cache
-from remat.memory.compose import CompositionError, ShallowTrace, compose, layer_roles
+from remat.memory.compose import CompositionError, ShallowTrace, compose, shallow_plan
 from remat.memory.disk_cache import cached_timeline
 from remat.memory.kernels import resolve_kernels
 from remat.memory.predict import predict_config, trace_rank
 from remat.policy import Policy
-from remat.recompute.plan_format import Plan, PlanError, Unit
+from remat.recompute.plan_format import Plan, PlanError
 from remat.timeline import Timeline
 
 # NOTE [the Megatron space]: every setting Megatron-LM's flags can express for a dense model's layers: ``none``,
@@ -24,37 +24,71 @@ from remat.timeline import Timeline
 # that may fit until one's traced peak fits (NOTE [the Megatron screen] in remat.plan.api); that setting's cost
 # also prunes the extended search (solve's incumbent).
 # This is the one definition of that set: `remat predict/compare --sweep megatron` list it too (megatron_sweep).
+# For MoE and MLA models (given their config) the selective part also lists each of Megatron's modules for those
+# parts that the model has, alone (MOE_MLA_MODULES, Megatron's rules: moe_act needs grouped-GEMM experts,
+# shared_experts a shared expert, mla_up_proj multi-latent attention; mlp only where some layer is dense, as
+# Megatron's mlp leaves MoE layers alone). Alone, not in every combination: with the three dense modules that would
+# be up to 2^7 - 1 = 127 selective settings, each a trace of its own (NOTE [sweep cost] in benchmarks/README.md).
 MEGATRON_MODULES = ("core_attn", "mlp", "layernorm")
-SWEEPS = ("megatron",)  # the names --sweep takes: megatron = megatron_sweep
-SWEEP_DESCRIPTION = ("none, every full/uniform/K and full/block/K (K = 1..L) and each set of selective modules "
-                     f"({', '.join(MEGATRON_MODULES)})")
+MOE_MLA_MODULES = ("moe_act", "moe", "shared_experts", "mla_up_proj")
+SWEEPS = ("megatron", "megatron-offload")  # --sweep: megatron_sweep; + remat.plan.fine_offload.offload_sweep
+SWEEP_DESCRIPTION = ("none, every full/uniform/K and full/block/K (K = 1..L), each set of selective modules "
+                     f"({', '.join(MEGATRON_MODULES)}) and, for MoE/MLA models, each of "
+                     f"{', '.join(MOE_MLA_MODULES)} the model has")
 
 
-def megatron_policies(num_layers: int, engine: str = "reentrant") -> list[Policy]:
+def megatron_modules(config: ModelConfig | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The selective modules of the Megatron sweep for ``config``'s model: (those swept in every non-empty
+    combination, the MoE/MLA ones swept alone), each in Megatron's rules (NOTE [the Megatron space]).
+
+    Example::
+
+        >>> from remat.presets import get_preset
+        >>> megatron_modules(get_preset("deepseek-v3"))
+        (('core_attn', 'mlp', 'layernorm'), ('moe_act', 'moe', 'shared_experts', 'mla_up_proj'))
+        >>> megatron_modules(get_preset("mixtral-8x7b"))
+        (('core_attn', 'layernorm'), ('moe',))
+    """
+    if config is None or not (config.is_moe or config.multi_latent_attention):
+        return MEGATRON_MODULES, ()
+    pattern = config.moe_layer_pattern()
+    has = {"mlp": not all(pattern), "moe": any(pattern), "moe_act": any(pattern) and config.moe_grouped_gemm,
+           "shared_experts": any(pattern) and bool(config.moe_shared_expert_intermediate_size),
+           "mla_up_proj": config.multi_latent_attention}
+    return (tuple(m for m in MEGATRON_MODULES if has.get(m, True)),
+            tuple(m for m in MOE_MLA_MODULES if has[m]))
+
+
+def megatron_policies(num_layers: int, engine: str = "reentrant", config: ModelConfig | None = None,
+                      ) -> list[Policy]:
     """Every Megatron-LM recompute setting of a ``num_layers`` stack (NOTE [the Megatron space]).
 
     Args:
         num_layers: the stack's depth (>= 1).
         engine: the checkpoint engine of every policy (Megatron's is ``'reentrant'``).
+        config: the model, for its MoE/MLA modules (:func:`megatron_modules`); None: a dense model's.
 
     Returns:
         ``none``, ``full/uniform/K`` for K = 1..L, ``full/block/K`` for K = 1..L, then ``selective`` with each
-        non-empty set of :data:`MEGATRON_MODULES`, as :class:`Policy` objects.
+        non-empty set of the model's dense modules (:data:`MEGATRON_MODULES`) and each of its MoE/MLA modules
+        alone, as :class:`Policy` objects.
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers={num_layers!r}: a sweep needs a stack of at least one layer")
+    dense, alone = megatron_modules(config)
     out = [Policy(engine=engine)]
     out += [Policy("full", "uniform", k, engine=engine) for k in range(1, num_layers + 1)]
     out += [Policy("full", "block", k, engine=engine) for k in range(1, num_layers + 1)]
-    out += [Policy("selective", modules=c, engine=engine) for n in range(1, len(MEGATRON_MODULES) + 1)
-            for c in itertools.combinations(MEGATRON_MODULES, n)]
+    out += [Policy("selective", modules=c, engine=engine) for n in range(1, len(dense) + 1)
+            for c in itertools.combinations(dense, n)]
+    out += [Policy("selective", modules=(m,), engine=engine) for m in alone]
     return out
 
 
-def megatron_sweep(num_layers: int, engine: str | None = None) -> list[str]:
+def megatron_sweep(num_layers: int, engine: str | None = None, config: ModelConfig | None = None) -> list[str]:
     """:func:`megatron_policies` in the short form of :class:`Policy` (``'none'``, ``'full/uniform/1'``, ...), as
     ``--sweep megatron`` lists them; ``engine`` (None: Megatron's reentrant) is appended as ``@engine`` to every
-    policy but ``none``.
+    policy but ``none``; ``config``: the model, for its MoE/MLA modules.
 
     Example::
 
@@ -63,7 +97,7 @@ def megatron_sweep(num_layers: int, engine: str | None = None) -> list[str]:
 'selective/mlp', 'selective/layernorm', 'selective/core_attn+mlp', 'selective/core_attn+layernorm', \
 'selective/mlp+layernorm', 'selective/core_attn+mlp+layernorm']
     """
-    policies = megatron_policies(num_layers, engine or "reentrant")
+    policies = megatron_policies(num_layers, engine or "reentrant", config)
     return ["none", *(str(p) for p in policies[1:])]
 
 
@@ -72,24 +106,8 @@ _STAND_INS: dict[tuple[ModelConfig, Plan, str], ShallowTrace] = {}
 
 
 def stand_in(plan: Plan) -> Plan | None:
-    """A shallow plan with every layer role (:func:`remat.memory.compose.layer_roles`) of ``plan``, for composing its
-    timeline from a shallow trace: groups of more than 3 layers shrink to 3 and runs of more than 3 equal units
-    to 3 (a role sees only its neighbours and region sizes up to 3). None when that is not shallower, or when the
-    plan offloads (composition does not tell offload groups from checkpoint groups)."""
-    if any(s.mode == "offload" for s in plan.segments):
-        return None
-    small: list[Unit] = []
-    for unit in plan.units():
-        u = Unit(unit.mode, min(unit.size, 3), unit.modules) if unit.is_group else unit
-        if len(small) >= 3 and small[-1] == small[-2] == small[-3] == u:
-            continue
-        small.append(u)
-    shallow = Plan.from_units(small, plan.engine)
-    if shallow.num_layers >= plan.num_layers:
-        return None
-    if not set(layer_roles(plan, plan.num_layers)) <= set(layer_roles(shallow, shallow.num_layers)):
-        return None
-    return shallow
+    """A shallow plan with every layer role of ``plan`` (:func:`remat.memory.compose.shallow_plan`), or None."""
+    return shallow_plan(plan)
 
 
 def predict_plan(config: ModelConfig, plan: Plan, *, device: str = "cpu", tp: int = 1, sp: bool = False) -> Timeline:

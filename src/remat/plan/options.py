@@ -39,9 +39,11 @@ class PlanOptions:
     """What a GPU-preset budget (``'h100-80g'``) keeps free: a percentage (``'10%'``), a fraction (``0.1``) or bytes
     (``'2GiB'``); None keeps nothing. A byte budget is taken as given."""
 
-    objective: str = "extra_flops"
-    """``'extra_flops'``: the fewest recomputed FLOPs; ``'time'``: the least estimated seconds (FLOPs at
-    :attr:`flops_per_second` plus recomputed bytes at :attr:`memory_bandwidth`, or measured times)."""
+    objective: str = "time"
+    """``'time'`` (the default): the least predicted step time (recompute priced by a roofline: FLOPs at
+    :attr:`flops_per_second` plus recomputed bytes at :attr:`memory_bandwidth`, a GPU's with :attr:`roofline`; or
+    by operator times measured on this machine, :attr:`measured_times`); ``'extra_flops'``: the fewest
+    recomputed FLOPs."""
 
     engine: str = "reentrant"
     """Checkpoint implementation the plans use (:data:`remat.policy.ENGINES`); offload groups need
@@ -53,10 +55,21 @@ class PlanOptions:
     offload: bool = True
     """Let the extended search offload a group's input to host memory (only with the reentrant engine)."""
 
+    fine_grained_offload: bool = False
+    """Also trace and price Megatron's fine-grained activation offloading variants
+    (:func:`remat.plan.fine_offload.offload_options`: none and selective/core_attn beside each offload module set;
+    transfers at :attr:`bandwidth`); they are reported beside the answers (``stats['fine_grained_offload']``)."""
+
     selective_sets: str | Iterable[Sequence[str]] | None = None
     """The module sets selective layers may recompute: None for all (:data:`remat.plan.space.SELECTIVE_SETS`), a
     comma list of modules (``'core_attn,mlp'``: the sets made of those) or the sets themselves. Stored as a tuple of
     sets."""
+
+    operator_sets: int | None = 16
+    """How many ``keep_ops(...)`` kinds per layer the extended search offers (NOTE [operator kinds] in
+    :mod:`remat.plan.operator_space`: which operators' outputs a layer keeps, ordered by recompute price per byte
+    freed), spread evenly over the bytes they free; None: every one; 0: none. Only when :attr:`selective_sets`
+    is None (restricting the module sets restricts the search to them)."""
 
     measured_times: bool | Mapping[str, float] = False
     """Price recompute by forward times measured on this machine (True: :func:`measure_layer_times` runs; or pass
@@ -94,6 +107,8 @@ class PlanOptions:
             raise PlanError(f"{owner}.device={self.device!r}: use {' or '.join(map(repr, DEVICES))}")
         if not isinstance(self.offload, bool):
             raise PlanError(f"{owner}.offload={self.offload!r}: give True or False")
+        if not isinstance(self.fine_grained_offload, bool):
+            raise PlanError(f"{owner}.fine_grained_offload={self.fine_grained_offload!r}: give True or False")
         object.__setattr__(self, "selective_sets", _selective_sets(self.selective_sets))
         if not isinstance(self.measured_times, (bool, Mapping)):
             raise PlanError(f"{owner}.measured_times={self.measured_times!r}: give True, False or the dict of "
@@ -106,6 +121,9 @@ class PlanOptions:
         for name in ("flops_per_second", "bandwidth", "memory_bandwidth"):
             _positive(owner, name, getattr(self, name))
         _count(owner, "max_resolves", self.max_resolves, 0, "give a count >= 0")
+        if self.operator_sets is not None:
+            _count(owner, "operator_sets", self.operator_sets, 0, "give a count >= 0 (0: no keep_ops kinds) or None "
+                   "(all of them)")
         if self.roofline is not None:
             if self.roofline not in ROOFLINES:
                 raise PlanError(f"{owner}.roofline={self.roofline!r}: use one of {', '.join(ROOFLINES)} or None")

@@ -9,6 +9,7 @@ from typing import Any
 
 from remat.config import ModelConfig
 from remat.plan.costs import CostModel
+from remat.plan.fine_offload import format_offload_options
 from remat.plan.megatron import Predicted
 from remat.recompute.plan_format import Plan
 from remat.units import format_bytes, format_seconds
@@ -41,10 +42,11 @@ class PlanChoice:
     megatron_args: list[str] | None = None
     why_not_megatron: str = ""
     recompute_bytes: int = 0
+    step_time_ratio: float = 1.0  # predicted step time over the no-recompute step's (CostModel.plain_step_seconds)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "recompute_bytes": self.recompute_bytes,
+            "step_time_ratio": self.step_time_ratio, "recompute_bytes": self.recompute_bytes,
             "plan": str(self.plan), "source": self.source, "peak_bytes": self.peak_bytes,
             "peak_phase": self.peak_phase, "at_peak": self.at_peak, "model_peak_bytes": self.model_peak_bytes,
             "recompute_flops": self.recompute_flops, "extra_compute_pct": self.extra_compute_pct,
@@ -128,6 +130,7 @@ class PlanResult:
         c = self.config
         lines = [f"remat plan: {c.num_layers} layers, h={c.hidden_size}, s={c.seq_length}, b={c.micro_batch_size}, "
                  f"{c.dtype}{self._rank_text()}; budget {self.budget_text} = {self.budget_bytes:,} bytes",
+                 self.headline(),
                  f"no recompute: peak {format_bytes(self.baseline.peak_bytes)} ({self.baseline.peak_phase})",
                  f"objective: {self.cost_model.describe()}", ""]
         if self.pipeline is not None:
@@ -148,9 +151,22 @@ class PlanResult:
                      f"entries), unit model {s.get('model_seconds', 0):.1f} s, Megatron sweep "
                      f"{s.get('megatron_seconds', 0):.1f} s, validation trace {s.get('validate_seconds', 0):.1f} s, "
                      f"re-solves {s.get('resolves', 0)}")
+        if s.get("fine_grained_offload"):
+            lines += ["", *format_offload_options(s["fine_grained_offload"])]
         if self.pipeline is None and self.extended is not None:
             lines += ["", "Apply it:", indent(self.extended.snippet(), "  ")]
         return "\n".join(lines)
+
+    def headline(self) -> str:
+        """The report's first figures: each answer's predicted step time as a ratio to the no-recompute step, then
+        its recomputed FLOPs as a share of the step's."""
+        answers = [(name, c) for name, c in (("extended plan", self.extended), ("best Megatron setting",
+                                                                                 self.megatron)) if c is not None]
+        if not answers:
+            return "predicted step time: no one-GPU plan fits"
+        return ("predicted step time: " + ", ".join(f"{c.step_time_ratio:.4f}x ({name})" for name, c in answers)
+                + " of the no-recompute step; recomputed FLOPs: "
+                + ", ".join(f"{c.extra_compute_pct:.2f}% ({name})" for name, c in answers) + " of the step's")
 
     def _choice_lines(self, choice: PlanChoice | None) -> list[str]:
         if choice is None:
@@ -160,7 +176,10 @@ class PlanResult:
                  "charged)") if choice.offload_bytes else ""
         flags = f"  Megatron flags: {' '.join(choice.megatron_args) or '(none: no recompute flags)'}" \
             if choice.megatron_args is not None else f"  Megatron flags: none express it: {choice.why_not_megatron}"
+        extra = choice.extra_seconds(self.cost_model)
         return [f"  plan:           {choice.plan}",
+                f"  step time:      {choice.step_time_ratio:.4f}x no recompute predicted ({format_seconds(extra)} "
+                f"of recompute{' and transfers' if choice.offload_bytes else ''} per step)",
                 f"  predicted peak: {format_bytes(choice.peak_bytes)} ({choice.peak_bytes:,} bytes, "
                 f"{100 * choice.peak_bytes / self.budget_bytes:.1f}% of budget) in {choice.peak_phase}",
                 f"  at the peak:    {parts}",
@@ -189,20 +208,16 @@ def compared(new: float, old: float, less: str, more: str) -> str:
 # and still take less time. The headline leads with the objective's axis (time as a step-time ratio) and always
 # states the other with its own direction ("more"/"longer" where it is worse).
 def versus_megatron(extended: PlanChoice, megatron: PlanChoice, cost: CostModel, baseline: Predicted) -> str:
-    """One sentence comparing the extended plan with the best Megatron setting in predicted step time and in
-    recomputed FLOPs, each with its own direction."""
+    """One sentence comparing the extended plan with the best Megatron setting in predicted step time (each
+    plan's :attr:`PlanChoice.step_time_ratio`) and in recomputed FLOPs, each with its own direction."""
     flops = (f"recomputed FLOPs: {compared(extended.recompute_flops, megatron.recompute_flops, 'fewer', 'more')} "
              f"({extended.recompute_flops:,} vs {megatron.recompute_flops:,})")
-    ext_s, meg_s = extended.extra_seconds(cost), megatron.extra_seconds(cost)
-    if cost.measured is not None:  # no step time to add measured recompute times to: compare the recompute alone
-        how = "measured forward times"
-        time = (f"predicted recompute time per step: {compared(ext_s, meg_s, 'less', 'more')} "
-                f"({format_seconds(ext_s)} vs {format_seconds(meg_s)}, {how})")
+    if cost.measured is not None:
+        how = "operator times measured on this machine"
     else:
-        step = (baseline.flops.get("forward", 0) + baseline.flops.get("backward", 0)) / cost.flops_per_second
-        how = (f"forward and backward FLOPs at {cost.flops_per_second / 1e12:g} TFLOP/s, plus recompute: its FLOPs "
-               f"at that rate and its rebuilt bytes at {cost.memory_bandwidth / 1e9:g} GB/s")
-        time = (f"predicted step time: {compared(step + ext_s, step + meg_s, 'shorter', 'longer')} "
-                f"({format_seconds(step + ext_s)} vs {format_seconds(step + meg_s)}: {how})")
+        how = (f"FLOPs at {cost.flops_per_second / 1e12:g} TFLOP/s and written bytes at "
+               f"{cost.memory_bandwidth / 1e9:g} GB/s")
+    a, b = extended.step_time_ratio, megatron.step_time_ratio
+    time = f"predicted step time: {compared(a, b, 'shorter', 'longer')} ({a:.4f}x vs {b:.4f}x no recompute; {how})"
     first, second = (time, flops) if cost.objective == "time" else (flops, time)
     return f"Extended plan vs the best Megatron setting: {first}; {second}."

@@ -24,7 +24,7 @@ from remat.plan.costs import CostModel, candidate_units
 from remat.plan.space import SELECTIVE_SETS
 from remat.plan.unit_model import NO_EVENT, UnitModel
 from remat.policy import NON_MATMUL_INCLUDES
-from remat.recompute.plan_format import KEEP, Unit
+from remat.recompute.plan_format import KEEP, Unit, kept_operators
 
 
 @dataclass
@@ -125,9 +125,16 @@ def solve(model: UnitModel, num_layers: int, budget: int,
     incoming: dict[tuple[int, int], list[tuple[Any, ...]]] = {
         (0, 0): [(np.zeros(1, np.int64), np.zeros(1, np.int64), -1, np.zeros(1, np.int64), -1)]}
     kept = 0
-    by_size: dict[int, list[int]] = {}
-    for t in usable:
-        by_size.setdefault(units[t].size, []).append(t)
+    # the usable units' numbers as arrays: each state's transitions are screened at once
+    ut = np.asarray(usable, np.int64)
+    u_size = np.asarray([units[t].size for t in usable], np.int64)
+    u_net = np.asarray([tables.fwd_net[t] for t in usable], np.int64)
+    u_cost = np.asarray([tables.costs[t] for t in usable], np.int64)
+    u_fneed = np.asarray([tables.fwd_need[t] for t in usable], np.int64)
+    u_bbase = np.asarray([tables.bwd_base[t] for t in usable], np.int64)
+    u_holds = np.asarray([tables.holds[t] for t in usable], np.int64)
+    side_of = np.asarray(tables.side_of_bits, np.int64)
+    rest_of = np.asarray(min_rest, np.int64)
     for i in range(L + 1):
         for key in sorted(k for k in incoming if k[0] == i):
             lower = None if bound is None else (bound[0], bound[1] - bound[2] * i)
@@ -141,15 +148,17 @@ def solve(model: UnitModel, num_layers: int, budget: int,
             if i == L:
                 continue
             held = key[1]
-            for t in usable:
-                u = units[t]
-                if i + u.size > L:
-                    continue
-                n = int(np.searchsorted(S, budget - tables.need(t, i, held), side="right"))
-                if n == 0:
-                    continue
-                dest = incoming.setdefault((i + u.size, held | tables.holds[t]), [])
-                dest.append((S[:n] + tables.fwd_net[t], C[:n] + tables.costs[t], kid, np.arange(n), t))
+            # per unit (as _Tables.need): the entries that fit its bounds and leave room for the layers above
+            # are a prefix of S; those cheap enough for the incumbent a suffix (C falls as S rises)
+            j = np.minimum(i + u_size, L)
+            need = np.maximum(u_fneed, u_bbase + tables.g * (L - i - u_size) - side_of[held | u_holds])
+            top = np.minimum(budget - need, limit - rest_of[j] - u_net)
+            n = np.searchsorted(S, top, side="right")
+            m = np.zeros_like(n) if inc == _BIG else np.searchsorted(-C, u_cost - inc, side="left")
+            for k in np.nonzero((i + u_size <= L) & (m < n))[0]:
+                a, b, t = int(m[k]), int(n[k]), int(ut[k])
+                dest = incoming.setdefault((int(j[k]), held | tables.holds[t]), [])
+                dest.append((S[a:b] + tables.fwd_net[t], C[a:b] + tables.costs[t], kid, np.arange(a, b), t))
     best: tuple[int, int, int, int] | None = None  # (cost, S, state, index)
     for kid, key in enumerate(keys):
         if key[0] != L:
@@ -182,30 +191,58 @@ def _merge(chunks: list[tuple[Any, ...]], s_limit: int, incumbent: int,
     plus a lower bound on what completing them costs, ``rate * max(0, S - offset)`` with ``lower = (rate,
     offset)``, exceeds ``incumbent``."""
     if len(chunks) == 1:
-        S, C, parent, pidx, unit = chunks[0]
-        parent = np.full(len(S), parent, np.int64)
-        unit = np.full(len(S), unit, np.int64)
+        S, C = chunks[0][0], chunks[0][1]
     else:
         S = np.concatenate([c[0] for c in chunks])
         C = np.concatenate([c[1] for c in chunks])
-        parent = np.concatenate([np.full(len(c[0]), c[2], np.int64) for c in chunks])
-        pidx = np.concatenate([c[3] for c in chunks])
-        unit = np.concatenate([np.full(len(c[0]), c[4], np.int64) for c in chunks])
+    # which entries stay is decided on S and C alone; where the survivors came from is looked up afterwards
     keep = (S <= s_limit) & (C <= incumbent)
     if lower is not None and lower[0] > 0:
         need = lower[0] * np.maximum(S - lower[1], 0).astype(np.float64)
         keep &= (C - incumbent).astype(np.float64) + need * (1 - 1e-9) <= 0.5
-    if not keep.all():
-        S, C, parent, pidx, unit = S[keep], C[keep], parent[keep], pidx[keep], unit[keep]
-    if len(S) > 1:
-        order = np.lexsort((C, S))
-        c = C[order]
-        before = np.empty(len(c), np.int64)
-        before[0] = _BIG
-        np.minimum.accumulate(c[:-1], out=before[1:])
-        sel = order[c < before]
-        S, C, parent, pidx, unit = S[sel], C[sel], parent[sel], pidx[sel], unit[sel]
+    sel = np.nonzero(keep)[0]
+    if len(chunks) > 8:
+        # most entries come through groups from far below and are dominated: the Pareto set of the chunks from the
+        # latest source (the layer just below: one-layer units) is found first, and an entry of the others stays
+        # only when no entry of that set has smaller or equal S and cost (binary search: the set's cost falls as
+        # S rises)
+        sizes = np.fromiter((len(c[0]) for c in chunks), np.int64, len(chunks))
+        latest = max(c[2] for c in chunks)
+        from_latest = np.repeat(np.fromiter((c[2] == latest for c in chunks), bool, len(chunks)), sizes)
+        first = _pareto(S, C, sel[from_latest[sel]])
+        rest = sel[~from_latest[sel]]
+        at = np.searchsorted(S[first], S[rest], side="right") - 1
+        beaten = (at >= 0) & (C[first][np.maximum(at, 0)] <= C[rest])
+        sel = np.concatenate([first, rest[~beaten]])
+    sel = _pareto(S, C, sel)
+    sizes = np.fromiter((len(c[0]) for c in chunks), np.int64, len(chunks))
+    starts = np.cumsum(sizes) - sizes
+    which = np.searchsorted(starts, sel, side="right") - 1
+    parent = np.fromiter((c[2] for c in chunks), np.int64, len(chunks))[which]
+    unit = np.fromiter((c[4] for c in chunks), np.int64, len(chunks))[which]
+    first = np.fromiter((c[3][0] if len(c[3]) else 0 for c in chunks), np.int64, len(chunks))[which]
+    pidx = first + sel - starts[which]  # each chunk's indices are a run (np.arange)
+    S, C = S[sel], C[sel]
     return S, C, parent, pidx, unit
+
+
+def _pareto(S: np.ndarray, C: np.ndarray, sel: np.ndarray) -> np.ndarray:
+    """The indices among ``sel`` of the Pareto set of (S, C), sorted by S: an entry stays when it costs less than
+    every entry of smaller or equal S (equal S and cost: one stays)."""
+    if len(sel) <= 1:
+        return sel
+    # chunks arrive sorted by S, so a stable sort (timsort: merges runs) by S alone is cheap; an entry stays
+    # when it costs less than every entry before it, and of a run of equal S only the last (cheapest) stays
+    order = sel[np.argsort(S[sel], kind="stable")]
+    c = C[order]
+    before = np.empty(len(c), np.int64)
+    before[0] = _BIG
+    np.minimum.accumulate(c[:-1], out=before[1:])
+    order = order[c < before]
+    s_sorted = S[order]
+    last = np.ones(len(order), bool)
+    last[:-1] = s_sorted[1:] != s_sorted[:-1]
+    return order[last]
 
 
 def _cost_bound(tables: _Tables, usable: list[int], limit: int) -> tuple[float, int, int] | None:
@@ -308,6 +345,8 @@ def _recomputed(modules: Iterable[str]) -> frozenset[str]:
 
 def _lighter(unit: Unit) -> list[Unit]:
     """Units of the same size that recompute less than ``unit``, lightest first."""
+    if unit.mode == "selective" and kept_operators(unit.modules) is not None:
+        return [KEEP]
     if unit.mode == "selective":
         work = _recomputed(unit.modules)
         lighter = sorted((s for s in SELECTIVE_SETS if _recomputed(s) < work), key=lambda s: len(_recomputed(s)))

@@ -27,7 +27,7 @@ from remat.policy import ENGINES
 from remat.recompute.apply import apply
 from remat.recompute.engines import in_backward
 from remat.recompute.operators import contraction
-from remat.recompute.plan_format import KEEP, Plan, PlanError, Unit
+from remat.recompute.plan_format import KEEP, Plan, PlanError, Unit, kept_operators
 from remat.timeline import Timeline
 from remat.units import CUDA_BLOCK
 
@@ -39,10 +39,10 @@ def unit_holds(unit: Unit, classes: Iterable[str]) -> frozenset[str]:
     """The side inputs ``unit`` keeps for its backward. Every layer keeps the rotary tables (rope multiplies the
     queries and keys by them outside the attention core, and a checkpoint keeps its inputs); the causal mask is
     kept only by checkpoints whose inputs include it: groups, and selective layers that recompute core_attn or
-    checkpoint the whole layer (non_matmul)."""
+    checkpoint the whole layer (non_matmul, keep_ops)."""
     out = set()
-    whole_or_core = unit.is_group or (unit.mode == "selective" and bool({"core_attn", "non_matmul"} &
-                                                                         set(unit.modules)))
+    whole_or_core = unit.is_group or (unit.mode == "selective" and (bool({"core_attn", "non_matmul"} & set(
+        unit.modules)) or kept_operators(unit.modules) is not None))
     for c in classes:
         if c == SIDE_ROTARY or (c == SIDE_MASK and whole_or_core):
             out.add(c)
@@ -433,6 +433,45 @@ def _build_unit_model(config: ModelConfig, device: str, engine: str, tp: int, sp
         model.shapes[Unit("offload", 1)].forward.net if Unit("offload", 1) in model.shapes else 0)
     model.build_seconds = time.perf_counter() - start
     return model
+
+
+def add_traced_units(model: UnitModel, units: Sequence[Unit]) -> list[Unit]:
+    """Add the shapes of the single-layer ``units`` ``model`` lacks (keep_ops kinds, remat.plan.operator_space),
+    traced in one profile stack above a checkpointed layer as :func:`unit_model` traces its own kinds; cached
+    on disk under the model's key and the units. Returns the ``units`` the model has now: a unit that leaves
+    other bytes after its step than a layer's gradients (its blocks would depend on its neighbours) is left out."""
+    todo = sorted({u for u in units if u not in model.shapes}, key=str)
+    if not todo:
+        return [u for u in units if u in model.shapes]
+    key = {"config": model.config.to_dict(), "device": model.device, "engine": model.engine, "tp": model.tp,
+           "sp": model.sp, "kernels": resolve_kernels(None, model.device), "units": [str(u) for u in todo]}
+    stored = disk_cache.load("unit_shapes", key)
+    try:
+        shapes = None if stored is None else {_unit_of(u): UnitShape(_block_of(f), _block_of(b), int(fl), int(by))
+                                              for u, f, b, fl, by in stored}
+    except (KeyError, TypeError, ValueError):
+        shapes = stored = None
+    while shapes is None and todo:
+        stack = [Unit("checkpoint", 1), *todo]  # the bottom layer keeps every side input, as in _build_unit_model
+        tl, marks = marked_trace(model.config, stack, device=model.device, engine=model.engine, tp=model.tp,
+                                 sp=model.sp)
+        d = _deltas(tl)
+        shapes = {}
+        for u in range(1, len(stack)):
+            fwd = _pieces(tl, d, marks.forward[u], marks.forward[u + 1] if u + 1 < len(stack) else marks.head, u)
+            bwd = _pieces(tl, d, marks.backward[u], marks.backward[u - 1], u)
+            shapes[stack[u]] = UnitShape(_chain(fwd), _chain(bwd), sum(p.flops for p in bwd),
+                                         sum(p.remat_bytes for p in bwd))
+        # a unit that leaves other bytes after its step than a layer's gradients frees (or keeps) something of its
+        # neighbour's, so its blocks and the one above's depend on the neighbours: leave it out and trace again
+        odd = [u for u, sh in shapes.items() if sh.forward.net + sh.backward.net != model.grad_per_layer]
+        if odd:
+            todo, shapes = [u for u in todo if u not in odd], None
+    if shapes is not None and stored is None:
+        disk_cache.store("unit_shapes", key, [[_unit_json(u), [sh.forward.net, sh.forward.high], [
+            sh.backward.net, sh.backward.high], sh.recompute_flops, sh.recompute_bytes] for u, sh in shapes.items()])
+    model.shapes.update(shapes or {})
+    return [u for u in units if u in model.shapes]
 
 
 # ------------------------------------------------------------------------------------------------ JSON form

@@ -12,7 +12,9 @@ from torch import nn
 import remat.recompute.hf as hf
 from remat.models.moe import MoELayer
 from remat.policy import CONTRACTION_PREFIX, NON_MATMUL_INCLUDES, OUTPUT_DISCARDING_MODULES, Policy, contraction_limit
+from remat.recompute.activation_offload import prepare_offload
 from remat.recompute.discard import OutputDiscardingRegion
+from remat.recompute.plan_format import KEEP_OPS, kept_operators
 from remat.recompute.region import (
     DISCARD_TARGETS,
     LAYER_STACK_PATHS,
@@ -149,6 +151,9 @@ def remove(model: nn.Module) -> None:
     if state is not None:
         for region in state.regions:
             region.uninstall()
+    offload = model.__dict__.pop("_remat_offload", None)  # fine-grained activation offloading
+    if offload is not None:
+        offload.uninstall()
 
 
 def apply(model: nn.Module, policy: RecomputeLayout | str,
@@ -167,7 +172,9 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
     the non-reentrant engine): the outputs of its matrix multiplies
     (:data:`~remat.recompute.operators.MATMUL_OPS`) are kept, every other operator is recomputed in backward
     from them, and inside the named modules the matrix multiplies too; with ``matmul_k<N>`` also every
-    ``mm``/``addmm``/``bmm``/``baddbmm`` whose contraction dimension is <= N.
+    ``mm``/``addmm``/``bmm``/``baddbmm`` whose contraction dimension is <= N. A policy's ``offload_modules``
+    (Megatron's fine-grained activation offloading) keep those modules' saved tensors in host memory between
+    forward and backward (:mod:`remat.recompute.activation_offload`).
 
     Nothing in the model's code changes (NOTE [how regions run] in :mod:`remat.recompute.region`): forwards are
     replaced on the module instances, so parameter names, ``state_dict`` keys and module hooks are those of the
@@ -189,8 +196,9 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
 
     Raises:
         ApplyError: ``model`` not a module, ``policy`` not a policy, no layer stack found, a selective module the
-            layers do not have, a layer object repeated in the stack (naming both positions), or a combination
-            that cannot run (e.g. offload with the non-reentrant engine); the model is left unchanged.
+            layers do not have, a layer object repeated in the stack (naming both positions), an offload module no
+            layer has (or grouped-expert modules on separate expert MLPs), or a combination that cannot run (e.g.
+            offload with the non-reentrant engine); the model is left unchanged.
         PolicyError: a policy string that does not parse, or ``num_layers`` above the stack's depth.
 
     Example::
@@ -234,7 +242,7 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
         if modules and i in grouped:
             raise ApplyError(f"layer {i} is both in a recomputed group and selectively recomputed: a group already "
                              "recomputes everything in it; drop one of the two")
-        if "non_matmul" in modules:
+        if "non_matmul" in modules or kept_operators(modules) is not None:
             regions.append(_operator_level_region(len(regions), layer, names[i], i, modules))
             found.update(m for m in modules if m not in SELECTIVE_TARGETS and m not in DISCARD_TARGETS
                          or _selective_targets(layer, names[i], m))
@@ -258,12 +266,16 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
         raise _no_targets(stack, names, missing[0])
     _mark_offloaded(policy, len(stack), regions)
     _refuse_shared_modules(regions, stack, stack_path)
+    offload = prepare_offload(policy, stack, names)  # the policy's offload_modules (remat.recompute.activation_offload)
     remove(model)
     installed: list[Region] = []
     try:
         for region in regions:
             region.install()
             installed.append(region)
+        if offload is not None:  # after the regions: its saved-tensor hooks wrap a checkpoint's saved inputs
+            offload.install()
+            model.__dict__["_remat_offload"] = offload
     except BaseException:
         for region in installed:
             region.uninstall()
@@ -309,9 +321,10 @@ def _operator_level_region(index: int, layer: nn.Module, name: str, i: int, modu
         raise ApplyError(f"layer {i}: non_matmul already recomputes {'+'.join(redundant)} (no matrix multiply in "
                          "them): drop them from the selective modules")
     inside = [target for module in modules if module != "non_matmul" and not module.startswith(CONTRACTION_PREFIX)
-              for _, target in _selective_targets(layer, name, module)]
+              and not module.startswith(KEEP_OPS) for _, target in _selective_targets(layer, name, module)]
     return Region(index, "selective:" + "+".join(modules), [layer], [name], "non-reentrant", layer_indices=(i,),
-                  matmuls_inside=inside, max_contraction=contraction_limit(modules))
+                  matmuls_inside=inside, max_contraction=contraction_limit(modules),
+                  kept_ops=kept_operators(modules))  # keep_ops(...): remat.recompute.plan_format
 
 
 def _mark_offloaded(policy: RecomputeLayout, depth: int, regions: list[Region]) -> None:

@@ -28,7 +28,8 @@ from remat.recompute.engines import OutputSpec, RngState, recompute_and_backprop
 _TRANSFER_STREAMS: dict[torch.device, Any] = {}
 
 
-def _transfer_stream(device: torch.device) -> Any:
+def transfer_stream(device: torch.device) -> Any:
+    """The side CUDA stream host copies of ``device``'s tensors are made on (one per device, made once)."""
     if device not in _TRANSFER_STREAMS:
         _TRANSFER_STREAMS[device] = torch.cuda.Stream(device)
     return _TRANSFER_STREAMS[device]
@@ -39,10 +40,11 @@ def offload_to_host(tensor: torch.Tensor) -> torch.Tensor:
     with _disable_current_modes():
         if tensor.device.type != "cuda":
             return tensor.detach().to("cpu", copy=True)
-        stream = _transfer_stream(tensor.device)
+        stream = transfer_stream(tensor.device)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            # the device tensor's layout (its stride order), so that a copy brought back computes as the original
+            host = torch.empty_like(tensor, device="cpu", pin_memory=True)
             host.copy_(tensor, non_blocking=True)
         tensor.record_stream(stream)  # its memory is not reused before the copy has read it
         return host
@@ -53,7 +55,7 @@ def restore_from_host(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     with _disable_current_modes():
         if device.type != "cuda":
             return host
-        stream = _transfer_stream(device)
+        stream = transfer_stream(device)
         with torch.cuda.stream(stream):
             restored = host.to(device, non_blocking=True)
         current = torch.cuda.current_stream(device)

@@ -32,3 +32,8 @@ def contraction(func: Any, args: Sequence[Any]) -> int | None:
     if packet in (torch.ops.aten.addmm, torch.ops.aten.baddbmm):
         return int(args[1].shape[-1])
     return None
+
+
+# Every overload of MATMUL_OPS (what a dispatch mode sees: aten.mm.default, aten.addmm.out, ...), for a set lookup per
+# operator.
+MATMUL_OVERLOADS = frozenset(getattr(packet, name) for packet in MATMUL_OPS for name in packet.overloads())

@@ -23,6 +23,55 @@ def usable_set(modules: Iterable[str]) -> bool:
     return not {"mlp", "act"} <= mods and not ("non_matmul" in mods and mods & set(NON_MATMUL_INCLUDES))
 
 
+# NOTE [operator sets]: ``keep_ops(<indices>)`` is a selective "module" finer than any module: the layer is one
+# checkpoint under torch's selective activation checkpointing that keeps the outputs of exactly the listed
+# operators and recomputes every other one in backward. Operator i is the i-th aten operator the layer's forward
+# dispatches, from 0, counting every operator torch's selective checkpointing asks its policy about (all but
+# torch.utils.checkpoint.SAC_IGNORED_OPS: size/stride queries and detach); remat.plan lists a layer's operators
+# (remat.plan.operator_space). Indices are written sorted, runs as ranges: ``keep_ops(3,19-21,41)``; ``keep_ops()``
+# keeps nothing (the whole layer is recomputed). An in-place operator that mutates a kept output must be kept with
+# it (apply refuses the plan at the first step otherwise). It stands alone in a selective set.
+KEEP_OPS = "keep_ops"
+_KEEP_OPS_RE = re.compile(r"keep_ops\(([0-9,\-]*)\)")
+
+
+def keep_ops_token(indices: Iterable[int]) -> str:
+    """The selective module that keeps the outputs of operators ``indices`` (NOTE [operator sets]), canonical:
+    ``keep_ops_token([41, 3, 19, 20, 21]) == 'keep_ops(3,19-21,41)'``."""
+    values = sorted(set(indices))
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in values):
+        raise PlanError(f"keep_ops indices {values}: give operator indices, integers >= 0")
+    runs: list[str] = []
+    k = 0
+    while k < len(values):
+        j = k
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        runs.append(str(values[k]) if j == k else f"{values[k]}-{values[j]}")
+        k = j + 1
+    return f"{KEEP_OPS}({','.join(runs)})"
+
+
+def kept_operators(modules: Iterable[str]) -> frozenset[int] | None:
+    """The operator indices a selective set's ``keep_ops(...)`` keeps, or None when it has none. Raises
+    :class:`PlanError` for a malformed one."""
+    found = None
+    for m in modules:
+        if not (isinstance(m, str) and m.strip().startswith(KEEP_OPS)):
+            continue
+        match = _KEEP_OPS_RE.fullmatch(m.strip().replace(" ", ""))
+        if not match:
+            raise PlanError(f"selective module {m!r}: write keep_ops(<operator indices>), e.g. keep_ops(3,19-21,41)")
+        out: set[int] = set()
+        for part in filter(None, match.group(1).split(",")):
+            lo, _, hi = part.partition("-")
+            if not lo.isascii() or not lo.isdigit() or (hi and not (hi.isascii() and hi.isdigit())) or \
+                    (hi and int(hi) < int(lo)):
+                raise PlanError(f"selective module {m!r}: {part!r} is not an index or a range a-b with a <= b")
+            out.update(range(int(lo), int(hi or lo) + 1))
+        found = frozenset(out)
+    return found
+
 
 FORMAT_VERSION = 1
 
@@ -75,7 +124,13 @@ class Segment:
         if self.stop <= self.start:
             raise PlanError(f"segment {self.mode} {self.start}..{self.stop}: stop must be after start")
         mods = tuple(self.modules)
-        if self.mode == "selective":
+        kept = kept_operators(mods) if self.mode == "selective" else None
+        if kept is not None:
+            if len(mods) != 1:
+                raise PlanError(f"selective modules {'+'.join(mods)}: keep_ops(...) names every operator the layer "
+                                "keeps and stands alone: drop the other modules")
+            mods = (keep_ops_token(kept),)
+        elif self.mode == "selective":
             if not mods:
                 raise PlanError(f"selective segment modules {list(mods)}: name at least one of "
                                 f"{', '.join(SELECTIVE_MODULES)}")
@@ -246,9 +301,9 @@ class Plan:
         body, _, engine = text.partition("@")
         engine = engine.strip() or "reentrant"
         segments: list[Segment] = []
-        for piece in body.split(","):
-            match = re.fullmatch(
-                r"\s*(keep|checkpoint|offload|selective/([a-z0-9_+]+))\s+(\d+)(?:-(\d+))?(?:/(\d+))?\s*", piece)
+        for piece in re.split(r",(?![^()]*\))", body):  # commas inside keep_ops(...) do not split
+            match = re.fullmatch(r"\s*(keep|checkpoint|offload|selective/([a-z0-9_+]+|keep_ops\([0-9,\- ]*\)))\s+"
+                                 r"(\d+)(?:-(\d+))?(?:/(\d+))?\s*", piece)
             if not match:
                 raise PlanError(f"cannot read plan segment {piece.strip()!r}: write e.g. 'keep 0-3', "
                                 "'checkpoint 4-11/2', 'selective/core_attn+mlp 12-15', 'offload 16-17'")
@@ -260,7 +315,8 @@ class Plan:
                 raise PlanError(f"'/K' (groups of K) applies to checkpoint and offload segments, not {piece!r}")
             if size < 1 or (last - start + 1) % size:
                 raise PlanError(f"{piece.strip()!r}: {last - start + 1} layers do not split into groups of {size}")
-            modules = tuple(match.group(2).split("+")) if match.group(2) else ()
+            modules = () if not match.group(2) else (match.group(2),) if match.group(2).startswith(KEEP_OPS) \
+                else tuple(match.group(2).split("+"))
             if mode in ("checkpoint", "offload"):
                 segments += [Segment(mode, s, s + size) for s in range(start, last + 1, size)]
             else:
@@ -302,6 +358,9 @@ class Plan:
         if "offload" in modes:
             return None, ("it offloads group inputs to host memory, which Megatron's recompute flags cannot "
                           "express (its fine-grained activation offloading works per module, beside recompute)")
+        if any(kept_operators(u.modules) is not None for u in units):
+            return None, ("it keeps chosen operators' outputs in some layers (keep_ops, torch's selective activation "
+                          "checkpointing); Megatron's --recompute-modules checkpoints whole modules")
         if any("non_matmul" in u.modules for u in units):
             return None, ("it recomputes every operator but the matrix multiplies (non_matmul, torch's selective "
                           "activation checkpointing); Megatron's --recompute-modules checkpoints whole modules")

@@ -24,7 +24,8 @@ from remat.recompute.engines import (
     side_inputs,
 )
 from remat.recompute.offload import OffloadedCheckpoint
-from remat.recompute.operators import MATMUL_OPS, contraction
+from remat.recompute.operator_checkpoint import checkpoint_operators
+from remat.recompute.operators import MATMUL_OVERLOADS, contraction
 
 # Where common model families keep their decoder layers, most specific first.
 LAYER_STACK_PATHS = (
@@ -103,6 +104,8 @@ class Region:
     # the largest contraction dimension of the matmuls recomputed anywhere in the layer (matmul_k<N>; 0: none)
     matmuls_inside: list[nn.Module] = field(default_factory=list)
     max_contraction: int = 0
+    # keep_ops regions (remat.recompute.plan_format NOTE [operator sets]): the indices of the operators kept
+    kept_ops: frozenset[int] | None = None
     _originals: list[Any] = field(default_factory=list, repr=False)
     _running: bool = field(default=False, repr=False)
     _pending: Any = field(default=None, repr=False)
@@ -113,8 +116,9 @@ class Region:
 
     @property
     def operator_level(self) -> bool:
-        """A non_matmul region: one layer under selective activation checkpointing."""
-        return self.kind.startswith("selective:") and "non_matmul" in self.kind.split(":", 1)[1].split("+")
+        """A non_matmul or keep_ops region: one layer under selective activation checkpointing."""
+        return self.kept_ops is not None or (
+            self.kind.startswith("selective:") and "non_matmul" in self.kind.split(":", 1)[1].split("+"))
 
     @property
     def whole_layers(self) -> bool:
@@ -163,13 +167,57 @@ class Region:
     def _leave_inside(self, module: nn.Module, args: Any, output: Any) -> None:
         self._inside -= 1
 
-    def _keep_output(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
-        """The selective-checkpoint policy of a non_matmul region: keep matmul outputs outside matmuls_inside."""
-        if self._inside == 0 and func.overloadpacket in MATMUL_OPS:
-            k = contraction(func, args)
-            if k is None or k > self.max_contraction:
-                return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
-        return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+    def _keeps_output(self, func: Any, args: tuple[Any, ...]) -> bool:
+        """Whether a non_matmul region keeps the output of a matrix multiply (``func`` is one of MATMUL_OVERLOADS):
+        outside matmuls_inside, and with a contraction dimension above max_contraction (or none)."""
+        if self._inside:
+            return False
+        k = contraction(func, args)
+        return k is None or k > self.max_contraction
+
+    def _operator_set_contexts(self) -> Any:
+        """The selective-checkpoint contexts of one keep_ops checkpoint call: the forward keeps operator i's output
+        when i is in ``kept_ops`` (counting the operators the policy is asked about); the recomputation replays the
+        forward's decisions by index. Cache entries may be mutated in place (a kept dropout mask is made by
+        empty_like, bernoulli_ and div_ on one tensor) because an in-place operator that mutates a kept output
+        must be kept too: the recomputation then returns the final tensor for each of them."""
+        kept = self.kept_ops or frozenset()
+        decisions: list[torch.utils.checkpoint.CheckpointPolicy] = []
+        replayed = [0]
+        kept_storages: set[int] = set()
+        drawn = [-1]  # the last kept operator that draws random numbers
+        save = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+        recompute = torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+        label = self.label
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
+            if ctx.is_recompute:
+                i = replayed[0]
+                replayed[0] += 1
+                if i >= len(decisions):
+                    raise ApplyError(f"{label}: the recomputation ran more operators than the forward")
+                return decisions[i]
+            i = len(decisions)
+            keep = i in kept
+            if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
+                mutated = args[0].untyped_storage()._cdata in kept_storages
+                if mutated and not keep:
+                    raise ApplyError(f"{label}: operator {i} ({func}) mutates the output of a kept operator in "
+                                     f"place: keep operator {i} too (keep_ops)")
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                if keep:
+                    drawn[0] = i
+                elif drawn[0] >= 0:  # the recomputation would skip the kept draw and shift this one's numbers
+                    raise ApplyError(f"{label}: operator {drawn[0]} draws random numbers and is kept, so operator "
+                                     f"{i} ({func}), which draws after it, must be kept too (keep_ops)")
+            if keep:
+                for out in (ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)):
+                    if isinstance(out, torch.Tensor):
+                        kept_storages.add(out.untyped_storage()._cdata)
+            decisions.append(save if keep else recompute)
+            return decisions[-1]
+
+        return torch.utils.checkpoint.create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)
 
     # -- running ------------------------------------------------------------------------------------------
     # NOTE [how regions run]
@@ -251,11 +299,11 @@ class Region:
             call_args, call_kwargs = tree_unflatten(filled, spec)
             return self._run(call_args, call_kwargs)
 
-        if self.operator_level:
-            contexts = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
-                                         self._keep_output)
+        if self.kept_ops is not None:
             return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True,
-                                                     context_fn=contexts)
+                                                     context_fn=self._operator_set_contexts)
+        if self.operator_level:  # remat's lean selective checkpoint (remat.recompute.operator_checkpoint)
+            return checkpoint_operators(run, tensors, self._keeps_output, MATMUL_OVERLOADS, self.label)
         if self.engine == "non-reentrant":
             return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False,
                                                      preserve_rng_state=True)

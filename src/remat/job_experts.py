@@ -1,0 +1,205 @@
+"""The mixture-of-experts and multi-latent-attention part of a Megatron-LM job's flags: read into
+:class:`~remat.config.ModelConfig` fields (:func:`moe_mla_fields`) and written back (:func:`moe_mla_args`), so that
+:func:`remat.job.parse_megatron_args` and :meth:`remat.job.Job.to_megatron_args` round-trip MoE and MLA models.
+
+Decisions (Megatron-LM's ``pretrain_gpt.py`` flags, megatron-core 0.16 layer specs):
+
+* ``--num-experts`` makes the model MoE; every other ``--moe-*`` flag below needs it. Defaults are Megatron's:
+  top-2 softmax routing, experts of ``--ffn-hidden-size``, MoE in every layer, no shared expert, no capacity
+  factor, aux-loss coefficient 0.
+* The token dispatcher: remat's reference MoE is Megatron's all-to-all dispatcher
+  (``--moe-token-dispatcher-type alltoall``). Megatron's default is ``allgather``, which on one expert-parallel
+  and tensor-parallel rank permutes the tokens the same way, so it is accepted there; with ep or tp > 1 it
+  gathers every rank's tokens, which remat does not model, so it is refused (give alltoall). Written back as
+  alltoall.
+* ``--multi-latent-attention`` needs ``--qk-layernorm``: remat's MLA has DeepSeek's q/kv norms, which Megatron's
+  MLA layer spec builds only with it (``q_layernorm=qk_norm if qk_layernorm else IdentityOp``); ``--qk-layernorm``
+  without MLA is refused (remat's standard attention has no q/k norms). ``--kv-lora-rank`` must be given with MLA
+  (remat does not assume a default); ``--qk-head-dim`` 128, ``--qk-pos-emb-head-dim`` 64 and ``--v-head-dim`` 128
+  default to megatron-core's ``MLATransformerConfig`` values.
+* The routing assumption (``moe_routing_assumption``) is remat's prediction setting, not a training flag: it is
+  neither read nor written here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from remat.config import ModelConfig
+from remat.job_flags import JobError
+
+_MOE_FLAGS = ("--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
+              "--moe-grouped-gemm", "--moe-layer-freq", "--moe-router-score-function",
+              "--moe-expert-capacity-factor", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type")
+_MLA_FLAGS = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
+
+
+def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields the MoE and MLA flags in ``got`` (flag -> parsed value) set.
+
+    ``expert_model_parallel_size`` is not among them: the job sets it from ``--expert-model-parallel-size``
+    (:meth:`remat.job.Job.build`). Raises :class:`JobError` naming the flag for what Megatron or remat refuses.
+    """
+    out: dict[str, Any] = {}
+    experts = got.get("--num-experts")
+    if experts is None:
+        stray = [f for f in _MOE_FLAGS if f in got]
+        if stray:
+            raise JobError(f"{stray[0]} needs MoE layers: add --num-experts N, or drop {stray[0]}")
+    else:
+        dispatcher = got.get("--moe-token-dispatcher-type")
+        ep = got.get("--expert-model-parallel-size", 1)
+        if dispatcher != "alltoall" and (ep > 1 or tp > 1):
+            given = f"--moe-token-dispatcher-type {dispatcher}" if dispatcher else (
+                "no --moe-token-dispatcher-type (Megatron's default is allgather)")
+            raise JobError(f"{given} with expert or tensor parallelism: the allgather dispatcher gathers every "
+                           "rank's tokens, which remat does not model; add --moe-token-dispatcher-type alltoall "
+                           "(remat's reference MoE)")
+        out.update(num_moe_experts=experts, moe_router_topk=got.get("--moe-router-topk", 2),
+                   moe_ffn_hidden_size=got.get("--moe-ffn-hidden-size"),
+                   moe_shared_expert_intermediate_size=got.get("--moe-shared-expert-intermediate-size"),
+                   moe_grouped_gemm=bool(got.get("--moe-grouped-gemm")),
+                   moe_layer_freq=got.get("--moe-layer-freq", 1),
+                   moe_router_score_function=got.get("--moe-router-score-function", "softmax"),
+                   moe_expert_capacity_factor=got.get("--moe-expert-capacity-factor"),
+                   moe_aux_loss_coeff=got.get("--moe-aux-loss-coeff", 0.0))
+    mla, qk_norm = bool(got.get("--multi-latent-attention")), bool(got.get("--qk-layernorm"))
+    if not mla:
+        stray = [f for f in _MLA_FLAGS if f in got] + ["--qk-layernorm"] * qk_norm
+        if stray:
+            why = " (remat's standard attention has no q/k norms)" if stray[0] == "--qk-layernorm" else ""
+            raise JobError(f"{stray[0]} needs --multi-latent-attention{why}: add it, or drop {stray[0]}")
+        return out
+    if not qk_norm:
+        raise JobError("--multi-latent-attention without --qk-layernorm: remat's MLA has DeepSeek's q/kv norms, "
+                       "which Megatron builds only with --qk-layernorm; add --qk-layernorm")
+    if "--kv-lora-rank" not in got:
+        raise JobError("--multi-latent-attention needs --kv-lora-rank (the key/value compression rank, 512 for "
+                       "DeepSeek-V3): add it")
+    out.update(multi_latent_attention=True, q_lora_rank=got.get("--q-lora-rank"),
+               kv_lora_rank=got["--kv-lora-rank"], qk_head_dim=got.get("--qk-head-dim", 128),
+               qk_pos_emb_head_dim=got.get("--qk-pos-emb-head-dim", 64), v_head_dim=got.get("--v-head-dim", 128))
+    return out
+
+
+def layer_freq_text(freq: int | tuple[int, ...]) -> str:
+    """``--moe-layer-freq`` as Megatron writes it: an integer, or runs such as ``([0]*3+[1]*58)``.
+
+    Example:
+        >>> layer_freq_text((0, 0, 1, 1, 1))
+        '([0]*2+[1]*3)'
+    """
+    if isinstance(freq, int):
+        return str(freq)
+    runs: list[list[int]] = []
+    for x in freq:
+        if runs and runs[-1][0] == x:
+            runs[-1][1] += 1
+        else:
+            runs.append([x, 1])
+    return "(" + "+".join(f"[{x}]*{n}" for x, n in runs) + ")"
+
+
+def moe_mla_args(model: ModelConfig) -> list[str]:
+    """The Megatron flags of ``model``'s MoE and MLA fields (empty for a dense model with standard attention);
+    :func:`moe_mla_fields` reads them back to the same fields."""
+    args: list[str] = []
+    m = model
+    if m.is_moe:
+        args += ["--num-experts", str(m.num_moe_experts), "--moe-router-topk", str(m.moe_router_topk),
+                 "--moe-ffn-hidden-size", str(m.moe_ffn_size), "--moe-token-dispatcher-type", "alltoall"]
+        if m.moe_shared_expert_intermediate_size is not None:
+            args += ["--moe-shared-expert-intermediate-size", str(m.moe_shared_expert_intermediate_size)]
+        args += ["--moe-grouped-gemm"] * m.moe_grouped_gemm
+        if m.moe_layer_freq != 1:
+            args += ["--moe-layer-freq", layer_freq_text(m.moe_layer_freq)]
+        if m.moe_router_score_function != "softmax":
+            args += ["--moe-router-score-function", m.moe_router_score_function]
+        if m.moe_expert_capacity_factor is not None:
+            args += ["--moe-expert-capacity-factor", repr(float(m.moe_expert_capacity_factor))]
+        if m.moe_aux_loss_coeff:
+            args += ["--moe-aux-loss-coeff", repr(float(m.moe_aux_loss_coeff))]
+    if m.multi_latent_attention:
+        args += ["--multi-latent-attention", "--qk-layernorm"]
+        if m.q_lora_rank is not None:
+            args += ["--q-lora-rank", str(m.q_lora_rank)]
+        args += ["--kv-lora-rank", str(m.kv_lora_rank), "--qk-head-dim", str(m.qk_head_dim),
+                 "--qk-pos-emb-head-dim", str(m.qk_pos_emb_head_dim), "--v-head-dim", str(m.v_head_dim)]
+    return args
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def model_with_ep(model: ModelConfig, ep: Any) -> ModelConfig:
+    """``model`` with ``expert_model_parallel_size=ep``; a bad ep is refused naming the job's flag."""
+    if model.expert_model_parallel_size == ep:
+        return model
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise JobError(f"ep (--expert-model-parallel-size)={ep!r}: must be a positive integer")
+    if not model.is_moe:
+        raise JobError(f"ep (--expert-model-parallel-size)={ep}: the model has no experts; give --num-experts "
+                       "(num_moe_experts), or use ep=1")
+    experts = int(model.num_moe_experts or 1)
+    if experts % ep:
+        raise JobError(f"ep (--expert-model-parallel-size)={ep} does not divide num_moe_experts={experts} "
+                       f"(--num-experts): Megatron gives every expert-parallel rank the same number of experts; use "
+                       f"ep from {_divisors(experts)}")
+    return model.replace(expert_model_parallel_size=ep)
+
+
+def check_expert_layout(model: ModelConfig, *, ep: int, etp: int, tp: int, cp: int, dp: int) -> None:
+    """Megatron's rules for the expert layout (megatron/training/arguments.py::validate_args and parallel_state's
+    expert rank generator: ep x etp must divide tp x cp x dp), each refused naming the flag and the fix.
+
+    Args:
+        model: the model (its ``expert_model_parallel_size`` must be ``ep``).
+        ep, tp, cp, dp: the job's sizes.
+        etp: the experts' tensor-parallel size (``--expert-tensor-parallel-size``, default tp).
+    """
+    if not model.is_moe:
+        if etp != tp:
+            raise JobError(f"etp (--expert-tensor-parallel-size)={etp}: expert tensor parallelism applies to MoE "
+                           "layers and the model has no experts (--num-experts); drop it (or set it to tp)")
+        if ep != 1:
+            raise JobError(f"ep (--expert-model-parallel-size)={ep}: the model has no experts; give --num-experts, "
+                           "or use ep=1")
+    if model.expert_model_parallel_size != ep:
+        raise JobError(f"model.expert_model_parallel_size={model.expert_model_parallel_size} but ep "
+                       f"(--expert-model-parallel-size)={ep}: the job's ep shards the model's experts; use "
+                       f"Job.build(model, ep=...) (which sets the field) or model.replace(expert_model_parallel_size="
+                       f"{ep})")
+    if not model.is_moe:
+        return
+    model_with_ep(model.replace(expert_model_parallel_size=1), ep)  # ep divides the experts
+    if model.moe_ffn_size % etp:
+        raise JobError(f"etp (--expert-tensor-parallel-size)={etp} does not divide the experts' FFN size "
+                       f"{model.moe_ffn_size} (--moe-ffn-hidden-size): use an etp that divides it")
+    inner = tp * cp * dp
+    if inner % (ep * etp):
+        raise JobError(f"ep (--expert-model-parallel-size)={ep} x expert tensor-parallel size {etp} does not divide "
+                       f"tp x cp x dp = {inner}: Megatron lays the expert-parallel groups out inside the data-parallel "
+                       f"ranks; raise dp (--data-parallel-size/--world-size) to a multiple of "
+                       f"{ep * etp // math.gcd(ep * etp, tp * cp)}")
+
+
+# recompute module -> (what the model needs, the flag that adds it)
+_MODULE_NEEDS = {"moe": ("MoE layers", "--num-experts"), "moe_act": ("MoE layers", "--num-experts"),
+                 "shared_experts": ("a shared expert", "--moe-shared-expert-intermediate-size"),
+                 "mla_up_proj": ("multi-latent attention", "--multi-latent-attention")}
+
+
+def check_recompute_modules(model: ModelConfig, modules: tuple[str, ...]) -> None:
+    """Refuse a selective recompute module whose layers the model does not have, naming it and the flag that adds
+    them (``--moe-layer-recompute`` is selective ``moe``)."""
+    has = {"moe": model.is_moe, "moe_act": model.is_moe,
+           "shared_experts": model.moe_shared_expert_intermediate_size is not None,
+           "mla_up_proj": model.multi_latent_attention}
+    for module in modules:
+        if module in has and not has[module]:
+            what, flag = _MODULE_NEEDS[module]
+            alias = " / --moe-layer-recompute" if module == "moe" else ""
+            raise JobError(f"recompute module {module!r} (--recompute-modules{alias}) recomputes {what}, which the "
+                           f"model does not have: add {flag}, or drop {module}")

@@ -1,0 +1,288 @@
+"""The engine of operator-level regions (``selective/non_matmul``): a selective activation checkpoint that keeps the
+outputs of the operators a rule picks and recomputes every other operator of the region in backward."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._C._autograd import _make_saved_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+Keeps = Callable[[Any, tuple[Any, ...]], bool]
+
+
+class OperatorCheckpointError(RuntimeError):
+    """The recomputation of an operator-level region did not replay its forward; the message says what to change."""
+
+
+# NOTE [the operator checkpoint]
+# checkpoint_operators has the semantics of torch.utils.checkpoint.checkpoint(use_reentrant=False) with
+# create_selective_checkpoint_contexts, and the same tensors live at every moment (so measured and predicted bytes
+# are those of torch's selective checkpointing), but a fraction of its Python work per operator. torch's pair of
+# dispatch modes keys a cache by operator and count, builds a SelectiveCheckpointContext and calls the policy at
+# every operator in forward, and looks every operator up in the cache in the recomputation, each call wrapped in a
+# dynamo-disable frame; its frame keeps a holder, a handle and weak dictionaries per saved tensor and enters autocast
+# and device contexts per recomputation. On the reference GPT (64 operators a layer) that was ~7% of the forward and
+# ~0.02 s of a step's backward, more than the operators themselves cost on small layers.
+#
+# Here, in forward the region runs under saved-tensor hooks that keep nothing but a _Slot per saved tensor, and under
+# _Keep, which runs every operator and keeps (detached: the same storage and version counter) the output of each
+# candidate operator the rule keeps, in order. The first unpack in backward recomputes the region: the RNG state
+# (CPU, and the CUDA devices of the inputs once CUDA is initialised), autocast and default device of the forward
+# restored, grad on, under saved-tensor hooks that fill the slots in order and stop the recomputation right after
+# the last one (torch's early stop), and under _Reuse, which hands back the kept outputs in order instead of running
+# those operators, checking that each is the same operator and that its output was not modified in place, and lets
+# go of each as it is used. A slot lets go of its tensor when it is unpacked or when autograd frees it.
+class _Slot:
+    """What autograd holds in place of one tensor saved in the forward: the recomputed tensor, once recomputed."""
+
+    __slots__ = ("__weakref__", "value")
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+
+class _Kept:
+    """A kept operator output: the operator, its output (detached tensors) and their versions."""
+
+    __slots__ = ("func", "value", "versions")
+
+    def __init__(self, func: Any, out: Any):
+        self.func = func
+        if isinstance(out, torch.Tensor):
+            self.value: Any = _alias(out)
+            self.versions: Any = out._version
+        else:  # a tuple of outputs (attention kernels: output and logsumexp)
+            self.value = type(out)(_alias(o) if isinstance(o, torch.Tensor) else o for o in out)
+            self.versions = tuple(o._version if isinstance(o, torch.Tensor) else None for o in out)
+
+    def modified(self) -> bool:
+        if isinstance(self.value, torch.Tensor):
+            return self.value._version != self.versions
+        return any(v is not None and o._version != v for o, v in zip(self.value, self.versions))
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    # Inside a dispatch mode the ADInplaceOrView key is excluded; with it, the alias shares the output's version
+    # counter (so an in-place change of the output is seen) and has no autograd metadata (so autograd can make it
+    # the output of the recomputed operator), as torch's selective checkpointing does.
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
+class _Keep(TorchDispatchMode):
+    """Forward: run every operator; keep the output of each candidate operator the frame's rule keeps."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # otherwise torch wraps __torch_dispatch__ in a dynamo-disable frame, a few microseconds per operator;
+        # regions under torch.compile use torch's own selective checkpointing (checkpoint_operators)
+        return False
+
+    def __init__(self, frame: _Frame):
+        super().__init__()
+        self.frame = frame
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        frame = self.frame
+        if func in frame.candidates and frame.keeps(func, args):
+            frame.kept.append(_Kept(func, out))
+        return out
+
+
+class _Reuse(TorchDispatchMode):
+    """Recomputation: hand back the kept outputs in order; run every other operator."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # see _Keep
+        return False
+
+    def __init__(self, frame: _Frame):
+        super().__init__()
+        self.frame = frame
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        frame = self.frame
+        if func in frame.candidates and frame.keeps(func, args):
+            return frame.reuse(func)
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+
+class _StopRecomputation(Exception):
+    """Raised by the recomputation's pack hook once the last saved tensor is recomputed (torch's early stop)."""
+
+
+class _Frame:
+    """One call of checkpoint_operators: its inputs and forward state, the kept outputs and the slots."""
+
+    def __init__(self, run: Callable[..., Any], tensors: Sequence[torch.Tensor], keeps: Keeps,
+                 candidates: frozenset[Any], label: str):
+        self.run, self.keeps, self.candidates, self.label = run, keeps, candidates, label
+        # as torch's checkpoint keeps its inputs: saved variables (an in-place change is caught at unpack; saved-
+        # tensor hooks active around the region see them)
+        self.inputs = [_make_saved_tensor(t, is_output=False) for t in tensors]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"}) \
+            if torch.cuda.is_initialized() else []
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+        device_type = next((t.device.type for t in tensors if t.device.type != "cpu"), "cpu")
+        self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in dict.fromkeys((device_type, "cpu"))]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.default_device = torch.get_default_device()
+        self.kept: list[_Kept | None] = []
+        self.slots: list[weakref.ref[_Slot]] = []
+        self.reused = 0
+        self.recomputed = False
+
+    # -- forward ------------------------------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> _Slot:
+        slot = _Slot()
+        self.slots.append(weakref.ref(slot))
+        return slot
+
+    # -- backward -----------------------------------------------------------------------------------------
+    def unpack(self, slot: _Slot) -> torch.Tensor:
+        if not self.recomputed:
+            self.recompute()
+        value = slot.value
+        if value is None:
+            raise OperatorCheckpointError(
+                f"{self.label}: a tensor it saved was asked for a second time (a second backward through the layer, "
+                "e.g. retain_graph=True): an operator-level (non_matmul) layer is recomputed once, so it can be "
+                "backpropagated once; use full recompute or none for repeated backward passes")
+        slot.value = None
+        return value
+
+    def reuse(self, func: Any) -> Any:
+        i = self.reused
+        entry = self.kept[i] if i < len(self.kept) else None
+        if entry is None or entry.func is not func:
+            kept = "nothing more" if entry is None else f"the output of {entry.func}"
+            raise OperatorCheckpointError(
+                f"{self.label}: the recomputation ran {func} where the forward kept {kept} (kept operator {i}): the "
+                "layer's forward ran other operators in backward than in forward (it depends on state that changed); "
+                "use full recompute for this layer")
+        if entry.modified():
+            raise OperatorCheckpointError(
+                f"{self.label}: the output of {func}, kept for the recomputation, was modified in place after the "
+                "forward made it: operator-level recompute needs the kept matrix-multiply outputs unchanged; use "
+                "full recompute for this layer, or make the model's operation on it out-of-place")
+        self.kept[i] = None  # its last holder is now the recomputed graph, as the forward's was its graph
+        self.reused = i + 1
+        return entry.value
+
+    def recompute(self) -> None:
+        self.recomputed = True
+        slots = self.slots
+        total = len(slots)
+        count = 0
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal count
+            tensor = tensor.detach() if tensor.requires_grad else tensor
+            slot = slots[count]() if count < total else None
+            count += 1
+            if slot is not None:  # a slot autograd already freed needs nothing
+                slot.value = tensor
+            if count >= total:
+                raise _StopRecomputation
+            return tensor
+
+        inputs = [saved.unpack() for saved in self.inputs]
+        try:
+            with torch.random.fork_rng(devices=self.cuda_devices), self._forward_state(), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, _same), torch.enable_grad(), _Reuse(self):
+                torch.set_rng_state(self.cpu_rng)
+                for device, state in zip(self.cuda_devices, self.cuda_rng):
+                    torch.cuda.set_rng_state(state, device)
+                self.run(*inputs)
+        except _StopRecomputation:
+            pass
+        if count != total:
+            raise OperatorCheckpointError(
+                f"{self.label}: the recomputation saved {count} tensors for backward where the forward saved {total}: "
+                "the layer's forward is not the same when rerun (it depends on state that changed); use full "
+                "recompute for this layer")
+
+    def _forward_state(self) -> Any:
+        """Autocast and default device as in the forward, where they differ now (usually nothing to do)."""
+        stack = _Contexts()
+        if any(enabled or torch.is_autocast_enabled(d) for d, enabled, _ in self.autocast):
+            for device, enabled, dtype in self.autocast:
+                stack.add(torch.amp.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache))
+        if torch.get_default_device() != self.default_device:
+            stack.add(self.default_device)
+        return stack
+
+
+class _Contexts:
+    """Enter the context managers added (in order) and exit them in reverse."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def add(self, item: Any) -> None:
+        self.items.append(item)
+
+    def __enter__(self) -> None:
+        for item in self.items:
+            item.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for item in reversed(self.items):
+            item.__exit__(*exc)
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def checkpoint_operators(run: Callable[..., Any], tensors: Sequence[torch.Tensor], keeps: Keeps,
+                         candidates: frozenset[Any], label: str) -> Any:
+    """Run ``run(*tensors)`` under a selective activation checkpoint (NOTE [the operator checkpoint]).
+
+    The forward keeps the output of every operator in ``candidates`` (aten overloads) for which ``keeps(func,
+    args)`` is true, and nothing else autograd would save; the first time backward needs a saved tensor, the region
+    is run again (RNG state, autocast and default device of the forward, grad enabled) with each kept operator
+    replaced by its kept output, until the last saved tensor is recomputed. ``keeps`` must decide the same in the
+    recomputation as in the forward (it sees the recomputed arguments). Gradients equal the plain run's bit for bit
+    and the tensors alive at every moment are those of ``torch.utils.checkpoint.checkpoint(run, *tensors,
+    use_reentrant=False, context_fn=<selective contexts of the same policy>)``; under ``torch.compile`` that is
+    what runs.
+
+    Args:
+        run: the region; called with ``tensors``, in forward and once more in backward.
+        tensors: the region's tensor inputs (kept as torch's checkpoint keeps its inputs).
+        keeps: whether to keep a candidate operator's output, given the operator and its arguments.
+        candidates: the operators ``keeps`` is asked about (others are always recomputed).
+        label: how errors name the region (``'non_matmul in layers.3'``).
+
+    Returns:
+        What ``run`` returns.
+
+    Raises:
+        OperatorCheckpointError: in backward, when the recomputation does not replay the forward (other kept
+            operators, another number of saved tensors, a kept output modified in place) or when the region is
+            backpropagated a second time.
+    """
+    if not torch.is_grad_enabled():  # nothing is saved for backward: run it as it is (as torch's checkpoint does)
+        return run(*tensors)
+    if torch.compiler.is_compiling():
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
+            keep = func in candidates and keeps(func, args)
+            return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if keep else \
+                torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+        return torch.utils.checkpoint.checkpoint(
+            run, *tensors, use_reentrant=False, preserve_rng_state=True,
+            context_fn=lambda: torch.utils.checkpoint.create_selective_checkpoint_contexts(policy))
+    frame = _Frame(run, tensors, keeps, candidates, label)
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), _Keep(frame):
+        return run(*tensors)

@@ -1,0 +1,24 @@
+"""The tiny GPT and Llama that the prediction, composition and command-line tests share (``from tiny_models import
+GPT``: pytest puts tests/ on the import path through tests/conftest.py).
+
+Tiny on purpose: every byte of a step is traced or measured, and the size changes no code path.
+"""
+
+from __future__ import annotations
+
+from remat.config import ModelConfig
+
+GPT = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
+                  vocab_size=64)
+# Llama's shape: grouped-query attention, SwiGLU, RMSNorm, rope, SDPA, no dropout and no biases.
+LLAMA = GPT.replace(num_query_groups=2, activation="swiglu", normalization="rmsnorm", position="rope",
+                    attention="sdpa", hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False)
+STYLES = {"gpt": GPT, "llama": LLAMA}
+# GPT as the command line's model flags.
+GPT_FLAGS = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16", "--batch", "2", "--vocab", "64"]
+ENGINES = ("reentrant", "non-reentrant")
+
+
+def with_engine(policy: str, engine: str) -> str:
+    """``policy`` run by ``engine`` (none has no engine; reentrant is the default, left unwritten)."""
+    return policy if engine == "reentrant" or policy == "none" else f"{policy}@{engine}"
