@@ -40,6 +40,7 @@ Usage::
     python benchmarks/bench_step_time.py            # default small GPT, <= ~5 min on 2 cores
     python benchmarks/bench_step_time.py --quick    # tiny config, a few rounds: a smoke check
     python benchmarks/bench_step_time.py --layers 12 --hidden 512 --json out.json
+    python benchmarks/bench_step_time.py --only 1 --policies selective/non_matmul --repeats 60  # more rounds
 """
 
 from __future__ import annotations
@@ -51,151 +52,23 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import functools
-import gc
 import json
 import platform
 import random
-import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from step_timing import Bench, Forward, Variant, bootstrap_ci, median, overall, spread, sync, verdict
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import remat
 from remat import ModelConfig, build_model, sample_batch
 from remat.recompute.operators import MATMUL_OPS
-
-Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-# ------------------------------------------------------------------------------------------ timing helpers
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
-def quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return (xs[0], xs[0]) if xs else (float("nan"), float("nan"))
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
-
-
-def spread(xs: list[float]) -> float:
-    """Interquartile range relative to the median (a noise gauge)."""
-    lo, hi = quartiles(xs)
-    m = median(xs)
-    return (hi - lo) / m if m else float("nan")
-
-
-def bootstrap_ci(xs: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of the median of xs (nan below 5 samples: too few to say anything)."""
-    if len(xs) < 5:
-        return float("nan"), float("nan")
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
-    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
-
-
-def verdict(ratio: float, ci: tuple[float, float], limit: float) -> str:
-    """PASS: the median ratio is within the limit; FAIL: even the low end of its 95% interval is over it;
-    FAIL?: over the limit, but not beyond the noise."""
-    if ratio <= limit:
-        return "PASS"
-    return "FAIL" if ci[0] > limit else "FAIL?"
-
-
-def overall(verdicts: list[str]) -> str:
-    if all(v == "PASS" for v in verdicts):
-        return "PASS"
-    return "FAIL" if "FAIL" in verdicts else "FAIL? (over the limit within the noise: rerun on a quieter machine)"
-
-
-@dataclass
-class Variant:
-    """One way of running the step; ``setup`` prepares the model and returns the forward to time."""
-
-    name: str
-    setup: Callable[[], Forward]
-    teardown: Callable[[], None] = lambda: None
-    forward_times: list[float] = field(default_factory=list)
-    backward_times: list[float] = field(default_factory=list)
-    cpu_times: list[float] = field(default_factory=list)  # process CPU seconds of the whole step
-
-    @property
-    def step_times(self) -> list[float]:
-        return [f + b for f, b in zip(self.forward_times, self.backward_times)]
-
-
-class Bench:
-    def __init__(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, device: torch.device,
-                 seed: int):
-        self.model, self.tokens, self.labels, self.device, self.seed = model, tokens, labels, device, seed
-
-    def step(self, forward: Forward) -> tuple[float, float, float]:
-        """One forward + loss + backward; returns (forward seconds, backward seconds, process CPU seconds)."""
-        self.model.zero_grad(set_to_none=True)
-        gc.collect()
-        torch.manual_seed(self.seed)  # the same dropout masks for every variant
-        _sync(self.device)
-        c0 = time.process_time()
-        t0 = time.perf_counter()
-        loss = forward(self.tokens, self.labels)
-        _sync(self.device)
-        t1 = time.perf_counter()
-        loss.backward()
-        _sync(self.device)
-        t2 = time.perf_counter()
-        return t1 - t0, t2 - t1, time.process_time() - c0
-
-    def run_variant(self, v: Variant, record: bool) -> None:
-        forward = v.setup()
-        try:
-            f, b, c = self.step(forward)
-        finally:
-            v.teardown()
-        if record:
-            v.forward_times.append(f)
-            v.backward_times.append(b)
-            v.cpu_times.append(c)
-
-    def rounds(self, schedule: Callable[[random.Random], list[Variant]], repeats: int, warmup: int,
-               max_seconds: float, label: str, rng: random.Random) -> int:
-        """Run ``warmup`` unrecorded then up to ``repeats`` recorded rounds, but (after 3) none that would end
-        past ``max_seconds``, judging by the rounds so far."""
-        gc.collect()
-        gc.freeze()  # long-lived objects out of the collector's way: the per-step gc.collect() is then ~10 us
-        gc.disable()
-        try:
-            for _ in range(warmup):
-                for v in schedule(rng):
-                    self.run_variant(v, record=False)
-            start = time.perf_counter()
-            done = 0
-            for r in range(repeats):
-                for v in schedule(rng):
-                    self.run_variant(v, record=True)
-                done = r + 1
-                elapsed = time.perf_counter() - start
-                print(f"\r  {label}: round {done}/{repeats}  {elapsed:5.0f} s", end="", file=sys.stderr,
-                      flush=True)
-                if done >= 3 and elapsed * (done + 1) / done > max_seconds:
-                    break
-            print(file=sys.stderr)
-            return done
-        finally:
-            gc.enable()
-            gc.unfreeze()
 
 
 # ------------------------------------------------------------------------------------------ variants
@@ -281,10 +154,10 @@ class OperatorProbe:
                                    kwargs: dict[str, Any] | None = None) -> Any:
                 if not probe.depth or func.overloadpacket in MATMUL_OPS:
                     return func(*args, **(kwargs or {}))
-                _sync(probe.device)
+                sync(probe.device)
                 start = time.perf_counter()
                 out = func(*args, **(kwargs or {}))
-                _sync(probe.device)
+                sync(probe.device)
                 probe.current += time.perf_counter() - start
                 return out
 
@@ -327,11 +200,11 @@ class ForwardProbe:
 
     def _watch(self, module: nn.Module, key: str) -> None:
         def pre(mod: nn.Module, args: Any) -> None:
-            _sync(self.device)
+            sync(self.device)
             self.starts[id(mod)] = time.perf_counter()
 
         def post(mod: nn.Module, args: Any, out: Any) -> None:
-            _sync(self.device)
+            sync(self.device)
             self.current[key] = self.current.get(key, 0.0) + time.perf_counter() - self.starts.pop(id(mod))
 
         self.handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
@@ -403,6 +276,11 @@ def table1(bench: Bench, args: argparse.Namespace, rng: random.Random) -> dict[s
     half = max(1, L // 2)
     policies = ["full/uniform/1", f"full/uniform/{L}", f"full/block/{half}", "selective/core_attn",
                 "selective/core_attn+mlp", "selective/non_matmul"]
+    if args.policies:  # a subset: fewer variants per round, so more rounds in the same time
+        unknown = [p for p in args.policies.split(",") if p not in policies]
+        if unknown:
+            raise SystemExit(f"--policies {unknown[0]!r}: table 1 runs {', '.join(policies)}")
+        policies = [p for p in policies if p in args.policies.split(",")]
     none = remat_variant(bench, "none")
     probe = ForwardProbe(bench.model, bench.device)
     probe_v = probe.variant()
@@ -410,7 +288,8 @@ def table1(bench: Bench, args: argparse.Namespace, rng: random.Random) -> dict[s
     operators_v = operators.variant()
     variants = [(p, e, remat_variant(bench, p if e == "reentrant" else f"{p}@{e}"))
                 for e in ENGINES for p in policies]
-    variants.append(("selective/non_matmul", "torch", torch_selective_variant(bench)))
+    if "selective/non_matmul" in policies:
+        variants.append(("selective/non_matmul", "torch", torch_selective_variant(bench)))
     everything = [none, probe_v, operators_v] + [v for _, _, v in variants]
 
     def schedule(r: random.Random) -> list[Variant]:
@@ -464,10 +343,13 @@ def table1(bench: Bench, args: argparse.Namespace, rng: random.Random) -> dict[s
         ci = f"{r['ratio_ci95'][0]:.2f}-{r['ratio_ci95'][1]:.2f}"
         print(f"  {r['policy']:<38}{r['median_s']:>9.4f}{r['ratio']:>8.3f}{ci:>13}{r['cpu_ratio']:>11.3f}"
               f"{r['bound']:>8.3f}  {r['verdict']}")
-    full = overall([r["verdict"] for r in rows if r["full"]])
-    print(f"  full recompute within its bound + {args.tolerance:.2f} (both engines): {full}")
-    non_matmul = overall([r["verdict"] for r in rows if r["policy"].startswith("selective/non_matmul")])
-    print(f"  selective/non_matmul within its bound + {args.tolerance:.2f}: {non_matmul}")
+    full = overall([r["verdict"] for r in rows if r["full"]]) if any(r["full"] for r in rows) else None
+    if full:
+        print(f"  full recompute within its bound + {args.tolerance:.2f} (both engines): {full}")
+    non_matmul_rows = [r["verdict"] for r in rows if r["policy"].startswith("selective/non_matmul")]
+    non_matmul = overall(non_matmul_rows) if non_matmul_rows else None
+    if non_matmul:
+        print(f"  selective/non_matmul within its bound + {args.tolerance:.2f} (both engines): {non_matmul}")
     return {"rounds": rounds, "F_s": F, "B_s": B, "forward_share": F / plain,
             "layers_share": sum(layer_fw) / plain, "core_attn_share": shares["core_attn"] * F / plain,
             "mlp_share": shares["mlp"] * F / plain, "non_matmul_share": non_matmul_share, "tolerance": args.tolerance,
@@ -584,6 +466,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="table 2: skip the A/A row (hand-written against itself)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--only", choices=("1", "2"), default=None, help="run only one table")
+    r.add_argument("--policies", default=None,
+                   help="table 1: only these policies (comma-separated, e.g. selective/non_matmul), each with both "
+                        "engines; none and the probes always run")
     r.add_argument("--json", default=None, help="also write the results (with raw times) to this file")
     r.add_argument("--quick", action="store_true",
                    help="smoke check: tiny config (4 layers h=64 s=64 b=2), 3 rounds, 1 warm-up round")

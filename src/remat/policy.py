@@ -161,10 +161,11 @@ class Policy:
       experts); ``mla_up_proj`` discards MLA's up-projected, rotated queries, keys and values once the attention
       core has used them. As in Megatron, ``mlp`` checkpoints dense MLPs only, not MoE layers.
     * ``non_matmul`` is remat's own too, and works at the level of operators rather than modules: the whole
-      layer is one checkpoint (torch's non-reentrant engine with ``create_selective_checkpoint_contexts``,
-      whatever ``engine`` says) that keeps the outputs of its matrix multiplies (``mm``, ``addmm``, ``bmm``,
-      ``baddbmm``, fused attention) and recomputes every other operator (norms, softmax, dropout, activations,
-      rotary, residual adds) from them in backward. It recomputes no FLOPs (FLOP counters count only
+      layer is one selective activation checkpoint (remat.recompute.operator_checkpoint: the semantics of torch's
+      non-reentrant engine with ``create_selective_checkpoint_contexts``, whatever ``engine`` says) that keeps
+      the outputs of its matrix multiplies (``mm``, ``addmm``, ``bmm``, ``baddbmm``, fused attention) and
+      recomputes every other operator (norms, softmax, dropout, activations, rotary, residual adds) from them in
+      backward. It recomputes no FLOPs (FLOP counters count only
       matmul-like operators) yet drops most of a layer's activations, much as a compiler's min-cut partitioner
       does. Combined with ``core_attn`` or ``mlp`` it also recomputes those modules' matrix multiplies;
       combined with ``layernorm`` or ``act`` it is refused (it already recomputes them). ``matmul_k<N>`` (with

@@ -63,8 +63,13 @@ def assert_same_chunk(composed: ChunkTrace, full: ChunkTrace) -> None:
         assert getattr(composed, name) == getattr(full, name), name
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-bif{int(c[3])}-tp{c[4]}{'sp' if c[5] else ''}")
-def test_composed_chunk_equals_full_trace(case) -> None:
+def case_id(case: tuple) -> str:
+    name, kind, layout, in_forward, tp, sp = case
+    return f"{name}-{kind}-{layout}-bif{int(in_forward)}-tp{tp}{'sp' if sp else ''}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_composed_chunk_equals_full_trace(case: tuple) -> None:
     name, kind, layout, in_forward, tp, sp = case
     config = CONFIGS[name]
     recompute = PLAN if layout == "plan" else Policy.parse(layout)

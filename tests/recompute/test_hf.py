@@ -308,8 +308,12 @@ def assert_same_timeline(predicted, measured) -> None:
     assert predicted.peak_bytes == measured.peak_bytes
 
 
-@pytest.mark.parametrize("inputs", list(MASK_BATCHES))
-@pytest.mark.parametrize("policy", ["none", "full/uniform/1"])
+# The mask is decided once per forward, before the layers, which recompute does not run again: every batch runs
+# with recompute (its checkpoints keep the mask the model built), the plain step with the default batch.
+MASK_CASES = [(inputs, "full/uniform/1") for inputs in MASK_BATCHES] + [("no cache", "none")]
+
+
+@pytest.mark.parametrize("inputs, policy", MASK_CASES)
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_predicted_timeline_is_the_measured_one(family, policy, inputs):
     batch = {**BATCH, **MASK_BATCHES[inputs], "use_cache": False}

@@ -103,3 +103,47 @@ def forward_rows_alive_into_backward(config: ModelConfig, policy: str, module: s
 def test_output_discarding_keeps_nothing_of_the_producer(policy: str, module: str) -> None:
     assert forward_rows_alive_into_backward(DEEPSEEK_LIKE, "none", module) > 0
     assert forward_rows_alive_into_backward(DEEPSEEK_LIKE, policy, module) == 0
+
+
+def discarded_output_bytes(config: ModelConfig, module: str) -> int:
+    """The bytes of the outputs the producers of ``module`` (a name fragment) return in one plain forward."""
+    model = build_model(config)
+    total = [0]
+
+    def count(_: torch.nn.Module, __: object, output: object) -> None:
+        outputs = output if isinstance(output, tuple) else (output,)
+        total[0] += sum(t.untyped_storage().nbytes() for t in outputs)
+
+    for name, sub in model.named_modules():
+        if name.endswith(module):
+            sub.register_forward_hook(count)
+    with torch.no_grad():
+        model(*sample_batch(config))
+    return total[0]
+
+
+@pytest.mark.parametrize("policy,module", [("selective/moe_act", "mlp.experts.activation"),
+                                           ("selective/mla_up_proj", "self_attention.up_proj")])
+def test_output_discarding_lowers_memory_and_frees_the_kept_inputs(policy: str, module: str) -> None:
+    """The forward ends lower by at least the discarded outputs (the kept inputs are tensors the plain model saves
+    anyway), each region's kept inputs are gone once its layer's backward is over (no reference cycle keeps them
+    into the layers below), and so the step's peak is not above the plain model's."""
+    config = DEEPSEEK_LIKE.replace(moe_routing_assumption="balanced")
+    timelines = {}
+    for name in ("none", policy):
+        model = build_model(config)
+        apply(model, name)
+        timelines[name] = measure(model, sample_batch(config))
+    plain, tl = timelines["none"], timelines[policy]
+    discarded = discarded_output_bytes(config, module)
+    assert discarded > 0
+    assert plain.live_bytes()[plain.forward_end] - tl.live_bytes()[tl.forward_end] >= discarded
+    kept = [row for row in range(len(tl)) if tl.category[row] == "group_inputs"]  # only these regions keep any
+    assert kept
+    for row in kept:
+        made_in = tl.phases[tl.phase_index[row]].region
+        done = max(p.start for p in tl.phases if p.kind == "backward" and p.region == made_in)
+        assert 0 <= tl.free_at[row], f"{tl.module[row]}: kept input still alive at the end of the step"
+        nxt = [p.start for p in tl.phases if p.start > done and p.region != made_in]
+        assert tl.free_at[row] <= min(nxt), f"{tl.module[row]}: kept input outlives the backward of {made_in}"
+    assert tl.peak_bytes <= plain.peak_bytes

@@ -101,6 +101,22 @@ def test_gradients_equal_the_plain_run_bit_for_bit() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_the_recomputation_runs_under_the_forward_autocast() -> None:
+    """A forward under CPU autocast (bf16 matmuls) and a backward outside it: the recomputed operators run in the
+    forward's dtypes, so the gradients still equal the plain run's bit for bit."""
+    net, x = Net(), torch.randn(5, 8, requires_grad=True)
+    grads = []
+    for forward in (net, functools.partial(run, net)):
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = forward(x)
+        out.float().sum().backward()
+        grads.append([t.grad.clone() for t in (x, net.w1, net.w2)])
+        for t in (x, net.w1, net.w2):
+            t.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_a_second_backward_is_refused_with_the_fix() -> None:
     net, x = Net(), torch.randn(5, 8, requires_grad=True)
     loss = run(net, x).sum()

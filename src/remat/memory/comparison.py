@@ -12,7 +12,7 @@ import torch
 from remat.config import ModelConfig
 from remat.memory.measure import measure
 from remat.memory.optimizer import adam_steady_state
-from remat.memory.predict import predict, predict_config
+from remat.memory.predict import predict, predict_config, prepare_shallow_traces
 from remat.models.gpt import build_model, sample_batch
 from remat.policy import Policy
 from remat.recompute.apply import apply
@@ -48,6 +48,8 @@ def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
     parallel = {"tp": tp, "sp": sp} if tp != 1 or sp else {}
     if adam and parallel:
         raise ValueError("--adam with --tp/--sp: Adam states are traced on one unsharded process only; drop one")
+    if not adam:  # every shallow trace the compositions below need, made together (side by side on the cores)
+        prepare_shallow_traces(config, policies, device=device, **parallel)
     out = []
     for i, policy in enumerate(policies):
         if progress is not None:

@@ -3,171 +3,36 @@ an 80-layer model costs a few shallow traces; see the NOTE beside :func:`compose
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from remat.config import ModelConfig
+from remat.memory.roles import (  # the role names are part of this module's interface too
+    CompositionError,
+    Role,
+    config_family,
+    layer_kinds,
+    layer_regions,
+    layer_roles,
+    policy_family,
+    region_bounds,
+    role_set,
+    shallow_plan,
+    shallow_stand_in,
+    shallow_stand_ins,
+    shallow_stand_ins_of_kinds,
+)
 from remat.policy import Policy
-from remat.recompute.plan_format import Plan, Unit
 from remat.recompute.region import RecomputeLayout, group_label
 from remat.timeline import Phase, Timeline
 
 OUTER = -1  # "layer index" of phases outside the stack (setup, embedding, head)
-
-
-class CompositionError(RuntimeError):
-    """The shallow trace cannot be laid out for the deep stack (so trace the deep one in full)."""
-
-
-@dataclass(frozen=True)
-class Role:
-    """What determines a layer's events: its mode, whether its neighbours share its checkpoint region, and
-    what lies just outside that region (None: the embedding below or the head above). The region's
-    surroundings matter because a region's backward frees the gradient that the region above produced."""
-
-    mode: str
-    same_region_as_prev: bool
-    same_region_as_next: bool
-    mode_below_region: str | None
-    mode_above_region: str | None
-    # 1, 2 or 3+: in a region of two the first and last layers are neighbours, in a longer one they are not
-    region_size: int = 1
-    # heterogeneous stacks (dense and MoE layers): 'below/own/above' layer kinds ('' when all layers are alike)
-    kind: str = ""
-
-
-def layer_kinds(config: ModelConfig) -> tuple[str, ...] | None:
-    """'dense' or 'moe' for each layer of a stack that mixes them (None when every layer is alike)."""
-    pattern = config.moe_layer_pattern()
-    return None if len(set(pattern)) == 1 else tuple("moe" if p else "dense" for p in pattern)
-
-
-def layer_regions(policy: RecomputeLayout, depth: int) -> list[tuple[str, int]]:
-    """(mode, region id) for each layer: mode is 'full', 'selective:<modules>' or 'plain'."""
-    regions: list[tuple[str, int]] = []
-    for i in range(depth):
-        modules = policy.selective_modules(i)
-        regions.append(("selective:" + "+".join(modules) if modules else "plain", -1 - i))
-    for g, group in enumerate(policy.layer_groups(depth)):
-        for i in group:
-            regions[i] = ("full", g)
-    return regions
-
-
-def layer_roles(policy: RecomputeLayout, depth: int, kinds: Sequence[str] | None = None) -> list[Role]:
-    """Each layer's :class:`Role` in ``policy`` on ``depth`` layers (``kinds``: see :func:`layer_kinds`)."""
-    regions = layer_regions(policy, depth)
-    return _roles_of(regions, _bounds_of(regions), None if kinds is None else tuple(kinds))
-
-
-def _roles_of(regions: list[tuple[str, int]], bounds: list[tuple[int, int]],
-              kinds: tuple[str, ...] | None) -> list[Role]:
-    depth = len(regions)
-    roles = []
-    for i, ((mode, _), (first, last)) in enumerate(zip(regions, bounds)):
-        kind = "/".join(kinds[j] if 0 <= j < depth else "" for j in (i - 1, i, i + 1)) if kinds else ""
-        if first < i < last:  # inside a group, a layer only deals with its two neighbours
-            roles.append(Role(mode, True, True, None, None, 3, kind))
-            continue
-        roles.append(Role(mode, first < i, last > i, regions[first - 1][0] if first > 0 else None,
-                          regions[last + 1][0] if last + 1 < depth else None, min(last - first + 1, 3), kind))
-    return roles
-
-
-@functools.lru_cache(maxsize=65536)
-def _cached_role_set(policy: RecomputeLayout, depth: int, kinds: tuple[str, ...] | None) -> frozenset[Role]:
-    return frozenset(layer_roles(policy, depth, kinds))
-
-
-def role_set(policy: RecomputeLayout, depth: int, kinds: Sequence[str] | None = None) -> frozenset[Role]:
-    """The set of :func:`layer_roles` (memoised: a sweep asks for the same ones many times)."""
-    key = None if kinds is None else tuple(kinds)
-    try:
-        return _cached_role_set(policy, depth, key)
-    except TypeError:  # a layout that is not hashable
-        return frozenset(layer_roles(policy, depth, key))
-
-
-def shallow_stand_ins(policy: Policy, depth: int, max_depth: int = 12) -> Iterator[tuple[Policy, int]]:
-    """Every (policy, depth) of the same kind, shallowest first, whose layers have every role of
-    ``(policy, depth)`` (so its trace can be composed into the deep one)."""
-    need = role_set(policy, depth)
-    for small_depth in range(1, min(depth, max_depth) + 1):
-        if policy.granularity == "full":
-            low = 1 if policy.method == "uniform" else 0
-            ks = range(low, min(policy.num_layers, small_depth) + 1)
-            candidates = [dataclasses.replace(policy, num_layers=k) for k in ks]
-        else:
-            candidates = [policy]
-        for candidate in candidates:
-            if need <= role_set(candidate, small_depth):
-                yield candidate, small_depth
-
-
-def shallow_stand_ins_of_kinds(policy: Policy, kinds: Sequence[str], max_depth: int = 16,
-                               ) -> Iterator[tuple[Policy, int, tuple[str, ...]]]:
-    """:func:`shallow_stand_ins` for a stack of mixed layer kinds (``kinds``, e.g. dense layers then MoE layers):
-    each (policy, depth, layer kinds) whose layers have every role, kinds included, of ``(policy, kinds)``."""
-    depth = len(kinds)
-    need = role_set(policy, depth, kinds)
-    names = sorted(set(kinds))
-    for small_depth in range(1, min(depth, max_depth) + 1):
-        patterns = {tuple(kinds[:small_depth]), tuple(kinds[-small_depth:])}
-        patterns |= {(a,) * n + (b,) * (small_depth - n) for a in names for b in names for n in range(small_depth + 1)}
-        if policy.granularity == "full":
-            low = 1 if policy.method == "uniform" else 0
-            candidates = [dataclasses.replace(policy, num_layers=k)
-                          for k in range(low, min(policy.num_layers, small_depth) + 1)]
-        else:
-            candidates = [policy]
-        for candidate in candidates:
-            for pattern in sorted(patterns):
-                if need <= role_set(candidate, small_depth, pattern):
-                    yield candidate, small_depth, pattern
-
-
-def policy_family(policy: Policy) -> tuple[object, ...]:
-    """What a stand-in shares with the policy it stands in for: every field but full's layer count."""
-    return tuple(getattr(policy, f.name) for f in dataclasses.fields(policy) if f.name != "num_layers")
-
-
-@functools.lru_cache(maxsize=256)
-def config_family(config: ModelConfig) -> tuple[object, ...]:
-    """Every field of ``config`` but the depth and the MoE layer pattern: a stand-in's config is ``config`` cut
-    shallower (:meth:`~remat.config.ModelConfig.with_depth`)."""
-    return tuple(getattr(config, f.name) for f in dataclasses.fields(config)
-                 if f.name not in ("num_layers", "moe_layer_freq"))
-
-
-def shallow_plan(plan: Plan) -> Plan | None:
-    """A shallow plan with every layer role (:func:`layer_roles`) of ``plan``, for composing its timeline from a
-    shallow trace: groups of more than 3 layers shrink to 3 and runs of more than 3 equal units to 3 (a role sees
-    only its neighbours and region sizes up to 3). None when that is not shallower, or when the plan offloads
-    (composition does not tell offload groups from checkpoint groups)."""
-    if any(s.mode == "offload" for s in plan.segments):
-        return None
-    small: list[Unit] = []
-    for unit in plan.units():
-        u = Unit(unit.mode, min(unit.size, 3), unit.modules) if unit.is_group else unit
-        if len(small) >= 3 and small[-1] == small[-2] == small[-3] == u:
-            continue
-        small.append(u)
-    shallow = Plan.from_units(small, plan.engine)
-    if shallow.num_layers >= plan.num_layers:
-        return None
-    if not role_set(plan, plan.num_layers) <= role_set(shallow, shallow.num_layers):
-        return None
-    return shallow
-
-
-def shallow_stand_in(policy: Policy, depth: int, max_depth: int = 12) -> tuple[Policy, int]:
-    """The shallowest stand-in (see :func:`shallow_stand_ins`)."""
-    for found in shallow_stand_ins(policy, depth, max_depth):
-        return found
-    raise CompositionError(f"no stack of at most {max_depth} layers has every layer role of {policy} on {depth}")
+__all__ = ["OUTER", "CompositionError", "Role", "ShallowTrace", "compose", "config_family", "layer_kinds",
+           "layer_regions", "layer_roles", "policy_family", "region_bounds", "role_set", "shallow_plan",
+           "shallow_stand_in", "shallow_stand_ins", "shallow_stand_ins_of_kinds"]
 
 
 @dataclass
@@ -236,7 +101,7 @@ class ShallowTrace:
         self.kinds = layer_kinds(ModelConfig.from_dict(config)) if isinstance(config, dict) else None
         self.roles = layer_roles(policy, self.depth, self.kinds)
         self.role_set = frozenset(self.roles)
-        self.bounds = _region_bounds(policy, self.depth)
+        self.bounds = region_bounds(policy, self.depth)
         tl = timeline
         event_row: list[tuple[bool, int]] = [(False, -1)] * tl.num_events
         for row in range(len(tl)):
@@ -288,6 +153,9 @@ class ShallowTrace:
         for block in [*self.setup_outer, *self.setup_layers.values(), *self.blocks]:
             block.finish(tl)
         self.by_key = {b.key: b for b in self.blocks}
+        self.freed = np.asarray(tl.free_at, dtype=np.int64) >= 0  # which shallow rows the shallow step frees
+        self.modules: dict[tuple[int, int], list[str]] = {}  # (block, deep layer) -> its rows' module names
+        self.matched: dict[tuple[int, int], list[int]] = {}  # compose's matched frees, kept for the next policy
         self.template_of_role: dict[Role, int] = {}
         for j, role in enumerate(self.roles):
             self.template_of_role.setdefault(role, j)
@@ -307,6 +175,39 @@ class ShallowTrace:
             raise CompositionError("the shallow trace's backward has phases outside the stack between layers")
         if [b.key for b in backward] != self.backward_order(policy, self.depth, list(range(self.depth))):
             raise CompositionError("the shallow trace's backward phases are not in the order the policy implies")
+        # what each layer's blocks hand to the rest of the step: a deep layer may copy a template whose neighbours
+        # in this trace have other modes or kinds, so a free of a neighbour's tensor is matched by its place in
+        # these lists (the head's phases count as above the stack, the embedding's as below it)
+        exports: dict[tuple[int, tuple[object, ...]], set[tuple[int, str, int, int]]] = {}
+        for index, block in enumerate(self.blocks):
+            above_stack = self.forward_end <= index < self.backward_start
+            for j, kind, occurrence, ordinals, _, rows in block.free_groups:
+                if j != OUTER and j != block.layer:
+                    key = (j, self.relation(block.layer, j, above_stack))
+                    exports.setdefault(key, set()).update((row, kind, occurrence, o) for row, o in zip(rows, ordinals))
+        # in the order they were made: (block kind, occurrence, ordinal)
+        self.exports = {key: [t[1:] for t in sorted(found)] for key, found in exports.items()}
+        # layers whose blocks allocate the same tensors (bytes, categories) in the same order hand them on alike
+        shapes: dict[int, list[tuple[object, ...]]] = {}
+        for block in self.blocks:
+            if block.layer != OUTER:
+                shapes.setdefault(block.layer, []).append((block.key[1:], tuple(block.nbytes), tuple(block.category)))
+        self.shape = {j: tuple(shape) for j, shape in shapes.items()}
+
+    def relation(self, layer: int, other: int, above_stack: bool) -> tuple[object, ...]:
+        """How shallow ``layer`` (OUTER: a phase outside the stack, above it or not) reaches shallow layer ``other``
+        whose tensor it frees, as compose's deep_layer maps it: a neighbour, the first or last layer of its region,
+        or a layer outside its region counted from the region's edge."""
+        if layer == OUTER:
+            return ("outer", above_stack)
+        if abs(other - layer) <= 1:
+            return ("near", other - layer)
+        first, last = self.bounds[layer]
+        if other > last:
+            return ("above", other - last)
+        if other < first:
+            return ("below", first - other)
+        return ("last",) if other == last else ("first",) if other == first else ("near", other - layer)
 
     def backward_order(self, policy: RecomputeLayout, depth: int, template: list[int]) -> list[tuple[int, str, int]]:
         """(layer, kind, occurrence) of every backward phase of ``policy`` on ``depth`` layers, top down.
@@ -333,22 +234,32 @@ class ShallowTrace:
 
 # NOTE [composing a deep step from a shallow trace]
 # The layers of a decoder stack are identical, so what a layer allocates and frees in each phase (its forward, its
-# recomputation, its backward) depends only on its *role*: whether it is recomputed, and whether its neighbours
-# are in the same checkpoint region. A trace of a shallow stack that contains every role of the deep one therefore
-# holds, event for event, everything the deep step does; only the order of the phases and which layer frees whose
-# tensors must be laid out for the deep stack. compose() does that layout:
+# recomputation, its backward) depends only on its *role* (remat.memory.roles.Role): its mode, where it sits in its
+# checkpoint region (and the region's size up to 3), whether the region sits on the embedding or under the head,
+# the mode of the region above its last layer (a checkpoint above keeps that layer's output as its input: the
+# category), and in a stack of dense and MoE layers its own kind and the kind below it (a layer frees some of the
+# layer below's tensors in its own phases, which ones depending on that kind). A trace of a shallow stack that
+# contains every role of the deep one therefore holds, event for event, everything the deep step does; only the
+# order of the phases and which layer frees whose tensors must be laid out for the deep stack. compose() does that:
 #
 # * the phase order follows Megatron's semantics: forward layer 0..L-1, head, then each checkpoint region from
 #   the top down: a full-recompute group recomputes its layers in order and backpropagates them in reverse; a
 #   plain or selective layer repeats its template's backward phases (which contain the selective
 #   recomputations);
 # * each phase of layer J copies the events of the same phase of a shallow layer j of the same role; a free names
-#   the tensor it frees by (layer offset, phase, allocation ordinal), which is resolved in the deep stack at layer
-#   J + offset. Every resolved free is checked (bytes and category); a mismatch raises CompositionError and the
-#   caller falls back to a full trace.
+#   the tensor it frees by (layer, phase, allocation ordinal) in the shallow trace, resolved in the deep stack at
+#   the layer that plays that shallow layer's part (a neighbour stays a neighbour; a region's first and last layer
+#   and the regions around are counted from the region's edges). That deep layer copies a template too, which may
+#   sit in other surroundings in the shallow trace (another kind, another mode around it): the tensor is then the
+#   one at the same place in the same phase, or, when the template's phases differ, the one at the same place
+#   among what each layer hands to layers in the same relation (ShallowTrace.exports) -- both checked (bytes,
+#   category), refused when both fit but differ;
+# * every tensor of the deep step is freed at most once, and freed exactly when the shallow tensor it copies is:
+#   a template whose surroundings change what it frees shows there. Any failed check raises CompositionError and
+#   the caller traces the deep stack in full.
 #
-# The result is a Timeline like any other: the deep trace's peak and at-peak parts are reproduced exactly when the
-# layers are homogeneous (tests/memory/test_compose.py checks this against full fake traces, byte for byte).
+# The result is a Timeline like any other: the deep trace's events, peak and at-peak parts (tests/memory/
+# test_compose.py and test_moe_predict.py check them against full fake traces, byte for byte).
 def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, policy: RecomputeLayout,
             depth: int, kinds: Sequence[str] | None = None, *, sources: list[int] | None = None) -> Timeline:
     """Lay out the fake trace of a shallow reference stack as the step of a ``depth``-layer stack (see the NOTE
@@ -391,10 +302,11 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
         template = [trace.template_of_role[role] for role in roles]
     except KeyError as err:
         raise CompositionError(f"the shallow trace has no layer with role {err.args[0]}") from None
-    deep_bounds = _region_bounds(policy, depth)
+    deep_bounds = region_bounds(policy, depth)
     small_flops = small.meta.get("phase_flops", [0] * len(small.phases))
 
     out = Timeline(meta=dict(small.meta))
+    copied: list[int] = [] if sources is None else sources  # the shallow row each deep row copies
     phase_flops: list[int] = []
     block_start: dict[tuple[int, str, int], tuple[int, _Block]] = {}
 
@@ -436,8 +348,7 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
         n = len(block.rows)
         out.nbytes.extend(block.nbytes)
         out.category.extend(block.category)
-        if sources is not None:
-            sources.extend(block.rows)
+        copied.extend(block.rows)
         out.phase_index.extend([len(out.phases) - 1] * n)
         out.free_at.extend([-1] * n)
         if offsets is None:  # setup: allocations one after the other
@@ -448,37 +359,83 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
         if layer == OUTER or block.layer == layer:
             out.module.extend(block.module)
         else:
-            renamed = f"layers.{layer}"
-            out.module.extend([m if suffix is None else renamed + suffix
-                               for m, suffix in zip(block.module, block.module_suffix)])
+            names = trace.modules.get((id(block), layer))
+            if names is None:
+                renamed = f"layers.{layer}"
+                names = trace.modules[(id(block), layer)] = [m if suffix is None else renamed + suffix
+                                                             for m, suffix in zip(block.module, block.module_suffix)]
+            out.module.extend(names)
 
-    checked: set[tuple[int, int, int]] = set()  # (free group, source block) pairs already found to match
+    # (free group, template layer of the deep layer it frees from) -> where the freed tensors are in that template,
+    # once found to be the same tensors: runs of (block kind, occurrence, [(ordinal, event offset), ...])
+    matched: dict[tuple[int, int], list[tuple[str, int, list[tuple[int, int]]]]] = trace.matched
+    frees = 0
 
     def release(block: _Block, layer: int, head_side: bool) -> None:
+        nonlocal frees
         n0 = out.num_events
         free_at = out.free_at
         for j, kind, occurrence, ordinals, offsets, rows in block.free_groups:
             if j == OUTER:
-                deep = OUTER
-            elif block.layer == OUTER:
-                deep = anchor(j, head_side)
+                deep = source_layer = OUTER
             else:
-                deep = deep_layer(block.layer, j, layer)
-            found = block_start.get((deep, kind, occurrence))
-            if found is None:
-                raise CompositionError(f"a free in {block.phase.label} does not find its tensor in deep layer {deep}")
-            base, source = found
-            check = (id(block), id(ordinals), id(source))
-            if check not in checked:
-                for ordinal, row in zip(ordinals, rows):
-                    twin = source.rows[ordinal] if ordinal < len(source.rows) else None
-                    if twin is None or twin != row and (small.nbytes[twin] != small.nbytes[row]
-                                                        or small.category[twin] != small.category[row]):
-                        raise CompositionError(f"a free in {block.phase.label} finds another tensor in deep "
-                                               f"layer {deep}")
-                checked.add(check)
-            for ordinal, offset in zip(ordinals, offsets):
-                free_at[base + ordinal] = n0 + offset
+                deep = anchor(j, head_side) if block.layer == OUTER else deep_layer(block.layer, j, layer)
+                if not 0 <= deep < depth:
+                    raise CompositionError(f"a free in {block.phase.label} names deep layer {deep}, outside the stack")
+                source_layer = template[deep]
+            runs = matched.get((id(ordinals), source_layer))
+            if runs is None:
+                targets = _match(block, (j, kind, occurrence), ordinals, rows, source_layer, deep, head_side)
+                runs = []
+                for (target_kind, target_occurrence, ordinal), offset in zip(targets, offsets):
+                    if not runs or runs[-1][:2] != (target_kind, target_occurrence):
+                        runs.append((target_kind, target_occurrence, []))
+                    runs[-1][2].append((ordinal, offset))
+                matched[(id(ordinals), source_layer)] = runs
+            for target_kind, target_occurrence, pairs in runs:
+                found = block_start.get((deep, target_kind, target_occurrence))
+                if found is None:
+                    raise CompositionError(f"a free in {block.phase.label} does not find its tensor in deep layer "
+                                           f"{deep}")
+                base = found[0]
+                for ordinal, offset in pairs:
+                    free_at[base + ordinal] = n0 + offset
+            frees += len(offsets)
+
+    def _match(block: _Block, key: tuple[int, str, int], ordinals: list[int], rows: list[int], source_layer: int,
+               deep: int, head_side: bool) -> list[tuple[str, int, int]]:
+        """Where the tensors that ``block`` frees from the shallow block ``key`` are in the blocks of shallow layer
+        ``source_layer`` (the template of deep layer ``deep``): at the same places (the template allocates what
+        ``key``'s layer does), or at the same places among what each layer hands to the layers on ``block``'s side
+        (a template of another kind or in other surroundings: :meth:`ShallowTrace.relation`); each checked
+        (bytes, category), and refused when both are possible but disagree."""
+        j, kind, occurrence = key
+        direct = [(kind, occurrence, o) for o in ordinals]
+        if source_layer == j or j == OUTER:
+            if not _same_tensors(direct, rows, source_layer, key):
+                raise CompositionError(f"a free in {block.phase.label} finds another tensor in deep layer {deep}")
+            return direct
+        relation = trace.relation(block.layer, j, head_side)
+        mine, theirs = trace.exports.get((j, relation), []), trace.exports.get((source_layer, relation), [])
+        handed = [theirs[mine.index(t)] for t in direct] if len(mine) == len(theirs) else None
+        ok_direct = _same_tensors(direct, rows, source_layer, key)
+        ok_handed = handed is not None and _same_tensors(handed, rows, source_layer, key)
+        if ok_direct and ok_handed and direct != handed:
+            raise CompositionError(f"a free in {block.phase.label} could free either of two tensors in deep layer "
+                                   f"{deep}")
+        if not (ok_direct or ok_handed):
+            raise CompositionError(f"a free in {block.phase.label} does not find its tensors in deep layer {deep}")
+        return direct if ok_direct else handed  # type: ignore[return-value]
+
+    def _same_tensors(targets: list[tuple[str, int, int]], rows: list[int], source_layer: int,
+                      key: tuple[int, str, int]) -> bool:
+        for (target_kind, target_occurrence, ordinal), row in zip(targets, rows):
+            source = trace.by_key.get(key if source_layer == OUTER else (source_layer, target_kind, target_occurrence))
+            twin = source.rows[ordinal] if source is not None and ordinal < len(source.rows) else None
+            if twin is None or twin != row and (small.nbytes[twin] != small.nbytes[row]
+                                                or small.category[twin] != small.category[row]):
+                return False
+        return True
 
     def emit(block: _Block, layer: int, detail: str, head_side: bool = False) -> None:
         new_phase(block, layer, detail, small_flops[block.phase_index])
@@ -511,6 +468,12 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
     for k in range(trace.last_layer_block + 1, len(trace.blocks)):
         emit(trace.blocks[k], OUTER, trace.blocks[k].phase.detail)
 
+    # every tensor freed once, and exactly those whose shallow original is freed (a template whose neighbours free
+    # differently would show here)
+    deep_freed = np.asarray(out.free_at, dtype=np.int64) >= 0
+    if frees != int(np.count_nonzero(deep_freed)) or not np.array_equal(
+            deep_freed, trace.freed[np.asarray(copied, dtype=np.int64)]):
+        raise CompositionError("the composed step frees other tensors than the shallow trace's layers do")
     out.meta["phase_flops"] = phase_flops
     flops: dict[str, int] = {}
     for phase, amount in zip(out.phases, phase_flops):
@@ -518,22 +481,6 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
     out.meta.update({"flops": flops, "num_layers": depth, "policy": str(policy),
                      "composed_from": {"policy": str(shallow_policy), "num_layers": small_depth}})
     return out
-
-
-def _region_bounds(policy: RecomputeLayout, depth: int) -> list[tuple[int, int]]:
-    """(first layer, last layer) of each layer's checkpoint region (the layer itself outside full groups)."""
-    return _bounds_of(layer_regions(policy, depth))
-
-
-def _bounds_of(regions: list[tuple[str, int]]) -> list[tuple[int, int]]:
-    """(first, last) of each layer's run of equal region ids (regions are runs of consecutive layers)."""
-    bounds: list[tuple[int, int]] = []
-    first = 0
-    for i in range(1, len(regions) + 1):
-        if i == len(regions) or regions[i][1] != regions[first][1]:
-            bounds += [(first, i - 1)] * (i - first)
-            first = i
-    return bounds
 
 
 def _rename(text: str, small_layer: int, big_layer: int) -> str:

@@ -41,6 +41,7 @@ KERNELS = ("cpu", "cuda", "te")
 _dropout, _layer_norm = F.dropout, F.layer_norm
 TE_VERSION = "TransformerEngine 1.x (layernorm_linear.py / layernorm_mlp.py / attention.py as of 2024, v1.5-1.7)"
 aten = torch.ops.aten
+_DEVICE_QUERY = torch.ops.prim.device.default
 
 
 class KernelWarning(UserWarning):
@@ -329,6 +330,8 @@ class _UntranslatedObserver(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func is _DEVICE_QUERY:  # tensor.device, most of a fake step's dispatches: an ATen-level query
+            return out
         namespace = func.namespace
         if namespace not in ("aten", "prims", "prim"):
             self.record.note(str(func), "not an ATen operator: what its CUDA kernel keeps is unknown", out)

@@ -40,6 +40,7 @@ def _cpu_flash_backward_flops(grad_out: torch.Tensor, query: torch.Tensor, key: 
 # torch.utils.flop_counter's formulas, plus the CPU flash-attention kernels it has none for (scaled_dot_product_
 # attention on CPU), counted as its other attention kernels are.
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = dict(flop_registry)
+_DEVICE_QUERY = torch.ops.prim.device.default  # what reading tensor.device dispatches to under a mode
 
 
 for _name, _formula in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash_forward_flops),
@@ -212,6 +213,9 @@ class StepRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
+        if func is _DEVICE_QUERY:  # tensor.device (most dispatches of a fake step): no output, no FLOPs
+            self.track(args[0])
+            return func(*args)
         kwargs = kwargs or {}
         for leaf in tree_flatten((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor):  # storages made outside any operator (RNG states, ...)

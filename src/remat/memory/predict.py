@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -13,8 +14,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from remat.config import ModelConfig, RoutingAssumption
+from remat.memory import disk_cache
 from remat.memory.compose import (
     CompositionError,
+    Role,
     ShallowTrace,
     compose,
     config_family,
@@ -27,13 +30,14 @@ from remat.memory.compose import (
 from remat.memory.disk_cache import cached_timeline
 from remat.memory.kernels import kernel_trace, prepare_model, resolve_kernels, use_kernels
 from remat.memory.measure import Batch, MeasureError, check_step, record_step
+from remat.memory.trace_pool import run_traces
 from remat.models.gpt import build_model, sample_batch
 from remat.models.tensor_parallel import SimulatedGroup, build_tp_model, check_tensor_parallel
 from remat.policy import Policy
 from remat.recompute.apply import apply
 from remat.recompute.hf import fake_mask_reads
 from remat.recompute.region import RecomputeLayout
-from remat.timeline import Timeline
+from remat.timeline import Timeline, TimelineError
 from remat.units import CUDA_BLOCK
 
 ModelSource = ModelConfig | Callable[[], nn.Module]
@@ -190,17 +194,19 @@ def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "
     return trace_rank(config, policy, device, tp, sp)
 
 
-def _stand_in(config: ModelConfig, policy: Policy, kinds: tuple[str, ...] | None, where: tuple[str, int, bool, str],
+def _stand_in(config: ModelConfig, policy: Policy, kinds: tuple[str, ...] | None, where: tuple[Any, ...],
+              planned: Iterable[tuple[tuple[Any, ...], frozenset[Role], tuple[str, ...] | None]] = (),
               ) -> tuple[Policy, int, tuple[str, ...] | None] | None:
     """The shallow (policy, depth, layer kinds) to compose ``config``'s step from: a shallow trace already made
-    (for another policy of a sweep) that has every layer role of this one, else the shallowest stand-in
-    (:func:`~remat.memory.compose.shallow_stand_ins`); None when there is none."""
+    (for another policy of a sweep, or ``planned``: (key, roles, layer kinds)) that has every layer role of this
+    one, else the shallowest stand-in (:func:`~remat.memory.compose.shallow_stand_ins`); None when there is none."""
     need = role_set(policy, config.num_layers, kinds)
     family, config_kind = policy_family(policy), config_family(config)
-    for (small_config, small_policy, *rest), trace_ in reversed(SHALLOW_TRACES.items()):
-        if tuple(rest) == where and policy_family(small_policy) == family and need <= trace_.role_set and \
+    made = [(key, t.role_set, t.kinds) for key, t in reversed(SHALLOW_TRACES.items())]
+    for (small_config, small_policy, *rest), roles, small_kinds in [*planned, *made]:
+        if tuple(rest) == where and policy_family(small_policy) == family and need <= roles and \
                 small_config.num_layers < config.num_layers and config_family(small_config) == config_kind:
-            return small_policy, small_config.num_layers, trace_.kinds
+            return small_policy, small_config.num_layers, small_kinds
     if kinds is None:
         return next(((p, d, None) for p, d in shallow_stand_ins(policy, config.num_layers)), None)
     return next(shallow_stand_ins_of_kinds(policy, kinds), None)
@@ -249,22 +255,77 @@ def predict_many(config: ModelConfig, policies: Iterable[Policy | str], *, devic
         >>> peaks[1] < peaks[0]
         True
     """
+    policies = [Policy.parse(p) if isinstance(p, str) else p for p in policies]
+    prepare_shallow_traces(config, policies, device=device, tp=tp, sp=sp)
     return [predict_config(config, policy, device=device, tp=tp, sp=sp) for policy in policies]
 
 
+def prepare_shallow_traces(config: ModelConfig, policies: Iterable[Policy], *, device: str = "cpu", tp: int = 1,
+                           sp: bool = False) -> int:
+    """Make, before :func:`predict_config` composes ``policies`` one by one, every shallow trace it will compose
+    them from: chosen together (a trace made for one policy serves every later one whose layer roles it has),
+    read from the disk cache or traced side by side on the machine's cores (:mod:`remat.memory.trace_pool`).
+    Returns how many were traced."""
+    kinds = layer_kinds(config)
+    if config.moe_routing_assumption is not None and RoutingAssumption.parse(config.moe_routing_assumption).per_layer:
+        return 0
+    where = (device, tp, sp, resolve_kernels(None, device))
+    planned: dict[tuple[Any, ...], tuple[tuple[Any, ...], frozenset[Role], tuple[str, ...] | None]] = {}
+    for policy in policies:
+        if policy.offloads:
+            continue
+        policy.layer_groups(config.num_layers)  # refuses k > depth, naming the depth
+        found = _stand_in(config, policy, kinds, where, list(reversed(planned.values())))
+        if found is None or found[1] >= config.num_layers:
+            continue
+        small_policy, depth, small_kinds = found
+        small = config.with_depth(depth, None if small_kinds is None else tuple(k == "moe" for k in small_kinds))
+        key = (small, small_policy, *where)
+        if key not in SHALLOW_TRACES and key not in planned:
+            planned[key] = (key, role_set(small_policy, depth, small_kinds), small_kinds)
+    todo = []
+    for key in planned:
+        small, small_policy = key[0], key[1]
+        stored = disk_cache.load("shallow_trace", _disk_key(key))
+        timeline = None
+        if stored is not None:
+            try:
+                timeline = Timeline.from_dict(stored)
+            except TimelineError:
+                timeline = None
+        if timeline is None:
+            todo.append(key)
+        else:
+            _remember(key, ShallowTrace(timeline, small_policy))
+    todo.sort(key=lambda k: -k[0].num_layers)  # the longest first: the workers finish together
+    traced = run_traces([functools.partial(trace_rank, k[0], k[1], device, tp, sp) for k in todo])
+    for key, timeline in zip(todo, traced):
+        disk_cache.store("shallow_trace", _disk_key(key), timeline.to_dict())
+        _remember(key, ShallowTrace(timeline, key[1]))
+    return len(todo)
+
+
 SHALLOW_TRACES: dict[tuple[ModelConfig, Policy, str, int, bool, str], ShallowTrace] = {}  # ..., kernel profile
-SHALLOW_TRACES_CAPACITY = 64
+SHALLOW_TRACES_CAPACITY = 128
+
+
+def _disk_key(key: tuple[Any, ...]) -> dict[str, Any]:
+    config, policy, device, tp, sp, kernels = key
+    return {"config": config.to_dict(), "policy": repr(policy), "device": device, "tp": tp, "sp": sp,
+            "kernels": kernels}
+
+
+def _remember(key: tuple[Any, ...], trace_: ShallowTrace) -> None:
+    if key not in SHALLOW_TRACES and len(SHALLOW_TRACES) >= SHALLOW_TRACES_CAPACITY:
+        del SHALLOW_TRACES[next(iter(SHALLOW_TRACES))]
+    SHALLOW_TRACES[key] = trace_
 
 
 def _shallow_trace(config: ModelConfig, policy: Policy, device: str, tp: int, sp: bool) -> ShallowTrace:
     key = (config, policy, device, tp, sp, resolve_kernels(None, device))
-    if key not in SHALLOW_TRACES:
-        if len(SHALLOW_TRACES) >= SHALLOW_TRACES_CAPACITY:
-            del SHALLOW_TRACES[next(iter(SHALLOW_TRACES))]
-        disk_key = {"config": config.to_dict(), "policy": repr(policy), "device": device, "tp": tp, "sp": sp,
-                    "kernels": key[-1]}  # on disk too (remat.memory.disk_cache): a later process reuses it
-        SHALLOW_TRACES[key] = ShallowTrace(cached_timeline("shallow_trace", disk_key, lambda: trace_rank(
-            config, policy, device, tp, sp)), policy)
+    if key not in SHALLOW_TRACES:  # on disk too (remat.memory.disk_cache): a later process reuses it
+        _remember(key, ShallowTrace(cached_timeline("shallow_trace", _disk_key(key), lambda: trace_rank(
+            config, policy, device, tp, sp)), policy))
     return SHALLOW_TRACES[key]
 
 

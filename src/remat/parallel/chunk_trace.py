@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +79,19 @@ class ChunkTrace:
 
 _TRACES: dict[tuple[Any, ...], ChunkTrace] = {}
 _TRACES_CAPACITY = 128
+_COMPOSE = [True]  # traced_whole() sets it off
+
+
+@contextlib.contextmanager
+def traced_whole() -> Iterator[None]:
+    """Inside the block every chunk is traced whole (:func:`trace_chunk`'s ``compose_layers=False``), e.g. to check
+    what composition gives against full traces."""
+    before = _COMPOSE[0]
+    _COMPOSE[0] = False
+    try:
+        yield
+    finally:
+        _COMPOSE[0] = before
 
 
 def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy | Plan | str, device: str = "cpu",
@@ -100,6 +115,7 @@ def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Polic
     check_kernels(kernels)
     policy = Policy.parse(policy) if isinstance(policy, str) else policy
     batch_in_forward = batch_in_forward and (kind[0] or kind[1])  # a middle chunk has no batch
+    compose_layers = compose_layers and _COMPOSE[0]
     # tp/sp: one tp rank's chunk (models.tp_stage); the simulated expert-parallel rank its MoE layers play
     key = (config, kind, policy, device, tp, sp, batch_in_forward, simulated_expert_rank(), compose_layers, kernels,
            drop_grads)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import sys
@@ -36,6 +37,9 @@ def _worker(folder: Path, rank: int, launcher: int) -> int:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        # what is alive now (torch, remat) never becomes garbage: keep it out of the collections that precede
+        # every recorded step (gc_paused), which would otherwise rescan it for each policy
+        gc.freeze()
         cuda = job["device"] == "cuda"
         if cuda:
             torch.cuda.set_device(rank)

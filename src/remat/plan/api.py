@@ -91,19 +91,20 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
     stats["model_seconds"] = time.perf_counter() - t  # 0 when cached; building it took model.build_seconds
     stats["model_build_seconds"] = model.build_seconds
     cost = options.cost_model(config)
-    if cost.measured is not None:
-        stats["measured_times"] = dict(cost.measured)
-        options = dataclasses.replace(options, measured_times=dict(cost.measured))  # measured once, for pp too
     units = candidate_units(L, offload=options.offload, engine=engine, selective_sets=options.selective_sets,
                             contractions=model.contractions)
     # NOTE [operator kinds] (remat.plan.operator_space): per layer, which operators' outputs it keeps, in kinds
-    # ordered by recompute price per byte freed, traced into the unit model (cached on disk) like every kind
+    # ordered by recompute price per byte freed, traced into the unit model (cached on disk) like every kind. Not
+    # for MoE models: how many operators an MoE layer runs depends on the routing, so indices would not carry over
     t = time.perf_counter()
-    if options.operator_sets != 0 and options.selective_sets is None:
+    if options.operator_sets != 0 and options.selective_sets is None and config.num_moe_experts is None:
         kinds = operator_kinds(layer_operators(config, tp, sp), cost.operator_price(), most=options.operator_sets)
         units += add_traced_units(model, [Unit("selective", 1, k) for k in kinds])
     stats["operator_kinds"] = sum(1 for u in units if kept_operators(u.modules) is not None)
     stats["operator_seconds"] = time.perf_counter() - t
+    if cost.measured is not None:
+        stats["measured_times"] = dict(cost.measured)
+        options = dataclasses.replace(options, measured_times=dict(cost.measured))  # measured once, for pp too
 
     # NOTE [the Megatron screen]: the Megatron settings are priced and screened with the unit model (exact where the
     # tests say so; it can only over-estimate, by the side inputs' bytes), cheapest first, and only the settings that

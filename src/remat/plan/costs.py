@@ -97,8 +97,9 @@ class CostModel:
                 modules = [m for m in unit.modules if m in ("core_attn", "mlp")]
                 contractions = sum(t for key, t in times.items() if key.startswith("contraction_")
                                    and int(key.removeprefix("contraction_")) <= limit)
-                return times["non_matmul"] + sum(times[f"{m}_matmuls"] for m in modules) + contractions + \
-                    times.get("sac_overhead", 0.0)
+                # (non_matmul layers run on remat's lean selective checkpoint, remat.recompute.operator_checkpoint:
+                # sac_overhead, torch's selective checkpointing per keep_ops layer, is not theirs)
+                return times["non_matmul"] + sum(times[f"{m}_matmuls"] for m in modules) + contractions
             return sum(times[m] for m in unit.modules)
         shape = model.shape(unit)
         return shape.recompute_flops / self.flops_per_second + shape.recompute_bytes / self.memory_bandwidth
@@ -288,7 +289,7 @@ def _layer_steps(cfg: ModelConfig, device: str, repeats: int, ops: Sequence[Laye
     rotary = build_model(cfg, device=device).rotary_tables(s, torch.device(device))
     grad = torch.ones(b, s, h, device=device, dtype=cfg.torch_dtype)
     samples: list[list[float]] = [[], []]
-    for i in range(repeats + 1):
+    for i in range(2 * repeats + 1):  # a difference of two steps: more rounds than for one
         for k, layer in enumerate(layers):
             sync()
             t0 = time.perf_counter()

@@ -69,11 +69,13 @@ class PlanOptions:
     """How many ``keep_ops(...)`` kinds per layer the extended search offers (NOTE [operator kinds] in
     :mod:`remat.plan.operator_space`: which operators' outputs a layer keeps, ordered by recompute price per byte
     freed), spread evenly over the bytes they free; None: every one; 0: none. Only when :attr:`selective_sets`
-    is None (restricting the module sets restricts the search to them)."""
+    is None (restricting the module sets restricts the search to them), and not for MoE models (their layers'
+    operators depend on the routing)."""
 
     measured_times: bool | Mapping[str, float] = False
-    """Price recompute by forward times measured on this machine (True: :func:`measure_layer_times` runs; or pass
-    its dict). Implies the time objective."""
+    """Price recompute by times measured on this machine (True: :func:`measure_layer_times` runs, module by
+    module and operator by operator; or pass its dict, e.g. a previous result's ``stats['measured_times']``).
+    Implies the time objective."""
 
     flops_per_second: float = 400e12
     """Compute throughput that converts between seconds and FLOPs."""

@@ -16,6 +16,8 @@ from remat.plan.megatron import predict_plan
 from remat.plan.result import BudgetError, PlanResult
 
 MAX_ROUNDS = 8
+PIPELINE_REFUSED = ("--budget-reserved plans one GPU's reserved memory; it is not modelled with --pp: drop "
+                    "--budget-reserved or --pp")
 
 
 def plan_reserved(config: ModelConfig, budget: int | str, options: Any = None, parallel: Any = None,
@@ -36,13 +38,14 @@ def plan_reserved(config: ModelConfig, budget: int | str, options: Any = None, p
             :data:`MAX_ROUNDS` times, or :func:`plan` refuses the lowered budget.
         ValueError: a pipeline-parallel plan (``--pp``), whose per-stage replay is not modelled.
     """
+    if (getattr(parallel, "pp", None) or 1) > 1:  # refused before planning the stages, not after
+        raise ValueError(PIPELINE_REFUSED)
     result = plan(config, budget, options, parallel)
     limit = result.budget_bytes
     allocated_budget = limit
     for _ in range(MAX_ROUNDS):
         if result.extended is None or result.pipeline is not None:
-            raise ValueError("--budget-reserved plans one GPU's reserved memory; it is not modelled with --pp: "
-                             "drop --budget-reserved or --pp")
+            raise ValueError(PIPELINE_REFUSED)
         timeline = predict_plan(config, result.extended.plan, device="cuda", tp=result.tp, sp=result.sp)
         figures = reserved_figures(timeline)
         figures["allocated_budget_bytes"] = allocated_budget

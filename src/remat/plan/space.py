@@ -15,14 +15,17 @@ from remat.recompute.plan_format import PlanError, usable_set
 #   outputs and recomputes every other operator (and the matrix multiplies of core_attn/mlp when named with it, or,
 #   with matmul_k<K>, those whose contraction dimension is <= K: the smallest K frees the most bytes per recomputed
 #   FLOP); non_matmul alone recomputes no FLOPs and frees most of the layer's bytes. The search offers matmul_k<K>
-#   for each contraction size of the layer (contraction_sets);
+#   for each contraction size of the layer (contraction_sets); or, with keep_ops(<indices>), the layer keeps the
+#   outputs of exactly those operators (remat.recompute.plan_format NOTE [operator sets]); the search offers the
+#   prefixes of the layer's operators ordered by recompute price per byte (remat.plan.operator_space NOTE
+#   [operator kinds]);
 # * checkpoint: the layer belongs to a group of consecutive layers that is one checkpoint: only the group's inputs
 #   are kept and the whole group is recomputed in backward (Megatron's full recompute, but the groups may have any
 #   sizes and may be anywhere);
 # * offload: a checkpoint group whose kept hidden-states input waits for backward in host memory (pinned on CUDA)
 #   and is copied back when the group's backward starts (remat.recompute.offload). Gradients are the plain model's,
 #   bit for bit.
-OBJECTIVES = ("extra_flops", "time")
+OBJECTIVES = ("extra_flops", "time")  # PlanOptions' default: "time"
 # the selective modules of the reference (dense) GPT's layers: MoE and MLA modules (remat.policy) are not searched
 DENSE_MODULES = tuple(m for m in SELECTIVE_MODULES if m in ("core_attn", "mlp", "layernorm", "act", "non_matmul"))
 SELECTIVE_SETS: tuple[tuple[str, ...], ...] = tuple(

@@ -167,9 +167,10 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
     activations exist at once. ``full/block/k`` checkpoints the first k layers one by one; the other layers keep
     all activations. ``selective/<modules>`` checkpoints the named submodules of every layer (attention core,
     MLP, norms, MLP activation; found through :data:`~remat.recompute.region.SELECTIVE_TARGETS`).
-    ``selective/non_matmul`` (alone or with ``core_attn``/``mlp``) makes each layer one checkpoint under torch's
-    selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``, always
-    the non-reentrant engine): the outputs of its matrix multiplies
+    ``selective/non_matmul`` (alone or with ``core_attn``/``mlp``) makes each layer one selective activation
+    checkpoint (:func:`~remat.recompute.operator_checkpoint.checkpoint_operators`: the semantics and memory of
+    torch's ``create_selective_checkpoint_contexts`` with the non-reentrant engine, whatever the engine says):
+    the outputs of its matrix multiplies
     (:data:`~remat.recompute.operators.MATMUL_OPS`) are kept, every other operator is recomputed in backward
     from them, and inside the named modules the matrix multiplies too; with ``matmul_k<N>`` also every
     ``mm``/``addmm``/``bmm``/``baddbmm`` whose contraction dimension is <= N. A policy's ``offload_modules``

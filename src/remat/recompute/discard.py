@@ -4,6 +4,7 @@ kept inputs when backward reaches the consumer. remat's ``moe_act`` and ``mla_up
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,12 +40,18 @@ class Discarded:
 # storage); the views are cut from the copy. The copies go when the producer's own backward starts (Megatron's go
 # when the consumer's saved tensors are released, just before), and the producer's backward runs through the
 # recomputed graph, so gradients equal the plain model's bit for bit.
+#
+# Nothing but the node's saved tensors may hold the kept inputs, so that autograd frees them when the producer's
+# backward is over, as it frees the plain model's saved tensors: the function the node re-runs holds the inputs'
+# positions, not the inputs (a closure over the inputs kept every layer's fc1 output, 0.25 GiB per DeepSeek-V3 MoE
+# layer, alive until the whole backward ended, above the plain model's peak), and the handle points at the node
+# only weakly, since the node points at the handle (a strong pair is a cycle only Python's collector frees).
 class DiscardHandle:
     """One forward of a producer: its outputs' storages (weakly), and in backward the recomputation."""
 
     def __init__(self, region: Region):
         self.region = region
-        self.ctx: Any = None
+        self.ctx_ref: Callable[[], Any] = lambda: None  # the producer's node, weakly (NOTE above)
         self.storages: list[StorageWeakRef] = []
         self.refilled: list[torch.Tensor] | None = None
         self.recomputed: list[torch.Tensor] | None = None
@@ -70,10 +77,15 @@ class DiscardHandle:
             for observer in observers:
                 observer.on_recompute(self.region, True)
             try:
-                saved = self.ctx.saved_tensors
-                self.inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
+                ctx = self.ctx_ref()
+                if ctx is None:
+                    raise RuntimeError(f"{self.region.label}: the producer's autograd node was freed before the "
+                                       "consumer's backward, so its discarded output cannot be recomputed; keep "
+                                       "the graph alive until backward reaches the consumer")
+                self.inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
                 with torch.enable_grad():
-                    result = self.ctx.rng.run_restored(self.ctx.run, *self.inputs)
+                    result = ctx.rng.run_restored(ctx.run, *self.inputs)
+                del ctx
                 self.recomputed = [leaf for leaf in tree_flatten(result)[0] if isinstance(leaf, torch.Tensor)]
                 self.refilled = [t.detach().clone() for t in self.recomputed]
             finally:
@@ -92,7 +104,7 @@ class DiscardingCheckpoint(torch.autograd.Function):
         with torch.no_grad():
             outputs = run(*inputs)
         ctx.save_for_backward(*inputs)
-        handle.ctx = ctx
+        handle.ctx_ref = weakref.ref(ctx)
         return outputs
 
     @staticmethod
@@ -146,12 +158,14 @@ class OutputDiscardingRegion(Region):
         leaves, spec = tree_flatten((args, kwargs))
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         tensors = [leaves[i] for i in positions]
+        template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]  # run must not hold them
+        del leaves
         for observer in observers:
             observer.on_checkpoint_inputs(self, tensors)
         out_spec: list[Any] = [None]  # the output's structure, set by run
 
         def run(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            filled = list(leaves)
+            filled = list(template)
             for i, tensor in zip(positions, inputs):
                 filled[i] = tensor
             call_args, call_kwargs = tree_unflatten(filled, spec)

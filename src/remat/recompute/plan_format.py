@@ -295,7 +295,8 @@ class Plan:
     @classmethod
     def parse(cls, text: str) -> Plan:
         """Read :meth:`__str__`'s form: ``'keep 0-3, checkpoint 4-11/2, selective/core_attn 12, offload 13-14'``
-        (``/K``: groups of K over the span); ``Plan.parse(str(p)) == p``."""
+        (``/K``: groups of K over the span; ``selective/keep_ops(3,19-21) 15``: NOTE [operator sets]);
+        ``Plan.parse(str(p)) == p``."""
         if not isinstance(text, str) or not text.strip():
             raise PlanError(f"a plan string is expected, got {text!r}")
         body, _, engine = text.partition("@")
@@ -306,7 +307,8 @@ class Plan:
                                  r"(\d+)(?:-(\d+))?(?:/(\d+))?\s*", piece)
             if not match:
                 raise PlanError(f"cannot read plan segment {piece.strip()!r}: write e.g. 'keep 0-3', "
-                                "'checkpoint 4-11/2', 'selective/core_attn+mlp 12-15', 'offload 16-17'")
+                                "'checkpoint 4-11/2', 'selective/core_attn+mlp 12-15', 'offload 16-17', "
+                                "'selective/keep_ops(3,19-21) 18'")
             mode = match.group(1).split("/")[0]
             start = int(match.group(3))
             last = int(match.group(4)) if match.group(4) else start

@@ -1,0 +1,52 @@
+"""Tests for remat.memory.trace_pool and the shared shallow traces of a sweep (predict_many): traces made side by
+side in forked workers are the traces made one by one, byte for byte."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import LLAMA
+
+from remat.memory import predict as predict_module
+from remat.memory.predict import predict_many, prepare_shallow_traces
+from remat.memory.trace_pool import WORKERS_ENV, available_workers, run_traces
+from remat.policy import Policy
+
+SWEEP = ["none", "full/uniform/1", "full/uniform/2", "full/uniform/4", "full/block/2", "selective/core_attn"]
+FIELDS = ("nbytes", "alloc_at", "free_at", "phase_index", "module", "category", "phases", "num_events")
+
+
+def _sweep(workers: str, monkeypatch: pytest.MonkeyPatch) -> tuple[int, list]:
+    monkeypatch.setenv(WORKERS_ENV, workers)
+    predict_module.SHALLOW_TRACES.clear()
+    config = LLAMA.replace(num_layers=6)
+    policies = [Policy.parse(p) for p in SWEEP]
+    traced = prepare_shallow_traces(config, policies)
+    return traced, predict_many(config, policies)
+
+
+def test_a_sweep_traced_side_by_side_equals_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    traced, parallel = _sweep("2", monkeypatch)
+    assert traced > 1  # the sweep's shallow traces were made by the workers
+    assert prepare_shallow_traces(LLAMA.replace(num_layers=6), [Policy()]) == 0  # made already
+    _, serial = _sweep("1", monkeypatch)
+    for a, b in zip(parallel, serial):
+        assert all(getattr(a, f) == getattr(b, f) for f in FIELDS)
+        assert a.meta["flops"] == b.meta["flops"] and a.meta.get("composed_from") == b.meta.get("composed_from")
+
+
+def test_a_failing_task_raises_its_own_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(WORKERS_ENV, "2")
+
+    def boom():
+        raise ValueError("the task's own message")
+
+    with pytest.raises(ValueError, match="the task's own message"):
+        run_traces([boom, boom])
+
+
+def test_the_worker_count_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(WORKERS_ENV, "3")
+    assert available_workers() == 3
+    monkeypatch.setenv(WORKERS_ENV, "many")
+    with pytest.raises(ValueError, match="REMAT_TRACE_WORKERS='many'"):
+        available_workers()
