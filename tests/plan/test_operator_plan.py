@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from tiny_models import segmentations
 
 from remat import apply, build_model, measure, sample_batch
 from remat.config import ModelConfig
@@ -147,16 +148,7 @@ def test_dp_with_operator_kinds_is_exact_against_brute_force():
     pool = [KEEP, *kinds()[::3], Unit("selective", 1, ("core_attn",)), *(Unit("checkpoint", k) for k in (1, 2, 4))]
     price = {u: ROOFLINE.cost(model, u) for u in pool}
 
-    def plans(n):
-        if n == 0:
-            yield ()
-            return
-        for u in pool:
-            if u.size <= n:
-                for rest in plans(n - u.size):
-                    yield (u, *rest)
-
-    table = [(model.peak(p), sum(price[u] for u in p)) for p in plans(L)]
+    table = [(model.peak(p), sum(price[u] for u in p)) for p in segmentations(pool, L)]
     peaks = sorted({pk for pk, _ in table})
     assert min_peak(model, L, pool) == peaks[0] and solve(model, L, peaks[0] - 1, ROOFLINE, units=pool) is None
     for budget in sorted(set(random.Random(4).sample(peaks, 12) + [peaks[0], peaks[-1]])):

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from tiny_models import segmentations
 
 from remat import apply, build_model, measure, sample_batch
 from remat.cli import main
@@ -239,16 +240,7 @@ def test_dp_is_exact_against_brute_force():
     cost = CostModel()
     price = {u: cost.cost(model, u) for u in kinds}
 
-    def plans(n):
-        if n == 0:
-            yield ()
-            return
-        for u in kinds:
-            if u.size <= n:
-                for rest in plans(n - u.size):
-                    yield (u, *rest)
-
-    table = [(model.peak(p), sum(price[u] for u in p)) for p in plans(L)]
+    table = [(model.peak(p), sum(price[u] for u in p)) for p in segmentations(kinds, L)]
     assert len(table) == 23787
     peaks = sorted({pk for pk, _ in table})
     assert min_peak(model, L, kinds) == peaks[0]

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from tiny_models import train_step
 from torch import nn
 
 from remat.analysis.explain_text import host_memory_sentence
@@ -50,16 +51,7 @@ ALL = DENSE_ALL + "+expert_fc1+moe_act"
 
 @functools.cache
 def plain_step(config: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    return step(config, "none")
-
-
-def step(config: ModelConfig, policy: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model = build_model(config, seed=0)
-    apply(model, policy)
-    torch.manual_seed(1)  # the dropout masks
-    loss = model(*sample_batch(config))
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return train_step(config, "none")
 
 
 CASES = [(DENSE, f"none,offload:{m},offload_min:0") for m in
@@ -81,7 +73,7 @@ CASES += [(DENSE, f"selective/core_attn,offload:{DENSE_ALL},offload_min:0"),
                                                       for c, p in CASES])
 def test_gradients_are_bit_identical_to_no_offloading(config: ModelConfig, policy: str) -> None:
     plain_loss, plain = plain_step(config)
-    loss, grads = step(config, policy)
+    loss, grads = train_step(config, policy)
     assert torch.equal(loss, plain_loss)
     assert grads.keys() == plain.keys()
     assert all(grads[n] is not None and torch.equal(grads[n], plain[n]) for n in plain)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import train_step
 
 from remat.config import ModelConfig
 from remat.memory.measure import measure
@@ -25,15 +26,6 @@ DEEPSEEK_LIKE = BASE.replace(
 MIXTRAL_LIKE = BASE.replace(num_moe_experts=4, moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=8)
 
 
-def step(config: ModelConfig, policy: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model = build_model(config, seed=0)
-    apply(model, policy)
-    torch.manual_seed(1)  # the dropout masks
-    loss = model(*sample_batch(config))
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
 CASES = [(DEEPSEEK_LIKE, p) for p in ("selective/moe_act", "selective/mla_up_proj", "selective/moe",
                                       "selective/shared_experts", "selective/moe_act+moe",
                                       "selective/core_attn+mla_up_proj+moe_act+shared_experts+mlp",
@@ -44,8 +36,8 @@ CASES += [(MIXTRAL_LIKE, p) for p in ("selective/moe", "selective/shared_experts
 @pytest.mark.parametrize("engine", ["reentrant", "non-reentrant"])
 @pytest.mark.parametrize("config,policy", CASES)
 def test_gradients_are_bit_identical_to_no_recompute(config: ModelConfig, policy: str, engine: str) -> None:
-    plain_loss, plain = step(config, "none")
-    loss, grads = step(config, policy if engine == "reentrant" else f"{policy}@{engine}")
+    plain_loss, plain = train_step(config, "none")
+    loss, grads = train_step(config, policy if engine == "reentrant" else f"{policy}@{engine}")
     assert torch.equal(loss, plain_loss)
     assert grads.keys() == plain.keys()
     assert all(grads[n] is not None and torch.equal(grads[n], plain[n]) for n in plain)

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
@@ -18,8 +17,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from remat.config import ModelConfig
 from remat.memory import disk_cache
 from remat.memory.measure import FLOP_FORMULAS
-from remat.memory.predict import rank_model_factory
-from remat.models.gpt import sample_batch
+from remat.plan.unit_model import watch_one_layer
 from remat.recompute.plan_format import keep_ops_token
 
 
@@ -126,14 +124,7 @@ def _listed(config: ModelConfig, tp: int, sp: bool) -> tuple[LayerOperator, ...]
 
 
 def _list(config: ModelConfig, tp: int, sp: bool) -> tuple[LayerOperator, ...]:
-    cfg = config.replace(num_layers=1)
-    tokens, labels = sample_batch(cfg)
-    with FakeTensorMode(allow_non_fake_inputs=False) as fake:
-        model = rank_model_factory(cfg, tp, sp)()
-        lister = _Lister(model.layers[0])
-        with lister:
-            model(fake.from_tensor(tokens), fake.from_tensor(labels))
-    return tuple(lister.ops)
+    return tuple(watch_one_layer(config, tp, sp, _Lister).ops)
 
 
 def layer_operators(config: ModelConfig, tp: int = 1, sp: bool = False) -> tuple[LayerOperator, ...]:

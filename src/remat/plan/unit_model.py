@@ -6,7 +6,7 @@ import bisect
 import re
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -549,17 +549,24 @@ class _ContractionCollector(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def layer_contractions(config: ModelConfig, tp: int = 1, sp: bool = False) -> tuple[int, ...]:
-    """The contraction sizes K of the matrix multiplies in one layer's forward (of one tensor-parallel rank),
-    ascending (a fake forward)."""
+def watch_one_layer(config: ModelConfig, tp: int, sp: bool,
+                    watcher: Callable[[nn.Module], TorchDispatchMode]) -> TorchDispatchMode:
+    """Run a fake forward of a one-layer model (one tensor-parallel rank) under ``watcher(model.layers[0])`` and
+    return the watcher: how the plan space reads a layer's operators without running anything."""
     cfg = config.replace(num_layers=1)
     tokens, labels = sample_batch(cfg)
     with FakeTensorMode(allow_non_fake_inputs=False) as fake:
         model = rank_model_factory(cfg, tp, sp)()
-        collector = _ContractionCollector(model.layers[0])
-        with collector:
+        mode = watcher(model.layers[0])
+        with mode:
             model(fake.from_tensor(tokens), fake.from_tensor(labels))
-    return tuple(sorted(collector.sizes))
+    return mode
+
+
+def layer_contractions(config: ModelConfig, tp: int = 1, sp: bool = False) -> tuple[int, ...]:
+    """The contraction sizes K of the matrix multiplies in one layer's forward (of one tensor-parallel rank),
+    ascending (a fake forward)."""
+    return tuple(sorted(watch_one_layer(config, tp, sp, _ContractionCollector).sizes))
 
 
 def setup_end_of(tl: Timeline) -> int:
