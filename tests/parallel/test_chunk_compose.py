@@ -25,7 +25,7 @@ MOE = LLAMA.replace(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32
 PLAN = Plan.from_units([Unit("checkpoint", 4), KEEP, KEEP, Unit("selective", 1, ("core_attn",)),
                         Unit("selective", 1, ("core_attn",)), Unit("checkpoint", 2)])
 
-# (config, chunk kind, layout, batch made in the forward, tp, sp)
+# (config, chunk kind, layout, batch made in the forward, tp, sp[, kernels, grads dropped as accumulated])
 CASES = [
     ("gpt", (False, False, 9), "none", False, 1, False),
     ("gpt", (True, False, 8), "full/uniform/1", True, 1, False),
@@ -41,6 +41,10 @@ CASES = [
     ("llama", (False, True, 10), "plan", True, 2, True),
     ("moe", (False, False, 10), "selective/moe_act", False, 1, False),
     ("moe", (True, True, 9), "full/uniform/2", True, 1, False),
+    # as a Megatron job's ranks are traced (remat.parallel.job_predict): CUDA kernels, DDP's hook drops each .grad
+    ("llama", (True, False, 10), "full/block/4", True, 2, True, "cuda", True),
+    ("llama", (False, False, 10), "plan", False, 2, True, "cuda", True),
+    ("gpt", (False, True, 9), "selective/core_attn", True, 1, False, "cuda", True),
 ]
 CONFIGS = {"gpt": GPT, "llama": LLAMA, "moe": MOE}
 
@@ -64,18 +68,20 @@ def assert_same_chunk(composed: ChunkTrace, full: ChunkTrace) -> None:
 
 
 def case_id(case: tuple) -> str:
-    name, kind, layout, in_forward, tp, sp = case
-    return f"{name}-{kind}-{layout}-bif{int(in_forward)}-tp{tp}{'sp' if sp else ''}"
+    name, kind, layout, in_forward, tp, sp, *rest = case
+    return f"{name}-{kind}-{layout}-bif{int(in_forward)}-tp{tp}{'sp' if sp else ''}" + "".join(f"-{r}" for r in rest)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_composed_chunk_equals_full_trace(case: tuple) -> None:
-    name, kind, layout, in_forward, tp, sp = case
+    name, kind, layout, in_forward, tp, sp, *rest = case
     config = CONFIGS[name]
     recompute = PLAN if layout == "plan" else Policy.parse(layout)
-    composed = trace_chunk(config, kind, recompute, "cpu", tp, sp, batch_in_forward=in_forward)
+    options = dict(zip(("kernels", "drop_grads"), rest))
+    composed = trace_chunk(config, kind, recompute, "cpu", tp, sp, batch_in_forward=in_forward, **options)
     assert composed.composed_from is not None and composed.composed_from < kind[2], composed.composed_from
-    full = trace_chunk(config, kind, recompute, "cpu", tp, sp, batch_in_forward=in_forward, compose_layers=False)
+    full = trace_chunk(config, kind, recompute, "cpu", tp, sp, batch_in_forward=in_forward, compose_layers=False,
+                       **options)
     assert full.composed_from is None
     assert_same_chunk(composed, full)
 

@@ -3,6 +3,7 @@ an 80-layer model costs a few shallow traces; see the NOTE beside :func:`compose
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,9 +56,13 @@ class _Block:
     module_suffix: list[str | None] = field(default_factory=list)  # after "layers.<j>", or None: not a layer's
     module: list[str] = field(default_factory=list)
     free_groups: list[tuple[int, str, int, list[int], list[int], list[int]]] = field(default_factory=list)
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray] = ()  # type: ignore[assignment]  # filled by finish()
 
     def finish(self, tl: Timeline) -> None:
         self.nbytes = [tl.nbytes[r] for r in self.rows]
+        # bytes, allocation offsets, and offsets one after the other (as setup copies them)
+        self.arrays = (np.asarray(self.nbytes, dtype=np.int64), np.asarray(self.alloc_offsets, dtype=np.int64),
+                       np.arange(len(self.rows), dtype=np.int64))
         self.category = [tl.category[r] for r in self.rows]
         self.module = [tl.module[r] for r in self.rows]
         prefix = f"layers.{self.layer}"
@@ -340,41 +345,54 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
         out.phases.append(Phase(out.num_events, block.kind, region, detail))
         phase_flops.append(flops)
 
+    emitted: list[tuple[_Block, int, bool]] = []  # (block, deep layer, setup) of each copy, in order
+    starts: list[int] = []  # the event each copy starts at
+    phase_ids: list[int] = []
+
     def allocate(block: _Block, layer: int, offsets: list[int] | None) -> None:
-        """Append the block's rows as deep rows of ``layer``; record where they start."""
-        base = len(out.nbytes)
-        block_start[(layer, block.kind, block.occurrence)] = (base, block)
-        n0 = out.num_events
+        """Append the block's rows as deep rows of ``layer`` (their columns are filled at the end); record where
+        they start."""
+        block_start[(layer, block.kind, block.occurrence)] = (len(out.free_at), block)
         n = len(block.rows)
-        out.nbytes.extend(block.nbytes)
-        out.category.extend(block.category)
-        copied.extend(block.rows)
-        out.phase_index.extend([len(out.phases) - 1] * n)
+        emitted.append((block, layer, offsets is None))
+        starts.append(out.num_events)
+        phase_ids.append(len(out.phases) - 1)
         out.free_at.extend([-1] * n)
         if offsets is None:  # setup: allocations one after the other
-            out.alloc_at.extend(range(n0, n0 + n))
             out.num_events += n
-        else:
-            out.alloc_at.extend([n0 + o for o in offsets])
+
+    def fill_columns() -> None:
+        """Every copied row's columns, block by block (numpy where the columns are numbers)."""
+        sizes = np.fromiter((len(b.rows) for b, _, _ in emitted), dtype=np.int64, count=len(emitted))
+        out.nbytes = np.concatenate([b.arrays[0] for b, _, _ in emitted]).tolist()
+        offsets = np.concatenate([b.arrays[2] if setup else b.arrays[1] for b, _, setup in emitted])
+        out.alloc_at = (offsets + np.repeat(np.asarray(starts, dtype=np.int64), sizes)).tolist()
+        out.phase_index = np.repeat(np.asarray(phase_ids, dtype=np.int64), sizes).tolist()
+        out.category = list(itertools.chain.from_iterable(b.category for b, _, _ in emitted))
+        copied.extend(itertools.chain.from_iterable(b.rows for b, _, _ in emitted))
+        out.module = list(itertools.chain.from_iterable(names(b, layer) for b, layer, _ in emitted))
+
+    def names(block: _Block, layer: int) -> list[str]:
         if layer == OUTER or block.layer == layer:
-            out.module.extend(block.module)
-        else:
-            names = trace.modules.get((id(block), layer))
-            if names is None:
-                renamed = f"layers.{layer}"
-                names = trace.modules[(id(block), layer)] = [m if suffix is None else renamed + suffix
-                                                             for m, suffix in zip(block.module, block.module_suffix)]
-            out.module.extend(names)
+            return block.module
+        found = trace.modules.get((id(block), layer))
+        if found is None:
+            renamed = f"layers.{layer}"
+            found = trace.modules[(id(block), layer)] = [m if suffix is None else renamed + suffix
+                                                         for m, suffix in zip(block.module, block.module_suffix)]
+        return found
 
     # (free group, template layer of the deep layer it frees from) -> where the freed tensors are in that template,
-    # once found to be the same tensors: runs of (block kind, occurrence, [(ordinal, event offset), ...])
-    matched: dict[tuple[int, int], list[tuple[str, int, list[tuple[int, int]]]]] = trace.matched
-    frees = 0
+    # once found to be the same tensors: runs of (block kind, occurrence, ordinals, event offsets)
+    matched: dict[tuple[int, int], list[tuple[str, int, np.ndarray, np.ndarray]]] = trace.matched
+    # each run of frees of each copy: the freed rows are run ordinals + row base, their events offsets + event base
+    freed_ordinals: list[np.ndarray] = []
+    freed_offsets: list[np.ndarray] = []
+    row_bases: list[int] = []
+    event_bases: list[int] = []
 
     def release(block: _Block, layer: int, head_side: bool) -> None:
-        nonlocal frees
         n0 = out.num_events
-        free_at = out.free_at
         for j, kind, occurrence, ordinals, offsets, rows in block.free_groups:
             if j == OUTER:
                 deep = source_layer = OUTER
@@ -386,29 +404,32 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
             runs = matched.get((id(ordinals), source_layer))
             if runs is None:
                 targets = _match(block, (j, kind, occurrence), ordinals, rows, source_layer, deep, head_side)
-                runs = []
+                pending: list[tuple[str, int, list[int], list[int]]] = []
                 for (target_kind, target_occurrence, ordinal), offset in zip(targets, offsets):
-                    if not runs or runs[-1][:2] != (target_kind, target_occurrence):
-                        runs.append((target_kind, target_occurrence, []))
-                    runs[-1][2].append((ordinal, offset))
+                    if not pending or pending[-1][:2] != (target_kind, target_occurrence):
+                        pending.append((target_kind, target_occurrence, [], []))
+                    pending[-1][2].append(ordinal)
+                    pending[-1][3].append(offset)
+                runs = [(k, o, np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)) for k, o, a, b in pending]
                 matched[(id(ordinals), source_layer)] = runs
-            for target_kind, target_occurrence, pairs in runs:
+            for target_kind, target_occurrence, run_ordinals, run_offsets in runs:
                 found = block_start.get((deep, target_kind, target_occurrence))
                 if found is None:
                     raise CompositionError(f"a free in {block.phase.label} does not find its tensor in deep layer "
                                            f"{deep}")
-                base = found[0]
-                for ordinal, offset in pairs:
-                    free_at[base + ordinal] = n0 + offset
-            frees += len(offsets)
+                freed_ordinals.append(run_ordinals)
+                freed_offsets.append(run_offsets)
+                row_bases.append(found[0])
+                event_bases.append(n0)
 
     def _match(block: _Block, key: tuple[int, str, int], ordinals: list[int], rows: list[int], source_layer: int,
                deep: int, head_side: bool) -> list[tuple[str, int, int]]:
         """Where the tensors that ``block`` frees from the shallow block ``key`` are in the blocks of shallow layer
-        ``source_layer`` (the template of deep layer ``deep``): at the same places (the template allocates what
-        ``key``'s layer does), or at the same places among what each layer hands to the layers on ``block``'s side
-        (a template of another kind or in other surroundings: :meth:`ShallowTrace.relation`); each checked
-        (bytes, category), and refused when both are possible but disagree."""
+        ``source_layer`` (the template of deep layer ``deep``): the same layer, the same places; another layer
+        (another role around it, another kind), the tensors at the same places among what each layer hands to the
+        layers in the same relation (:meth:`ShallowTrace.relation`: its output to the layer above, its input's
+        gradient to the layer below...), or when those lists differ, the same places in its blocks. Each checked
+        (bytes, category); the whole step is checked once more at the end."""
         j, kind, occurrence = key
         direct = [(kind, occurrence, o) for o in ordinals]
         if source_layer == j or j == OUTER:
@@ -417,15 +438,13 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
             return direct
         relation = trace.relation(block.layer, j, head_side)
         mine, theirs = trace.exports.get((j, relation), []), trace.exports.get((source_layer, relation), [])
-        handed = [theirs[mine.index(t)] for t in direct] if len(mine) == len(theirs) else None
-        ok_direct = _same_tensors(direct, rows, source_layer, key)
-        ok_handed = handed is not None and _same_tensors(handed, rows, source_layer, key)
-        if ok_direct and ok_handed and direct != handed:
-            raise CompositionError(f"a free in {block.phase.label} could free either of two tensors in deep layer "
-                                   f"{deep}")
-        if not (ok_direct or ok_handed):
-            raise CompositionError(f"a free in {block.phase.label} does not find its tensors in deep layer {deep}")
-        return direct if ok_direct else handed  # type: ignore[return-value]
+        if len(mine) == len(theirs):
+            handed = [theirs[mine.index(t)] for t in direct]
+            if _same_tensors(handed, rows, source_layer, key):
+                return handed
+        if _same_tensors(direct, rows, source_layer, key):
+            return direct
+        raise CompositionError(f"a free in {block.phase.label} does not find its tensors in deep layer {deep}")
 
     def _same_tensors(targets: list[tuple[str, int, int]], rows: list[int], source_layer: int,
                       key: tuple[int, str, int]) -> bool:
@@ -468,10 +487,16 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
     for k in range(trace.last_layer_block + 1, len(trace.blocks)):
         emit(trace.blocks[k], OUTER, trace.blocks[k].phase.detail)
 
+    fill_columns()
+    lengths = np.fromiter((len(a) for a in freed_ordinals), dtype=np.int64, count=len(freed_ordinals))
+    targets = np.concatenate(freed_ordinals) + np.repeat(np.asarray(row_bases, dtype=np.int64), lengths)
+    free_at = np.full(len(out.free_at), -1, dtype=np.int64)
+    free_at[targets] = np.concatenate(freed_offsets) + np.repeat(np.asarray(event_bases, dtype=np.int64), lengths)
+    out.free_at = free_at.tolist()
     # every tensor freed once, and exactly those whose shallow original is freed (a template whose neighbours free
     # differently would show here)
-    deep_freed = np.asarray(out.free_at, dtype=np.int64) >= 0
-    if frees != int(np.count_nonzero(deep_freed)) or not np.array_equal(
+    deep_freed = free_at >= 0
+    if len(targets) != int(np.count_nonzero(deep_freed)) or not np.array_equal(
             deep_freed, trace.freed[np.asarray(copied, dtype=np.int64)]):
         raise CompositionError("the composed step frees other tensors than the shallow trace's layers do")
     out.meta["phase_flops"] = phase_flops

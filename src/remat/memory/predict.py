@@ -271,10 +271,14 @@ def prepare_shallow_traces(config: ModelConfig, policies: Iterable[Policy], *, d
         return 0
     where = (device, tp, sp, resolve_kernels(None, device))
     planned: dict[tuple[Any, ...], tuple[tuple[Any, ...], frozenset[Role], tuple[str, ...] | None]] = {}
+    wanted = []
     for policy in policies:
-        if policy.offloads:
-            continue
-        policy.layer_groups(config.num_layers)  # refuses k > depth, naming the depth
+        if not policy.offloads:
+            policy.layer_groups(config.num_layers)  # refuses k > depth, naming the depth
+            found = _stand_in(config, policy, kinds, where)
+            wanted.append((-(found[1] if found is not None else 0), len(wanted), policy))
+    # the policies whose stand-ins are deepest first: a deeper stand-in often has every role of a shallower one
+    for _, _, policy in sorted(wanted, key=lambda w: w[:2]):
         found = _stand_in(config, policy, kinds, where, list(reversed(planned.values())))
         if found is None or found[1] >= config.num_layers:
             continue

@@ -132,8 +132,10 @@ def shallow_stand_ins_of_kinds(policy: Policy, kinds: Sequence[str], max_depth: 
 
 
 def policy_family(policy: Policy) -> tuple[object, ...]:
-    """What a stand-in shares with the policy it stands in for: every field but full's layer count."""
-    return tuple(getattr(policy, f.name) for f in dataclasses.fields(policy) if f.name != "num_layers")
+    """What a stand-in shares with the policy it stands in for: every field but full's method and layer count
+    (uniform and block groups differ only in where the groups are, which the layer roles say)."""
+    return tuple(getattr(policy, f.name) for f in dataclasses.fields(policy)
+                 if f.name != "num_layers" and not (f.name == "method" and policy.granularity == "full"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -146,22 +148,33 @@ def config_family(config: ModelConfig) -> tuple[object, ...]:
 
 def shallow_plan(plan: Plan) -> Plan | None:
     """A shallow plan with every layer role (:func:`layer_roles`) of ``plan``, for composing its timeline from a
-    shallow trace: groups of more than 3 layers shrink to 3 and runs of more than 3 equal units to 3 (a role sees
-    only its neighbours and region sizes up to 3). None when that is not shallower, or when the plan offloads
-    (composition does not tell offload groups from checkpoint groups)."""
+    shallow trace: groups of more than 3 layers shrink to 3, and each run of equal units to the fewest (3 at most:
+    a role sees only its neighbours and region sizes up to 3) that keep every role. None when that is not
+    shallower, or when the plan offloads (composition does not tell offload groups from checkpoint groups)."""
     if any(s.mode == "offload" for s in plan.segments):
         return None
-    small: list[Unit] = []
+    runs: list[list[Unit]] = []  # [unit, count] of each run of equal units, groups shrunk to 3 layers
     for unit in plan.units():
         u = Unit(unit.mode, min(unit.size, 3), unit.modules) if unit.is_group else unit
-        if len(small) >= 3 and small[-1] == small[-2] == small[-3] == u:
-            continue
-        small.append(u)
-    shallow = Plan.from_units(small, plan.engine)
-    if shallow.num_layers >= plan.num_layers:
+        if runs and runs[-1][0] == u:
+            runs[-1][1] += 1  # type: ignore[operator]
+        else:
+            runs.append([u, 1])  # type: ignore[list-item]
+    need = role_set(plan, plan.num_layers)
+    counts = [min(int(n), 3) for _, n in runs]  # type: ignore[call-overload]
+
+    def build(counts: list[int]) -> Plan:
+        return Plan.from_units([u for (u, _), n in zip(runs, counts) for _ in range(n)], plan.engine)
+
+    shallow = build(counts)
+    if shallow.num_layers >= plan.num_layers or not need <= role_set(shallow, shallow.num_layers):
         return None
-    if not role_set(plan, plan.num_layers) <= role_set(shallow, shallow.num_layers):
-        return None
+    for i in range(len(counts)):  # each run as short as its roles allow (a run's roles are those of its edges)
+        for fewer in range(1, counts[i]):
+            candidate = build(counts[:i] + [fewer] + counts[i + 1:])
+            if need <= role_set(candidate, candidate.num_layers):
+                counts[i], shallow = fewer, candidate
+                break
     return shallow
 
 
