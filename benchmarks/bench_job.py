@@ -15,6 +15,12 @@ main-gradient buffer, fp32 master parameters and Adam moments, an optimizer step
   and the separate expert gradient buffer sharded over the expert data-parallel ranks;
 * (d) the same EP=2 job with real routing (grouped experts, 1 microbatch), predicted from the token counts the
   run reported: the two ranks' experts receive different counts, each priced from its own trace.
+* (e) TP=2 with sequence parallelism (2 processes) of a DeepSeek-style GPT (MLA with q/kv down-projections and
+  norms, layers 1..3 MoE with a shared expert, grouped experts split over etp = tp), selective
+  moe_act+mla_up_proj recompute, balanced routing: the experts' tokens all-gathered over tp and their partial
+  outputs reduce-scattered (remat.models.tp_moe), MLA's heads split over tp (remat.models.tp_mla);
+* (f) the same model at TP=2 (SP) x EP=2 (dp=2, 4 processes), distributed optimizer: all-to-all over ep, then
+  the gather over etp, counts exchanged over the tp x ep group.
 
 Per rank: stage, tensor-parallel and data-parallel position, predicted and measured peak bytes, error =
 (predicted - measured) / measured, the parts alive at the measured peak, and where they differ from the
@@ -22,7 +28,7 @@ predicted parts. Target: predicted == measured to the byte on every rank.
 
 Usage::
 
-    python benchmarks/bench_job.py [--json out.json] [--timeout 300]
+    python benchmarks/bench_job.py [--json out.json] [--timeout 300] [--only '(e)']
 """
 
 from __future__ import annotations
@@ -35,11 +41,16 @@ import time
 from remat.config import ModelConfig
 from remat.job import Job
 from remat.parallel.job_measure import format_rows, measure_job, rank_rows
+from remat.policy import Policy
 from remat.timeline import write_atomic
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=32,
                     micro_batch_size=2, attention="sdpa")
 MOE = MODEL.replace(num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=(0, 1, 1, 1))
+DEEPSEEK = MOE.replace(moe_grouped_gemm=True, moe_shared_expert_intermediate_size=32, multi_latent_attention=True,
+                       q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+                       position="rope", activation="swiglu", normalization="rmsnorm", add_bias_linear=False,
+                       moe_routing_assumption="balanced")
 
 
 def given_counts(job: Job, measured: list) -> Job:
@@ -58,6 +69,12 @@ JOBS = {
         num_microbatches=2),
     "(d) ep=2 (dp=2) MoE, real routing, predicted from its counts": Job.build(
         MOE.replace(moe_grouped_gemm=True), precision="bf16", ep=2, dp=2),
+    "(e) tp=2 sp MoE + MLA, moe_act+mla_up_proj, balanced routing": Job.build(
+        DEEPSEEK, precision="bf16", tp=2, sp=True, num_microbatches=2,
+        policy=Policy.parse("selective/moe_act+mla_up_proj")),
+    "(f) tp=2 sp x ep=2 (dp=2) MoE + MLA, distributed optimizer": Job.build(
+        DEEPSEEK, precision="bf16", tp=2, sp=True, ep=2, dp=2, distributed_optimizer=True,
+        policy=Policy.parse("selective/moe_act+mla_up_proj")),
 }
 
 
@@ -65,10 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per real run (default 300)")
+    parser.add_argument("--only", default="", help="run only the jobs whose name contains this, e.g. '(e)'")
     args = parser.parse_args(argv)
     out = {}
     worst = 0.0
     for name, job in JOBS.items():
+        if args.only not in name:
+            continue
         start = time.perf_counter()
         measured = measure_job(job, timeout=args.timeout)
         real_routing = job.model.is_moe and job.model.moe_routing_assumption is None

@@ -11,15 +11,25 @@ weights (no download) - and several recompute policies, it
 2. measures one real forward + backward on the GPU with ``remat.measure`` (peak statistics reset just before)
    and reads ``torch.cuda.max_memory_allocated`` and ``torch.cuda.max_memory_reserved``.
 
-It prints a table of both errors per model and policy and exits 1 when any allocated error exceeds
-``--max-error`` (3%) or any reserved error ``--max-reserved-error`` (5%). About two minutes on an H100/H200.
+It prints a table of both errors per model and policy (``--checks peaks``), then runs issue 12's checks
+(``offload``, ``mla_sdpa``, ``moe``: :mod:`gpu_check_moe` beside this script): Megatron's fine-grained activation
+offloading (pinned host copies on a side stream) predicted against measured, device and host bytes, with gradients
+bit for bit against the plain model; which SDPA backend PyTorch runs for multi-latent attention (DeepSeek-V3's q/k
+head dim 192, v 128, and tiny shapes) and whether the tensors it saves are those of remat's CUDA profile; MoE
+grouped and separate experts under ``moe_act``, ``moe`` and ``shared_experts`` recompute, balanced and real routing.
+Each of those comparisons prints a ``PASS``/``FAIL`` line with its bytes (``INFO`` for figures without a limit,
+``INCONCLUSIVE`` when the plain step itself is not bit-reproducible). It exits 1 when any allocated error exceeds
+``--max-error`` (3%), any reserved error of the peaks table ``--max-reserved-error`` (5%), or any line is ``FAIL``.
+About two minutes on an H100/H200 for the peaks, under two more for the rest.
 
 ``--dry-run-cpu`` runs the same code on tiny configs on the CPU with ``kernels='cpu'``: the recorder's exact
 bytes stand in for ``max_memory_allocated`` and the replay of the measured timeline for ``max_memory_reserved``,
-so every prediction must be exact there (both limits default to 0: a single byte off fails). Without a CUDA
-device (and without ``--dry-run-cpu``) it says so and exits 0.
+so every prediction must be exact there (both limits default to 0: a single byte off fails; the SDPA backend
+comparison needs CUDA and is skipped). Without a CUDA device (and without ``--dry-run-cpu``) it prints a ``no CUDA``
+line and a ``SKIP`` line per check and exits 0.
 
-    python benchmarks/gpu_check.py [--models gpt,llama,hf] [--policies none,full/uniform/1] [--out results.json]
+    python benchmarks/gpu_check.py [--checks peaks,offload,mla_sdpa,moe] [--models gpt,llama,hf]
+                                   [--policies none,full/uniform/1] [--out results.json]
     python benchmarks/gpu_check.py --dry-run-cpu
 """
 
@@ -32,16 +42,19 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_check_moe import CHECKS, run_checks, skip_all  # the issue-12 checks, beside this script
 
 from remat import ModelConfig, apply, build_model, measure, sample_batch
 from remat.memory.allocator import replay_timeline
 from remat.memory.predict import predict, predict_config
 
+ALL_CHECKS = ("peaks", *CHECKS)
 POLICIES = ("none", "full/uniform/1", "selective/core_attn")
 HF_POLICIES = ("none", "full/uniform/1")
 MIB = 1 << 20
@@ -189,6 +202,9 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checks", default=",".join(ALL_CHECKS),
+                        help=f"any of {', '.join(ALL_CHECKS)} (default all): peaks is the table above; offload, "
+                        "mla_sdpa and moe are issue 12's (benchmarks/gpu_check_moe.py)")
     parser.add_argument("--models", default="gpt,llama,hf", help="any of gpt, llama, hf (default all three)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"default {','.join(POLICIES)} (hf: none, "
                         "full/uniform/1 only)")
@@ -199,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write the results as JSON to this file")
     parser.add_argument("--dry-run-cpu", action="store_true", help="no GPU needed: tiny configs on the CPU")
     args = parser.parse_args(argv)
+    checks = [c.strip() for c in args.checks.split(",") if c.strip()]
+    unknown = sorted(set(checks) - set(ALL_CHECKS))
+    if unknown:
+        parser.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(ALL_CHECKS)}")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(models) - {"gpt", "llama", "hf"})
     if unknown:
@@ -211,28 +231,49 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run_cpu:
         device, where = "cpu", "CPU (dry run, kernels=cpu)"
     elif not torch.cuda.is_available():
-        print(f"gpu_check: no CUDA device (torch {torch.__version__}): nothing to check; --dry-run-cpu checks "
-              "the script's logic on the CPU.")
+        print(f"gpu_check: no CUDA device (torch {torch.__version__}): every CUDA check is skipped; --dry-run-cpu "
+              "checks the script's logic on the CPU.")
+        skip_all(checks, f"no CUDA device (torch {torch.__version__})")
         return 0
     else:
         device, where = "cuda", torch.cuda.get_device_name()
     started = time.perf_counter()
-    print(f"gpu_check on {where}, torch {torch.__version__}, bf16, models {', '.join(models)}", flush=True)
-    rows = run(models, policies, device, tiny=args.dry_run_cpu)
-    print("\n" + format_rows(rows, args.max_error, args.max_reserved_error))
-    worst_alloc = max(rows, key=lambda r: abs(r["allocated_error"]))
-    worst_resv = max(rows, key=lambda r: abs(r["reserved_error"]))
-    ok = (abs(worst_alloc["allocated_error"]) <= args.max_error
-          and abs(worst_resv["reserved_error"]) <= args.max_reserved_error)
+    print(f"gpu_check on {where}, torch {torch.__version__}, bf16, checks {', '.join(checks)}", flush=True)
+    rows: list[dict[str, Any]] = []
+    ok, report = True, {"device": where, "torch": torch.__version__, "checks": checks,
+                        "max_error": args.max_error, "max_reserved_error": args.max_reserved_error}
+    if "peaks" in checks:
+        print(f"\n[peaks] models {', '.join(models)}", flush=True)
+        try:
+            rows = run(models, policies, device, tiny=args.dry_run_cpu)
+        except Exception as err:  # noqa: BLE001 - the other checks still run on the one GPU run
+            traceback.print_exc()
+            print(f"  ERROR        [peaks] {type(err).__name__}: {err}")
+            rows, ok = [], False
+            report["peaks_error"] = f"{type(err).__name__}: {err}"
+    if rows:
+        print("\n" + format_rows(rows, args.max_error, args.max_reserved_error))
+        worst_alloc = max(rows, key=lambda r: abs(r["allocated_error"]))
+        worst_resv = max(rows, key=lambda r: abs(r["reserved_error"]))
+        ok = (abs(worst_alloc["allocated_error"]) <= args.max_error
+              and abs(worst_resv["reserved_error"]) <= args.max_reserved_error)
+        print(f"\nworst allocated: {worst_alloc['model']} {worst_alloc['policy']} "
+              f"{100 * worst_alloc['allocated_error']:+.2f}% (limit {100 * args.max_error:.0f}%); worst reserved: "
+              f"{worst_resv['model']} {worst_resv['policy']} {100 * worst_resv['reserved_error']:+.2f}% (limit "
+              f"{100 * args.max_reserved_error:.0f}%): {'PASS' if ok else 'FAIL'}")
+        report["rows"] = rows
+    others = [c for c in checks if c != "peaks"]
+    if others:
+        results = run_checks(others, device, tiny=args.dry_run_cpu, limit=args.max_error)
+        counts = {v: sum(line["verdict"] == v for line in results.lines) for v in
+                  ("PASS", "FAIL", "ERROR", "INCONCLUSIVE", "INFO", "SKIP")}
+        print("\n" + ", ".join(f"{n} {v}" for v, n in counts.items() if n) + f" in {', '.join(others)}")
+        ok = ok and results.failed == 0
+        report["lines"] = results.lines
     seconds = time.perf_counter() - started
-    print(f"\nworst allocated: {worst_alloc['model']} {worst_alloc['policy']} "
-          f"{100 * worst_alloc['allocated_error']:+.2f}% (limit {100 * args.max_error:.0f}%); worst reserved: "
-          f"{worst_resv['model']} {worst_resv['policy']} {100 * worst_resv['reserved_error']:+.2f}% (limit "
-          f"{100 * args.max_reserved_error:.0f}%): {'PASS' if ok else 'FAIL'} in {seconds:.0f} s")
+    print(f"\ngpu_check: {'PASS' if ok else 'FAIL'} in {seconds:.0f} s")
     if args.out is not None:
-        write_json(args.out, {"device": where, "torch": torch.__version__, "pass": ok, "seconds": seconds,
-                              "max_error": args.max_error, "max_reserved_error": args.max_reserved_error,
-                              "rows": rows})
+        write_json(args.out, {**report, "pass": ok, "seconds": seconds})
     return 0 if ok else 1
 
 

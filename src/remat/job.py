@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from remat import job_pipeline
 from remat.config import DTYPES, ConfigError, ModelConfig
 from remat.job_experts import check_expert_layout, check_recompute_modules, model_with_ep, moe_mla_args, moe_mla_fields
 from remat.job_flags import (
@@ -94,7 +95,7 @@ class Job:
     sp: bool = False
     """Sequence parallelism (``--sequence-parallel``): norms/dropout hold s/tp tokens; needs tp > 1."""
     pp: int = 1
-    """Pipeline-parallel size (``--pipeline-model-parallel-size``): layers split evenly over pp stages."""
+    """Pipeline-parallel size (``--pipeline-model-parallel-size``): layers split over pp stages (evenly by default)."""
     vpp: int | None = None
     """Model chunks per pipeline rank (``--num-virtual-stages-per-pipeline-rank``), >= 2; needs interleaved."""
     cp: int = 1
@@ -127,6 +128,13 @@ class Job:
     """``--ddp-bucket-size`` in elements (with overlap_grad_reduce); None: Megatron's max(40M, 1M x dp)."""
     pad_buckets_for_high_nccl_busbw: bool = False
     """``--ddp-pad-buckets-for-high-nccl-busbw``: with the distributed optimizer, bucket ends pad to 2^16 too."""
+    # Uneven pipeline splits, as Megatron's flags of these names (remat.job_pipeline); all unset: an even split.
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    pipeline_model_parallel_layout: str | None = None
+    """A layout string, e.g. ``'Et|(tt|)*3L'`` (implies vpp); :attr:`chunk_layers` has every chunk's layers."""
     policy: Policy = field(default_factory=lambda: Policy.parse("none"))
     """Activation recompute policy (the ``--recompute-*`` flags)."""
 
@@ -170,7 +178,7 @@ class Job:
         _require(not (self.distributed_optimizer and self.optimizer == "none"), "distributed_optimizer=True "
                  "(--use-distributed-optimizer) shards optimizer state, but optimizer='none' has none: drop it")
 
-        tp, L, s, cp = self.tp, m.num_layers, m.seq_length, self.cp
+        tp, s, cp = self.tp, m.seq_length, self.cp
         for what, n in (("num_attention_heads", m.num_attention_heads), ("num_query_groups", m.query_groups),
                         ("the FFN size", m.ffn_size)):
             extra = (" (recent Megatron also accepts tp a multiple of num_query_groups by replicating K/V heads, "
@@ -186,10 +194,9 @@ class Job:
         # megatron/core/tensor_parallel/mappings.py::_split_along_first_dim: the s/cp tokens split over tp.
         _require(not self.sp or (s // cp) % tp == 0, f"sp=True (--sequence-parallel) splits the s/cp={s // cp} "
                  f"tokens over tp={tp} ranks, which does not divide them: change tp, cp or --seq-length")
-        check_expert_layout(self.model, ep=self.ep, etp=self.expert_tp, tp=tp, cp=cp, dp=self.dp)
+        check_expert_layout(self.model, ep=self.ep, etp=self.expert_tp, tp=tp, cp=cp, dp=self.dp, sp=self.sp)
 
         vpp, pp = self.vpp, self.pp
-        chunks, where = pp * (vpp or 1), "pp" if vpp is None else "pp*vpp"
         _require(vpp is None or vpp >= 2, "vpp=1 (--num-virtual-stages-per-pipeline-rank 1) is no virtual "
                  "pipeline: use vpp=None")
         _require(vpp is None or self.schedule == "interleaved", f"vpp={vpp} needs schedule='interleaved' "
@@ -198,12 +205,7 @@ class Job:
                  "chunks per rank (--num-virtual-stages-per-pipeline-rank): set vpp, or use schedule='1f1b'")
         _require(vpp is None or pp > 1, f"vpp={vpp} needs pp > 1 (Megatron's interleaved schedule pipelines chunks "
                  "over ranks): set pp (--pipeline-model-parallel-size) > 1, or vpp=None")
-        _require(chunks <= L, f"{where}={chunks} pipeline chunks exceed num_layers={L} (--num-layers): every chunk "
-                 f"needs a layer; use {where} <= {L}")
-        # megatron/training/arguments.py::validate_args: "Number of layers should be divisible by the
-        # pipeline-model-parallel size", and per stage by the layers per virtual stage (remat splits evenly).
-        _require(L % chunks == 0, f"num_layers={L} (--num-layers) is not divisible by {where}={chunks}: Megatron "
-                 f"splits the layers evenly over the pipeline chunks; use {where} from {_divisors(L)}")
+        job_pipeline.check_pipeline_split(self)  # even, uneven first/last, embedding/loss counted, or a layout
         # megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_with_interleaving: microbatch
         # groups of microbatch_group_size_per_vp_stage (default pp) must fit, with no remainder below pp.
         _require(vpp is None or self.num_microbatches % pp == 0, f"{_f('num_microbatches')}={self.num_microbatches}"
@@ -213,9 +215,10 @@ class Job:
         _require(not pol.distribute_saved_activations or (tp > 1 and not self.sp), "--distribute-saved-activations "
                  "splits checkpoints over the tensor-parallel ranks: Megatron needs tp > 1 and refuses it with "
                  "--sequence-parallel; drop one of them")
-        _require(not pol.recomputes_layers or pol.num_layers <= L // chunks, f"--recompute-num-layers "
-                 f"{pol.num_layers} exceeds the {L // chunks} layers of a model chunk (num_layers / {where}): use at "
-                 f"most {L // chunks}")
+        deepest = self.layers_per_chunk  # a shorter chunk (uneven split) recomputes all its layers, as Megatron
+        _require(not pol.recomputes_layers or pol.num_layers <= deepest, f"--recompute-num-layers "
+                 f"{pol.num_layers} exceeds the {deepest} layers of a model chunk (the deepest): use at most "
+                 f"{deepest}")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -241,8 +244,14 @@ class Job:
 
     @property
     def layers_per_chunk(self) -> int:
-        """Transformer layers in one model chunk (a pipeline stage, or a virtual stage under vpp)."""
-        return self.model.num_layers // (self.pp * (self.vpp or 1))
+        """Transformer layers in one model chunk (a pipeline stage, or a virtual stage under vpp); the most any
+        chunk has under an uneven split."""
+        return max(self.chunk_layers)
+
+    @property
+    def chunk_layers(self) -> tuple[int, ...]:
+        """Decoder layers of every model chunk in global order (chunk g on stage g % pp), as Megatron splits."""
+        return job_pipeline.job_chunk_layers(self)
 
     @property
     def param_dtype(self) -> str:
@@ -317,6 +326,8 @@ class Job:
         precision = fields.setdefault("precision", model.dtype)
         if precision not in PRECISIONS:
             raise JobError(f"precision={precision!r} (--bf16/--fp16): must be one of {', '.join(PRECISIONS)}")
+        if fields.get("pipeline_model_parallel_layout") is not None and "vpp" not in fields:  # implied, as Megatron
+            fields["vpp"] = job_pipeline.layout_vpp(fields["pipeline_model_parallel_layout"], fields.get("pp", 1))
         if fields.get("vpp") is not None:
             fields.setdefault("schedule", "interleaved")
         ep = fields.setdefault("ep", model.expert_model_parallel_size)
@@ -421,6 +432,7 @@ class Job:
             args += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp)]
         if self.etp is not None:
             args += ["--expert-tensor-parallel-size", str(self.etp)]
+        args += job_pipeline.pipeline_split_args(self)
         if include_world_size:
             args += ["--world-size", str(self.world_size)]
         if self.precision != "fp32":
@@ -552,16 +564,7 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
     except ConfigError as err:
         raise JobError(f"the model flags describe an invalid model: {err}") from None
 
-    lpvs, vpp = got.get("--num-layers-per-virtual-pipeline-stage"), got.get("--num-virtual-stages-per-pipeline-rank")
-    if lpvs is not None and vpp is not None:
-        raise JobError("give one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-"
-                       "rank (Megatron asserts at most one)")
-    if lpvs is not None:
-        if L % pp or (L // pp) % lpvs:
-            raise JobError(f"--num-layers-per-virtual-pipeline-stage {lpvs}: Megatron needs it to divide the "
-                           f"layers of a pipeline stage (--num-layers {L} / --pipeline-model-parallel-size {pp})")
-        vpp = L // pp // lpvs
-    vpp = None if vpp == 1 else vpp  # Megatron: a virtual pipeline size of 1 is None
+    vpp, split = job_pipeline.pipeline_split_fields(got, L, pp)  # Megatron: a virtual pipeline size of 1 is None
     if vpp is not None and "--no-overlap-p2p-communication" in ignored and pp <= 2:
         raise JobError("the interleaved schedule with --no-overlap-p2p-communication needs "
                        "--pipeline-model-parallel-size > 2 (Megatron asserts it): drop the flag or raise pp")
@@ -593,4 +596,5 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
                accumulate_grads_in_fp32=acc, optimizer=optimizer, sgd_momentum=momentum,
                distributed_optimizer=bool(got.get("--use-distributed-optimizer")),
                overlap_grad_reduce=bool(got.get("--overlap-grad-reduce")), ddp_bucket_size=got.get("--ddp-bucket-size"),
-               pad_buckets_for_high_nccl_busbw=bool(got.get("--ddp-pad-buckets-for-high-nccl-busbw")), policy=policy)
+               pad_buckets_for_high_nccl_busbw=bool(got.get("--ddp-pad-buckets-for-high-nccl-busbw")), policy=policy,
+               **split)

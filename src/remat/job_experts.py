@@ -150,14 +150,18 @@ def model_with_ep(model: ModelConfig, ep: Any) -> ModelConfig:
     return model.replace(expert_model_parallel_size=ep)
 
 
-def check_expert_layout(model: ModelConfig, *, ep: int, etp: int, tp: int, cp: int, dp: int) -> None:
+def check_expert_layout(model: ModelConfig, *, ep: int, etp: int, tp: int, cp: int, dp: int,
+                        sp: bool = False) -> None:
     """Megatron's rules for the expert layout (megatron/training/arguments.py::validate_args and parallel_state's
-    expert rank generator: ep x etp must divide tp x cp x dp), each refused naming the flag and the fix.
+    expert rank generator: ep x etp must divide tp x cp x dp; MoE layers under tensor parallelism need sequence
+    parallelism, megatron/core/transformer/moe/moe_layer.py; biases only with etp = 1,
+    transformer_config.py), each refused naming the flag and the fix.
 
     Args:
         model: the model (its ``expert_model_parallel_size`` must be ``ep``).
         ep, tp, cp, dp: the job's sizes.
         etp: the experts' tensor-parallel size (``--expert-tensor-parallel-size``, default tp).
+        sp: sequence parallelism (``--sequence-parallel``).
     """
     if not model.is_moe:
         if etp != tp:
@@ -174,6 +178,13 @@ def check_expert_layout(model: ModelConfig, *, ep: int, etp: int, tp: int, cp: i
     if not model.is_moe:
         return
     model_with_ep(model.replace(expert_model_parallel_size=1), ep)  # ep divides the experts
+    if tp > 1 and not sp:
+        raise JobError(f"tp (--tensor-model-parallel-size)={tp} with MoE layers needs --sequence-parallel: Megatron's "
+                       "MoELayer raises 'During training, performance may degrade if MoE and tensor parallelism are "
+                       "enabled without also enabling sequence parallelism'; add --sequence-parallel, or use tp=1")
+    if etp > 1 and model.add_bias_linear:
+        raise JobError(f"etp (--expert-tensor-parallel-size)={etp} with linear biases: Megatron asserts 'Bias in Moe "
+                       "is only supported when ETP==1'; add --disable-bias-linear, or --expert-tensor-parallel-size 1")
     if model.moe_ffn_size % etp:
         raise JobError(f"etp (--expert-tensor-parallel-size)={etp} does not divide the experts' FFN size "
                        f"{model.moe_ffn_size} (--moe-ffn-hidden-size): use an etp that divides it")

@@ -42,10 +42,8 @@ REFUSED_FLAGS: dict[str, str] = _table({
     "changes the optimizer's state layout": "--num-distributed-optimizer-instances --use-precision-aware-optimizer "
         "--main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype "
         "--ddp-reduce-scatter-with-fp32-accumulation",
-    "gives an uneven or custom pipeline layout (remat splits layers evenly)":
-        "--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --pipeline-model-parallel-layout "
-        "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
-        "--microbatch-group-size-per-virtual-pipeline-stage",
+    "changes how many microbatches the interleaved schedule keeps in flight (remat models Megatron's default "
+    "groups of pp)": "--microbatch-group-size-per-virtual-pipeline-stage",
     "keeps static CUDA-graph buffers": "--cuda-graph-impl --enable-cuda-graph --external-cuda-graph "
         "--cuda-graph-scope --cuda-graph-modules --optimizer-cuda-graph",
     "allocates Transformer Engine userbuffers for TP overlap": "--tp-comm-overlap --tp-comm-overlap-cfg",
@@ -146,19 +144,20 @@ _POSITIVE_INT = ("--num-layers --hidden-size --num-attention-heads --num-query-g
                  "--padded-vocab-size --make-vocab-size-divisible-by --tensor-model-parallel-size "
                  "--pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage "
                  "--num-virtual-stages-per-pipeline-rank --context-parallel-size --expert-model-parallel-size "
-                 "--expert-tensor-parallel-size --world-size --data-parallel-size --ddp-bucket-size")
+                 "--expert-tensor-parallel-size --world-size --data-parallel-size --ddp-bucket-size "
+                 "--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers")
 _SWITCHES = ("--group-query-attention --swiglu --untie-embeddings-and-output-weights --disable-bias-linear "
              "--use-flash-attn --use-rotary-position-embeddings --no-pad-vocab-size --disable-pad-vocab-size "
              "--sequence-parallel --bf16 --fp16 --accumulate-allreduce-grads-in-fp32 --grad-reduce-in-bf16 "
              "--use-distributed-optimizer --overlap-grad-reduce --ddp-pad-buckets-for-high-nccl-busbw "
              "--attention-softmax-in-fp32 --apply-query-key-layer-scaling --moe-grouped-gemm --multi-latent-attention "
-             "--qk-layernorm")
+             "--qk-layernorm --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split")
 # MoE and MLA (remat.config's NOTE [MoE fields]; Megatron's names)
 _MOE_MLA_INT = ("--num-experts --moe-router-topk --moe-ffn-hidden-size --moe-shared-expert-intermediate-size "
                 "--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim")
 MODELLED_FLAGS: dict[str, Any] = {
     **dict.fromkeys(_POSITIVE_INT.split(), int), **dict.fromkeys(_SWITCHES.split(), bool),
-    **dict.fromkeys(_MOE_MLA_INT.split(), int), "--moe-layer-freq": str,
+    **dict.fromkeys(_MOE_MLA_INT.split(), int), "--moe-layer-freq": str, "--pipeline-model-parallel-layout": str,
     **dict.fromkeys(("--moe-expert-capacity-factor", "--moe-aux-loss-coeff"), float),
     "--moe-router-score-function": ("softmax", "sigmoid"), "--moe-token-dispatcher-type": ("alltoall", "allgather"),
     **dict.fromkeys(("--hidden-dropout", "--attention-dropout", "--sgd-momentum"), float),

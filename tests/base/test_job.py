@@ -244,7 +244,7 @@ def test_to_megatron_args_refuses_what_megatron_cannot_run(job, fragment):
     ("--use-torch-fsdp2", ["--use-torch-fsdp2", "FSDP"]),
     ("--cross-entropy-loss-fusion", ["--cross-entropy-loss-fusion", "cross-entropy"]),
     ("--cp-comm-type a2a", ["--cp-comm-type", "--cp-comm-type p2p"]),
-    ("--decoder-first-pipeline-num-layers 2", ["--decoder-first-pipeline-num-layers", "evenly"]),
+    ("--microbatch-group-size-per-virtual-pipeline-stage 4", ["--microbatch-group-size-per-virtual", "in flight"]),
     ("--use-checkpoint-args", ["--use-checkpoint-args", "give the flags themselves"]),
     ("--optimizer muon", ["--optimizer muon", "adam, sgd"]),
     ("--position-embedding-type yarn", ["--position-embedding-type yarn", "learned_absolute, rope"]),

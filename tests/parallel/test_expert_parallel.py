@@ -226,10 +226,11 @@ def test_impossible_expert_layouts_are_refused_naming_the_flag(fields, words):
 
 
 @pytest.mark.parametrize("fields, words", [
-    (dict(tp=2), ["tp=2", "MoE", "tp=1"]),
-    (dict(etp=2, dp=2), ["--expert-tensor-parallel-size", "--expert-tensor-parallel-size 1"]),
+    (dict(tp=2), ["tp (--tensor-model-parallel-size)=2", "MoE", "add --sequence-parallel"]),
+    (dict(etp=2, dp=2), ["Bias in Moe is only supported when ETP==1", "--disable-bias-linear",
+                         "--expert-tensor-parallel-size 1"]),
 ])
-def test_what_the_prediction_cannot_model_is_refused_with_the_fix(fields, words):
+def test_what_megatron_refuses_for_moe_under_tp_is_refused_with_the_fix(fields, words):
     with pytest.raises(JobError) as info:
         predict_job(Job.build(MOE.replace(num_attention_heads=2), precision="bf16", **fields))
     for word in words:

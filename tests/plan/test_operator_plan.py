@@ -102,13 +102,16 @@ def test_keep_ops_refusals_name_the_fix(bad, message):
 
 
 def test_apply_refuses_unsafe_operator_sets():
-    """Keeping a tensor that a recomputed in-place operator would mutate again, or a random draw before a
-    recomputed one (the recomputation would shift its numbers), is refused at the first step, naming the fix."""
+    """Keeping a tensor that a recomputed in-place operator would mutate again, a random draw before a recomputed
+    one (the recomputation would shift its numbers), or an in-place operator without the tensor it changes, is
+    refused at the first step, naming the fix."""
     ops = layer_operators(SMALL)
     first, second = [op.index for op in ops if op.random][:2]
     cfg = SMALL.replace(num_layers=1)
     for kept, message in (([first - 1, first], f"keep operator {first + 1} too"),
-                          ([first - 1, first, first + 1], f"so operator {second}")):
+                          ([first - 1, first, first + 1], f"so operator {second}"),
+                          ([first], f"operator {first} .* is kept but changes in place a tensor no kept operator "
+                                    "made: keep the operator that made it too")):
         model = build_model(cfg)
         apply(model, Plan.from_units([Unit("selective", 1, (keep_ops_token(kept),))]))
         with pytest.raises(ApplyError, match=message):

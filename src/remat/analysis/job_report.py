@@ -22,6 +22,8 @@ def describe_job(job: Job) -> str:
     gqa = f", {m.query_groups} kv groups" if m.query_groups != m.num_attention_heads else ""
     layout = f"tp={job.tp}{' sp' if job.sp else ''} pp={job.pp}" + (f" vpp={job.vpp}" if job.vpp else "") + \
         f" cp={job.cp} dp={job.dp}" + (f" ep={job.ep}" if job.ep > 1 else "") + f" ({job.world_size} ranks)"
+    if len(set(job.chunk_layers)) > 1:  # Megatron's uneven split: every chunk's decoder layers, in global order
+        layout += " with chunks of " + "+".join(map(str, job.chunk_layers)) + " layers"
     moe = (f", {m.num_moe_experts} experts (top-{m.moe_router_topk}, ffn={m.moe_ffn_size}) in "
            f"{sum(m.moe_layer_pattern())} layers") if m.is_moe else ""
     mixed = " mixed precision (fp32 main grads" + (", fp32 master params)" if job.optimizer != "none" else ")") \
@@ -88,6 +90,17 @@ def _choice_text(c: StageChoice) -> str:
     policy = c.policy
     what = str(c.plan) if policy is None else str(policy) if c.source == "megatron" else \
         f"{c.plan} (Megatron's {policy})"
+    if c.offload_policy is not None:
+        # the rank's host peak: every microbatch in flight holds its own offloaded groups (the stage timeline's)
+        host = c.prediction.timeline.meta.get("host_memory") or {}
+        in_flight = (c.prediction.timeline.meta.get("pipeline") or {}).get("max_in_flight")
+        held = (f"host {format_bytes(host['peak_bytes'])} at most at once over the "
+                f"{in_flight or 'several'} microbatches in flight ({format_bytes(c.host_bytes)} per microbatch)"
+                if host.get("peak_bytes") else f"host {format_bytes(c.host_bytes)} per microbatch in flight")
+        extra += (f"; chosen: fine-grained activation offloading of {', '.join(c.offload_policy.offload_modules)}, "
+                  f"{held}, "
+                  f"{format_seconds(c.transfer_seconds)} transfer time charged per microbatch; Megatron flags: "
+                  f"{' '.join(c.offload_policy.to_megatron_args())}")
     return f"{what}, peak {format_bytes(c.prediction.peak_bytes)}{extra}"
 
 
@@ -118,7 +131,10 @@ def format_job_plan(result: JobPlan) -> str:
     lines.append("per-stage plans (each stage's chunk layers numbered from 0; remat.apply gives each stage its own) "
                  "and the best Megatron setting of each stage:")
     for s in result.stages:
-        where = f"  stage {s.stage} (layers {s.layers[0]}-{s.layers[1]}, {s.in_flight} in flight)"
+        layers = f"layers {s.layers[0]}-{s.layers[1]}" if s.layers[1] >= s.layers[0] else "no decoder layer"
+        if len(set(s.chunk_layers)) > 1:  # an uneven split: the plan is of the deepest chunk, the others its start
+            layers += f" of chunks of {'+'.join(map(str, s.chunk_layers))} layers"
+        where = f"  stage {s.stage} ({layers}, {s.in_flight} in flight)"
         if s.extended is not None:
             body = f"{_choice_text(s.extended)} [{s.extended.source}]: " + ", ".join(
                 f"{p} {format_bytes(v)}" for p, v in s.extended.prediction.parts.items() if v)
@@ -129,6 +145,9 @@ def format_job_plan(result: JobPlan) -> str:
         lines.append(f"{where}: {body}")
         if s.extended is not None and s.megatron is not None and s.megatron is not s.extended:
             lines.append(f"      best Megatron setting: {_choice_text(s.megatron)}")
+        if s.megatron_without_offload is not None:
+            lines.append(f"      without offloading: {_choice_text(s.megatron_without_offload)} (cost "
+                         f"{s.megatron_without_offload.cost:,} vs {s.megatron.cost if s.megatron else 0:,})")
         elif s.megatron is None and s.extended is not None:
             lines.append("      no Megatron setting fits this stage")
     if result.uniform is not None:

@@ -40,6 +40,7 @@ def _job_dict(source: JobSource) -> dict[str, Any]:
     job = source.job
     out = {f.name: getattr(job, f.name) for f in dataclasses.fields(job) if f.name not in ("model", "policy")}
     out.update(model=job.model.to_dict(), world_size=job.world_size, global_batch_size=job.global_batch_size,
+               chunk_layers=list(job.chunk_layers),  # decoder layers of every model chunk, in global order
                bytes_per_param_static=float(job.bytes_per_param_static()))
     try:
         out["megatron_args"] = job.to_megatron_args(include_world_size=False)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from remat.cli.common import positive_int, resolve_cli_policies, resolve_model_config
 from remat.job import OPTIMIZERS, PRECISIONS, Job, parse_megatron_args
 from remat.job_flags import RECOMPUTE_FLAGS, JobError, flag_tokens
+from remat.job_pipeline import FLAG_OF, layout_vpp
 from remat.policy import Policy
 
 # ------------------------------------------------------------------------------------------------ a whole job
@@ -20,7 +21,8 @@ from remat.policy import Policy
 # --precision) make predict/compare/plan describe a whole Megatron-LM job (remat.job.Job): every part of every
 # rank. Without them the single-process commands run as before. A flag the job path cannot honour is refused, by
 # name, with the fix; so is a flag that --megatron-args already sets (the job has one source).
-JOB_FLAGS = ("megatron_args", "dp", "cp", "ep", "distributed_optimizer", "optimizer", "precision")
+PIPELINE_SPLIT = tuple(FLAG_OF)  # the Job fields of an uneven pipeline split, each a flag of the same name
+JOB_FLAGS = ("megatron_args", "dp", "cp", "ep", "distributed_optimizer", "optimizer", "precision", *PIPELINE_SPLIT)
 # CLI flag -> the Megatron flag that sets it inside --megatron-args
 _MEGATRON_NAME = {
     "preset": "the model flags (--num-layers, --hidden-size, ...)", "config": "the model flags (--num-layers, ...)",
@@ -34,7 +36,7 @@ _MEGATRON_NAME = {
     "heads": "--num-attention-heads", "query_groups": "--num-query-groups", "ffn": "--ffn-hidden-size",
     "seq": "--seq-length", "batch": "--micro-batch-size", "vocab": "--vocab-size", "activation": "--swiglu",
     "normalization": "--normalization", "position": "--position-embedding-type", "attention": "--attention-backend",
-    "dtype": "--bf16/--fp16",
+    "dtype": "--bf16/--fp16", **FLAG_OF,
 }
 
 
@@ -64,6 +66,18 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", choices=PRECISIONS,
                    help="fp32, or Megatron's bf16/fp16 mixed precision: 2-byte parameters, fp32 main grads and "
                         "master parameters (default: the model's dtype)")
+    # Megatron's uneven pipeline splits, under Megatron's names (remat.job_pipeline)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=positive_int, metavar="N",
+                   help="decoder layers of the first pipeline stage; the middle stages share the rest evenly")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=positive_int, metavar="N",
+                   help="decoder layers of the last pipeline stage")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true", default=None,
+                   help="count the embedding as a layer of the first chunk (it builds one decoder layer fewer)")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true", default=None,
+                   help="count the loss as a layer of the last chunk (it builds one decoder layer fewer)")
+    g.add_argument("--pipeline-model-parallel-layout", metavar="LAYOUT",
+                   help="every chunk's layers, e.g. 'Et*3|(tt|)*29,t|L' (E embedding, t decoder layer, L loss, | "
+                        "between chunks in global order); implies --vpp")
 
 
 def job_flags_given(args: argparse.Namespace) -> list[str]:
@@ -130,7 +144,8 @@ def job_from_args(args: argparse.Namespace, *, default_microbatches: Callable[[i
         tokens, _ = flag_tokens(text)
         recompute = any(t.partition("=")[0] in RECOMPUTE_FLAGS or t.startswith("--recompute-") for t in tokens)
         return JobSource(job, ignored, assumed, recompute)
-    for name, fix in (("layout", "the job splits layers evenly (Megatron's default)"),
+    for name, fix in (("layout", "give Megatron's --decoder-first/last-pipeline-num-layers or "
+                                 "--pipeline-model-parallel-layout instead"),
                       ("partial_checkpoint_microbatches", "the job path does not model it yet")):
         if getattr(args, name, None) is not None:
             raise ValueError(f"{flag_name(name)} with a whole job: {fix}; drop {flag_name(name)}")
@@ -155,12 +170,16 @@ def job_from_args(args: argparse.Namespace, *, default_microbatches: Callable[[i
     ep = args.ep or config.expert_model_parallel_size
     pp = getattr(args, "pp", None) or 1
     vpp = getattr(args, "vpp", None)
+    split = {name: getattr(args, name, None) for name in PIPELINE_SPLIT}
+    split = {k: bool(v) if k.startswith("account") else v for k, v in split.items()}
+    if vpp is None and split["pipeline_model_parallel_layout"] is not None:
+        vpp = layout_vpp(split["pipeline_model_parallel_layout"], pp)  # Megatron reads vpp from the layout
     vpp = None if vpp in (None, 1) else vpp
     microbatches = getattr(args, "microbatches", None) or default_microbatches(pp)
     schedule = getattr(args, "schedule", None) or ("interleaved" if vpp else "1f1b")
     job = Job.build(config, precision=precision, tp=args.tp, sp=args.sp, pp=pp, vpp=vpp, cp=args.cp or 1,
                     dp=args.dp or 1, ep=ep, num_microbatches=microbatches, schedule=schedule, optimizer=optimizer,
-                    distributed_optimizer=bool(args.distributed_optimizer))
+                    distributed_optimizer=bool(args.distributed_optimizer), **split)
     return JobSource(job, [], assumed, False)
 
 
@@ -172,7 +191,7 @@ def job_policies(args: argparse.Namespace, source: JobSource) -> list[Policy]:
         if source.recompute_given:
             raise ValueError("--policy/--sweep with --recompute-* flags in --megatron-args: the job has one "
                              "source of its recompute policy; drop one of them")
-        return resolve_cli_policies(args, job.layers_per_chunk, job.model)
+        return resolve_cli_policies(args, min(n for n in job.chunk_layers if n), job.model)  # fits every chunk
     policy = job.policy
     engine = getattr(args, "engine", None)
     if engine:

@@ -19,6 +19,7 @@ from remat.cli.job import job_requested, run_plan_job
 from remat.cli.job_args import add_job_arguments
 from remat.memory import disk_cache
 from remat.memory.reserved import REPLAY_NOTE, format_reserved
+from remat.offload_policy import MIN_OFFLOADED_TENSOR_SIZE
 from remat.plan.api import BudgetError, plan
 from remat.plan.costs import ROOFLINES
 from remat.plan.options import ParallelOptions, PlanOptions
@@ -66,9 +67,14 @@ def plan_command(sub: Subparsers) -> Runner:
                         "predicted step), not only allocated memory: what runs out on a GPU")
     g.add_argument("--no-offload", action="store_true", help="do not offload group inputs to host memory")
     g.add_argument("--fine-grained-offload", action="store_true",
-                   help="also trace and price Megatron's fine-grained activation offloading (none and "
-                        "selective/core_attn beside each --offload-modules set; transfers at --bandwidth, overlapped "
-                        "with up to one layer's forward) and list them beside the answers")
+                   help="let the plan choose Megatron's fine-grained activation offloading (none and "
+                        "selective/core_attn beside each --offload-modules set, and cheaper recompute settings that "
+                        "do not fit alone; transfers at --bandwidth, each way overlapped with up to one layer's "
+                        "forward): the cheapest that fits is the Megatron answer when it costs less than every "
+                        "recompute-only setting that fits; all traced are listed")
+    g.add_argument("--min-offloaded-tensor-size", type=int, default=MIN_OFFLOADED_TENSOR_SIZE, metavar="N",
+                   help="with --fine-grained-offload: saved tensors under N elements stay on the device (Megatron's "
+                        f"flag; default {MIN_OFFLOADED_TENSOR_SIZE})")
     g.add_argument("--no-cache", action="store_true",
                    help="neither read nor write the on-disk cache of traces and unit models ($REMAT_CACHE_DIR, "
                         "default ~/.cache/remat)")
@@ -101,6 +107,8 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
     """The :class:`PlanOptions` of ``remat plan``'s flags."""
     return PlanOptions(reserve=args.reserve, objective=args.objective, engine=args.engine, device=args.device,
                        offload=not args.no_offload, fine_grained_offload=args.fine_grained_offload,
+                       min_offloaded_tensor_size=getattr(args, "min_offloaded_tensor_size",
+                                                         MIN_OFFLOADED_TENSOR_SIZE),
                        selective_sets=args.selective_modules,
                        measured_times=args.measured_times, flops_per_second=args.throughput * 1e12,
                        bandwidth=args.bandwidth * 1e9, memory_bandwidth=args.memory_bandwidth * 1e9,

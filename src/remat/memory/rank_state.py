@@ -22,8 +22,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat.config import DTYPES, ModelConfig
 from remat.job import Job
+from remat.memory import disk_cache
 from remat.models.gpt import Embedding, LMHead, TransformerLayer, building
 from remat.models.tensor_parallel import SimulatedGroup
+from remat.models.tp_moe import simulated_expert_groups
 from remat.models.tp_stage import build_tp_stage_module
 
 # NOTE [Megatron's gradient buffer layout]
@@ -202,9 +204,10 @@ def chunk_layouts(job: Job, params: Sequence[ParamInfo], *, bucketed: bool) -> l
 def expert_position(job: Job, stage_rank: int) -> tuple[int, int, int]:
     """(dense data-parallel x cp shard, expert-parallel rank, expert data-parallel shard) of the ``stage_rank``-th
     rank of a pipeline stage (0 .. tp x cp x dp - 1, Megatron's order), tensor-parallel rank 0; see NOTE [expert
-    parameters] (tp = etp = 1 under expert parallelism here)."""
+    parameters], ordered etp, ep, edp)."""
     dense = stage_rank // job.tp
-    return dense, dense % job.ep, dense // job.ep
+    expert = stage_rank // job.expert_tp  # the expert ranks run etp-ep-edp through the stage's ranks
+    return dense, expert % job.ep, expert // job.ep
 
 
 def rank_shard_elements(job: Job, layouts: Sequence[BufferLayout], dense_shard: int, expert_shard: int) -> int:
@@ -287,7 +290,8 @@ class _Spec:
 
 
 def rank_parameters(config: ModelConfig, *, first: bool, last: bool, num_layers: int, tp: int = 1,
-                    sp: bool = False, pipelined: bool = False, layer_offset: int = 0) -> list[ParamInfo]:
+                    sp: bool = False, pipelined: bool = False, layer_offset: int = 0,
+                    etp: int | None = None) -> list[ParamInfo]:
     """The parameters of one model chunk of one tensor-parallel (and expert-parallel) rank, counted from the
     module itself.
 
@@ -303,6 +307,7 @@ def rank_parameters(config: ModelConfig, *, first: bool, last: bool, num_layers:
             last chunk) and marked ``shared_embedding``, as Megatron does.
         layer_offset: the chunk's first layer in the whole model: each layer is built as itself (a dense layer
             or an MoE layer, as ``moe_layer_freq`` says for its number).
+        etp: the experts' tensor-parallel size (None: tp).
 
     Returns:
         One :class:`ParamInfo` per parameter, in module order.
@@ -321,17 +326,7 @@ def rank_parameters(config: ModelConfig, *, first: bool, last: bool, num_layers:
         raise ValueError(f"layers {span[0]}..{span[-1]}: the model has {len(pattern)} layers")
     # layers of the same kind hold the same parameters: build one of each kind, list it once per layer
     built = list(dict.fromkeys({pattern[i]: i for i in reversed(span)}.values()))
-    with FakeTensorMode():
-        if tp == 1 and not sp:
-            with building(cfg, "cpu"):
-                module: nn.Module = _Chunk(cfg, first, last, built)
-        else:  # refuses MoE / MLA models under TP, naming the fields
-            module = build_tp_stage_module(cfg, _Spec(first, last, len(built)), SimulatedGroup(tp), sp, seed=None)
-        shared = []
-        if pipelined and tied:
-            shared = [module.embedding.word_embeddings.weight] if first else []
-            shared += [module.head.output_layer.weight] if last else []
-        params = module_parameters(module, shared)
+    params = _built_parameters(cfg, first, last, built, tp, sp, pipelined and tied, etp)
     expert_parallel = cfg.expert_model_parallel_size > 1
     by_kind = {pattern[i]: [ParamInfo(p.name.split(".", 2)[2], p.numel, p.shared_embedding,
                                       expert_parallel and ".mlp.experts." in p.name)
@@ -342,3 +337,48 @@ def rank_parameters(config: ModelConfig, *, first: bool, last: bool, num_layers:
     layers = [ParamInfo(f"layers.{i - layer_offset}." + p.name, p.numel, p.shared_embedding, p.expert)
               for i in span for p in by_kind[pattern[i]]]
     return before + layers + after
+
+
+_BUILT: dict[str, list[ParamInfo]] = {}  # this process's answers of _built_parameters, by their disk-cache key
+
+
+def forget_parameters() -> None:
+    """Drop this process's memo of built chunk parameters (:func:`rank_parameters` then reads the disk cache or
+    builds the fake module again)."""
+    _BUILT.clear()
+
+
+def _built_parameters(cfg: ModelConfig, first: bool, last: bool, built: list[int], tp: int, sp: bool,
+                      shares: bool, etp: int | None) -> list[ParamInfo]:
+    """The parameters of the chunk module holding the embedding (``first``), the layers ``built`` and the head
+    (``last``) of one tensor-parallel rank, built under ``FakeTensorMode``; kept in this process and on disk
+    (:mod:`remat.memory.disk_cache`): building the fake module is the slow part, and needs torch's fake mode."""
+    key = {"config": cfg.to_dict(), "first": first, "last": last, "built": list(built), "tp": tp, "sp": sp,
+           "shares": shares, "etp": etp}
+    text = repr(sorted(key.items()))
+    if text in _BUILT:
+        return list(_BUILT[text])
+    stored = disk_cache.load("rank_parameters", key)
+    params: list[ParamInfo] | None = None
+    if isinstance(stored, list):
+        try:
+            params = [ParamInfo(str(n), int(k), bool(s), bool(e)) for n, k, s, e in stored]
+        except (TypeError, ValueError):
+            params = None
+    if params is None:
+        with FakeTensorMode():  # its first use imports torch._dynamo (~1.4 s): only when not stored
+            if tp == 1 and not sp:
+                with building(cfg, "cpu"):
+                    module: nn.Module = _Chunk(cfg, first, last, built)
+            else:
+                with simulated_expert_groups(tp, 1, etp):  # experts split over etp
+                    module = build_tp_stage_module(cfg, _Spec(first, last, len(built)), SimulatedGroup(tp), sp,
+                                                   seed=None, layer_numbers=built)
+            shared = []
+            if shares:
+                shared = [module.embedding.word_embeddings.weight] if first else []
+                shared += [module.head.output_layer.weight] if last else []
+            params = module_parameters(module, shared)
+        disk_cache.store("rank_parameters", key, [[p.name, p.numel, p.shared_embedding, p.expert] for p in params])
+    _BUILT[text] = params
+    return list(params)

@@ -208,11 +208,40 @@ def expert_group_for(config: ModelConfig) -> ExpertParallelGroup | None:
     return SimulatedExpertGroup(ep, 0)
 
 
-def simulated_expert_rank() -> tuple[int, int] | None:
-    """(size, rank) of the enclosing simulated group, None outside one: what a cached trace depends on."""
+def simulated_expert_rank() -> tuple[int, ...] | None:
+    """What a cached trace depends on: (size, rank) of the enclosing simulated expert-parallel group, followed by
+    (size, rank) of the enclosing expert tensor-parallel group (:func:`expert_tensor_parallel_group`) when there
+    is one; None outside both."""
+    key: tuple[int, ...] = ()
     if _GROUPS and isinstance(_GROUPS[-1], SimulatedExpertGroup):
-        return _GROUPS[-1].size, _GROUPS[-1].rank
-    return None
+        key = (_GROUPS[-1].size, _GROUPS[-1].rank)
+    if _EXPERT_TP:
+        key = (*(key or (1, 0)), _EXPERT_TP[-1][0].size, _EXPERT_TP[-1][0].rank)
+    return key or None
+
+
+# the expert tensor-parallel group in use: (etp group, tp x ep counts group or None); the etp group is a
+# remat.models.tp_layers.TensorParallelGroup (not imported here: tp_layers builds on the reference model)
+_EXPERT_TP: list[tuple[Any, ExpertParallelGroup | None]] = []
+
+
+@contextlib.contextmanager
+def expert_tensor_parallel_group(etp: Any, counts: ExpertParallelGroup | None = None) -> Iterator[None]:
+    """Tensor-parallel MoE layers (:class:`remat.models.tp_moe.TPMoELayer`) built inside this block split each
+    expert over ``etp`` (a ``TensorParallelGroup``: Megatron's expert tensor-parallel group,
+    ``--expert-tensor-parallel-size``) and exchange their token counts over ``counts``, the tp x ep group of
+    etp x ep ranks, ep-major as Megatron's (None: a simulated one, for a simulated ``etp``). Outside, etp is the
+    layer's own tensor-parallel group (Megatron's default, etp = tp)."""
+    _EXPERT_TP.append((etp, counts))
+    try:
+        yield
+    finally:
+        _EXPERT_TP.pop()
+
+
+def expert_tensor_group() -> tuple[Any, ExpertParallelGroup | None] | None:
+    """The enclosing :func:`expert_tensor_parallel_group`'s (etp, counts), None outside one."""
+    return _EXPERT_TP[-1] if _EXPERT_TP else None
 
 
 def received_per_rank(config: ModelConfig, tokens: int) -> list[int]:

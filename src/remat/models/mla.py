@@ -28,9 +28,13 @@ class MLAUpProjection(nn.Module):
             self.linear_q_proj = nn.Linear(q_in, q_out, bias=bias)
         self.linear_kv_up_proj = nn.Linear(config.kv_lora_rank, self.heads * (self.qk_dim + self.v_dim), bias=bias)
 
+    def batch_shape(self, kv_compressed: torch.Tensor) -> tuple[int, int]:
+        """(b, s) of the tokens: ``kv_compressed`` is [b, s, kv_lora_rank]."""
+        return kv_compressed.shape[0], kv_compressed.shape[1]
+
     def forward(self, q_compressed: torch.Tensor, kv_compressed: torch.Tensor, k_pos_emb: torch.Tensor,
                 rotary: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, s, _ = kv_compressed.shape
+        b, s = self.batch_shape(kv_compressed)
         q_proj = self.linear_q_up_proj if hasattr(self, "linear_q_up_proj") else self.linear_q_proj
         q = q_proj(q_compressed).view(b, s, self.heads, -1).transpose(1, 2)
         q_no_pe, q_pos_emb = q.split([self.qk_dim, self.pos_dim], dim=-1)
@@ -50,6 +54,14 @@ class MLASelfAttention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.heads = config.num_attention_heads
+        self.add_down_projections(config)
+        self.up_proj = MLAUpProjection(config)
+        self.core_attention = CoreAttention(config, head_dim=config.qk_head_dim + config.qk_pos_emb_head_dim)
+        self.linear_proj = nn.Linear(self.heads * config.v_head_dim, config.hidden_size, bias=config.add_bias_linear)
+
+    def add_down_projections(self, config: ModelConfig) -> None:
+        """The q down-projection and norm (when ``q_lora_rank`` is set) and the kv down-projection (latent and
+        rotary key) and norm: whole on every tensor-parallel rank, as Megatron builds them."""
         self.kv_lora_rank, self.pos_dim = config.kv_lora_rank, config.qk_pos_emb_head_dim
         bias = config.add_bias_linear
         if config.q_lora_rank is not None:
@@ -57,9 +69,6 @@ class MLASelfAttention(nn.Module):
             self.q_layernorm = norm_layer(config, config.q_lora_rank)
         self.linear_kv_down_proj = nn.Linear(config.hidden_size, config.kv_lora_rank + self.pos_dim, bias=bias)
         self.kv_layernorm = norm_layer(config, config.kv_lora_rank)
-        self.up_proj = MLAUpProjection(config)
-        self.core_attention = CoreAttention(config, head_dim=config.qk_head_dim + config.qk_pos_emb_head_dim)
-        self.linear_proj = nn.Linear(self.heads * config.v_head_dim, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

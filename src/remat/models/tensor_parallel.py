@@ -1,8 +1,11 @@
-"""Megatron-style tensor (and sequence) parallel version of the reference GPT, over a real or simulated group."""
+"""Megatron-style tensor (and sequence) parallel version of the reference GPT, over a real or simulated group.
+
+The groups, mappings and parallel linears live in :mod:`remat.models.tp_layers` (re-exported here); MoE layers
+on a rank in :mod:`remat.models.tp_moe`, multi-latent attention in :mod:`remat.models.tp_mla`.
+"""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -10,150 +13,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.config import ConfigError, ModelConfig
-from remat.models.collectives import released
-from remat.models.gpt import GPT, MLP, CoreAttention, SelfAttention, SwiGLU, building, norm_layer
+from remat.models.gpt import GPT, CoreAttention, SelfAttention, building, norm_layer
+from remat.models.tp_layers import (
+    TPMLP,
+    ColumnParallelLinear,
+    DistributedGroup,
+    ReduceFromRegion,
+    ReduceScatterToSequence,
+    RowParallelLinear,
+    SimulatedGroup,
+    TensorParallelGroup,
+)
+from remat.models.tp_mla import TPMLASelfAttention
+from remat.models.tp_moe import TPMoELayer, check_tp_moe
 
-
-class TensorParallelGroup:
-    """The collectives one tensor-parallel rank needs; tensors are split or gathered along dim 0."""
-
-    size: int = 1
-    rank: int = 0
-
-    def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        raise NotImplementedError
-
-    def _all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def _reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty((x.shape[0] * self.size, *x.shape[1:]))
-        self._all_gather_into(out, x.contiguous())
-        return out
-
-    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] % self.size:
-            raise ValueError(f"cannot split {x.shape[0]} tokens {self.size} ways: micro_batch_size x seq_length "
-                             "must be divisible by the tensor-parallel size under sequence parallelism")
-        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
-        self._reduce_scatter_into(out, x.contiguous())
-        return out
-
-    def shard(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's dim-0 slice of a tensor every rank holds whole (no communication)."""
-        n = x.shape[0] // self.size
-        return x.narrow(0, self.rank * n, n).clone()
-
-
-class SimulatedGroup(TensorParallelGroup):
-    """Rank ``rank`` of ``size`` without peers: every other rank is assumed to hold the same values.
-
-    Sums stay unscaled (the values are not those of a real run), but every tensor has the shape, dtype and
-    lifetime it has on a real rank, which is all memory prediction needs.
-    """
-
-    def __init__(self, size: int, rank: int = 0):
-        self.size, self.rank = size, rank
-
-    def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return x
-
-    def _all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        out.copy_(x.unsqueeze(0).expand(self.size, *x.shape).reshape(out.shape))
-
-    def _reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        out.copy_(x.narrow(0, self.rank * out.shape[0], out.shape[0]))
-
-
-class DistributedGroup(TensorParallelGroup):
-    """Collectives on a ``torch.distributed`` process group."""
-
-    def __init__(self, group: Any = None):
-        import torch.distributed as dist
-
-        self.dist, self.group = dist, group
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-
-    def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        reduce_op = self.dist.ReduceOp.MAX if op == "max" else self.dist.ReduceOp.SUM
-        with released(x):
-            self.dist.all_reduce(x, op=reduce_op, group=self.group)
-        return x
-
-    def _all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        with released(out, x):
-            self.dist.all_gather_single(out, x, group=self.group)
-
-    def _reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        with released(out, x):
-            self.dist.reduce_scatter_single(out, x, group=self.group)
-
-
-# -- Megatron's mappings between parallel regions ----------------------------------------------------------------
-class _CopyToRegion(torch.autograd.Function):
-    """Identity forward; the input's gradient is summed over the ranks in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.group.all_reduce_(grad.contiguous()), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """Sum partial outputs over the ranks; identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
-        return group.all_reduce_(x.contiguous())
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    """Sum partial outputs and keep this rank's token shard; all-gather the gradient back."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
-        ctx.group = group
-        return group.reduce_scatter(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.group.all_gather(grad), None
-
-
-class _GatheredLinear(torch.autograd.Function):
-    """Column-parallel linear on a sequence-parallel input: gather the tokens, multiply, keep only the shard.
-
-    Backward gathers the shard again for the weight gradient and reduce-scatters the input gradient, so the
-    gathered input never outlives the forward (Megatron's sequence-parallel linear)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                group: TensorParallelGroup) -> torch.Tensor:
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x, weight)
-        total = group.all_gather(x)
-        return F.linear(total, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x, weight = ctx.saved_tensors
-        total = ctx.group.all_gather(x)
-        grad_input = ctx.group.reduce_scatter(grad.matmul(weight))
-        grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
-        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None
+__all__ = ["ColumnParallelLinear", "DistributedGroup", "RowParallelLinear", "SimulatedGroup", "TPGPT", "TPMLP",
+           "TPEmbedding", "TPHead", "TPSelfAttention", "TPTransformerLayer", "TensorParallelGroup",
+           "build_tp_model", "check_tensor_parallel"]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -185,42 +61,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits, None, None
 
 
-# -- modules ------------------------------------------------------------------------------------------------------
-class ColumnParallelLinear(nn.Module):
-    """``out_features / tp`` outputs of a linear layer; the input is whole (or a token shard under SP)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: TensorParallelGroup, sp: bool):
-        super().__init__()
-        self.group, self.sp = group, sp
-        self.weight = nn.Parameter(torch.empty(out_features // group.size, in_features))
-        self.bias = nn.Parameter(torch.zeros(out_features // group.size)) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sp:
-            return _GatheredLinear.apply(x, self.weight, self.bias, self.group)
-        return F.linear(_CopyToRegion.apply(x, self.group), self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    """``in_features / tp`` inputs of a linear layer; partial outputs are summed (reduce-scattered under SP)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: TensorParallelGroup, sp: bool):
-        super().__init__()
-        self.group, self.sp = group, sp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
-        if self.sp:
-            out = _ReduceScatterToSequence.apply(partial.reshape(-1, partial.shape[-1]), self.group)
-        else:
-            out = _ReduceFromRegion.apply(partial, self.group)
-        return out + self.bias if self.bias is not None else out
-
-
 class TPSelfAttention(SelfAttention):
     """The reference attention (same head split and core) on this rank's heads."""
 
@@ -241,27 +81,18 @@ class TPSelfAttention(SelfAttention):
         return self.linear_proj(self.attend(self.linear_qkv(x).view(b, s, -1), b, s, mask, rotary))
 
 
-class TPMLP(MLP):
-    """The reference MLP (same forward) with this rank's share of the hidden units."""
-
-    def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool):
-        nn.Module.__init__(self)  # not MLP.__init__: its full-size linears are replaced, not built
-        gated = config.activation == "swiglu"
-        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, config.ffn_size * (2 if gated else 1),
-                                               config.add_bias_linear, group, sp)
-        self.activation: nn.Module = SwiGLU() if gated else nn.GELU()
-        self.linear_fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, config.add_bias_linear, group, sp)
-
-
 class TPTransformerLayer(nn.Module):
     """One rank's share of a layer. Hidden states are [b, s, h], or [b*s/tp, h] token shards under SP."""
 
-    def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool):
+    def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool, layer_number: int = 0):
         super().__init__()
         self.input_layernorm = norm_layer(config)
-        self.self_attention = TPSelfAttention(config, group, sp)
+        self.self_attention: nn.Module = (TPMLASelfAttention(config, group, sp) if config.multi_latent_attention
+                                          else TPSelfAttention(config, group, sp))
         self.pre_mlp_layernorm = norm_layer(config)
-        self.mlp = TPMLP(config, group, sp)
+        pattern = config.moe_layer_pattern()  # MoE where moe_layer_freq says so, as the reference layer
+        self.mlp: nn.Module = (TPMoELayer(config, sum(pattern[:layer_number]), group, sp) if pattern[layer_number]
+                               else TPMLP(config, group, sp))
         self.dropout = config.hidden_dropout
         self.shape = (config.micro_batch_size, config.seq_length)
 
@@ -295,9 +126,9 @@ class TPEmbedding(nn.Module):
             positions = self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
             partial = partial + positions * (1.0 if self.group.rank == 0 else 0.0)
         if self.sp:
-            x = _ReduceScatterToSequence.apply(partial.reshape(-1, partial.shape[-1]), self.group)
+            x = ReduceScatterToSequence.apply(partial.reshape(-1, partial.shape[-1]), self.group)
         else:
-            x = _ReduceFromRegion.apply(partial, self.group)
+            x = ReduceFromRegion.apply(partial, self.group)
         return F.dropout(x, p=self.dropout, training=self.training)
 
 
@@ -322,7 +153,7 @@ class TPGPT(nn.Module):
         check_tensor_parallel(config, group.size, sp)
         self.config, self.tp_group, self.sp = config, group, sp
         self.embedding = TPEmbedding(config, group, sp)
-        self.layers = nn.ModuleList(TPTransformerLayer(config, group, sp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(TPTransformerLayer(config, group, sp, i) for i in range(config.num_layers))
         self.head = TPHead(config, group, sp)
         if config.tie_embeddings:
             self.head.output_layer.weight = self.embedding.word_embeddings.weight
@@ -330,24 +161,28 @@ class TPGPT(nn.Module):
     forward = GPT.forward  # the same step over the rank's modules
 
 
-def check_tensor_parallel(config: ModelConfig, tp: int, sp: bool) -> None:
-    """Refuse a tensor-parallel size that does not divide what it splits, naming the field."""
+def check_tensor_parallel(config: ModelConfig, tp: int, sp: bool, etp: int | None = None) -> None:
+    """Refuse a tensor-parallel size that does not divide what it splits, naming the field; MoE layers also as
+    :func:`remat.models.tp_moe.check_tp_moe` says (sequence parallelism needed, ``etp``: the experts'
+    tensor-parallel size, None meaning tp)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp={tp!r}: the tensor-parallel size must be a positive integer")
-    if (tp > 1 or sp) and (config.is_moe or config.multi_latent_attention):
-        raise ConfigError(f"tp={tp}: the tensor-parallel reference model has no MoE/MLA layers yet "
-                          "(num_moe_experts / multi_latent_attention); predict this config with tp=1")
-    for name, value in (("num_attention_heads", config.num_attention_heads),
-                        ("num_query_groups", config.query_groups), ("ffn_hidden_size", config.ffn_size),
-                        ("vocab_size", config.vocab_size)):
+    if sp and tp == 1:
+        raise ConfigError("sp=True needs tp > 1: sequence parallelism splits tokens across tensor-parallel ranks")
+    checks = [("num_attention_heads", config.num_attention_heads), ("vocab_size", config.vocab_size)]
+    if not config.multi_latent_attention:  # MLA's heads each have their own keys and values
+        checks.insert(1, ("num_query_groups", config.query_groups))
+    if not all(config.moe_layer_pattern()):
+        checks.insert(2, ("ffn_hidden_size", config.ffn_size))
+    for name, value in checks:
         if value % tp:
             raise ConfigError(f"{name}={value} is not divisible by the tensor-parallel size tp={tp}: pick a tp "
                               f"that divides it (or pad {name})")
     if sp and (config.micro_batch_size * config.seq_length) % tp:
         raise ConfigError(f"sequence parallelism splits micro_batch_size*seq_length="
                           f"{config.micro_batch_size * config.seq_length} tokens, not divisible by tp={tp}")
-    if sp and tp == 1:
-        raise ConfigError("sp=True needs tp > 1: sequence parallelism splits tokens across tensor-parallel ranks")
+    if config.is_moe:
+        check_tp_moe(config, tp, sp, etp)
 
 
 def build_tp_model(config: ModelConfig, group: TensorParallelGroup, sp: bool = False,

@@ -8,6 +8,7 @@ the modules of :mod:`remat.models.tensor_parallel`. Under sequence parallelism t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,12 +33,16 @@ class TPStageModule(nn.Module):
     takes token ids (first chunk) or hidden states and returns hidden states, or the loss on the last chunk.
     """
 
-    def __init__(self, config: ModelConfig, spec: Any, group: TensorParallelGroup, sp: bool = False):
+    def __init__(self, config: ModelConfig, spec: Any, group: TensorParallelGroup, sp: bool = False,
+                 layer_numbers: Sequence[int] | None = None):
         super().__init__()
         check_tensor_parallel(config, group.size, sp)
         self.config, self.spec, self.tp_group, self.sp = config, spec, group, sp
         self.embedding = TPEmbedding(config, group, sp) if spec.is_first else None
-        self.layers = nn.ModuleList(TPTransformerLayer(config, group, sp) for _ in range(spec.num_layers))
+        if layer_numbers is None:  # each layer is built as itself (dense or MoE, as moe_layer_freq says)
+            offset = getattr(spec, "layer_offset", 0)
+            layer_numbers = range(offset, offset + spec.num_layers)
+        self.layers = nn.ModuleList(TPTransformerLayer(config, group, sp, i) for i in layer_numbers)
         self.head = TPHead(config, group, sp) if spec.is_last else None
         if config.tie_embeddings and self.embedding is not None and self.head is not None:
             self.head.output_layer.weight = self.embedding.word_embeddings.weight
@@ -82,7 +87,8 @@ def hidden_shape(config: ModelConfig, tp: int = 1, sp: bool = False) -> tuple[in
 
 
 def build_tp_stage_module(config: ModelConfig, spec: Any, group: TensorParallelGroup, sp: bool = False,
-                          device: torch.device | str = "cpu", seed: int | None = 0) -> TPStageModule:
+                          device: torch.device | str = "cpu", seed: int | None = 0,
+                          layer_numbers: Sequence[int] | None = None) -> TPStageModule:
     """A chunk of one tensor-parallel rank in ``config.dtype`` on ``device`` (training mode; works under
     ``FakeTensorMode``).
 
@@ -93,6 +99,8 @@ def build_tp_stage_module(config: ModelConfig, spec: Any, group: TensorParallelG
         sp: sequence parallelism.
         device: where the parameters are made.
         seed: seeds torch's generator with ``seed + group.rank`` (None: leave it).
+        layer_numbers: the layers' numbers in the whole model (default ``spec.layer_offset`` onwards): MoE or
+            dense as ``moe_layer_freq`` says for each.
 
     Returns:
         The module, in training mode.
@@ -100,4 +108,4 @@ def build_tp_stage_module(config: ModelConfig, spec: Any, group: TensorParallelG
     if seed is not None:
         torch.manual_seed(seed + group.rank)
     with building(config, device):
-        return TPStageModule(config, spec, group, sp).train()
+        return TPStageModule(config, spec, group, sp, layer_numbers).train()

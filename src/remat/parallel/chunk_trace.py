@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,10 +51,13 @@ class TraceSegment:
     alloc_offsets: list[int] = field(default_factory=list)
     frees: list[tuple[int, str, int, int]] = field(default_factory=list)  # offset, 'F'|'self', ordinal, nbytes
     keep: int | None = None  # ordinal of the tensor the runtime keeps (stage output / input gradient)
+    # fine-grained offloading: (offset, host bytes added (< 0: reloaded), offload module, chunk layer or -1); the
+    # host holds the new total from that event on (offset == num_events: from the next segment's first event on)
+    host: list[tuple[int, int, str, int]] = field(default_factory=list)
 
     def signature(self) -> tuple[Any, ...]:
         return (self.num_events, tuple(self.nbytes), tuple(self.category), tuple(self.alloc_offsets),
-                tuple((o, s, i) for o, s, i, _ in self.frees), self.keep)
+                tuple((o, s, i) for o, s, i, _ in self.frees), self.keep, tuple(self.host))
 
 
 @dataclass
@@ -115,7 +118,7 @@ def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Polic
     check_kernels(kernels)
     policy = Policy.parse(policy) if isinstance(policy, str) else policy
     batch_in_forward = batch_in_forward and (kind[0] or kind[1])  # a middle chunk has no batch
-    compose_layers = compose_layers and _COMPOSE[0]
+    compose_layers = compose_layers and _COMPOSE[0] and kind[2] > 0  # a chunk of no layers is traced as it is
     # tp/sp: one tp rank's chunk (models.tp_stage); the simulated expert-parallel rank its MoE layers play
     key = (config, kind, policy, device, tp, sp, batch_in_forward, simulated_expert_rank(), compose_layers, kernels,
            drop_grads)
@@ -150,7 +153,8 @@ def _chunk_stand_in(config: ModelConfig, layout: Policy | Plan, layers: int, whe
         if tuple(rest) == where and isinstance(small_policy, Policy) and depth < layers and \
                 policy_family(small_policy) == family and config_family(small_config) == config_kind and \
                 need <= traces[0].role_set:
-            return small_policy, depth, small_config.moe_layer_pattern()
+            # a dense stack keeps no pattern (as below): the same shallow config, so the same cached trace
+            return small_policy, depth, None if kinds is None else small_config.moe_layer_pattern()
     if kinds is None:
         return next(((p, d, None) for p, d in shallow_stand_ins(layout, layers)), None)
     found = next(shallow_stand_ins_of_kinds(layout, kinds), None)
@@ -204,7 +208,8 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
     first, last, layers = kind
     index = 0 if first else 1
     spec = ChunkSpec(index, index + (1 if last else 2), 0, layers)
-    policy.layer_groups(layers)  # refuses k > layers in the chunk, naming the depth
+    if layers:  # a chunk of no layers (only the embedding, or only the loss) has no layer to recompute
+        policy.layer_groups(layers)  # refuses k > layers in the chunk, naming the depth
     tokens, labels = sample_batch(config)
     # the kernel profile inside the fake mode and before the recorder (remat.memory.kernels.kernel_trace)
     with FakeTensorMode(allow_non_fake_inputs=False) as fake, kernel_trace(kernels):
@@ -212,7 +217,8 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
                   build_tp_stage_module(config, spec, SimulatedGroup(tp), sp, seed=None))
         shape = hidden_shape(config, tp, sp)  # [b*s/tp, h] token shards under SP, else [b, s, h]
         prepare_model(module, kernels)  # te: TE's fused attention / SwiGLU forwards, before the policy wraps them
-        apply(module, policy)
+        if layers:
+            apply(module, policy)
         if drop_grads:  # Megatron's DDP hook (see trace_chunk); recomputation's inner backward runs it alike
             for p in module.parameters():
                 if p.requires_grad:
@@ -260,7 +266,7 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
     tl = recorder.timeline
     tl.meta["phase_flops"] = recorder.phase_flops
     bounds.append(tl.num_events)
-    trace = _cut(config, kind, policy, tl, bounds, n_params, kept, recorder.phase_flops)
+    trace = _cut(config, kind, policy, tl, bounds, n_params, kept, recorder.phase_flops, recorder.host_events)
     trace.batch_in_forward, trace.bounds, trace.kept_rows = batch_in_forward, tuple(bounds), tuple(kept)
     if batch_in_forward and first:  # no token ids among the setup inputs: one microbatch's, made in its forward
         trace.input_bytes = -(-tokens.nbytes // recorder.block_bytes) * recorder.block_bytes
@@ -273,8 +279,11 @@ def _drop_grad(param: torch.Tensor) -> None:
 
 
 def _cut(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, tl: Timeline, bounds: list[int],
-         n_params: int, kept: list[int | None], flops: list[int]) -> ChunkTrace:
-    """Cut a chunk trace into segments; check the frees (each segment frees only what its own microbatch made)."""
+         n_params: int, kept: list[int | None], flops: list[int],
+         host_events: Sequence[tuple[int, int, str, int]] = ()) -> ChunkTrace:
+    """Cut a chunk trace into segments; check the frees (each segment frees only what its own microbatch made) and
+    that the host bytes fine-grained offloading moves (``host_events``, :class:`PipelineRecorder`) go out in a
+    microbatch's forward and come back in its backward."""
     setup_end, f0, f1, b0, b1, end = bounds
     rows_at: dict[int, tuple[bool, int]] = {}
     for row in range(len(tl)):
@@ -325,6 +334,18 @@ def _cut(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, tl: 
                                    f"({tl.nbytes[row]} bytes) is {'made' if is_alloc else 'freed'} after the "
                                    "last backward; only the kept outputs and input gradients should be")
     forward0, forward1, backward0, backward1 = segments
+    for event, delta, module, layer in host_events:
+        # a host change recorded at event e holds from e on: it belongs to the segment whose events end at e - 1
+        index = next((i for i, (lo, hi) in enumerate(spans) if lo < event <= hi), None)
+        if index is None or (delta > 0) != (index < 2):
+            raise CompositionError(f"chunk trace {kind} under {policy}: {abs(delta)} bytes of {module} move "
+                                   f"{'to' if delta > 0 else 'from'} the host at event {event}, outside a forward "
+                                   "(offload) or backward (reload) of a microbatch")
+        segments[index].host.append((event - spans[index][0], delta, module, layer))
+    for fwd, bwd in ((forward0, backward0), (forward1, backward1)):
+        if sum(h[1] for h in fwd.host) + sum(h[1] for h in bwd.host) != 0:
+            raise CompositionError(f"chunk trace {kind} under {policy}: a microbatch's backward does not bring back "
+                                   "every byte its forward offloaded")
     for seg, row in ((forward0, kept[0]), (forward1, kept[1]), (backward0, kept[2]), (backward1, kept[3])):
         if row is not None:
             seg.keep = owner[row][1]

@@ -13,10 +13,18 @@ from typing import Any
 from remat.config import DTYPES, ModelConfig
 from remat.job import Job, JobError
 from remat.memory.rank_state import rank_shard_elements
-from remat.models.expert_parallel import DistributedExpertGroup, expert_parallel_group
+from remat.models.expert_parallel import DistributedExpertGroup, expert_parallel_group, expert_tensor_parallel_group
 from remat.models.tensor_parallel import DistributedGroup
 from remat.models.tp_stage import build_tp_stage_module
-from remat.parallel.job_predict import PARTS, JobPrediction, RankPrediction, parts_at, predict_job, predict_stage
+from remat.parallel.job_predict import (
+    PARTS,
+    JobPrediction,
+    RankPrediction,
+    chunk_config,
+    parts_at,
+    predict_job,
+    predict_stage,
+)
 from remat.parallel.launch import DEFAULT_TIMEOUT, launch_job
 from remat.parallel.megatron_rank import (
     GRAD_BUFFER,
@@ -31,7 +39,7 @@ from remat.parallel.megatron_rank import (
 )
 from remat.parallel.pipeline_report import peak_error
 from remat.parallel.schedule import partition
-from remat.parallel.stages import PipelineRecorder, build_stage_module, gc_paused
+from remat.parallel.stages import PipelineRecorder, build_stage_module, chunk_policy, gc_paused
 from remat.policy import Policy
 from remat.recompute.apply import apply
 from remat.timeline import Timeline
@@ -58,8 +66,8 @@ def check_measurable(job: Job) -> None:
         (job.overlap_grad_reduce, "overlap_grad_reduce=True: the real run keeps one bucket per buffer; use False"),
         (job.world_size > MAX_WORLD, f"tp*pp*cp*dp = {job.world_size} processes: the real run starts one CPU "
                                      f"process per rank; use at most {MAX_WORLD}"),
-        (job.ep > 1 and job.tp > 1, f"ep={job.ep} with tp={job.tp}: the real run lays expert parallelism out over "
-                                    "tp=1 ranks only; use tp=1"),
+        (job.model.is_moe and job.tp > 1 and job.expert_tp != job.tp, f"etp={job.expert_tp} with tp={job.tp}: the "
+                                    "real run splits the experts over the tensor-parallel group; use etp=None (tp)"),
     ]
     for bad, message in refusals:
         if bad:
@@ -101,7 +109,7 @@ def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timel
     pipelined = job.pp > 1
     if pipelined and config.tie_embeddings:
         config = config.replace(tie_embeddings=False)  # each end stage keeps its copy; their grads are summed
-    chunk = partition(config, job.pp)[lay.pp_rank]
+    chunk = partition(config, job.pp, 1, job.chunk_layers, empty_ends=True)[lay.pp_rank]  # Megatron's split
     if job.tp == 1 and not job.sp:
         import torch
 
@@ -110,9 +118,17 @@ def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timel
                    contextlib.nullcontext())
         with experts:  # the MoE layers dispatch over the real expert-parallel group
             module = build_stage_module(config, chunk)
-    else:
-        module = build_tp_stage_module(config, chunk, DistributedGroup(groups[0]), job.sp, seed=spec["seed"])
-    apply(module, Policy.parse(policy_text))
+    else:  # MoE layers: experts split over the tp group (etp = tp), token counts exchanged over tp x ep
+        experts = contextlib.ExitStack()
+        if job.ep > 1:
+            experts.enter_context(expert_parallel_group(DistributedExpertGroup(groups[3])))
+        if config.is_moe:
+            experts.enter_context(expert_tensor_parallel_group(
+                DistributedGroup(groups[0]), DistributedExpertGroup(groups[5] if job.ep > 1 else groups[0])))
+        with experts:
+            module = build_tp_stage_module(config, chunk, DistributedGroup(groups[0]), job.sp, seed=spec["seed"])
+    if chunk.num_layers:  # a chunk of only the embedding (or the loss) has no layer to recompute
+        apply(module, chunk_policy(Policy.parse(policy_text), chunk_config(config, chunk), chunk.num_layers))
     named_params = list(module.named_parameters())
     params = [p for _, p in named_params]
     tied = []
@@ -160,6 +176,12 @@ def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timel
         elif module_name in (MASTER, STATE):
             tl.category[row] = "optimizer_state"
     tl.meta["phase_flops"] = recorder.phase_flops
+    if recorder.host_series:  # fine-grained offloading: the keys remat.memory.measure.measure writes
+        tl.meta["host_memory"] = {"peak_bytes": max(b for _, b in recorder.host_series),
+                                  "offloaded_bytes": recorder.offloaded_bytes,
+                                  "offloaded_bytes_by_layer": {str(int(k) + chunk.layer_offset): v for k, v in
+                                                               recorder.offloaded_by_layer.items()},
+                                  "series": recorder.host_series}
     tl.meta.update({"backend": "cpu", "device": "cpu", "policy": policy_text, "rank": rank,
                     "config": config.to_dict(), "num_layers": chunk.num_layers,
                     "job_rank": {"rank": rank, "stage": lay.pp_rank, "tp_rank": lay.tp_rank,
@@ -211,8 +233,18 @@ def rank_rows(job: Job, measured: Sequence[Timeline], prediction: JobPrediction 
                      "dp_rank": where["dp_rank"], "predicted_bytes": predicted, "measured_bytes": real,
                      "error": peak_error(real, predicted), "predicted_parts": parts,
                      "measured_parts": parts_at(tl, tl.peak_event),
-                     "predicted_phase": guess.timeline.peak_phase.label, "measured_phase": tl.peak_phase.label})
+                     "predicted_phase": guess.timeline.peak_phase.label, "measured_phase": tl.peak_phase.label,
+                     "predicted_host": host_of(guess.timeline), "measured_host": host_of(tl)})
     return rows
+
+
+def host_of(timeline: Timeline) -> dict[str, Any]:
+    """Fine-grained offloading's host bytes of a rank's step (``meta['host_memory']``): ``peak_bytes`` (the most
+    on the host at once, over every microbatch in flight), ``offloaded_bytes`` (per offload module, summed over the
+    step's microbatches) and ``series`` (``[event, bytes]``: the host holds ``bytes`` from that event on); ``{}``
+    without offloading."""
+    host = timeline.meta.get("host_memory") or {}
+    return {k: host[k] for k in ("peak_bytes", "offloaded_bytes", "series") if k in host}
 
 
 def compare_job(job: Job, *, timeout: float = DEFAULT_TIMEOUT, seed: int = 0) -> list[dict[str, Any]]:
@@ -232,6 +264,12 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
                      + " ".join(f"{short[p]}={r['measured_parts'][p]:,}" for p in PARTS if r['measured_parts'][p]))
         diff = [f"{short[p]} {r['predicted_parts'][p] - r['measured_parts'][p]:+,}" for p in PARTS
                 if r['predicted_parts'][p] != r['measured_parts'][p]]
+        guess, real = r.get("predicted_host") or {}, r.get("measured_host") or {}
+        if guess or real:
+            lines.append(f"{'':>49}host peak (offloaded, all microbatches in flight): predicted "
+                         f"{guess.get('peak_bytes', 0):,}, measured {real.get('peak_bytes', 0):,}")
+            if guess.get("peak_bytes", 0) != real.get("peak_bytes", 0):
+                diff.append(f"host {guess.get('peak_bytes', 0) - real.get('peak_bytes', 0):+,}")
         if diff:
             lines.append(f"{'':>49}predicted - measured: " + ", ".join(diff))
     return "\n".join(lines)

@@ -18,7 +18,6 @@ separate expert buffers (:mod:`remat.memory.rank_state`).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +25,8 @@ from remat.config import ModelConfig, RoutingAssumption
 from remat.job import Job, JobError
 from remat.memory.kernels import resolve_kernels
 from remat.memory.rank_state import RankState, rank_parameters, rank_state
-from remat.models.expert_parallel import SimulatedExpertGroup, expert_parallel_group, received_per_rank
+from remat.models.expert_parallel import received_per_rank
+from remat.models.tp_moe import simulated_expert_groups
 from remat.parallel.chunk_trace import trace_chunk
 from remat.parallel.pipeline_predict import compose_stage
 from remat.parallel.pipeline_report import describe_stage
@@ -40,6 +40,7 @@ from remat.parallel.schedule import (
     schedule_actions,
     warmup_forwards,
 )
+from remat.parallel.stages import chunk_policy
 from remat.recompute.plan_format import Plan
 from remat.timeline import CATEGORIES, Timeline
 from remat.units import CUDA_BLOCK
@@ -173,13 +174,7 @@ def predict_job(job: Job, *, device: str = "cpu", kernels: str | None = None) ->
 def check_job(job: Job) -> None:
     """Refuse, naming the flag and the fix, a job whose rank this module cannot predict."""
     m = job.model
-    if (job.tp > 1 or job.sp) and (m.is_moe or m.multi_latent_attention):
-        raise JobError(f"tp={job.tp} (--tensor-model-parallel-size) with {'MoE' if m.is_moe else 'MLA'} layers: "
-                       "remat's tensor-parallel reference model has no MoE/MLA layers yet; predict with tp=1 "
-                       "(shard the experts with --expert-model-parallel-size)")
-    if m.is_moe and job.expert_tp != 1:
-        raise JobError(f"etp (--expert-tensor-parallel-size)={job.expert_tp}: remat does not split the experts by "
-                       "tensor parallelism; use --expert-tensor-parallel-size 1")
+    # MoE/MLA under tp, sp, etp: remat.models.tp_moe / tp_mla; their layout rules are Job's (check_expert_layout)
     if m.moe_routing_assumption and RoutingAssumption.parse(m.moe_routing_assumption).per_layer and \
             job.pp * (job.vpp or 1) > 1:
         raise JobError(f"moe_routing_assumption={m.moe_routing_assumption!r} gives each MoE layer its own counts, "
@@ -207,9 +202,10 @@ def stage_state(job: Job, stage: int, ep_rank: int | None = None) -> RankState:
     vpp = job.vpp or 1
     pipelined = job.pp * vpp > 1
     split = job.model.replace(tie_embeddings=False) if pipelined else job.model  # tied: a copy on each end stage
-    chunks = rank_chunks(partition(split, job.pp, vpp), job.pp, stage)
+    chunks = rank_chunks(partition(split, job.pp, vpp, job.chunk_layers, empty_ends=True), job.pp, stage)
     params = [rank_parameters(job.model, first=s.is_first, last=s.is_last, num_layers=s.num_layers, tp=job.tp,
-                              sp=job.sp, pipelined=pipelined, layer_offset=s.layer_offset) for s in chunks]
+                              sp=job.sp, pipelined=pipelined, layer_offset=s.layer_offset, etp=job.expert_tp)
+              for s in chunks]
     return rank_state(job, params, pipeline_rank=stage, ep_rank=ep_rank)
 
 
@@ -232,7 +228,7 @@ def chunk_config(config: ModelConfig, spec: ChunkSpec) -> ModelConfig:
     """The config a chunk is traced with: its own layers' kinds (dense or MoE) when the model mixes them, so that
     the chunk built from layer 0 has them (a chunk trace is cached by config and kind)."""
     pattern = config.moe_layer_pattern()
-    if len(set(pattern)) == 1:
+    if len(set(pattern)) == 1 or spec.num_layers == 0:  # one kind of layer, or none (an embedding/loss chunk)
         return config
     return config.with_depth(spec.num_layers, pattern[spec.layer_offset:spec.layer_offset + spec.num_layers])
 
@@ -270,7 +266,7 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     if pp * vpp > 1 and config.tie_embeddings:
         config = config.replace(tie_embeddings=False)  # the last stage keeps its own copy of the tied embedding
     schedule = check_schedule(job.schedule, pp, job.num_microbatches, vpp, "megatron")
-    chunks = rank_chunks(partition(config, pp, vpp), pp, stage)
+    chunks = rank_chunks(partition(config, pp, vpp, job.chunk_layers, empty_ends=True), pp, stage)
     actions = schedule_actions(schedule, pp, job.num_microbatches, vpp, stage, runtime="megatron")
     window = warmup_forwards(schedule, pp, job.num_microbatches, vpp, stage, "megatron") + 1
     recompute = job.policy if layout is None else layout
@@ -278,8 +274,11 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
         ep_rank = busiest_expert_rank(config)
     elif not 0 <= ep_rank < job.ep:
         raise JobError(f"ep_rank={ep_rank}: the job has expert-parallel ranks 0..{job.ep - 1}")
-    with expert_parallel_group(SimulatedExpertGroup(job.ep, ep_rank)) if ep_rank else contextlib.nullcontext():
-        traces = {(s.index, True): trace_chunk(chunk_config(config, s), s.kind, recompute, device, tp, sp,
+    with simulated_expert_groups(tp, job.ep, job.expert_tp, ep_rank):  # the rank's ep and etp positions
+        # each chunk runs the policy on its own layers (chunk_policy: MoE modules only where MoE layers are)
+        traces = {(s.index, True): trace_chunk(chunk_config(config, s), s.kind,
+                                               chunk_policy(recompute, chunk_config(config, s), s.num_layers),
+                                               device, tp, sp,
                                                batch_in_forward=True, kernels=kernels, drop_grads=True)
                   for s in chunks}
     plan = ShardedStagePlan(config, pp, job.num_microbatches, vpp, stage, schedule, "megatron", chunks, actions,

@@ -84,8 +84,8 @@ def _run(tensors: Sequence[torch.Tensor], start: Callable[[], list[Any]]) -> Non
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a rank sits: Megatron's default order tp-cp-dp-pp (cp = 1 here); with expert parallelism (tp = 1
-    here) the expert ranks are ordered ep-edp inside the data-parallel ranks (NOTE [expert parameters] in
+    """Where a rank sits: Megatron's default order tp-cp-dp-pp (cp = 1 here); with expert parallelism (etp = tp
+    here) the expert ranks are ordered etp-ep-edp, so ep-edp inside the data-parallel ranks (NOTE [expert parameters] in
     :mod:`remat.memory.rank_state`)."""
 
     tp: int
@@ -119,10 +119,10 @@ class Layout:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
 
 
-def make_groups(lay: Layout) -> tuple[Any, Any, Any, Any, Any]:
-    """This rank's tensor-parallel, data-parallel, embedding (first + last stage), expert-parallel and expert
-    data-parallel groups (the last two None without expert parallelism); every rank creates every group, in the
-    same order, as torch.distributed requires."""
+def make_groups(lay: Layout) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """This rank's tensor-parallel, data-parallel, embedding (first + last stage), expert-parallel, expert
+    data-parallel and tp x ep groups (the last three None without expert parallelism); every rank creates every
+    group, in the same order, as torch.distributed requires."""
     tp_group = dp_group = embd_group = ep_group = edp_group = None
     for d in range(lay.dp):
         for p in range(lay.pp):
@@ -140,17 +140,23 @@ def make_groups(lay: Layout) -> tuple[Any, Any, Any, Any, Any]:
                 ranks = [lay.global_rank(t, d, 0), lay.global_rank(t, d, lay.pp - 1)]
                 group = dist.new_group(ranks)
                 embd_group = group if lay.rank in ranks else embd_group
-    if lay.ep > 1:  # tp = 1: expert-parallel rank e, expert data-parallel rank k is data-parallel rank e + ep*k
+    tp_ep_group = None
+    if lay.ep > 1:  # etp = tp: expert-parallel rank e, expert data-parallel rank k is data-parallel rank e + ep*k
         for p in range(lay.pp):
-            for k in range(lay.dp // lay.ep):
-                ranks = [lay.global_rank(0, e + lay.ep * k, p) for e in range(lay.ep)]
+            for t in range(lay.tp):
+                for k in range(lay.dp // lay.ep):
+                    ranks = [lay.global_rank(t, e + lay.ep * k, p) for e in range(lay.ep)]
+                    group = dist.new_group(ranks)
+                    ep_group = group if lay.rank in ranks else ep_group
+                for e in range(lay.ep):
+                    ranks = [lay.global_rank(t, e + lay.ep * k, p) for k in range(lay.dp // lay.ep)]
+                    group = dist.new_group(ranks)
+                    edp_group = group if lay.rank in ranks else edp_group
+            for k in range(lay.dp // lay.ep):  # MoE token counts: the tp x ep ranks, ep-major (rank e * tp + t)
+                ranks = [lay.global_rank(t, e + lay.ep * k, p) for e in range(lay.ep) for t in range(lay.tp)]
                 group = dist.new_group(ranks)
-                ep_group = group if lay.rank in ranks else ep_group
-            for e in range(lay.ep):
-                ranks = [lay.global_rank(0, e + lay.ep * k, p) for k in range(lay.dp // lay.ep)]
-                group = dist.new_group(ranks)
-                edp_group = group if lay.rank in ranks else edp_group
-    return tp_group, dp_group, embd_group, ep_group, edp_group
+                tp_ep_group = group if lay.rank in ranks else tp_ep_group
+    return tp_group, dp_group, embd_group, ep_group, edp_group, tp_ep_group
 
 
 # ------------------------------------------------------------------------------------------------ DDP buffer
@@ -463,12 +469,14 @@ class RankStep:
             if dp > 1:
                 grad.mul_(1.0 / dp)  # Megatron scales expert gradients by 1/dp too (then sums over edp)
             if n > 1 and self.distributed:
+                # Megatron reduce-scatters each bucket into this rank's shard in place (NCCL allocates nothing);
+                # gloo's reduce_scatter copies the whole bucket into a temporary first, a transient no GPU rank
+                # has (it became the measured peak once offloading lowered the activations). An in-place
+                # all-reduce leaves the same sums in this rank's shard (the only part the optimizer reads) and
+                # allocates nothing, as NCCL's reduce-scatter.
                 for b_start, b_end in buffer.buckets:
                     bucket = grad[b_start:b_end]
-                    size = (b_end - b_start) // n
-                    shard = bucket[buffer.dp_rank * size:(buffer.dp_rank + 1) * size]
-                    _run([bucket, shard], lambda b=bucket, sh=shard, g=buffer.group: [
-                        dist.reduce_scatter_tensor(sh, b, group=g)])
+                    _run([bucket], lambda b=bucket, g=buffer.group: [dist.all_reduce(b, group=g)])
             elif n > 1:
                 _run([grad], lambda g=grad, group=buffer.group: [dist.all_reduce(g, group=group)])
         for weight in self.tied:

@@ -24,6 +24,10 @@ class Composer:
         self.flops: list[int] = []
         self.keys: dict[Any, int] = {}  # runtime-held tensors -> row
         self.forward_rows: dict[tuple[int, int], tuple[list[int], TraceSegment]] = {}
+        # fine-grained offloading: [event, host bytes from that event on], and what each module / layer offloaded
+        self.host_series: list[list[int]] = []
+        self.offloaded: dict[str, int] = {}
+        self.offloaded_by_layer: dict[str, int] = {}
 
     def phase(self, kind: str, region: str, detail: str = "", flops: int = 0) -> None:
         tl = self.tl
@@ -109,6 +113,13 @@ class Composer:
             tl.free_at[target] = base + offset
         if seg.keep is not None and keep_key is not None:
             self.keys[keep_key] = rows[seg.keep]
+        for offset, delta, module, layer in seg.host:  # every microbatch in flight holds its own offloaded bytes
+            held = (self.host_series[-1][1] if self.host_series else 0) + delta
+            self.host_series.append([base + offset, held])
+            if delta > 0:
+                self.offloaded[module] = self.offloaded.get(module, 0) + delta
+                where = str(layer + spec.layer_offset)
+                self.offloaded_by_layer[where] = self.offloaded_by_layer.get(where, 0) + delta
         tl.num_events += seg.num_events
 
     def finish(self, meta: dict[str, Any]) -> Timeline:
@@ -119,6 +130,10 @@ class Composer:
         for phase, amount in zip(tl.phases, self.flops):
             flops[phase.kind] = flops.get(phase.kind, 0) + amount
         tl.meta["flops"] = flops
+        if self.host_series:  # the keys remat.memory.measure.measure writes; layers by global index
+            tl.meta["host_memory"] = {"peak_bytes": max(b for _, b in self.host_series),
+                                      "offloaded_bytes": self.offloaded, "offloaded_bytes_by_layer":
+                                      self.offloaded_by_layer, "series": self.host_series}
         tl.validate()
         return tl
 

@@ -26,12 +26,15 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def chunk_layout(num_layers: int, pp: int, vpp: int = 1, layout: Sequence[int] | None = None) -> list[int]:
+def chunk_layout(num_layers: int, pp: int, vpp: int = 1, layout: Sequence[int] | None = None, *,
+                 empty_ends: bool = False) -> list[int]:
     """Layers per global model chunk (``pp * vpp`` of them, chunk g on rank ``g % pp``).
 
     Without ``layout`` the layers are split evenly and ``num_layers`` must be divisible by ``pp * vpp``. A
     ``layout`` lists the layer count of each chunk in global order (``pp * vpp`` counts >= 1 adding up to
-    ``num_layers``), e.g. Megatron's uneven first/last stages.
+    ``num_layers``), e.g. Megatron's uneven first/last stages (:attr:`remat.job.Job.chunk_layers`). With
+    ``empty_ends`` the first and last chunk may have 0 layers (Megatron's layouts and counted embedding/loss give
+    a chunk that only embeds, or only computes the loss).
     """
     pp = _positive_int("pp", pp)
     vpp = _positive_int("vpp", vpp)
@@ -45,8 +48,9 @@ def chunk_layout(num_layers: int, pp: int, vpp: int = 1, layout: Sequence[int] |
     if len(counts) != chunks:
         raise PipelineError(f"layout {counts} has {len(counts)} entries but pp * vpp = {chunks} model chunks: give "
                             "one layer count per chunk, in global chunk order (chunk g runs on rank g % pp)")
-    for n in counts:
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+    for g, n in enumerate(counts):
+        least = 0 if empty_ends and g in (0, chunks - 1) and chunks > 1 else 1
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < least:
             raise PipelineError(f"layout {counts}: every chunk needs at least one layer (a positive integer), "
                                 f"got {n!r}")
     if sum(counts) != num_layers:
@@ -109,9 +113,10 @@ class ChunkSpec:
         return (self.is_first, self.is_last, self.num_layers)
 
 
-def partition(config: ModelConfig, pp: int, vpp: int = 1, layout: Sequence[int] | None = None) -> list[ChunkSpec]:
+def partition(config: ModelConfig, pp: int, vpp: int = 1, layout: Sequence[int] | None = None, *,
+              empty_ends: bool = False) -> list[ChunkSpec]:
     """The ``pp * vpp`` model chunks of ``config``'s GPT, in global order (see :func:`chunk_layout`)."""
-    counts = chunk_layout(config.num_layers, pp, vpp, layout)
+    counts = chunk_layout(config.num_layers, pp, vpp, layout, empty_ends=empty_ends)
     if config.tie_embeddings and len(counts) > 1:
         raise PipelineError("tie_embeddings=True shares the embedding with the output layer, which are in different "
                             "pipeline chunks: use tie_embeddings=False with pp * vpp > 1")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,7 +16,9 @@ from remat.memory.measure import StepRecorder
 from remat.models.gpt import GPT, Embedding, LMHead, TransformerLayer, build_model, building, rotary_tables
 from remat.models.tp_stage import chunk_forward
 from remat.parallel.schedule import ChunkSpec, PipelineError
+from remat.policy import MOE_MODULES, Policy
 from remat.recompute.apply import applied
+from remat.recompute.plan_format import Plan, Segment
 
 
 class StageModule(nn.Module):
@@ -48,6 +52,39 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         return chunk_forward(self, x, labels, x.shape[1], PipelineError)  # x: token ids [b, s] or hidden [b, s, h]
+
+
+def chunk_policy(policy: Policy | Any, config: ModelConfig, num_layers: int | None = None) -> Policy | Any:
+    """The policy a model chunk of ``config`` (its own layers, :func:`remat.parallel.job_predict.chunk_config`) runs.
+
+    Megatron's ``moe``, ``moe_act`` and ``shared_experts`` recompute modules act on MoE layers only; a chunk
+    with none (DeepSeek's first dense layers on their own pipeline stage) runs the policy without them (nothing
+    else changes; a selective policy left with no module recomputes nothing). Full recompute of K layers on a
+    chunk of ``num_layers`` n < K (an uneven split) is what Megatron's ``_checkpointed_forward`` runs there:
+    uniform groups end at the chunk's end (one group of n), block checkpoints its first min(K, n) layers, so
+    ``full/uniform/n`` / ``full/block/n``. A :class:`~remat.recompute.plan_format.Plan` of a deeper chunk (remat
+    plan's per-stage plan of the stage's deepest chunk) runs its first n layers, a group cut at the chunk's end as
+    Megatron's uniform groups are (:func:`cut_plan`). Anything else is returned as is.
+    """
+    if isinstance(policy, Plan) and num_layers is not None and policy.num_layers > num_layers:
+        return cut_plan(policy, num_layers)
+    if isinstance(policy, Policy) and policy.recomputes_layers and num_layers and policy.num_layers > num_layers:
+        policy = dataclasses.replace(policy, num_layers=num_layers)
+    if not isinstance(policy, Policy) or any(config.moe_layer_pattern()) or \
+            not any(m in MOE_MODULES for m in policy.modules):
+        return policy
+    rest = tuple(m for m in policy.modules if m not in MOE_MODULES)
+    return dataclasses.replace(policy, modules=rest) if rest else dataclasses.replace(
+        policy, granularity="none", modules=())
+
+
+def cut_plan(plan: Plan, num_layers: int) -> Plan | Policy:
+    """``plan``'s first ``num_layers`` layers (a group cut at the end keeps its layers below it, as Megatron's
+    uniform groups end at a chunk's end); no layer: the policy that recomputes nothing."""
+    if num_layers <= 0:
+        return Policy(engine=plan.engine)
+    return Plan(num_layers, tuple(Segment(s.mode, s.start, min(s.stop, num_layers), s.modules)
+                                  for s in plan.segments if s.start < num_layers), plan.engine)
 
 
 def build_stage_module(config: ModelConfig, spec: ChunkSpec, device: torch.device | str = "cpu") -> StageModule:
@@ -88,6 +125,8 @@ class PipelineRecorder(StepRecorder):
 
     def __init__(self, model: nn.Module, chunks: Sequence[StageModule], *, block_bytes: int = 1):
         self.context: tuple[int, int] | None = None
+        # fine-grained offloading: (event, host bytes added (< 0: reloaded), offload module, stack layer or -1)
+        self.host_events: list[tuple[int, int, str, int]] = []
         super().__init__(model, [layer for chunk in chunks for layer in chunk.layers], block_bytes=block_bytes)
         self.chunks = list(chunks)
         self.layer_index = {}
@@ -113,6 +152,14 @@ class PipelineRecorder(StepRecorder):
             self.set_phase("forward", "embedding" if spec.is_first else "")
         else:
             self.set_phase("backward", "head" if spec.is_last else "")
+
+    def on_offload(self, module: str, nbytes: int, layer: int) -> None:
+        self.host_events.append((self.timeline.num_events, nbytes, module, layer))
+        super().on_offload(module, nbytes, layer)
+
+    def on_reload(self, module: str, tensors: Sequence[torch.Tensor], nbytes: int) -> None:
+        self.host_events.append((self.timeline.num_events, -nbytes, module, -1))
+        super().on_reload(module, tensors, nbytes)
 
     def end_op(self) -> None:
         """The current forward or backward ended; what follows is the pipeline runtime's own work."""

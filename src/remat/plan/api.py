@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from remat.config import ModelConfig
+from remat.offload_policy import MIN_OFFLOADED_TENSOR_SIZE
 from remat.plan.costs import CostModel, candidate_units
-from remat.plan.fine_offload import offload_options
+from remat.plan.fine_offload import MegatronRow, OffloadOption, choose_offload
 from remat.plan.megatron import Predicted, megatron_policies, predicted
 from remat.plan.operator_space import layer_operators, operator_kinds
 from remat.plan.options import ParallelOptions, PlanOptions
@@ -38,7 +39,10 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
     groups, found by an exact dynamic program; see NOTE [the extended search] in :mod:`.solver`), by default the
     one of least predicted step time (``PlanOptions.objective``). The
     extended plan's peak is checked with the real (fake-tensor) trace, never only modelled (NOTE [the guarantee]),
-    and it never costs more than the Megatron answer.
+    and it never costs more than the Megatron answer. With ``options.fine_grained_offload`` the Megatron answer
+    may be a setting with Megatron's fine-grained activation offloading (recompute cost plus the transfers charged,
+    NOTE [choosing an offload variant] in :mod:`.fine_offload`), which the extended answer then takes when cheaper:
+    apply ``extended.layout`` (a :class:`~remat.policy.Policy` then, a :class:`Plan` otherwise).
 
     Args:
         config: the reference GPT's shape (:class:`~remat.config.ModelConfig`); any depth.
@@ -53,7 +57,8 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
 
     Returns:
         A :class:`PlanResult`: ``extended`` (traced peak <= budget), ``megatron`` (None when no setting fits, the
-        reason in ``megatron_note``), the no-recompute ``baseline``, timing ``stats``; ``format()`` is the report
+        reason in ``megatron_note``), ``megatron_without_offload`` (the best recompute-only setting when an offload
+        variant won), the no-recompute ``baseline``, timing ``stats``; ``format()`` is the report
         ``remat plan`` prints and ``to_dict()`` its JSON.
 
     Raises:
@@ -71,7 +76,7 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
         >>> result.extended.peak_bytes <= result.budget_bytes
         True
         >>> model = remat.build_model(config)
-        >>> applied = remat.apply(model, result.extended.plan)  # then train model as usual
+        >>> applied = remat.apply(model, result.extended.layout)  # then train model as usual
     """
     t_start = time.perf_counter()
     options = PlanOptions() if options is None else options
@@ -140,16 +145,26 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
             break
     stats["megatron_seconds"] = time.perf_counter() - t
     stats["megatron_traced"] = traced
+    without_offload, offloads = None, []
+    if options.fine_grained_offload:
+        # NOTE [choosing an offload variant] (remat.plan.fine_offload): Megatron's fine-grained offloading variants,
+        # traced and priced in the objective's unit; the cheapest that fits becomes the Megatron answer when it
+        # costs less than the best recompute-only setting (which the report then names beside it)
+        t = time.perf_counter()
+        offloads, won = choose_offload(
+            config, cost, model, limit, [MegatronRow(m[0], m[2], m[3]) for m in meg],
+            None if megatron_choice is None else megatron_choice.cost, device=device, engine=engine, tp=tp, sp=sp,
+            min_size=options.min_offloaded_tensor_size)
+        stats["fine_grained_offload"] = [o.to_dict() for o in offloads]
+        stats["fine_grained_offload_chosen"] = None if won is None else str(won.policy)
+        stats["fine_grained_offload_seconds"] = time.perf_counter() - t
+        if won is not None:
+            without_offload, megatron_choice = megatron_choice, _offload_choice(config, won, cost, model, baseline)
     note = ""
     if megatron_choice is None:
         lowest = min(meg, key=lambda m: m[3])
         low = predicted(config, lowest[0], device=device, tp=tp, sp=sp)
         note = f"the lowest Megatron peak is {format_bytes(low.peak_bytes)} ({lowest[0]}), above the budget"
-    if options.fine_grained_offload:  # Megatron's fine-grained offloading variants, traced and priced, reported
-        t = time.perf_counter()
-        stats["fine_grained_offload"] = [o.to_dict() for o in offload_options(
-            config, cost, model, limit, device=device, engine=engine, tp=tp, sp=sp)]
-        stats["fine_grained_offload_seconds"] = time.perf_counter() - t
 
     # NOTE [the guarantee]: the unit model is checked, not trusted. The chosen plan is predicted with the real trace
     # (predict_plan: remat.memory.compose from a shallow trace with every layer role of the plan, or the whole
@@ -187,6 +202,16 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
     extended: PlanChoice | None = None
     if chosen is None and megatron_choice is None:
         refusal = _refusal(config, model, units, cost, budget_bytes, engine, device, baseline, meg, margin)
+        lowest_offload = min(offloads, key=lambda o: (o.peak_bytes, o.cost), default=None)
+        if lowest_offload is not None and lowest_offload.peak_bytes + margin < refusal.min_peak_bytes:
+            # a traced offload variant reaches lower than any recompute plan: the refusal names it
+            low = _offload_choice(config, lowest_offload, cost, model, baseline)
+            refusal = BudgetError(
+                f"no plan fits {format_bytes(budget_bytes)} ({budget_bytes:,} bytes): the smallest peak reached is "
+                f"{format_bytes(low.peak_bytes)} ({low.peak_bytes:,} bytes), with Megatron's fine-grained "
+                f"offloading {low.policy} (of the offload variants traced; recompute plans reach "
+                f"{refusal.min_peak_bytes:,} bytes)", budget_bytes=budget_bytes,
+                min_peak_bytes=low.peak_bytes + margin, plan=low)
         if parallel.pp is None:
             raise refusal
         # a pipeline's stages hold fewer layers than the whole model: plan them even when one GPU cannot hold it
@@ -200,7 +225,7 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
             extended = megatron_choice  # cannot happen when the model is exact; never return the costlier one
     stats["total_seconds"] = time.perf_counter() - t_start
     result = PlanResult(config, budget_bytes, budget_text, cost.objective, cost, extended, megatron_choice, note,
-                        baseline, stats, tp=tp, sp=sp)
+                        baseline, stats, tp=tp, sp=sp, megatron_without_offload=without_offload)
     if parallel.pp is not None:
         result.pipeline = plan_pipeline(config, budget_bytes, parallel, options)
     return result
@@ -229,6 +254,30 @@ def _choice(config: ModelConfig, plan_: Plan, pred: Predicted, source: str, cost
         megatron_policy=None if policy is None else str(policy), megatron_args=args, why_not_megatron=why,
         recompute_bytes=sum(model.shape(u).recompute_bytes for u in units),
         step_time_ratio=1.0 + extra / plain if plain > 0 else 1.0)
+
+
+def _offload_choice(config: ModelConfig, option: OffloadOption, cost: CostModel, model: UnitModel,
+                    baseline: Predicted) -> PlanChoice:
+    """A traced fine-grained offload variant as the Megatron answer: its recompute part as ``plan``, the policy
+    itself as ``policy`` (NOTE [fine-grained offload charge] for ``offload_seconds``)."""
+    policy = option.policy
+    twin = Plan.from_policy(dataclasses.replace(policy, offload_modules=(), min_offloaded_tensor_size=(
+        MIN_OFFLOADED_TENSOR_SIZE)), config.num_layers)
+    base = baseline.flops.get("forward", 0) + baseline.flops.get("backward", 0)
+    recompute = option.flops.get("recompute", 0)
+    units = twin.units()
+    plain = cost.plain_step_seconds(model, config.num_layers, base)
+    extra = option.cost * 1e-9 if cost.objective == "time" else \
+        sum(cost.extra_seconds(model, u) for u in units) + option.transfer_seconds
+    return PlanChoice(
+        plan=twin, source="megatron", peak_bytes=option.peak_bytes, peak_phase=option.peak_phase,
+        at_peak=dict(option.at_peak), recompute_flops=recompute,
+        extra_compute_pct=100.0 * recompute / base if base else 0.0, cost=option.cost,
+        offload_bytes=option.offloaded_bytes, offload_seconds=option.transfer_seconds,
+        megatron_policy=str(policy), megatron_args=list(option.megatron_args),
+        recompute_bytes=sum(model.shape(u).recompute_bytes for u in units),
+        step_time_ratio=1.0 + extra / plain if plain > 0 else 1.0, policy=policy,
+        host_peak_bytes=option.host_peak_bytes)
 
 
 def _refusal(config: ModelConfig, model: UnitModel, units: list[Unit], cost: CostModel, budget: int, engine: str,

@@ -10,25 +10,30 @@ as fitting is that prediction, <= the budget (NOTE [the job search]).
 from __future__ import annotations
 
 import functools
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from remat.config import ModelConfig
 from remat.job import Job
 from remat.memory import disk_cache
 from remat.memory.kernels import use_kernels
 from remat.memory.rank_state import RankState
-from remat.parallel.job_predict import RankPrediction, check_job, job_kernels, predict_stage, stage_state
-from remat.parallel.schedule import max_in_flight, partition, rank_chunks, schedule_actions
+from remat.offload_policy import MIN_OFFLOADED_TENSOR_SIZE
+from remat.parallel.job_predict import RankPrediction, check_job, chunk_config, job_kernels, predict_stage, stage_state
+from remat.parallel.schedule import ChunkSpec, max_in_flight, schedule_actions
+from remat.parallel.stages import chunk_policy, cut_plan
 from remat.plan.costs import CostModel, candidate_units
+from remat.plan.fine_offload import megatron_offload_policies, price_offload
+from remat.plan.job_stages import kind_config, rank_config, stage_chunks, stage_is_moe
 from remat.plan.megatron import megatron_policies
 from remat.plan.options import PlanOptions
 from remat.plan.pipeline import solve_stage
 from remat.plan.solver import tidy
 from remat.plan.unit_model import UnitModel, unit_model
+from remat.plan.unit_prefetch import prefetch_unit_model
 from remat.policy import Policy
 from remat.recompute.plan_format import KEEP, Plan, PlanError, Unit
 from remat.timeline import Timeline, TimelineError
@@ -45,7 +50,8 @@ STATE_PARTS = ("parameters", "gradients", "master_parameters", "optimizer_state"
 # main-gradient buffer, part of the model state, and drops it). Neither is counted twice: the estimate is
 # calibrated per stage on the exact whole-rank prediction of "nothing recomputed" (offset = exact peak - modelled
 # peak), which carries the model state, and it is recalibrated on every plan predicted since. The chosen plan is
-# then predicted exactly (predict_stage with the plan run by every chunk of the stage: model state + microbatches
+# then predicted exactly (predict_stage with the plan run by every chunk of the stage, a shorter chunk its first
+# layers under an uneven split, NOTE [uneven splits] in remat.plan.job_stages: model state + microbatches
 # in flight + communication), and re-solved under the offset raised by the excess when it does not fit; a plan is
 # reported as fitting only on that exact prediction. Beside it, the best Megatron setting of each stage (every
 # none / full uniform|block K / selective setting, screened cheapest first by the same estimate, then predicted
@@ -58,23 +64,41 @@ MAX_SCREENED = 6  # Megatron settings predicted exactly per stage before the sea
 class StageChoice:
     """One answer for one stage: the plan every chunk of the stage runs and its exact whole-rank prediction."""
 
-    plan: Plan  # of one model chunk's layers, numbered from 0
+    plan: Plan | None  # of the stage's deepest chunk's layers, from 0 (NOTE [uneven splits]); None: it has no layer
     source: str  # 'extended' or 'megatron'
     prediction: RankPrediction
     cost: int  # the objective's value per microbatch, summed over the stage's chunks
     recompute_flops: int  # per microbatch, summed over the stage's chunks
     extra_seconds: float  # predicted seconds the recompute adds per microbatch (CostModel.extra_seconds)
     extra_compute_pct: float  # recompute FLOPs / the stage's layers' forward + backward FLOPs
+    # a Megatron setting with fine-grained offloading (NOTE [offloading in a job]); ``plan`` is its recompute part
+    offload_policy: Policy | None = None
+    host_bytes: int = 0  # with offload_policy: the most one microbatch-chunk holds on the host (traced)
+    transfer_seconds: float = 0.0  # with offload_policy: the transfer time charged per microbatch (in ``cost``)
 
     @property
     def policy(self) -> Policy | None:
-        """The Megatron setting this plan is, or None."""
-        return self.plan.megatron_policy()[0]
+        """The Megatron setting this plan is (with its offloading), or None."""
+        if self.plan is None:  # a stage without decoder layers recomputes nothing
+            return self.offload_policy or Policy()
+        return self.offload_policy or self.plan.megatron_policy()[0]
+
+    @property
+    def layout(self) -> Plan | Policy:
+        """What each chunk of the stage applies (:func:`remat.apply`): the offload policy, else the plan (a shorter
+        chunk its first layers, :func:`remat.parallel.stages.chunk_policy`), else (no layer) nothing."""
+        return self.offload_policy or self.plan or Policy()
 
     def to_dict(self) -> dict[str, Any]:
-        policy, why = self.plan.megatron_policy()
+        policy, why = (self.policy, "") if self.offload_policy is not None or self.plan is None else \
+            self.plan.megatron_policy()
         p = self.prediction
-        return {"plan": str(self.plan), "plan_json": self.plan.to_dict(), "source": self.source,
+        return {"plan": str(self.layout), "plan_json": None if self.offload_policy is not None or self.plan is None
+                else self.plan.to_dict(),
+                "source": self.source, "host_bytes_per_microbatch": self.host_bytes,
+                # the rank's host peak over its microbatches in flight (the stage timeline's host_memory)
+                "host_peak_bytes": (p.timeline.meta.get("host_memory") or {}).get("peak_bytes", 0),
+                "transfer_seconds": self.transfer_seconds,
                 "megatron_policy": None if policy is None else str(policy),
                 "megatron_args": None if policy is None else _megatron_args(policy), "why_not_megatron": why,
                 "rank": p.rank, "peak_bytes": p.peak_bytes, "peak_phase": p.timeline.peak_phase.label, **p.parts,
@@ -93,7 +117,10 @@ class JobStagePlan:
     tried: dict[str, int] = field(default_factory=dict)  # plan or policy -> exact predicted peak
     extended: StageChoice | None = None  # the cheapest plan that fits (None: nothing fits)
     megatron: StageChoice | None = None  # ``policy`` as a choice
-    layers: tuple[int, int] = (0, 0)  # the stage's first and last layer (of its first chunk)
+    megatron_without_offload: StageChoice | None = None  # the best recompute-only setting, when offloading won
+    offload_options: list[dict[str, Any]] = field(default_factory=list)  # fine-grained variants priced
+    layers: tuple[int, int] = (0, 0)  # the first and last layer of its deepest chunk (the plan's); last < first: none
+    chunk_layers: tuple[int, ...] = ()  # the layers of each of its chunks (an uneven split: not all the same)
     in_flight: int = 1  # the most microbatch-chunks it holds at once
     resolves: int = 0  # extended plans that did not fit when predicted exactly
     note: str = ""
@@ -147,9 +174,12 @@ class JobPlan:
         for s in self.stages:
             row: dict[str, Any] = {"stage": s.stage, "fits": s.fits, "policy": None if s.policy is None else str(
                 s.policy), "state": s.state.parts(), "state_bytes": s.state.total, "tried": s.tried,
-                "layers": list(s.layers), "in_flight": s.in_flight, "resolves": s.resolves, "note": s.note,
+                "layers": list(s.layers),
+                "chunk_layers": list(s.chunk_layers), "in_flight": s.in_flight, "resolves": s.resolves, "note": s.note,
                 "extended": None if s.extended is None else s.extended.to_dict(),
-                "megatron": None if s.megatron is None else s.megatron.to_dict()}
+                "megatron": None if s.megatron is None else s.megatron.to_dict(),
+                "megatron_without_offload": None if s.megatron_without_offload is None else
+                s.megatron_without_offload.to_dict(), "fine_grained_offload": s.offload_options}
             shown = s.extended.prediction if s.extended is not None else s.prediction
             if shown is not None:
                 row.update(rank=shown.rank, peak_bytes=shown.peak_bytes, **shown.parts)
@@ -173,14 +203,6 @@ def _megatron_args(policy: Policy) -> list[str] | None:
         return None
 
 
-def rank_config(job: Job) -> ModelConfig:
-    """The model as one rank of ``job`` runs it: s/cp tokens per sequence, an untied embedding when pipelined."""
-    config = job.model.replace(seq_length=job.model.seq_length // job.cp)
-    if job.pp * (job.vpp or 1) > 1 and config.tie_embeddings:
-        config = config.replace(tie_embeddings=False)
-    return config
-
-
 def check_job_options(job: Job, options: PlanOptions) -> None:
     """Refuse, naming the option and why, what a whole-job plan cannot honour."""
     if options.measured_times and (job.tp > 1 or job.cp > 1):
@@ -200,14 +222,14 @@ class _Exact:
         self.job_key = repr(job.replace(policy=Policy()))
         self.kernels = job_kernels()  # plan_job's profile (one for the search and every exact prediction)
 
-    def __call__(self, stage: int, plan: Plan) -> RankPrediction:
-        policy, _ = plan.megatron_policy()
+    def __call__(self, stage: int, plan: Plan | Policy) -> RankPrediction:
+        policy = plan if isinstance(plan, Policy) else plan.megatron_policy()[0]  # a Policy: fine-grained offloading
         key = (stage, str(policy) if policy is not None else f"plan {plan}@{plan.engine}")
         if key not in self.done:
             self.done[key] = self._predict(stage, plan, policy, key[1])
         return self.done[key]
 
-    def _predict(self, stage: int, plan: Plan, policy: Policy | None, layout: str) -> RankPrediction:
+    def _predict(self, stage: int, plan: Plan | Policy, policy: Policy | None, layout: str) -> RankPrediction:
         disk_key = {"job": self.job_key, "stage": stage, "layout": layout, "device": self.device,
                     "kernels": self.kernels}
         stored = disk_cache.load("job_stage", disk_key)
@@ -230,12 +252,32 @@ class _Exact:
 class _StageModel:
     """The calibrated estimate of one stage's exact peak: unit model + (in flight - 1) x stored + offset."""
 
-    model: UnitModel
+    model: UnitModel  # of the stage's layer kind (NOTE [uneven splits])
     cost: CostModel
-    num_layers: int  # of each chunk
-    chunks: int  # per rank (vpp)
+    depths: tuple[int, ...]  # the layers of each of the stage's chunks (vpp of them), at least one > 0
     in_flight: int
     offset: int = 0
+
+    @property
+    def num_layers(self) -> int:
+        """The depth of the stage's plan: its deepest chunk's."""
+        return max(self.depths)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.depths)
+
+    def chunk_units(self, plan: Plan) -> list[list[Unit]]:
+        """The units each chunk with layers runs of the stage's ``plan`` (a shorter chunk: its first layers)."""
+        return [(plan if d == plan.num_layers else cut_plan(plan, d)).units() for d in self.depths if d]
+
+    def policy_plan(self, policy: Policy) -> Plan:
+        """What a Megatron setting is on the stage's deepest chunk (Megatron's groups end at a chunk's end)."""
+        return Plan.from_policy(chunk_policy(policy, self.model.config, self.num_layers), self.num_layers)
+
+    def plan_cost(self, plan: Plan) -> int:
+        """The objective's value per microbatch of ``plan``, summed over the stage's chunks."""
+        return sum(self.cost.cost(self.model, u) for units in self.chunk_units(plan) for u in units)
 
     def stored(self, units: Sequence[Unit]) -> int:
         return sum(self.model.shape(u).forward.net for u in units)
@@ -250,13 +292,12 @@ class _StageModel:
         self.offset = exact - self.modelled(plan.units())
 
     def choice(self, plan: Plan, source: str, prediction: RankPrediction) -> StageChoice:
-        units = plan.units()
-        m, c = self.model, self.chunks
-        flops = c * sum(m.shape(u).recompute_flops for u in units if u.mode != "keep")
-        base = c * self.num_layers * (m.layer_forward_flops + m.layer_backward_flops)
-        return StageChoice(plan, source, prediction, c * sum(self.cost.cost(m, u) for u in units), flops,
-                           c * sum(self.cost.extra_seconds(m, u) for u in units),
-                           100.0 * flops / base if base else 0.0)
+        units = [u for chunk in self.chunk_units(plan) for u in chunk]
+        m = self.model
+        flops = sum(m.shape(u).recompute_flops for u in units if u.mode != "keep")
+        base = sum(self.depths) * (m.layer_forward_flops + m.layer_backward_flops)
+        return StageChoice(plan, source, prediction, sum(self.cost.cost(m, u) for u in units), flops,
+                           sum(self.cost.extra_seconds(m, u) for u in units), 100.0 * flops / base if base else 0.0)
 
 
 def _one_kernel_profile(plan: Callable[..., JobPlan]) -> Callable[..., JobPlan]:
@@ -306,41 +347,72 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) ->
         result.stats["seconds"] = time.perf_counter() - started
         return result
     exact = _Exact(job, options.device, engine, states)
-    keep = Plan.from_policy(Policy(engine=engine), job.layers_per_chunk)
-    plain = [exact(stage, keep) for stage in range(job.pp)]
+    none = Policy(engine=engine)
+    # the first stage's unit model is traced on another core while the stages are predicted (remat.plan.unit_prefetch)
+    first_kind = kind_config(rank_config(job), stage_is_moe(rank_config(job), job, 0))
+    prefetch_unit_model(first_kind, device=options.device, engine=engine, tp=job.tp, sp=job.sp)
+    plain = [exact(stage, none) for stage in range(job.pp)]
+    keeps: list[Plan | None] = []
     for st, pred in zip(result.stages, plain):
         _stage_layout(job, st)
-        st.tried[str(keep)] = pred.peak_bytes
+        keeps.append(Plan.from_policy(none, max(st.chunk_layers)) if max(st.chunk_layers) else None)
+        st.tried[str(keeps[-1] or none)] = pred.peak_bytes
     if all(p.peak_bytes <= budget_bytes for p in plain):  # nothing recomputed fits: nothing is cheaper, no search
-        for st, pred in zip(result.stages, plain):
+        for st, pred, keep in zip(result.stages, plain, keeps):
             st.megatron = st.extended = StageChoice(keep, "megatron", pred, 0, 0, 0.0, 0.0)
-            st.policy, st.prediction = keep.megatron_policy()[0], pred
-        result.uniform = keep.megatron_policy()[0]
+            st.policy, st.prediction = none, pred
+        result.uniform = none
         result.uniform_ranks = sorted(plain, key=lambda r: (-r.peak_bytes, r.stage))
     else:
         config = rank_config(job)
-        model = unit_model(config, device=options.device, engine=engine, tp=job.tp, sp=job.sp)
-        cost = options.cost_model(config)
-        result.stats["unit_model_build_seconds"] = model.build_seconds
-        stage_models = []
-        for st, pred in zip(result.stages, plain):
-            sm = _StageModel(model, cost, job.layers_per_chunk, job.vpp or 1, st.in_flight)
+        kinds: dict[bool, tuple[UnitModel, CostModel]] = {}
+        stage_models: list[_StageModel | None] = []
+        for st, pred, keep in zip(result.stages, plain, keeps):
+            if keep is None:  # no decoder layer (an embedding- or loss-only stage): recompute cannot lower it
+                stage_models.append(None)
+                _bare_stage(st, pred, budget_bytes)
+                continue
+            moe = stage_is_moe(config, job, st.stage)
+            if moe not in kinds:
+                kind = kind_config(config, moe)
+                kinds[moe] = (unit_model(kind, device=options.device, engine=engine, tp=job.tp, sp=job.sp),
+                              options.cost_model(kind))
+            sm = _StageModel(*kinds[moe], st.chunk_layers, st.in_flight)
             sm.calibrate(keep, pred.peak_bytes)
             stage_models.append(sm)
             _megatron_stage(st, sm, exact, budget_bytes, engine)
+            if options.fine_grained_offload:
+                _offload_stage(job, st, sm, exact, budget_bytes, options)
             _extended_stage(st, sm, exact, budget_bytes, options)
+        result.stats["unit_model_build_seconds"] = sum(m.build_seconds for m, _ in kinds.values())
         _uniform(result, stage_models, exact, engine)
     result.stats.update(seconds=time.perf_counter() - started, exact_predictions=exact.count)
     return result
 
 
+def _deepest(job: Job, stage: int) -> ChunkSpec:
+    return max(stage_chunks(job, stage), key=lambda c: c.num_layers)  # the first of the deepest
+
+
 def _stage_layout(job: Job, st: JobStagePlan) -> None:
-    """The stage's first chunk's layers and the most microbatch-chunks it holds at once."""
+    """The stage's chunks' layers, its deepest chunk's layers and the most microbatch-chunks it holds at once."""
     vpp = job.vpp or 1
-    specs = rank_chunks(partition(rank_config(job), job.pp, vpp), job.pp, st.stage)
+    specs = stage_chunks(job, st.stage)
     actions = schedule_actions(job.schedule, job.pp, job.num_microbatches, vpp, st.stage, runtime="megatron")
     st.in_flight = max_in_flight(actions)
-    st.layers = (specs[0].layer_offset, specs[0].layer_offset + specs[0].num_layers - 1)
+    deep = _deepest(job, st.stage)
+    st.layers = (deep.layer_offset, deep.layer_offset + deep.num_layers - 1)
+    st.chunk_layers = tuple(c.num_layers for c in specs)
+
+
+def _bare_stage(st: JobStagePlan, pred: RankPrediction, budget: int) -> None:
+    """A stage without decoder layers: its one answer is to recompute nothing (NOTE [uneven splits])."""
+    st.prediction = pred
+    if pred.peak_bytes <= budget:
+        st.policy, st.megatron = Policy(), StageChoice(None, "megatron", pred, 0, 0, 0.0, 0.0)
+        st.extended = st.megatron
+    else:
+        st.note = "it holds no decoder layer, so no recompute lowers it (its embedding/loss and model state)"
 
 
 def _megatron_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Plan], RankPrediction], budget: int,
@@ -353,8 +425,8 @@ def _megatron_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Pla
     for policy in megatron_policies(L, engine):
         plan = Plan.from_policy(policy, L)
         units = plan.units()
-        rows.append((sum(sm.cost.cost(m, u) for u in units), sum(m.shape(u).recompute_bytes for u in units),
-                     sm.modelled(units), policy, plan))
+        rows.append((sm.plan_cost(plan), sum(m.shape(u).recompute_bytes for u in units), sm.modelled(units), policy,
+                     plan))
     rows.sort(key=lambda r: r[:3])
     lowest: RankPrediction | None = None
     predicted, offset = 0, sm.offset
@@ -382,20 +454,66 @@ def _megatron_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Pla
         st.prediction = pred if lowest is None or pred.peak_bytes < lowest.peak_bytes else lowest
 
 
+# NOTE [offloading in a job]: with fine_grained_offload each stage also prices Megatron's fine-grained offloading
+# variants (remat.plan.fine_offload.megatron_offload_policies of one chunk's layers): the recompute part by the
+# unit model, the transfers (NOTE [fine-grained offload charge]) from the offloaded bytes per layer of one
+# microbatch-chunk, traced in one process at the chunk's depth (tp/sp rank, the job's kernels), times the stage's
+# chunks. The cheapest that costs less than the stage's best recompute-only setting are predicted exactly
+# (predict_stage under the policy: every microbatch in flight offloading), at most MAX_OFFLOAD_SCREENED, and the
+# first that fits becomes the stage's Megatron setting; the extended plan is then compared with it.
+MAX_OFFLOAD_SCREENED = 3
+
+
+def _offload_stage(job: Job, st: JobStagePlan, sm: _StageModel,
+                   exact: Callable[[int, Plan | Policy], RankPrediction], budget: int, options: PlanOptions) -> None:
+    """The stage's cheapest fine-grained offloading variant, when it fits and beats its recompute-only setting."""
+    config, deep = rank_config(job), _deepest(job, st.stage)
+    chunk = chunk_config(config, deep).with_depth(deep.num_layers)  # the stage's plan is of its deepest chunk
+    priced = [price_offload(chunk, p, sm.cost, sm.model, budget, device=options.device, tp=job.tp, sp=job.sp)
+              for p in megatron_offload_policies(sm.num_layers, config, options.engine,
+                                                 options.min_offloaded_tensor_size)]
+    priced.sort(key=lambda o: (o.cost, str(o.policy)))
+    best = None if st.megatron is None else st.megatron.cost
+    screened = 0
+    for o in priced:
+        row = {"policy": str(o.policy), "cost": sm.chunks * o.cost, "recompute_cost": sm.chunks * o.recompute_cost,
+               "transfer_seconds": sm.chunks * o.transfer_seconds, "host_bytes_per_microbatch": o.host_peak_bytes,
+               "megatron_args": o.megatron_args, "peak_bytes": None, "fits": None}
+        st.offload_options.append(row)
+        if (best is not None and sm.chunks * o.cost >= best) or screened >= MAX_OFFLOAD_SCREENED:
+            continue  # not predicted: it cannot be cheaper, or the screen is spent
+        pred = exact(st.stage, o.policy)
+        screened += 1
+        st.tried[str(o.policy)] = row["peak_bytes"] = pred.peak_bytes
+        row["fits"] = pred.peak_bytes <= budget
+        if row["fits"] and (best is None or sm.chunks * o.cost < best):
+            twin = Plan.from_policy(replace(o.policy, offload_modules=(), min_offloaded_tensor_size=(
+                MIN_OFFLOADED_TENSOR_SIZE)), sm.num_layers)
+            base = sm.choice(twin, "megatron", pred)
+            choice = replace(base, cost=sm.chunks * o.cost, extra_seconds=base.extra_seconds + row["transfer_seconds"],
+                             offload_policy=o.policy, host_bytes=o.host_peak_bytes,
+                             transfer_seconds=row["transfer_seconds"])
+            st.megatron_without_offload = st.megatron_without_offload or st.megatron
+            st.megatron, st.policy, st.prediction, best = choice, o.policy, pred, choice.cost
+
+
 def _extended_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Plan], RankPrediction], budget: int,
                     options: PlanOptions) -> None:
     """The cheapest plan of the extended space whose exact whole-rank peak fits (NOTE [the job search])."""
     m, L, engine = sm.model, sm.num_layers, options.engine
-    units = candidate_units(L, offload=options.offload, engine=engine, selective_sets=options.selective_sets,
-                            contractions=m.contractions)
+    units = [u for u in candidate_units(L, offload=options.offload, engine=engine, selective_sets=(
+        options.selective_sets), contractions=m.contractions) if _traced(m, u)]
     full_stored = sm.stored([KEEP] * L)
+
+    def price(u: Unit) -> int:  # tidy tries lighter selective sets: one the layer lacks is never lighter
+        return sm.cost.cost(m, u) if _traced(m, u) else sys.maxsize
     fitting: list[StageChoice] = []
     seen: set[Plan] = set()
     for _ in range(options.max_resolves + 1):
         sol = solve_stage(m, L, budget - sm.offset, sm.in_flight, sm.cost, units, full_stored)
         if sol is None:
             break
-        plan = Plan.from_units(tidy(m, sol.units, budget, sm.cost, sm.estimate), engine)
+        plan = Plan.from_units(tidy(m, sol.units, budget, price, sm.estimate), engine)
         if plan in seen:
             break
         seen.add(plan)
@@ -420,42 +538,44 @@ def _extended_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Pla
         st.note = "no plan of the extended space fits when predicted exactly"
 
 
-def _uniform(result: JobPlan, stage_models: Sequence[_StageModel], exact: Callable[[int, Plan], RankPrediction],
-             engine: str) -> None:
-    """The cheapest Megatron setting that fits every stage (what Megatron's flags express), each stage exact."""
+def _traced(model: UnitModel, unit: Unit) -> bool:
+    """Whether the layer has what ``unit`` recomputes (an MoE layer has no dense 'act', :func:`unit_model`)."""
+    return unit.mode != "selective" or unit in model.shapes
+
+
+def _uniform(result: JobPlan, stage_models: Sequence[_StageModel | None],
+             exact: Callable[[int, Plan | Policy], RankPrediction], engine: str) -> None:
+    """The cheapest Megatron setting that fits every stage (what Megatron's flags express), each stage exact: the
+    settings of the job's deepest chunk, each what Megatron runs on every stage's chunks (NOTE [uneven splits])."""
     budget = result.budget_bytes
     needed = [s.megatron for s in result.stages]
     if any(c is None for c in needed):
         return
-    L = stage_models[0].num_layers
-    m = stage_models[0].model
+    models = [sm for sm in stage_models if sm is not None]
     least = max(c.cost for c in needed if c is not None)  # no setting cheaper than a stage's own best fits it
-    rows = []
-    for policy in megatron_policies(L, engine):
-        plan = Plan.from_policy(policy, L)
-        units = plan.units()
-        c = sum(stage_models[0].cost.cost(m, u) for u in units)
-        if c >= least:
-            rows.append((c, sum(m.shape(u).recompute_bytes for u in units), max(sm.estimate(units) for sm in
-                                                                                  stage_models), plan))
-    rows.sort(key=lambda r: r[:3])
-    slack = L * m.grad_per_layer + sum(m.side.values())
-    screened = 0
-    for *_, estimate, plan in rows:
-        if estimate - slack > budget:
+    rows, seen = [], set()
+    for policy in megatron_policies(result.job.layers_per_chunk, engine):
+        plans = tuple(sm.policy_plan(policy) for sm in models)
+        if plans in seen:  # the same on every stage as a cheaper-listed setting (e.g. full/block/L, full/uniform/1)
             continue
-        if screened >= MAX_SCREENED:
-            return
-        screened += 1
+        seen.add(plans)
+        c = max(sm.plan_cost(plan) for sm, plan in zip(models, plans))  # the slowest stage's
+        # the estimate may be off by a layer stack's .grad bytes and the side inputs (NOTE [the unit model])
+        over = any(sm.estimate(plan.units()) - plan.num_layers * sm.model.grad_per_layer - sum(
+            sm.model.side.values()) > budget for sm, plan in zip(models, plans))
+        if c >= least and not over:
+            rows.append((c, max(sm.estimate(plan.units()) for sm, plan in zip(models, plans)), str(policy), policy))
+    rows.sort(key=lambda r: r[:3])
+    for *_, policy in rows[:MAX_SCREENED]:
         preds = []
         for st in result.stages:
-            pred = exact(st.stage, plan)
-            st.tried[str(plan.megatron_policy()[0])] = pred.peak_bytes
+            pred = exact(st.stage, policy)
+            st.tried[str(policy)] = pred.peak_bytes
             preds.append(pred)
             if pred.peak_bytes > budget:
                 break
         else:
-            result.uniform = plan.megatron_policy()[0]
+            result.uniform = policy
             result.uniform_ranks = sorted(preds, key=lambda r: (-r.peak_bytes, r.stage))
             return
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from remat.config import ModelConfig
+from remat.offload_policy import MIN_OFFLOADED_TENSOR_SIZE
 from remat.plan.costs import ROOFLINES, CostModel, measure_layer_times
 from remat.plan.space import OBJECTIVES, selective_sets
 from remat.policy import ENGINES, SELECTIVE_MODULES
@@ -56,9 +57,15 @@ class PlanOptions:
     """Let the extended search offload a group's input to host memory (only with the reentrant engine)."""
 
     fine_grained_offload: bool = False
-    """Also trace and price Megatron's fine-grained activation offloading variants
-    (:func:`remat.plan.fine_offload.offload_options`: none and selective/core_attn beside each offload module set;
-    transfers at :attr:`bandwidth`); they are reported beside the answers (``stats['fine_grained_offload']``)."""
+    """Make Megatron's fine-grained activation offloading a candidate (:func:`remat.plan.fine_offload.choose_offload`:
+    none and selective/core_attn beside each offload module set, and the cheaper recompute settings that do not fit
+    alone; transfers at :attr:`bandwidth`, each way overlapped with up to one layer's forward). The cheapest variant
+    that fits becomes the Megatron answer when it costs less than the best recompute-only setting; every variant
+    traced is reported (``stats['fine_grained_offload']``)."""
+
+    min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE
+    """With :attr:`fine_grained_offload`: the variants' minimum offloaded tensor size in elements (Megatron's
+    ``--min-offloaded-tensor-size``, default 1048576); smaller saved tensors stay on the device."""
 
     selective_sets: str | Iterable[Sequence[str]] | None = None
     """The module sets selective layers may recompute: None for all (:data:`remat.plan.space.SELECTIVE_SETS`), a
@@ -111,6 +118,12 @@ class PlanOptions:
             raise PlanError(f"{owner}.offload={self.offload!r}: give True or False")
         if not isinstance(self.fine_grained_offload, bool):
             raise PlanError(f"{owner}.fine_grained_offload={self.fine_grained_offload!r}: give True or False")
+        _count(owner, "min_offloaded_tensor_size", self.min_offloaded_tensor_size, 0,
+               f"give the elements below which a saved tensor stays on the device, an int >= 0 (Megatron's default "
+               f"{MIN_OFFLOADED_TENSOR_SIZE})")
+        if self.min_offloaded_tensor_size != MIN_OFFLOADED_TENSOR_SIZE and not self.fine_grained_offload:
+            raise PlanError(f"{owner}.min_offloaded_tensor_size={self.min_offloaded_tensor_size} has no effect without "
+                            "fine_grained_offload: set fine_grained_offload=True (--fine-grained-offload) or drop it")
         object.__setattr__(self, "selective_sets", _selective_sets(self.selective_sets))
         if not isinstance(self.measured_times, (bool, Mapping)):
             raise PlanError(f"{owner}.measured_times={self.measured_times!r}: give True, False or the dict of "

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from remat.config import ModelConfig
+from remat.memory import disk_cache
 from remat.memory.predict import predict_config
 from remat.parallel.chunk_trace import trace_chunk
 from remat.parallel.pipeline_predict import compose_stage, predict_pipeline
@@ -25,8 +27,8 @@ from remat.plan.costs import CostModel, candidate_units
 from remat.plan.megatron import Predicted, megatron_policies
 from remat.plan.options import ParallelOptions, PlanOptions
 from remat.plan.result import compared
-from remat.plan.solver import Solution, solve, tidy
-from remat.plan.unit_model import UnitModel, unit_model
+from remat.plan.solver import Solution, cost_lower_bound, solve, tidy
+from remat.plan.unit_model import UnitModel, model_to_dict, unit_model
 from remat.policy import Policy
 from remat.recompute.plan_format import KEEP, Plan, PlanError, Unit
 from remat.timeline import Timeline
@@ -211,22 +213,77 @@ def plan_pipeline(config: ModelConfig, budget: int | str, parallel: ParallelOpti
 
 
 def solve_stage(model: UnitModel, num_layers: int, budget: int, in_flight: int, cost: CostModel,
+                units: list[Unit], max_stored: int) -> Solution | None:
+    """:func:`search_stage`, its answer kept on disk (:mod:`remat.memory.disk_cache`, keyed by everything the
+    search reads: the unit model's numbers and the candidates' shapes and prices, the depth, budget, microbatches
+    in flight and cap), so a later run with the same inputs reads it back instead of solving again."""
+    prices = [cost.cost(model, u) for u in units]
+    data = model_to_dict(model)
+    data.pop("build_seconds", None)
+    data["shapes"] = [[*_unit_json(u), *_shape_json(model.shape(u))] for u in units]  # just what is searched
+    digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+    key = {"model": digest, "num_layers": num_layers, "budget": budget, "in_flight": in_flight,
+           "units": [_unit_json(u) for u in units], "prices": prices, "max_stored": max_stored}
+    stored = disk_cache.load("stage_solution", key)
+    if isinstance(stored, dict):
+        if stored.get("none"):
+            return None
+        try:
+            return Solution([Unit(str(m), int(k), tuple(str(x) for x in mods)) for m, k, mods in stored["units"]],
+                            int(stored["cost"]), int(stored["model_peak"]), int(stored["entries"]),
+                            float(stored["seconds"]))
+        except (KeyError, TypeError, ValueError):
+            pass  # malformed: solved again and overwritten
+    sol = search_stage(model, num_layers, budget, in_flight, cost, units, max_stored)
+    disk_cache.store("stage_solution", key, {"none": True} if sol is None else {
+        "units": [_unit_json(u) for u in sol.units], "cost": int(sol.cost), "model_peak": int(sol.model_peak),
+        "entries": int(sol.entries), "seconds": sol.seconds})
+    return sol
+
+
+def _unit_json(unit: Unit) -> list[Any]:
+    return [unit.mode, unit.size, list(unit.modules)]
+
+
+def _shape_json(shape: Any) -> list[Any]:
+    return [shape.forward.net, shape.forward.high, shape.backward.net, shape.backward.high, shape.recompute_flops,
+            shape.recompute_bytes]
+
+
+def search_stage(model: UnitModel, num_layers: int, budget: int, in_flight: int, cost: CostModel,
                  units: list[Unit], max_stored: int) -> Solution | None:
     """The cheapest plan of a stage's layers when ``in_flight - 1`` other microbatches keep the plan's stored bytes
     each: the least cost over a grid of caps T on the stored bytes of ``solve(budget - (in_flight - 1) T,
-    stored_cap=T)``, refined around the best cap."""
+    stored_cap=T)``, refined around the best cap (of equal costs, the first cap's plan).
+
+    Caps that cannot give a cheaper plan are not solved: once a plan costs nothing, and where a lower bound on the
+    cost at a cap (:func:`~remat.plan.solver.cost_lower_bound`) reaches the best so far; when keeping every layer
+    fits and every other unit costs something, keeping every layer is the answer (no other plan costs 0)."""
+    prices = {u: cost.cost(model, u) for u in units}  # priced once for the many solves below
+    price = prices.__getitem__
     if in_flight <= 1:
-        return solve(model, num_layers, budget, cost, units=units)
+        return solve(model, num_layers, budget, price, units=units)
+    if prices.get(KEEP) == 0 and all(p > 0 for u, p in prices.items() if u != KEEP):
+        # the grid's last cap is max_stored, the only one that admits keeping every layer (0 cost, no other plan
+        # costs 0): the search below would find exactly this solve's plan there and nothing cheaper after it
+        sol = solve(model, num_layers, budget - (in_flight - 1) * max_stored, price, units=units,
+                    stored_cap=max_stored)
+        if sol is not None and sol.cost == 0:
+            return sol
+    free = min(prices.values(), default=0) >= 0  # no plan costs less than 0
     best: Solution | None = None
     grid = sorted({int(max_stored * k / 32) for k in range(33)})
     for _ in range(2):
-        found = []
         for cap in grid:
-            sol = solve(model, num_layers, budget - (in_flight - 1) * cap, cost, units=units, stored_cap=cap)
-            if sol is not None:
-                found.append(cap)
-                if best is None or sol.cost < best.cost:
-                    best = sol
+            if best is not None:
+                if free and best.cost <= 0:
+                    return best
+                if cost_lower_bound(model, num_layers, budget - (in_flight - 1) * cap, price, units=units,
+                                    stored_cap=cap) >= best.cost:
+                    continue  # only a strictly cheaper plan would replace the best
+            sol = solve(model, num_layers, budget - (in_flight - 1) * cap, price, units=units, stored_cap=cap)
+            if sol is not None and (best is None or sol.cost < best.cost):
+                best = sol
         if best is None:
             return None
         used = sum(model.shape(u).forward.net for u in best.units)

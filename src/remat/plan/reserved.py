@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from remat.config import ModelConfig
+from remat.memory.predict import predict_config
 from remat.memory.reserved import reserved_figures
 from remat.plan.api import plan
 from remat.plan.megatron import predict_plan
 from remat.plan.result import BudgetError, PlanResult
+from remat.recompute.plan_format import Plan
 
 MAX_ROUNDS = 8
 PIPELINE_REFUSED = ("--budget-reserved plans one GPU's reserved memory; it is not modelled with --pp: drop "
@@ -46,7 +48,9 @@ def plan_reserved(config: ModelConfig, budget: int | str, options: Any = None, p
     for _ in range(MAX_ROUNDS):
         if result.extended is None or result.pipeline is not None:
             raise ValueError(PIPELINE_REFUSED)
-        timeline = predict_plan(config, result.extended.plan, device="cuda", tp=result.tp, sp=result.sp)
+        layout = result.extended.layout  # a Policy with fine-grained offloading (traced in full), else a Plan
+        timeline = predict_plan(config, layout, device="cuda", tp=result.tp, sp=result.sp) if isinstance(
+            layout, Plan) else predict_config(config, layout, device="cuda", tp=result.tp, sp=result.sp)
         figures = reserved_figures(timeline)
         figures["allocated_budget_bytes"] = allocated_budget
         excess = figures["max_memory_reserved"] - limit

@@ -11,6 +11,7 @@ from remat.config import ModelConfig
 from remat.plan.costs import CostModel
 from remat.plan.fine_offload import format_offload_options
 from remat.plan.megatron import Predicted
+from remat.policy import Policy
 from remat.recompute.plan_format import Plan
 from remat.units import format_bytes, format_seconds
 
@@ -25,6 +26,12 @@ class PlanChoice:
     value (:class:`CostModel`). ``offload_bytes`` is what moves to the host (and back) per step and
     ``offload_seconds`` the transfer time charged. ``recompute_bytes`` is what the recomputation allocates again
     (unit model): the memory traffic of work FLOP counters do not see (norms, softmax, dropout, activations).
+
+    A Megatron setting with fine-grained activation offloading (``remat plan --fine-grained-offload``,
+    :func:`remat.plan.fine_offload.choose_offload`) is not a :class:`Plan`: ``policy`` holds it, ``plan`` its
+    recompute part only, and :attr:`layout` (what :func:`remat.apply` takes) the policy. Then ``offload_bytes``
+    are the bytes its modules copy to the host (and back), ``host_peak_bytes`` the most on the host at once and
+    ``offload_seconds`` the transfer time charged (NOTE [fine-grained offload charge]); ``cost`` includes it.
     """
 
     plan: Plan
@@ -43,20 +50,34 @@ class PlanChoice:
     why_not_megatron: str = ""
     recompute_bytes: int = 0
     step_time_ratio: float = 1.0  # predicted step time over the no-recompute step's (CostModel.plain_step_seconds)
+    policy: Policy | None = None  # a Megatron setting with fine-grained offloading; ``plan`` is its recompute part
+    host_peak_bytes: int = 0  # with ``policy``: the most its offloading holds on the host at once
+
+    @property
+    def layout(self) -> Plan | Policy:
+        """What to apply (:func:`remat.apply`): :attr:`policy` when set (fine-grained offloading), else the plan."""
+        return self.plan if self.policy is None else self.policy
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; ``plan`` is :attr:`layout`'s text, ``plan_json`` the plan's form (None for a ``policy``, which
+        a plan cannot express: apply ``policy``)."""
         return {
             "step_time_ratio": self.step_time_ratio, "recompute_bytes": self.recompute_bytes,
-            "plan": str(self.plan), "source": self.source, "peak_bytes": self.peak_bytes,
+            "plan": str(self.layout), "source": self.source, "peak_bytes": self.peak_bytes,
             "peak_phase": self.peak_phase, "at_peak": self.at_peak, "model_peak_bytes": self.model_peak_bytes,
             "recompute_flops": self.recompute_flops, "extra_compute_pct": self.extra_compute_pct,
             "cost": self.cost, "offload_bytes": self.offload_bytes, "offload_seconds": self.offload_seconds,
             "megatron_policy": self.megatron_policy, "megatron_args": self.megatron_args,
-            "why_not_megatron": self.why_not_megatron, "plan_json": self.plan.to_dict(),
+            "why_not_megatron": self.why_not_megatron,
+            "plan_json": self.plan.to_dict() if self.policy is None else None,
+            "policy": None if self.policy is None else str(self.policy), "host_peak_bytes": self.host_peak_bytes,
         }
 
     def snippet(self) -> str:
         """Python that applies this plan to a model built elsewhere (``model``)."""
+        if self.policy is not None:
+            return ("import remat\n\n"
+                    f"remat.apply(model, {str(self.policy)!r})  # model: your GPT-style model with a layer stack\n")
         data = json.dumps(self.plan.to_dict(), separators=(",", ":"))
         return ("import remat\nfrom remat.plan import Plan\n\n"
                 f"plan = Plan.from_dict({data})\n"
@@ -104,6 +125,7 @@ class PlanResult:
     pipeline: dict[str, Any] | None = None
     tp: int = 1      # planned for one tensor-parallel rank of tp
     sp: bool = False  # ... with sequence parallelism
+    megatron_without_offload: PlanChoice | None = None  # the best recompute-only setting, when offloading won
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-able data (format ``remat.plan-result``)."""
@@ -116,6 +138,8 @@ class PlanResult:
             "extended": None if self.extended is None else self.extended.to_dict(),
             "megatron": None if self.megatron is None else self.megatron.to_dict(),
             "megatron_note": self.megatron_note, "stats": self.stats, "pipeline": self.pipeline,
+            "megatron_without_offload": None if self.megatron_without_offload is None else
+            self.megatron_without_offload.to_dict(),
             "snippet": None if self.extended is None else self.extended.snippet(),
         }
 
@@ -143,7 +167,10 @@ class PlanResult:
             lines += [f"  {self.megatron_note}", ""]
         else:
             for title, choice in (("Best Megatron-LM setting", self.megatron), ("Best extended plan", self.extended)):
-                lines += [f"{title}:", *self._choice_lines(choice), ""]
+                lines += [f"{title}:", *self._choice_lines(choice)]
+                if title.startswith("Best Megatron") and self.megatron_without_offload is not None:
+                    lines.append(self._without_offload_line())
+                lines.append("")
         if self.megatron is not None and self.extended is not None:
             lines.append(versus_megatron(self.extended, self.megatron, self.cost_model, self.baseline))
         s = self.stats
@@ -152,7 +179,7 @@ class PlanResult:
                      f"{s.get('megatron_seconds', 0):.1f} s, validation trace {s.get('validate_seconds', 0):.1f} s, "
                      f"re-solves {s.get('resolves', 0)}")
         if s.get("fine_grained_offload"):
-            lines += ["", *format_offload_options(s["fine_grained_offload"])]
+            lines += ["", *format_offload_options(s["fine_grained_offload"], s.get("fine_grained_offload_chosen"))]
         if self.pipeline is None and self.extended is not None:
             lines += ["", "Apply it:", indent(self.extended.snippet(), "  ")]
         return "\n".join(lines)
@@ -168,16 +195,32 @@ class PlanResult:
                 + " of the no-recompute step; recomputed FLOPs: "
                 + ", ".join(f"{c.extra_compute_pct:.2f}% ({name})" for name, c in answers) + " of the step's")
 
+    def _without_offload_line(self) -> str:
+        other = self.megatron_without_offload
+        assert other is not None and self.megatron is not None
+        return (f"  without offloading: {other.megatron_policy or other.layout} ({other.step_time_ratio:.4f}x no "
+                f"recompute predicted, cost {other.cost:,}, peak {format_bytes(other.peak_bytes)}); offloading costs "
+                f"{self.megatron.cost:,}")
+
     def _choice_lines(self, choice: PlanChoice | None) -> list[str]:
         if choice is None:
             return [f"  none fits: {self.megatron_note}"]
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in choice.at_peak.items() if v)
         moved = (f", offload {format_bytes(choice.offload_bytes)} each way ({1e3 * choice.offload_seconds:.2f} ms "
-                 "charged)") if choice.offload_bytes else ""
+                 "charged)") if choice.offload_bytes and choice.policy is None else ""
+        offload = []
+        if choice.policy is not None:
+            modules = ", ".join(choice.policy.offload_modules)
+            offload = [f"  offloading:     chosen: Megatron's fine-grained activation offloading of {modules}: "
+                       f"device peak {format_bytes(choice.peak_bytes)}, host peak "
+                       f"{format_bytes(choice.host_peak_bytes)} ({format_bytes(choice.offload_bytes)} copied out and "
+                       f"back), {1e3 * choice.offload_seconds:.3f} ms transfer time charged (at "
+                       f"{self.cost_model.bandwidth / 1e9:g} GB/s, each way overlapped with up to one layer's "
+                       "forward)"]
         flags = f"  Megatron flags: {' '.join(choice.megatron_args) or '(none: no recompute flags)'}" \
             if choice.megatron_args is not None else f"  Megatron flags: none express it: {choice.why_not_megatron}"
         extra = choice.extra_seconds(self.cost_model)
-        return [f"  plan:           {choice.plan}",
+        return [f"  plan:           {choice.layout}",
                 f"  step time:      {choice.step_time_ratio:.4f}x no recompute predicted ({format_seconds(extra)} "
                 f"of recompute{' and transfers' if choice.offload_bytes else ''} per step)",
                 f"  predicted peak: {format_bytes(choice.peak_bytes)} ({choice.peak_bytes:,} bytes, "
@@ -185,7 +228,7 @@ class PlanResult:
                 f"  at the peak:    {parts}",
                 f"  extra compute:  {choice.extra_compute_pct:.2f}% ({choice.recompute_flops:,} recomputed "
                 f"FLOPs; {format_bytes(choice.recompute_bytes)} rebuilt in backward){moved}",
-                flags]
+                *offload, flags]
 
 
 def indent(text: str, prefix: str) -> str:

@@ -70,6 +70,22 @@ class _Tables:
         self.fwd_net = [sh.forward.net for sh in self.shapes]
         self.fwd_need = [self.c0 + sh.forward.high for sh in self.shapes]
         self.bwd_base = [self.c0 + sh.forward.net + self.h_all + sh.backward.high for sh in self.shapes]
+        self._usable: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
+
+    def usable(self, budget: int) -> tuple[list[int], list[int]]:
+        """The unit kinds a plan under ``budget`` may use (each fits on top of the stack, and no other kind
+        dominates it: :func:`_undominated`), and per layer i the least bytes layers i..L-1 can add."""
+        L, units = self.L, self.units
+        fits = tuple(t for t, u in enumerate(units) if u.size <= L and self.need(t, L - u.size, 0) <= budget)
+        found = self._usable.get(fits)
+        if found is None:  # the same for every budget that admits the same kinds: made once
+            usable = _undominated(self, list(fits))
+            min_rest = [0] * (L + 1)
+            for i in range(L - 1, -1, -1):
+                options = [self.fwd_net[t] + min_rest[i + units[t].size] for t in usable if i + units[t].size <= L]
+                min_rest[i] = min(options) if options else 1 << 62
+            found = self._usable[fits] = (usable, min_rest)
+        return found[0], list(found[1])
 
     def need(self, t: int, i: int, held: int) -> int:
         """The highest point, minus the bytes S kept below it, that unit t placed at layer i reaches in its
@@ -80,6 +96,22 @@ class _Tables:
 
 
 _BIG = np.iinfo(np.int64).max
+_TABLES: dict[tuple[Any, ...], tuple[UnitModel, _Tables]] = {}  # the latest tables: a stage's searches share them
+
+
+def _tables(model: UnitModel, num_layers: int, units: list[Unit], price: Callable[[Unit], int]) -> _Tables:
+    """The :class:`_Tables` of (model, depth, units, their costs), made once: a pipeline stage's search solves
+    the same stack under many budgets and caps (:func:`remat.plan.pipeline.solve_stage`)."""
+    costs = [price(u) for u in units]
+    key = (id(model), num_layers, tuple(units), tuple(costs))
+    found = _TABLES.get(key)
+    if found is not None and found[0] is model:
+        return found[1]
+    tables = _Tables(model, num_layers, units, costs)
+    if len(_TABLES) >= 8:
+        _TABLES.clear()
+    _TABLES[key] = (model, tables)
+    return tables
 
 
 def solve(model: UnitModel, num_layers: int, budget: int,
@@ -101,29 +133,21 @@ def solve(model: UnitModel, num_layers: int, budget: int,
     start = time.perf_counter()
     units = list(units) if units is not None else candidate_units(num_layers, engine=model.engine,
                                                                   contractions=model.contractions)
-    price = _pricer(model, cost)
-    tables = _Tables(model, num_layers, units, [price(u) for u in units])
+    tables = _tables(model, num_layers, units, _pricer(model, cost))
     if tables.floor > budget:
         return None
     L = num_layers
-    usable = _undominated(tables, [t for t, u in enumerate(units)
-                                   if u.size <= L and tables.need(t, L - u.size, 0) <= budget])
-    # the least bytes the layers i..L-1 can add, and the loosest head bound: prune hopeless entries
-    min_rest = [0] * (L + 1)
-    for i in range(L - 1, -1, -1):
-        options = [tables.fwd_net[t] + min_rest[i + units[t].size] for t in usable if i + units[t].size <= L]
-        min_rest[i] = min(options) if options else 1 << 62
+    usable, min_rest = tables.usable(budget)
     limit = budget - min(tables.head_cap.values())
     if stored_cap is not None:
         limit = min(limit, stored_cap)
     inc = _BIG if incumbent is None else incumbent
     bound = _cost_bound(tables, usable, limit) if incumbent is not None else None
 
-    # a state's entries: arrays S (bytes kept below), C (cost), and where each came from
+    # each state's frontier: arrays S (bytes kept below), C (cost), and where each entry came from (parent state,
+    # index there, unit); all frontiers made so far are also kept end to end (flat_s, flat_c) for the merges
     keys: list[tuple[int, int]] = []
     frontiers: list[tuple[np.ndarray, ...]] = []
-    incoming: dict[tuple[int, int], list[tuple[Any, ...]]] = {
-        (0, 0): [(np.zeros(1, np.int64), np.zeros(1, np.int64), -1, np.zeros(1, np.int64), -1)]}
     kept = 0
     # the usable units' numbers as arrays: each state's transitions are screened at once
     ut = np.asarray(usable, np.int64)
@@ -133,32 +157,70 @@ def solve(model: UnitModel, num_layers: int, budget: int,
     u_fneed = np.asarray([tables.fwd_need[t] for t in usable], np.int64)
     u_bbase = np.asarray([tables.bwd_base[t] for t in usable], np.int64)
     u_holds = np.asarray([tables.holds[t] for t in usable], np.int64)
+    t_net = np.asarray(tables.fwd_net, np.int64)
+    t_cost = np.asarray(tables.costs, np.int64)
     side_of = np.asarray(tables.side_of_bits, np.int64)
     rest_of = np.asarray(min_rest, np.int64)
+    # transitions not yet merged, one row each, in the order they were made (source state, then unit): destination
+    # layer and side bits, source state, the run [a, b) of its entries, unit
+    pending: list[np.ndarray] = []
+    empty = np.zeros(0, np.int64)
+    left = np.zeros((6, 0), np.int64)
+    flat_s, flat_c, base = empty, empty, empty
     for i in range(L + 1):
-        for key in sorted(k for k in incoming if k[0] == i):
+        rows = np.concatenate([left, *pending], axis=1) if pending else left
+        pending = []
+        here = rows[0] == i
+        left = rows[:, ~here]
+        _, dh, dkid, da, db, dt = rows[:, here]
+        if len(frontiers) > len(base):  # frontiers made since the last layer join the flat arrays
+            new = frontiers[len(base):]
+            sizes = np.fromiter((len(f[0]) for f in new), np.int64, len(new))
+            base = np.concatenate([base, len(flat_s) + np.cumsum(sizes) - sizes])
+            flat_s = np.concatenate([flat_s, *(f[0] for f in new)])
+            flat_c = np.concatenate([flat_c, *(f[1] for f in new)])
+        groups: list[tuple[int, np.ndarray | None]] = [(0, None)] if i == 0 else []
+        if len(dh):
+            order = dh.argsort(kind="stable")  # by side bits; each group keeps the order its rows were made
+            hs = dh[order]
+            cuts = [0, *((hs[1:] != hs[:-1]).nonzero()[0] + 1).tolist(), len(hs)]
+            groups += [(int(hs[a]), order[a:b]) for a, b in zip(cuts, cuts[1:])]
+        for held, g in groups:
             lower = None if bound is None else (bound[0], bound[1] - bound[2] * i)
-            S, C, parent, pidx, unit = _merge(incoming.pop(key), limit - min_rest[i], inc, lower)
+            if g is None:  # the start: nothing planned, nothing kept
+                merged = _merge_runs(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, -1, np.int64),
+                                     np.zeros(1, np.int64), np.full(1, -1, np.int64), np.ones(1, np.int64),
+                                     limit - min_rest[i], inc, lower)
+            else:
+                kid_g, a_g, b_g, t_g = dkid[g], da[g], db[g], dt[g]
+                lengths = b_g - a_g
+                rep = np.repeat(np.arange(len(g)), lengths)
+                starts = np.cumsum(lengths) - lengths
+                pos = a_g[rep] + np.arange(len(rep)) - starts[rep]
+                at = base[kid_g][rep] + pos
+                tr = t_g[rep]
+                merged = _merge_runs(flat_s[at] + t_net[tr], flat_c[at] + t_cost[tr], kid_g, pos, t_g, lengths,
+                                     limit - min_rest[i], inc, lower, rep)
+            S, C = merged[0], merged[1]
             if not len(S):
                 continue
             kid = len(keys)
-            keys.append(key)
-            frontiers.append((S, C, parent, pidx, unit))
+            keys.append((i, held))
+            frontiers.append(merged)
             kept += len(S)
             if i == L:
                 continue
-            held = key[1]
             # per unit (as _Tables.need): the entries that fit its bounds and leave room for the layers above
             # are a prefix of S; those cheap enough for the incumbent a suffix (C falls as S rises)
             j = np.minimum(i + u_size, L)
             need = np.maximum(u_fneed, u_bbase + tables.g * (L - i - u_size) - side_of[held | u_holds])
             top = np.minimum(budget - need, limit - rest_of[j] - u_net)
-            n = np.searchsorted(S, top, side="right")
-            m = np.zeros_like(n) if inc == _BIG else np.searchsorted(-C, u_cost - inc, side="left")
-            for k in np.nonzero((i + u_size <= L) & (m < n))[0]:
-                a, b, t = int(m[k]), int(n[k]), int(ut[k])
-                dest = incoming.setdefault((int(j[k]), held | tables.holds[t]), [])
-                dest.append((S[a:b] + tables.fwd_net[t], C[a:b] + tables.costs[t], kid, np.arange(a, b), t))
+            n = S.searchsorted(top, side="right")
+            m = np.zeros_like(n) if inc == _BIG else (-C).searchsorted(u_cost - inc, side="left")
+            ok = ((i + u_size <= L) & (m < n)).nonzero()[0]
+            if len(ok):
+                pending.append(np.stack((j[ok], held | u_holds[ok], np.full(len(ok), kid, np.int64), m[ok], n[ok],
+                                         ut[ok])))
     best: tuple[int, int, int, int] | None = None  # (cost, S, state, index)
     for kid, key in enumerate(keys):
         if key[0] != L:
@@ -184,46 +246,58 @@ def solve(model: UnitModel, num_layers: int, budget: int,
     return Solution(chosen, best[0], model.peak(chosen), kept, time.perf_counter() - start)
 
 
-def _merge(chunks: list[tuple[Any, ...]], s_limit: int, incumbent: int,
-           lower: tuple[float, int] | None = None) -> tuple[np.ndarray, ...]:
-    """The Pareto set of the entries in ``chunks``, sorted by S: an entry stays when every entry of smaller or
-    equal S costs more (equal S and cost: one stays). Entries above ``s_limit`` go, and so do entries whose cost
+def cost_lower_bound(model: UnitModel, num_layers: int, budget: int,
+                     cost: CostModel | Callable[[Unit], int] | None = None, *, units: Sequence[Unit] | None = None,
+                     stored_cap: int | None = None) -> float:
+    """A number no greater than the cost of :func:`solve`'s plan for the same arguments (``math.inf`` when no plan
+    fits for certain, 0 when nothing better is known): the fractional-knapsack bound of :func:`_cost_bound` on
+    completing the empty plan, a little below it (for float rounding)."""
+    units = list(units) if units is not None else candidate_units(num_layers, engine=model.engine,
+                                                                  contractions=model.contractions)
+    tables = _tables(model, num_layers, units, _pricer(model, cost))
+    if tables.floor > budget:
+        return math.inf
+    usable, _ = tables.usable(budget)
+    limit = budget - min(tables.head_cap.values())
+    if stored_cap is not None:
+        limit = min(limit, stored_cap)
+    bound = _cost_bound(tables, usable, limit)
+    if bound is None or any(tables.costs[t] < 0 for t in usable):
+        return 0.0
+    return bound[0] * max(0, -bound[1]) * (1 - 1e-6)
+
+
+def _merge_runs(S: np.ndarray, C: np.ndarray, parents: np.ndarray, pos: np.ndarray, units: np.ndarray,
+                lengths: np.ndarray, s_limit: int, incumbent: int, lower: tuple[float, int] | None = None,
+                rep: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """The Pareto set of the entries (S, C) that arrive at one state in runs (one per transition, in the order
+    they were made: ``parents``, ``units`` and ``lengths`` per run, ``rep`` the run of each entry, ``pos`` each
+    entry's index in its parent's frontier), sorted by S: an entry stays when every entry of smaller or equal S
+    costs more (equal S and cost: the first stays). Entries above ``s_limit`` go, and so do entries whose cost
     plus a lower bound on what completing them costs, ``rate * max(0, S - offset)`` with ``lower = (rate,
-    offset)``, exceeds ``incumbent``."""
-    if len(chunks) == 1:
-        S, C = chunks[0][0], chunks[0][1]
-    else:
-        S = np.concatenate([c[0] for c in chunks])
-        C = np.concatenate([c[1] for c in chunks])
+    offset)``, exceeds ``incumbent``. Returns (S, C, parent, index in the parent, unit) of the survivors."""
+    if rep is None:
+        rep = np.repeat(np.arange(len(lengths)), lengths)
     # which entries stay is decided on S and C alone; where the survivors came from is looked up afterwards
     keep = (S <= s_limit) & (C <= incumbent)
     if lower is not None and lower[0] > 0:
         need = lower[0] * np.maximum(S - lower[1], 0).astype(np.float64)
         keep &= (C - incumbent).astype(np.float64) + need * (1 - 1e-9) <= 0.5
-    sel = np.nonzero(keep)[0]
-    if len(chunks) > 8:
-        # most entries come through groups from far below and are dominated: the Pareto set of the chunks from the
+    sel = keep.nonzero()[0]
+    if len(lengths) > 8:
+        # most entries come through groups from far below and are dominated: the Pareto set of the runs from the
         # latest source (the layer just below: one-layer units) is found first, and an entry of the others stays
         # only when no entry of that set has smaller or equal S and cost (binary search: the set's cost falls as
         # S rises)
-        sizes = np.fromiter((len(c[0]) for c in chunks), np.int64, len(chunks))
-        latest = max(c[2] for c in chunks)
-        from_latest = np.repeat(np.fromiter((c[2] == latest for c in chunks), bool, len(chunks)), sizes)
+        from_latest = (parents == parents.max())[rep]
         first = _pareto(S, C, sel[from_latest[sel]])
         rest = sel[~from_latest[sel]]
-        at = np.searchsorted(S[first], S[rest], side="right") - 1
+        at = S[first].searchsorted(S[rest], side="right") - 1
         beaten = (at >= 0) & (C[first][np.maximum(at, 0)] <= C[rest])
         sel = np.concatenate([first, rest[~beaten]])
     sel = _pareto(S, C, sel)
-    sizes = np.fromiter((len(c[0]) for c in chunks), np.int64, len(chunks))
-    starts = np.cumsum(sizes) - sizes
-    which = np.searchsorted(starts, sel, side="right") - 1
-    parent = np.fromiter((c[2] for c in chunks), np.int64, len(chunks))[which]
-    unit = np.fromiter((c[4] for c in chunks), np.int64, len(chunks))[which]
-    first = np.fromiter((c[3][0] if len(c[3]) else 0 for c in chunks), np.int64, len(chunks))[which]
-    pidx = first + sel - starts[which]  # each chunk's indices are a run (np.arange)
-    S, C = S[sel], C[sel]
-    return S, C, parent, pidx, unit
+    which = rep[sel]
+    return S[sel], C[sel], parents[which], pos[sel], units[which]
 
 
 def _pareto(S: np.ndarray, C: np.ndarray, sel: np.ndarray) -> np.ndarray:
@@ -233,7 +307,7 @@ def _pareto(S: np.ndarray, C: np.ndarray, sel: np.ndarray) -> np.ndarray:
         return sel
     # chunks arrive sorted by S, so a stable sort (timsort: merges runs) by S alone is cheap; an entry stays
     # when it costs less than every entry before it, and of a run of equal S only the last (cheapest) stays
-    order = sel[np.argsort(S[sel], kind="stable")]
+    order = sel[S[sel].argsort(kind="stable")]
     c = C[order]
     before = np.empty(len(c), np.int64)
     before[0] = _BIG

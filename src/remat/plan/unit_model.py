@@ -325,21 +325,39 @@ class UnitModel:
 
 
 UNIT_MODELS: dict[tuple[ModelConfig, str, str, int, bool], UnitModel] = {}
+# unit models being built elsewhere (remat.plan.unit_prefetch): for each key, what waits for it (None: build here)
+PENDING: dict[tuple[ModelConfig, str, str, int, bool], Callable[[], UnitModel | None]] = {}
+
+
+def unit_model_key(config: ModelConfig, device: str, engine: str, tp: int, sp: bool) -> tuple[Any, ...]:
+    """What :func:`unit_model` keeps its answer under (:data:`UNIT_MODELS`, :data:`PENDING`)."""
+    return (config.replace(num_layers=1), device, engine, tp, sp)
+
+
+def unit_model_disk_key(key: tuple[Any, ...]) -> dict[str, Any]:
+    """What :func:`unit_model` keeps its answer under on disk (:mod:`remat.memory.disk_cache`)."""
+    return {"config": key[0].to_dict(), "device": key[1], "engine": key[2], "tp": key[3], "sp": key[4],
+            "kernels": resolve_kernels(None, key[1])}
 
 
 def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
                sp: bool = False) -> UnitModel:
     """The :class:`UnitModel` of ``config``'s layers (any depth), built from two fake traces and cached; with
     ``tp``/``sp``, of one tensor-parallel rank."""
-    key = (config.replace(num_layers=1), device, engine, tp, sp)
+    key = unit_model_key(config, device, engine, tp, sp)
     if key in UNIT_MODELS:
         return UNIT_MODELS[key]
     if device not in ("cpu", "cuda"):
         raise PlanError(f"device={device!r}: plans are predicted for 'cpu' (exact bytes) or 'cuda' (512-byte blocks)")
     if engine not in ENGINES:
         raise PlanError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
-    disk_key = {"config": key[0].to_dict(), "device": device, "engine": engine, "tp": tp, "sp": sp,
-                "kernels": resolve_kernels(None, device)}
+    waiting = PENDING.pop(key, None)
+    if waiting is not None:  # being built elsewhere (remat.plan.unit_prefetch)
+        model = waiting()
+        if model is not None:
+            UNIT_MODELS[key] = model
+            return model
+    disk_key = unit_model_disk_key(key)
     stored = disk_cache.load("unit_model", disk_key)
     if stored is not None:
         try:
@@ -358,8 +376,9 @@ def _build_unit_model(config: ModelConfig, device: str, engine: str, tp: int, sp
     # the profile stack: a checkpointed layer at the bottom keeps every side input, so no unit above is the lowest
     # holder; then every unit kind once (groups of 1, 2 and 3 layers: a middle layer first appears at 3)
     contractions = layer_contractions(config, tp, sp)
-    units = [Unit("checkpoint", 1), KEEP, *(Unit("selective", 1, s) for s in SELECTIVE_SETS + contraction_sets(
-        contractions))]
+    # an MoE layer has no dense MLP activation to recompute ('act'; Megatron's moe_act is its experts' own)
+    sets = tuple(s for s in SELECTIVE_SETS if not (config.is_moe and "act" in s))
+    units = [Unit("checkpoint", 1), KEEP, *(Unit("selective", 1, s) for s in sets + contraction_sets(contractions))]
     units += [Unit(m, k) for m in group_modes for k in (1, 2, 3)]
     tl, marks = marked_trace(config, units, device=device, engine=engine, tp=tp, sp=sp)
     d = _deltas(tl)

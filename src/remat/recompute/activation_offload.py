@@ -66,6 +66,23 @@ DELAYED_COMMIT = {"attn_norm": "mlp_norm", "mlp_norm": "", "moe_act": "mlp.exper
 # remat holds it a little longer); the copies go when autograd releases the handles, after their node ran. Observers
 # (the step recorder) are told the host bytes as they come and go (on_offload / on_reload) and see each reloaded
 # copy allocated when it is made. Inside other saved-tensor hooks (a non-reentrant checkpoint's) nothing is tagged.
+#
+# NOTE [offloading in a pipeline]
+# Under pipeline parallelism each model chunk has its own ActivationOffload (remat.apply runs per chunk), and every
+# forward of a microbatch offloads its groups independently: a rank holds on the host the groups of every
+# microbatch in flight (its host peak adds them up), each brought back by its own backward (the prefetch stays
+# within one forward). remat.parallel.job_predict composes this from the chunk trace (each forward/backward
+# segment carries its host changes, remat.parallel.chunk_trace.TraceSegment.host) and a gloo run of the job measures
+# the same, device and host bytes to the byte (tests/parallel/test_offload_pipeline.py).
+# Where remat differs from Megatron (megatron-core 0.16.1 PipelineOffloadManager.post_warmup_callback and
+# ChunkOffloadHandler.should_bulk_offload): remat keeps the last layer's group of each name on the device in EVERY
+# forward of every chunk; Megatron keeps it only (a) in the chunk handler first in the step's backward order (the
+# step's first microbatch of the last virtual stage) and (b) in a forward whose own backward runs next (a
+# last pipeline stage's 1F1B, or pp=1); its first iteration (warm-up) offloads every group. So on a stage r < pp-1
+# that runs warm-up forwards, Megatron's microbatches after the step's first offload their last layer's groups too:
+# its device peak there is lower, and its host peak higher, by up to (microbatches in flight - 1) x the last layer's
+# offloaded bytes; on the last stage and with pp=1 the two agree. Following it would make a chunk's forwards differ
+# by the schedule (the composition copies one forward per chunk), so it is not modelled.
 class _Saved:
     """One tensor a group's module saved: on the device (``tensor``), in host memory (``host``) or back
     (``device``, ready once ``event`` has passed)."""

@@ -173,7 +173,9 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
     the outputs of its matrix multiplies
     (:data:`~remat.recompute.operators.MATMUL_OPS`) are kept, every other operator is recomputed in backward
     from them, and inside the named modules the matrix multiplies too; with ``matmul_k<N>`` also every
-    ``mm``/``addmm``/``bmm``/``baddbmm`` whose contraction dimension is <= N. A policy's ``offload_modules``
+    ``mm``/``addmm``/``bmm``/``baddbmm`` whose contraction dimension is <= N. A plan's
+    ``selective/keep_ops(...)`` layer runs on the same engine, keeping the listed operators' outputs by index
+    (:func:`~remat.recompute.operator_checkpoint.checkpoint_kept_operators`). A policy's ``offload_modules``
     (Megatron's fine-grained activation offloading) keep those modules' saved tensors in host memory between
     forward and backward (:mod:`remat.recompute.activation_offload`).
 

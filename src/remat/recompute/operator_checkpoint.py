@@ -1,9 +1,11 @@
-"""The engine of operator-level regions (``selective/non_matmul``): a selective activation checkpoint that keeps the
-outputs of the operators a rule picks and recomputes every other operator of the region in backward."""
+"""The engine of operator-level regions (``selective/non_matmul`` and ``selective/keep_ops(...)``): a selective
+activation checkpoint that keeps the outputs of the operators a rule picks (matrix multiplies; operators by index)
+and recomputes every other operator of the region in backward."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,6 +14,7 @@ import torch
 import torch.utils.checkpoint
 from torch._C._autograd import _make_saved_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 Keeps = Callable[[Any, tuple[Any, ...]], bool]
 
@@ -50,11 +53,12 @@ class _Slot:
 
 
 class _Kept:
-    """A kept operator output: the operator, its output (detached tensors) and their versions."""
+    """A kept operator output: the operator, its output (detached tensors) and their versions (None: not checked,
+    an in-place operator's output, whose version the recomputation itself moves on)."""
 
     __slots__ = ("func", "value", "versions")
 
-    def __init__(self, func: Any, out: Any):
+    def __init__(self, func: Any, out: Any, check: bool = True):
         self.func = func
         if isinstance(out, torch.Tensor):
             self.value: Any = _alias(out)
@@ -62,11 +66,24 @@ class _Kept:
         else:  # a tuple of outputs (attention kernels: output and logsumexp)
             self.value = type(out)(_alias(o) if isinstance(o, torch.Tensor) else o for o in out)
             self.versions = tuple(o._version if isinstance(o, torch.Tensor) else None for o in out)
+        if not check:
+            self.versions = None
 
     def modified(self) -> bool:
+        if self.versions is None:
+            return False
         if isinstance(self.value, torch.Tensor):
             return self.value._version != self.versions
         return any(v is not None and o._version != v for o, v in zip(self.value, self.versions))
+
+    def seal(self) -> None:
+        """Take the versions as they are now (the end of the forward: kept in-place operators have run)."""
+        if self.versions is None:
+            return
+        if isinstance(self.value, torch.Tensor):
+            self.versions = self.value._version
+        else:
+            self.versions = tuple(o._version if isinstance(o, torch.Tensor) else None for o in self.value)
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -77,8 +94,8 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
         return t.detach()
 
 
-class _Keep(TorchDispatchMode):
-    """Forward: run every operator; keep the output of each candidate operator the frame's rule keeps."""
+class _FrameMode(TorchDispatchMode):
+    """A dispatch mode over one frame (the forward's or the recomputation's side of a checkpoint call)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -86,9 +103,13 @@ class _Keep(TorchDispatchMode):
         # regions under torch.compile use torch's own selective checkpointing (checkpoint_operators)
         return False
 
-    def __init__(self, frame: _Frame):
+    def __init__(self, frame: Any):
         super().__init__()
         self.frame = frame
+
+
+class _Keep(_FrameMode):
+    """Forward: run every operator; keep the output of each candidate operator the frame's rule keeps."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -99,16 +120,8 @@ class _Keep(TorchDispatchMode):
         return out
 
 
-class _Reuse(TorchDispatchMode):
+class _Reuse(_FrameMode):
     """Recomputation: hand back the kept outputs in order; run every other operator."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:  # see _Keep
-        return False
-
-    def __init__(self, frame: _Frame):
-        super().__init__()
-        self.frame = frame
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -159,8 +172,8 @@ class _Frame:
         if value is None:
             raise OperatorCheckpointError(
                 f"{self.label}: a tensor it saved was asked for a second time (a second backward through the layer, "
-                "e.g. retain_graph=True): an operator-level (non_matmul) layer is recomputed once, so it can be "
-                "backpropagated once; use full recompute or none for repeated backward passes")
+                "e.g. retain_graph=True): an operator-level (non_matmul, keep_ops) layer is recomputed once, so it "
+                "can be backpropagated once; use full recompute or none for repeated backward passes")
         slot.value = None
         return value
 
@@ -176,11 +189,15 @@ class _Frame:
         if entry.modified():
             raise OperatorCheckpointError(
                 f"{self.label}: the output of {func}, kept for the recomputation, was modified in place after the "
-                "forward made it: operator-level recompute needs the kept matrix-multiply outputs unchanged; use "
+                "forward made it: operator-level recompute needs the kept outputs unchanged; use "
                 "full recompute for this layer, or make the model's operation on it out-of-place")
         self.kept[i] = None  # its last holder is now the recomputed graph, as the forward's was its graph
         self.reused = i + 1
         return entry.value
+
+    def reuse_mode(self) -> TorchDispatchMode:
+        """The dispatch mode of the recomputation: hands back the kept outputs."""
+        return _Reuse(self)
 
     def recompute(self) -> None:
         self.recomputed = True
@@ -206,7 +223,8 @@ class _Frame:
                 for device, state in zip(self.cuda_devices, self.cuda_rng):
                     torch.cuda.set_rng_state(state, device)
                 self._restore_forward_state(stack)
-                with torch.autograd.graph.saved_tensors_hooks(pack, _same), torch.enable_grad(), _Reuse(self):
+                with torch.autograd.graph.saved_tensors_hooks(pack, _same), torch.enable_grad(), \
+                        self.reuse_mode():
                     self.run(*inputs)
         except _StopRecomputation:
             pass
@@ -225,6 +243,15 @@ class _Frame:
                                                        cache_enabled=self.autocast_cache))
         if torch.get_default_device() != self.default_device:
             stack.enter_context(self.default_device)
+
+
+def _rule_contexts(keeps: Keeps, candidates: frozenset[Any]) -> Any:
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
+        keep = func in candidates and keeps(func, args)
+        return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if keep else \
+            torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
@@ -261,15 +288,204 @@ def checkpoint_operators(run: Callable[..., Any], tensors: Sequence[torch.Tensor
     """
     if not torch.is_grad_enabled():  # nothing is saved for backward: run it as it is (as torch's checkpoint does)
         return run(*tensors)
-    if torch.compiler.is_compiling():
-        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
-            keep = func in candidates and keeps(func, args)
-            return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if keep else \
-                torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
-
+    if torch.compiler.is_compiling():  # dynamo takes a context_fn that is a partial of a module-level function
         return torch.utils.checkpoint.checkpoint(
             run, *tensors, use_reentrant=False, preserve_rng_state=True,
-            context_fn=lambda: torch.utils.checkpoint.create_selective_checkpoint_contexts(policy))
+            context_fn=functools.partial(_rule_contexts, keeps, candidates))
     frame = _Frame(run, tensors, keeps, candidates, label)
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), _Keep(frame):
         return run(*tensors)
+
+
+# NOTE [kept operators by index]
+# A keep_ops(...) layer (remat.recompute.plan_format NOTE [operator sets]) runs on the same engine with a rule by
+# operator index: operator i is the i-th operator the layer's forward dispatches, not counting SAC_IGNORED_OPS (as
+# torch's selective checkpointing and remat.plan.operator_space count them), and it is kept iff i is in the set. The
+# rule is one set lookup per operator; each operator overload's kind (does it mutate its first argument, does it draw
+# random numbers) is looked up once per process (_kind), and only those few operators are checked as they run:
+#   * an operator that changes a kept output in place must be kept too (else the recomputation would change the kept
+#     tensor a second time), and a kept in-place operator must change a kept output (else the recomputation would
+#     hand back the forward's tensor where the layer's code goes on with the recomputed one);
+#   * the recomputation restores the RNG state of the forward's start and skips the kept draws, so the draws must be
+#     recomputed ones first, kept ones after: a recomputed draw after a kept one would get other numbers.
+# A refused plan raises ``refused`` (remat.apply passes its ApplyError) in the first forward. Under these rules a kept
+# dropout mask (empty_like, bernoulli_, div_: one tensor) comes back from the recomputation as the forward left it and
+# every recomputed draw gets the forward's numbers, so gradients equal the plain model's bit for bit with dropout on.
+# The kept outputs' versions are taken when the forward ends and checked when the recomputation takes them back (the
+# outputs of kept in-place operators, aliases of an earlier kept output, are checked through that one). Nothing of
+# the rule depends on the layer's shapes, so there is no per-shape table to build: the checks cost about 1 us per
+# kept operator, against ~10 us per operator and pass of the dispatch modes themselves. Measured (process CPU time,
+# one thread, interleaved, benchmarks/bench_keep_ops.py) on bench_plan's layer (h=128, s=256, b=4, 63 operators)
+# keeping all 30 keepable operators: +3.3-5.5 ms over the plain layer's 40 ms step, where torch's selective
+# checkpointing with remat's former index policy added +5.2-7.2 ms; on a toy layer whose operators cost nothing
+# (h=32, s=16) +1.7-1.8 ms against +3.0-3.4 ms.
+_IGNORED, _MUTATES, _DRAWS = -1, 1, 2
+_KIND: dict[Any, int] = {}  # one lookup per operator (an OpOverload's hash is a Python call)
+
+
+def _kind(func: Any) -> int:
+    """_IGNORED for SAC_IGNORED_OPS (not counted), else _MUTATES | _DRAWS as they apply (0: neither)."""
+    kind = _KIND.get(func)
+    if kind is None:
+        kind = _IGNORED if func in SAC_IGNORED_OPS else (_MUTATES if func._schema.is_mutable else 0) | \
+            (_DRAWS if torch.Tag.nondeterministic_seeded in func.tags else 0)
+        _KIND[func] = kind
+    return kind
+
+
+def _storage(value: Any) -> int | None:
+    return value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else None
+
+
+class _KeepIndexed(_FrameMode):
+    """Forward of a keep_ops layer: run every operator; keep the output of each operator whose index is kept."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        kind = _KIND.get(func)
+        if kind is None:
+            kind = _kind(func)
+        if kind == _IGNORED:
+            return out
+        frame = self.frame
+        i = frame.count
+        frame.count = i + 1
+        keep = i in frame.keep_set
+        if kind:
+            frame.check(i, func, args, out, keep, kind)
+        if keep:
+            frame.keep(func, out)
+        return out
+
+
+class _ReuseIndexed(_FrameMode):
+    """Recomputation of a keep_ops layer: hand back the kept outputs in order; run every other operator."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kind = _KIND.get(func)
+        if (kind if kind is not None else _kind(func)) != _IGNORED:
+            frame = self.frame
+            i = frame.count
+            frame.count = i + 1
+            if i in frame.keep_set:
+                return frame.reuse(func)
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+
+class _IndexedFrame(_Frame):
+    """One call of checkpoint_kept_operators (NOTE [kept operators by index])."""
+
+    def __init__(self, run: Callable[..., Any], tensors: Sequence[torch.Tensor], kept: frozenset[int], label: str,
+                 refused: type[Exception]):
+        super().__init__(run, tensors, _never, frozenset(), label)
+        self.keep_set, self.refused = kept, refused
+        self.count = 0                      # operators seen so far (forward, then the recomputation)
+        self.kept_storages: set[int] = set()
+        self.kept_draw = -1                 # the last kept operator that draws random numbers
+
+    def check(self, i: int, func: Any, args: tuple[Any, ...], out: Any, keep: bool, kind: int) -> None:
+        if kind & _MUTATES and args:
+            target = _storage(args[0])
+            if target is not None and target in self.kept_storages:
+                if not keep:
+                    raise self.refused(f"{self.label}: operator {i} ({func}) mutates the output of a kept operator "
+                                       f"in place: keep operator {i} too (keep_ops)")
+            elif keep and target is not None and target == _storage(out):
+                raise self.refused(f"{self.label}: operator {i} ({func}) is kept but changes in place a tensor no "
+                                   "kept operator made: keep the operator that made it too, or drop operator "
+                                   f"{i} (keep_ops)")
+        if kind & _DRAWS:
+            if keep:
+                self.kept_draw = i
+            elif self.kept_draw >= 0:  # the recomputation would skip the kept draw and shift this one's numbers
+                raise self.refused(f"{self.label}: operator {self.kept_draw} draws random numbers and is kept, so "
+                                   f"operator {i} ({func}), which draws after it, must be kept too (keep_ops)")
+
+    def keep(self, func: Any, out: Any) -> None:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        storages = [_storage(o) for o in outs]
+        # an output that aliases a kept output (an in-place operator's: check() made sure) is checked through the
+        # first one: the recomputation's in-place operators move the shared version on
+        aliased = any(s in self.kept_storages for s in storages if s is not None)
+        self.kept.append(_Kept(func, out, check=not aliased))
+        self.kept_storages.update(s for s in storages if s is not None)
+
+    def seal(self) -> None:
+        """The forward is over: take the kept outputs' versions (kept in-place operators have run)."""
+        for entry in self.kept:
+            if entry is not None:
+                entry.seal()
+        self.count = 0
+
+    def reuse_mode(self) -> TorchDispatchMode:
+        self.count = 0
+        return _ReuseIndexed(self)
+
+
+def _never(func: Any, args: tuple[Any, ...]) -> bool:
+    return False
+
+
+def checkpoint_kept_operators(run: Callable[..., Any], tensors: Sequence[torch.Tensor], kept: frozenset[int],
+                              label: str, refused: type[Exception] = OperatorCheckpointError) -> Any:
+    """Run ``run(*tensors)`` under a selective activation checkpoint that keeps the outputs of the operators whose
+    index is in ``kept`` (NOTE [kept operators by index]; a ``keep_ops(...)`` layer) and recomputes every other one.
+
+    The semantics are those of :func:`checkpoint_operators` with the rule "operator i is kept iff i in kept", i.e.
+    of ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with ``create_selective_checkpoint_contexts`` of
+    that policy (``allow_cache_entry_mutation=True``), which is what runs under ``torch.compile``: the same storages
+    allocated, in the same order, with the same bytes in use after each (kept outputs that no backward used are let
+    go when the graph goes, possibly in another order than torch's). Gradients equal the plain run's bit for bit,
+    dropout included.
+
+    Args:
+        run: the region; called with ``tensors``, in forward and once more in backward.
+        tensors: the region's tensor inputs (kept as torch's checkpoint keeps its inputs).
+        kept: indices of the operators whose outputs are kept, counting every operator the forward dispatches but
+            ``torch.utils.checkpoint.SAC_IGNORED_OPS``, from 0.
+        label: how errors name the region (``'keep_ops(3,19) in layers.3'``).
+        refused: the exception raised, in forward, for a set the recomputation cannot replay: an operator that
+            changes a kept output in place and is not kept, a kept in-place operator whose tensor is not kept, a
+            recomputed random draw after a kept one; the message names the operator to keep.
+
+    Returns:
+        What ``run`` returns.
+
+    Raises:
+        refused: see above.
+        OperatorCheckpointError: in backward, as :func:`checkpoint_operators`.
+    """
+    if not torch.is_grad_enabled():
+        return run(*tensors)
+    if torch.compiler.is_compiling():
+        return _torch_selective(run, tensors, kept)
+    frame = _IndexedFrame(run, tensors, frozenset(kept), label, refused)
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+        with _KeepIndexed(frame):
+            out = run(*tensors)
+        frame.seal()
+    return out
+
+
+def _torch_selective(run: Callable[..., Any], tensors: Sequence[torch.Tensor], kept: frozenset[int]) -> Any:
+    """torch's selective checkpointing with the policy "keep operator i iff i in kept" (under torch.compile; dynamo
+    takes a context_fn that is a module-level function or a partial of one)."""
+    return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True,
+                                             context_fn=functools.partial(_index_contexts, kept))
+
+
+def _index_contexts(kept: frozenset[int]) -> Any:
+    decisions: list[torch.utils.checkpoint.CheckpointPolicy] = []
+    replayed = [0]
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
+        if ctx.is_recompute:  # torch versions that ask the policy in the recomputation too
+            replayed[0] += 1
+            return decisions[replayed[0] - 1]
+        decisions.append(torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if len(decisions) in kept else
+                         torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE)
+        return decisions[-1]
+
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)

@@ -24,13 +24,14 @@ def usable_set(modules: Iterable[str]) -> bool:
 
 
 # NOTE [operator sets]: ``keep_ops(<indices>)`` is a selective "module" finer than any module: the layer is one
-# checkpoint under torch's selective activation checkpointing that keeps the outputs of exactly the listed
-# operators and recomputes every other one in backward. Operator i is the i-th aten operator the layer's forward
-# dispatches, from 0, counting every operator torch's selective checkpointing asks its policy about (all but
-# torch.utils.checkpoint.SAC_IGNORED_OPS: size/stride queries and detach); remat.plan lists a layer's operators
-# (remat.plan.operator_space). Indices are written sorted, runs as ranges: ``keep_ops(3,19-21,41)``; ``keep_ops()``
-# keeps nothing (the whole layer is recomputed). An in-place operator that mutates a kept output must be kept with
-# it (apply refuses the plan at the first step otherwise). It stands alone in a selective set.
+# selective activation checkpoint (remat.recompute.operator_checkpoint.checkpoint_kept_operators: torch's selective
+# checkpointing semantics) that keeps the outputs of exactly the listed operators and recomputes every other one
+# in backward. Operator i is the i-th aten operator the layer's forward dispatches, from 0, counting every
+# operator torch's selective checkpointing asks its policy about (all but torch.utils.checkpoint.SAC_IGNORED_OPS:
+# detach and metadata queries); remat.plan lists a layer's operators (remat.plan.operator_space). Indices are
+# written sorted, runs as ranges: ``keep_ops(3,19-21,41)``; ``keep_ops()`` keeps nothing (the whole layer is
+# recomputed). An in-place operator that mutates a kept output must be kept with it, and a kept random draw needs
+# every later draw kept (apply refuses the plan at the first step otherwise). It stands alone in a selective set.
 KEEP_OPS = "keep_ops"
 _KEEP_OPS_RE = re.compile(r"keep_ops\(([0-9,\-]*)\)")
 

@@ -24,7 +24,7 @@ from remat.recompute.engines import (
     side_inputs,
 )
 from remat.recompute.offload import OffloadedCheckpoint
-from remat.recompute.operator_checkpoint import checkpoint_operators
+from remat.recompute.operator_checkpoint import checkpoint_kept_operators, checkpoint_operators
 from remat.recompute.operators import MATMUL_OVERLOADS, contraction
 
 # Where common model families keep their decoder layers, most specific first.
@@ -175,50 +175,6 @@ class Region:
         k = contraction(func, args)
         return k is None or k > self.max_contraction
 
-    def _operator_set_contexts(self) -> Any:
-        """The selective-checkpoint contexts of one keep_ops checkpoint call: the forward keeps operator i's output
-        when i is in ``kept_ops`` (counting the operators the policy is asked about); the recomputation replays the
-        forward's decisions by index. Cache entries may be mutated in place (a kept dropout mask is made by
-        empty_like, bernoulli_ and div_ on one tensor) because an in-place operator that mutates a kept output
-        must be kept too: the recomputation then returns the final tensor for each of them."""
-        kept = self.kept_ops or frozenset()
-        decisions: list[torch.utils.checkpoint.CheckpointPolicy] = []
-        replayed = [0]
-        kept_storages: set[int] = set()
-        drawn = [-1]  # the last kept operator that draws random numbers
-        save = torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
-        recompute = torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
-        label = self.label
-
-        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
-            if ctx.is_recompute:
-                i = replayed[0]
-                replayed[0] += 1
-                if i >= len(decisions):
-                    raise ApplyError(f"{label}: the recomputation ran more operators than the forward")
-                return decisions[i]
-            i = len(decisions)
-            keep = i in kept
-            if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
-                mutated = args[0].untyped_storage()._cdata in kept_storages
-                if mutated and not keep:
-                    raise ApplyError(f"{label}: operator {i} ({func}) mutates the output of a kept operator in "
-                                     f"place: keep operator {i} too (keep_ops)")
-            if torch.Tag.nondeterministic_seeded in func.tags:
-                if keep:
-                    drawn[0] = i
-                elif drawn[0] >= 0:  # the recomputation would skip the kept draw and shift this one's numbers
-                    raise ApplyError(f"{label}: operator {drawn[0]} draws random numbers and is kept, so operator "
-                                     f"{i} ({func}), which draws after it, must be kept too (keep_ops)")
-            if keep:
-                for out in (ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)):
-                    if isinstance(out, torch.Tensor):
-                        kept_storages.add(out.untyped_storage()._cdata)
-            decisions.append(save if keep else recompute)
-            return decisions[-1]
-
-        return torch.utils.checkpoint.create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)
-
     # -- running ------------------------------------------------------------------------------------------
     # NOTE [how regions run]
     # Regions need no change to the model's code. The first module of a region runs the whole region under one
@@ -299,9 +255,8 @@ class Region:
             call_args, call_kwargs = tree_unflatten(filled, spec)
             return self._run(call_args, call_kwargs)
 
-        if self.kept_ops is not None:
-            return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True,
-                                                     context_fn=self._operator_set_contexts)
+        if self.kept_ops is not None:  # the same engine, keeping operators by index
+            return checkpoint_kept_operators(run, tensors, self.kept_ops, self.label, ApplyError)
         if self.operator_level:  # remat's lean selective checkpoint (remat.recompute.operator_checkpoint)
             return checkpoint_operators(run, tensors, self._keeps_output, MATMUL_OVERLOADS, self.label)
         if self.engine == "non-reentrant":

@@ -1,0 +1,72 @@
+"""Build a unit model in a forked process while this one does other work (:func:`prefetch_unit_model`): a job
+plan's unit model traces then run on one core while its exact stage predictions trace on the other."""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+
+from remat.config import ModelConfig
+from remat.memory import disk_cache
+from remat.memory.trace_pool import available_workers
+from remat.plan.unit_model import (
+    PENDING,
+    UNIT_MODELS,
+    UnitModel,
+    model_from_dict,
+    model_to_dict,
+    unit_model,
+    unit_model_disk_key,
+    unit_model_key,
+)
+from remat.policy import ENGINES
+
+
+def prefetch_unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
+                        sp: bool = False) -> bool:
+    """Start building :func:`~remat.plan.unit_model.unit_model`'s answer for these arguments in a forked process;
+    the next ``unit_model`` call with them waits for it and takes it (the same model: built by the same code and
+    sent back in the disk cache's exact JSON form; if the process fails, ``unit_model`` builds it itself and
+    raises what fails). Nothing is started when the model is made or stored already, for arguments
+    ``unit_model`` refuses, or with one core or no ``fork``. Returns whether a process was started."""
+    key = unit_model_key(config, device, engine, tp, sp)
+    if key in UNIT_MODELS or key in PENDING or device not in ("cpu", "cuda") or engine not in ENGINES:
+        return False
+    if available_workers() <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return False
+    if disk_cache.load("unit_model", unit_model_disk_key(key)) is not None:
+        return False  # read from disk when asked: nothing to overlap
+    receive, send = multiprocessing.Pipe(duplex=False)
+    process = multiprocessing.get_context("fork").Process(target=_build, args=(config, key, send), daemon=True)
+    process.start()
+    send.close()
+    PENDING[key] = lambda: _take(process, receive)
+    return True
+
+
+def _build(config: ModelConfig, key: tuple[Any, ...], send: Connection) -> None:
+    torch.set_num_threads(1)  # fake tensors compute nothing; never touch an OpenMP pool made before the fork
+    try:
+        send.send(model_to_dict(unit_model(config, device=key[1], engine=key[2], tp=key[3], sp=key[4])))
+    except Exception:  # the parent builds it again and raises the error itself
+        send.send(None)
+    finally:
+        send.close()
+
+
+def _take(process: BaseProcess, receive: Connection) -> UnitModel | None:
+    try:
+        data = receive.recv()
+    except (EOFError, OSError):
+        data = None
+    finally:
+        receive.close()
+        process.join()
+    try:
+        return None if data is None else model_from_dict(data)
+    except (KeyError, TypeError, ValueError):
+        return None
