@@ -53,3 +53,13 @@ def test_plan_plans_every_stage_of_an_uneven_split_for_its_own_layers(capsys):
     assert all(s["peak_bytes"] <= report["budget_bytes"] for s in report["stages"])
     assert main(argv) == 0
     assert "stage 0 (layers 0-0" in capsys.readouterr().out
+
+
+def test_a_layout_with_two_chunks_per_stage_plans_interleaved_without_schedule(capsys):
+    # Megatron reads vpp from the layout and runs the interleaved schedule: remat plan does not ask for --schedule
+    argv = ["plan", *TINY, "--pp", "2", "--microbatches", "2", "--precision", "bf16", "--budget", "1GiB",
+            "--pipeline-model-parallel-layout", "Et|t|t|L", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["job"]["vpp"] == 2 and report["job"]["schedule"] == "interleaved", report["job"]
+    assert [s["chunk_layers"] for s in report["stages"]] == [[1, 1], [1, 0]]

@@ -7,8 +7,9 @@ import pytest
 from tiny_models import LLAMA
 
 from remat.memory import predict as predict_module
+from remat.memory import trace_pool
 from remat.memory.predict import predict_many, prepare_shallow_traces
-from remat.memory.trace_pool import WORKERS_ENV, available_workers, run_traces
+from remat.memory.trace_pool import TIMEOUT_ENV, WORKERS_ENV, available_workers, run_traces, worker_timeout
 from remat.policy import Policy
 
 SWEEP = ["none", "full/uniform/1", "full/uniform/2", "full/uniform/4", "full/block/2", "selective/core_attn"]
@@ -50,3 +51,26 @@ def test_the_worker_count_is_read_from_the_environment(monkeypatch: pytest.Monke
     monkeypatch.setenv(WORKERS_ENV, "many")
     with pytest.raises(ValueError, match="REMAT_TRACE_WORKERS='many'"):
         available_workers()
+
+
+def test_a_worker_that_sends_nothing_in_time_is_ended_and_its_trace_made_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a worker killed by the system (or stuck) must not leave the sweep waiting forever
+    import os
+    import signal
+
+    parent = os.getpid()
+    made_here: list[int] = []
+
+    def stuck() -> object:
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)  # the worker dies without an answer
+        made_here.append(1)
+        return "traced here"
+
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    monkeypatch.setenv(TIMEOUT_ENV, "3")
+    monkeypatch.setattr(trace_pool.Timeline, "from_dict", staticmethod(lambda data: data))
+    assert run_traces([stuck, stuck]) == ["traced here", "traced here"] and made_here == [1, 1]
+    monkeypatch.setenv(TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="REMAT_TRACE_TIMEOUT='soon'"):
+        worker_timeout()

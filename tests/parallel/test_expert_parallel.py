@@ -5,10 +5,10 @@ job path (parameters, expert buffers, refusals, the CLI) for MoE models."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
+from thread_ranks import Mailbox, run_ranks
 
 from remat.cli import main
 from remat.config import ConfigError, ModelConfig
@@ -31,26 +31,10 @@ MOE = ModelConfig(num_layers=2, hidden_size=24, num_attention_heads=2, vocab_siz
 
 
 # ------------------------------------------------------------------------------------------------ values
-class _Mailbox:
-    """What the ranks of a :class:`_ThreadGroup` exchange, behind a barrier that times out (never hangs)."""
-
-    def __init__(self, size: int):
-        self.size, self.box = size, [None] * size
-        self.barrier = threading.Barrier(size, timeout=20)
-
-    def exchange(self, rank, items):
-        self.box[rank] = items
-        self.barrier.wait()
-        got = [self.box[s][rank] for s in range(self.size)]
-        got = [g.clone() if isinstance(g, torch.Tensor) else g for g in got]
-        self.barrier.wait()
-        return got
-
-
 class _ThreadGroup(ExpertParallelGroup):
     """ep ranks as threads of this process: a real exchange of values, for checking the dispatcher's arithmetic."""
 
-    def __init__(self, mailbox: _Mailbox, rank: int):
+    def __init__(self, mailbox: Mailbox, rank: int):
         self.mailbox, self.size, self.rank = mailbox, mailbox.size, rank
 
     def _all_to_all_into(self, out, x, output_splits, input_splits):
@@ -72,37 +56,28 @@ def test_two_ranks_compute_what_the_unsharded_layer_computes(grouped):
     x = torch.randn(2, 16, 24, requires_grad=True)
     weight = torch.randn(2, 16, 24)
     (full(x) * weight).sum().backward()
-    mailbox, results, errors = _Mailbox(2), [None, None], []
+    mailbox = Mailbox(2)
 
     def rank(r):
-        try:
-            with expert_parallel_group(_ThreadGroup(mailbox, r)):
-                layer = MoELayer(config.replace(expert_model_parallel_size=2), 0)
-            with torch.no_grad():
-                for name, p in layer.named_parameters():
-                    source = dict(full.named_parameters())
-                    if "local_experts." in name:  # local expert i is expert 2r + i
-                        i = int(name.split(".")[2])
-                        name = name.replace(f"local_experts.{i}.", f"local_experts.{2 * r + i}.")
-                        p.copy_(source[name])
-                    elif name.startswith("experts."):
-                        p.copy_(source[name][2 * r:2 * r + 2])
-                    else:
-                        p.copy_(source[name])
-            xr = x.detach().clone().requires_grad_()
-            out = layer(xr)
-            (out * weight).sum().backward()
-            results[r] = (out.detach(), xr.grad, dict(layer.named_parameters()), layer.last_received)
-        except BaseException as err:  # noqa: BLE001 - reported below, the other thread's barrier breaks
-            mailbox.barrier.abort()
-            errors.append(err)
+        with expert_parallel_group(_ThreadGroup(mailbox, r)):
+            layer = MoELayer(config.replace(expert_model_parallel_size=2), 0)
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                source = dict(full.named_parameters())
+                if "local_experts." in name:  # local expert i is expert 2r + i
+                    i = int(name.split(".")[2])
+                    name = name.replace(f"local_experts.{i}.", f"local_experts.{2 * r + i}.")
+                    p.copy_(source[name])
+                elif name.startswith("experts."):
+                    p.copy_(source[name][2 * r:2 * r + 2])
+                else:
+                    p.copy_(source[name])
+        xr = x.detach().clone().requires_grad_()
+        out = layer(xr)
+        (out * weight).sum().backward()
+        return out.detach(), xr.grad, dict(layer.named_parameters()), layer.last_received
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
+    results = run_ranks(2, [mailbox], rank)
     full_params = dict(full.named_parameters())
     for r, (out, grad, params, received) in enumerate(results):
         assert received == [2 * c for c in full.router.last_counts[2 * r:2 * r + 2]]

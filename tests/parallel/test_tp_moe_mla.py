@@ -5,10 +5,10 @@ under the MoE/MLA recompute modules, and the refusals."""
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import pytest
 import torch
+from thread_ranks import Mailbox, run_ranks
 
 from remat.config import ConfigError, ModelConfig
 from remat.job import Job, JobError, parse_megatron_args
@@ -38,26 +38,10 @@ MLA = MOE.replace(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, 
 
 
 # ------------------------------------------------------------------------------------------------ two thread ranks
-class _Mailbox:
-    """What the ranks exchange, behind a barrier that times out (never hangs)."""
-
-    def __init__(self, size: int):
-        self.size, self.box = size, [None] * size
-        self.barrier = threading.Barrier(size, timeout=20)
-
-    def exchange(self, rank, items):
-        self.box[rank] = items
-        self.barrier.wait()
-        got = [self.box[s][rank] for s in range(self.size)]
-        got = [g.clone() if isinstance(g, torch.Tensor) else g for g in got]
-        self.barrier.wait()
-        return got
-
-
 class _ThreadTP(TensorParallelGroup):
     """Tensor-parallel ranks as threads: real sums (in rank order) and gathers, of equal or unequal splits."""
 
-    def __init__(self, mailbox: _Mailbox, rank: int):
+    def __init__(self, mailbox: Mailbox, rank: int):
         self.mailbox, self.size, self.rank = mailbox, mailbox.size, rank
 
     def _sum(self, parts):
@@ -85,7 +69,7 @@ class _ThreadTP(TensorParallelGroup):
 
 
 class _ThreadCounts(ExpertParallelGroup):
-    def __init__(self, mailbox: _Mailbox, rank: int):
+    def __init__(self, mailbox: Mailbox, rank: int):
         self.mailbox, self.size, self.rank = mailbox, mailbox.size, rank
 
     def _gather_counts(self, gathered, local, counts):
@@ -93,23 +77,8 @@ class _ThreadCounts(ExpertParallelGroup):
 
 
 def _run_ranks(size, fn):
-    boxes, results, errors = [_Mailbox(size) for _ in range(2)], [None] * size, []
-
-    def rank(r):
-        try:
-            results[r] = fn(_ThreadTP(boxes[0], r), _ThreadCounts(boxes[1], r))
-        except BaseException as err:  # noqa: BLE001 - reported below; the other threads' barriers break
-            for box in boxes:
-                box.barrier.abort()
-            errors.append(err)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
-    return results
+    boxes = [Mailbox(size) for _ in range(2)]
+    return run_ranks(size, boxes, lambda r: fn(_ThreadTP(boxes[0], r), _ThreadCounts(boxes[1], r)))
 
 
 def _shard(full: torch.Tensor, r: int, t: int, dim: int, gated: bool = False) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The stage search (remat.plan.pipeline.solve_stage) answers exactly what the plain grid of solves answers, and
-its disk-cached answer is the searched one; rank parameters read back from the disk cache are the built ones."""
+its disk-cached answer is the searched one; rank parameters read back from the disk cache are the built ones; a
+unit model built in a forked process (remat.plan.unit_prefetch) is the one built here."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import pytest
 from remat.config import ModelConfig
 from remat.memory import disk_cache
 from remat.memory.rank_state import forget_parameters, rank_parameters
+from remat.memory.trace_pool import available_workers
 from remat.plan import pipeline
 from remat.plan.costs import CostModel, candidate_units
 from remat.plan.solver import Solution, min_peak, solve
-from remat.plan.unit_model import unit_model
+from remat.plan.unit_model import PENDING, UNIT_MODELS, model_to_dict, unit_model
+from remat.plan.unit_prefetch import cancel_prefetches, prefetch_unit_model
 from remat.recompute.plan_format import KEEP
 
 CFG = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
@@ -97,3 +100,22 @@ def test_rank_parameters_read_back_are_the_built_ones(tmp_path: Path, monkeypatc
     assert list(tmp_path.glob("rank_parameters/*.json"))
     assert rank_parameters(CFG, **args) == stored == built  # read back from disk
     forget_parameters()
+
+
+def test_a_prefetched_unit_model_is_the_built_one(model) -> None:
+    if available_workers() <= 1:
+        pytest.skip("one core: nothing is built on the side")
+    UNIT_MODELS.clear()
+    assert prefetch_unit_model(CFG)  # built in a forked process, taken by the next unit_model call
+    got = unit_model(CFG)
+    assert got is not model and got.shapes and all(model.shape(u) == shape for u, shape in got.shapes.items())
+
+    def fixed(m) -> dict:  # what is built, without the groups expanded on demand since
+        return model_to_dict(m) | {"build_seconds": 0, "shapes": None}
+
+    assert fixed(got) == fixed(model)
+    UNIT_MODELS.clear()
+    assert prefetch_unit_model(CFG) and PENDING
+    cancel_prefetches()  # not wanted: stopped; unit_model would build its own
+    assert not PENDING
+    UNIT_MODELS.clear()

@@ -96,7 +96,9 @@ def plan_command(sub: Subparsers) -> Runner:
     g.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism")
     g.add_argument("--pp", type=int, metavar="P", help="pipeline stages: also plan each stage separately")
     g.add_argument("--microbatches", type=int, metavar="M", help="microbatches per step with --pp (default P)")
-    g.add_argument("--schedule", default="1f1b", metavar="NAME", help="pipeline schedule with --pp (default 1f1b)")
+    g.add_argument("--schedule", metavar="NAME",
+                   help="pipeline schedule with --pp (default 1f1b; interleaved where --vpp or a layout's chunks "
+                        "imply it, as Megatron)")
     g.add_argument("--json", action="store_true", help="print the JSON report instead of the text")
     g.add_argument("--out", type=Path, metavar="FILE", help="also write the JSON report to FILE")
     add_job_arguments(parser)
@@ -123,7 +125,7 @@ def _operator_sets(value: int) -> int | None:
 def parallel_options(args: argparse.Namespace) -> ParallelOptions:
     """The :class:`ParallelOptions` of ``remat plan``'s --tp/--sp/--pp/--microbatches/--schedule."""
     return ParallelOptions(tp=args.tp, sp=args.sp, pp=args.pp, microbatches=args.microbatches,
-                           schedule=args.schedule)
+                           schedule=args.schedule or "1f1b")
 
 
 def run_plan(args: argparse.Namespace) -> int:

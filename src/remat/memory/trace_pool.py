@@ -4,7 +4,9 @@ A sweep's shallow traces (:func:`remat.memory.predict.prepare_shallow_traces`) d
 pure Python under ``FakeTensorMode``, so on a machine with two cores two of them take the time of one. Workers
 are forked from this process after everything is imported (no second start-up), run one trace at a time and send
 back the timeline's JSON form; the result is the same timeline, byte for byte, as tracing here.
-``REMAT_TRACE_WORKERS`` sets the number of workers (``1``: trace in this process).
+``REMAT_TRACE_WORKERS`` sets the number of workers (``1``: trace in this process). A worker that sends nothing for
+``REMAT_TRACE_TIMEOUT`` seconds (default 600: a worker killed by the system, or stuck) ends the pool, and what it
+had not sent is traced here: a sweep never waits forever on a worker.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from remat.timeline import Timeline
 
 WORKERS_ENV = "REMAT_TRACE_WORKERS"
+TIMEOUT_ENV = "REMAT_TRACE_TIMEOUT"
 _TASKS: list[Callable[[], Timeline]] = []  # what the forked workers run (inherited, never pickled)
 
 
@@ -32,6 +35,18 @@ def available_workers() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
         return max(1, os.cpu_count() or 1)
+
+
+def worker_timeout() -> float:
+    """Seconds to wait for a forked worker's next answer: ``$REMAT_TRACE_TIMEOUT``, else 600."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        seconds = float(text) if text else 600.0
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={text!r}: give the seconds to wait for a trace worker (a positive number)")
+    return seconds
 
 
 def _run(index: int) -> tuple[int, Any, str | None]:
@@ -58,8 +73,14 @@ def run_traces(tasks: Sequence[Callable[[], Timeline]], workers: int | None = No
     _TASKS[:] = tasks
     out: list[Timeline | None] = [None] * len(tasks)
     try:
+        timeout = worker_timeout()
         with multiprocessing.get_context("fork").Pool(workers, initializer=_worker_start) as pool:
-            for index, data, error in pool.imap_unordered(_run, range(len(tasks))):
+            answers = pool.imap_unordered(_run, range(len(tasks)))
+            for _ in range(len(tasks)):
+                try:
+                    index, data, error = answers.next(timeout)
+                except multiprocessing.TimeoutError:  # the pool is ended on leaving; the rest is traced here
+                    break
                 out[index] = None if error is not None else Timeline.from_dict(data)
     finally:
         _TASKS.clear()

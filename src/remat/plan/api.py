@@ -15,7 +15,8 @@ from remat.config import ModelConfig
 from remat.offload_policy import MIN_OFFLOADED_TENSOR_SIZE
 from remat.plan.costs import CostModel, candidate_units
 from remat.plan.fine_offload import MegatronRow, OffloadOption, choose_offload
-from remat.plan.megatron import Predicted, megatron_policies, predicted
+from remat.plan.megatron import Predicted, predicted
+from remat.plan.moe_modules import add_moe_units, job_policies, layer_moe_units, layer_price
 from remat.plan.operator_space import layer_operators, operator_kinds
 from remat.plan.options import ParallelOptions, PlanOptions
 from remat.plan.pipeline import plan_pipeline
@@ -92,12 +93,14 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
     L = config.num_layers
     stats: dict[str, Any] = {}
     t = time.perf_counter()
-    model = unit_model(config, device=device, engine=engine, tp=tp, sp=sp)
+    model = add_moe_units(unit_model(config, device=device, engine=engine, tp=tp, sp=sp), config)
     stats["model_seconds"] = time.perf_counter() - t  # 0 when cached; building it took model.build_seconds
     stats["model_build_seconds"] = model.build_seconds
     cost = options.cost_model(config)
-    units = candidate_units(L, offload=options.offload, engine=engine, selective_sets=options.selective_sets,
-                            contractions=model.contractions)
+    # (an MoE layer has no dense 'act' to recompute: the unit model holds only the sets the layer has)
+    units = [u for u in candidate_units(L, offload=options.offload, engine=engine, selective_sets=(
+        options.selective_sets), contractions=model.contractions) if u.mode != "selective" or u in model.shapes]
+    units += layer_moe_units(model, options)
     # NOTE [operator kinds] (remat.plan.operator_space): per layer, which operators' outputs it keeps, in kinds
     # ordered by recompute price per byte freed, traced into the unit model (cached on disk) like every kind. Not
     # for MoE models: how many operators an MoE layer runs depends on the routing, so indices would not carry over
@@ -118,7 +121,7 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
     t = time.perf_counter()
     baseline = predicted(config, Policy(engine=engine), device=device, tp=tp, sp=sp)
     meg: list[tuple[Policy, Plan, int, int, int]] = []  # policy, plan, cost, model peak, rebuilt bytes
-    for policy in megatron_policies(L, engine):
+    for policy in job_policies(L, engine, config, cost, [model]):
         p = Plan.from_policy(policy, L)
         us = p.units()
         meg.append((policy, p, sum(cost.cost(model, u) for u in us), model.peak(us),
@@ -187,7 +190,7 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
             break
         dp_seconds += sol.seconds
         entries = max(entries, sol.entries)
-        tidied = tidy(model, sol.units, model_budget, cost)
+        tidied = tidy(model, sol.units, model_budget, layer_price(model, cost))
         candidate = Plan.from_units(tidied, engine)
         t = time.perf_counter()
         tl = predicted(config, candidate, device=device, tp=tp, sp=sp)
@@ -288,7 +291,7 @@ def _refusal(config: ModelConfig, model: UnitModel, units: list[Unit], cost: Cos
     lowest = min_peak(model, L, units)
     sol = solve(model, L, lowest, cost, units=units)
     assert sol is not None
-    p = Plan.from_units(tidy(model, sol.units, lowest, cost), engine)
+    p = Plan.from_units(tidy(model, sol.units, lowest, layer_price(model, cost)), engine)
     tl = predicted(config, p, device=device, tp=model.tp, sp=model.sp)
     choice = _choice(config, p, tl, "extended", cost, model, baseline)
     policy, meg_plan = min(meg, key=lambda m: (m[3], m[2]))[:2]

@@ -27,13 +27,13 @@ from remat.parallel.schedule import ChunkSpec, max_in_flight, schedule_actions
 from remat.parallel.stages import chunk_policy, cut_plan
 from remat.plan.costs import CostModel, candidate_units
 from remat.plan.fine_offload import megatron_offload_policies, price_offload
-from remat.plan.job_stages import kind_config, rank_config, stage_chunks, stage_is_moe
-from remat.plan.megatron import megatron_policies
+from remat.plan.job_stages import kind_config, rank_config, stage_chunks, stage_is_moe, stage_kinds
+from remat.plan.moe_modules import job_policies, layer_moe_units
 from remat.plan.options import PlanOptions
 from remat.plan.pipeline import solve_stage
 from remat.plan.solver import tidy
-from remat.plan.unit_model import UnitModel, unit_model
-from remat.plan.unit_prefetch import prefetch_unit_model
+from remat.plan.unit_model import UnitModel
+from remat.plan.unit_prefetch import cancel_prefetches, prefetch_unit_model
 from remat.policy import Policy
 from remat.recompute.plan_format import KEEP, Plan, PlanError, Unit
 from remat.timeline import Timeline, TimelineError
@@ -358,6 +358,7 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) ->
         keeps.append(Plan.from_policy(none, max(st.chunk_layers)) if max(st.chunk_layers) else None)
         st.tried[str(keeps[-1] or none)] = pred.peak_bytes
     if all(p.peak_bytes <= budget_bytes for p in plain):  # nothing recomputed fits: nothing is cheaper, no search
+        cancel_prefetches()  # no unit model is needed
         for st, pred, keep in zip(result.stages, plain, keeps):
             st.megatron = st.extended = StageChoice(keep, "megatron", pred, 0, 0, 0.0, 0.0)
             st.policy, st.prediction = none, pred
@@ -365,22 +366,17 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) ->
         result.uniform_ranks = sorted(plain, key=lambda r: (-r.peak_bytes, r.stage))
     else:
         config = rank_config(job)
-        kinds: dict[bool, tuple[UnitModel, CostModel]] = {}
+        kinds = stage_kinds(job, options, [st.stage for st, keep in zip(result.stages, keeps) if keep is not None])
         stage_models: list[_StageModel | None] = []
         for st, pred, keep in zip(result.stages, plain, keeps):
             if keep is None:  # no decoder layer (an embedding- or loss-only stage): recompute cannot lower it
                 stage_models.append(None)
                 _bare_stage(st, pred, budget_bytes)
                 continue
-            moe = stage_is_moe(config, job, st.stage)
-            if moe not in kinds:
-                kind = kind_config(config, moe)
-                kinds[moe] = (unit_model(kind, device=options.device, engine=engine, tp=job.tp, sp=job.sp),
-                              options.cost_model(kind))
-            sm = _StageModel(*kinds[moe], st.chunk_layers, st.in_flight)
+            sm = _StageModel(*kinds[stage_is_moe(config, job, st.stage)], st.chunk_layers, st.in_flight)
             sm.calibrate(keep, pred.peak_bytes)
             stage_models.append(sm)
-            _megatron_stage(st, sm, exact, budget_bytes, engine)
+            _megatron_stage(st, sm, exact, budget_bytes, engine, config)
             if options.fine_grained_offload:
                 _offload_stage(job, st, sm, exact, budget_bytes, options)
             _extended_stage(st, sm, exact, budget_bytes, options)
@@ -416,13 +412,13 @@ def _bare_stage(st: JobStagePlan, pred: RankPrediction, budget: int) -> None:
 
 
 def _megatron_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Plan], RankPrediction], budget: int,
-                    engine: str) -> None:
+                    engine: str, config: Any = None) -> None:
     """The cheapest Megatron setting of the stage that fits, predicted exactly (NOTE [the job search])."""
     m, L = sm.model, sm.num_layers
     # the estimate may be off by a layer stack's .grad bytes and the side inputs (NOTE [the unit model]) either way
     slack = L * m.grad_per_layer + sum(m.side.values())
     rows = []
-    for policy in megatron_policies(L, engine):
+    for policy in job_policies(L, engine, config, sm.cost, [m]):
         plan = Plan.from_policy(policy, L)
         units = plan.units()
         rows.append((sm.plan_cost(plan), sum(m.shape(u).recompute_bytes for u in units), sm.modelled(units), policy,
@@ -502,7 +498,7 @@ def _extended_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Pla
     """The cheapest plan of the extended space whose exact whole-rank peak fits (NOTE [the job search])."""
     m, L, engine = sm.model, sm.num_layers, options.engine
     units = [u for u in candidate_units(L, offload=options.offload, engine=engine, selective_sets=(
-        options.selective_sets), contractions=m.contractions) if _traced(m, u)]
+        options.selective_sets), contractions=m.contractions) if _traced(m, u)] + layer_moe_units(m, options)
     full_stored = sm.stored([KEEP] * L)
 
     def price(u: Unit) -> int:  # tidy tries lighter selective sets: one the layer lacks is never lighter
@@ -554,7 +550,8 @@ def _uniform(result: JobPlan, stage_models: Sequence[_StageModel | None],
     models = [sm for sm in stage_models if sm is not None]
     least = max(c.cost for c in needed if c is not None)  # no setting cheaper than a stage's own best fits it
     rows, seen = [], set()
-    for policy in megatron_policies(result.job.layers_per_chunk, engine):
+    for policy in job_policies(result.job.layers_per_chunk, engine, rank_config(result.job), models[0].cost,
+                               [sm.model for sm in models]):
         plans = tuple(sm.policy_plan(policy) for sm in models)
         if plans in seen:  # the same on every stage as a cheaper-listed setting (e.g. full/block/L, full/uniform/1)
             continue

@@ -3,9 +3,15 @@ splits) and the kind of its layers (NOTE [uneven splits])."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from remat.config import ModelConfig
 from remat.job import Job
 from remat.parallel.schedule import ChunkSpec, partition, rank_chunks
+from remat.plan.costs import CostModel
+from remat.plan.moe_modules import add_moe_units
+from remat.plan.options import PlanOptions
+from remat.plan.unit_model import UnitModel, unit_model
 
 
 def rank_config(job: Job) -> ModelConfig:
@@ -49,3 +55,22 @@ def kind_config(config: ModelConfig, moe: bool) -> ModelConfig:
     return config.replace(num_layers=1, moe_layer_freq=1, num_moe_experts=None, moe_ffn_hidden_size=None,
                           moe_shared_expert_intermediate_size=None, moe_grouped_gemm=False,
                           moe_expert_capacity_factor=None, moe_routing_assumption=None, expert_model_parallel_size=1)
+
+
+def stage_kinds(job: Job, options: PlanOptions, stages: Sequence[int]) -> dict[bool, tuple[UnitModel, CostModel]]:
+    """The unit model and cost model of each layer kind of ``stages`` (MoE: :func:`stage_is_moe`), each kind's
+    model pricing Megatron's MoE/MLA recompute modules too (:func:`remat.plan.moe_modules.add_moe_units`)."""
+    config = rank_config(job)
+    kinds: dict[bool, tuple[UnitModel, CostModel]] = {}
+    for stage in stages:
+        moe = stage_is_moe(config, job, stage)
+        if moe not in kinds:
+            kind = kind_config(config, moe)
+            kinds[moe] = (unit_model(kind, device=options.device, engine=options.engine, tp=job.tp, sp=job.sp),
+                          options.cost_model(kind))
+    # every kind is built before the MoE/MLA sets are traced into any: in one process, a DeepSeek-V3 MoE layer's
+    # unit model built after the dense layers' mla_up_proj traces came out 2 MiB off its own check (unit_model
+    # refuses it), built before them it is sound
+    for model, _ in kinds.values():
+        add_moe_units(model, config)
+    return kinds

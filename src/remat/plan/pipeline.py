@@ -27,7 +27,7 @@ from remat.plan.costs import CostModel, candidate_units
 from remat.plan.megatron import Predicted, megatron_policies
 from remat.plan.options import ParallelOptions, PlanOptions
 from remat.plan.result import compared
-from remat.plan.solver import Solution, cost_lower_bound, solve, tidy
+from remat.plan.solver import Solution, cost_lower_bound, reuse_tables, solve, tidy
 from remat.plan.unit_model import UnitModel, model_to_dict, unit_model
 from remat.policy import Policy
 from remat.recompute.plan_format import KEEP, Plan, PlanError, Unit
@@ -259,6 +259,12 @@ def search_stage(model: UnitModel, num_layers: int, budget: int, in_flight: int,
     Caps that cannot give a cheaper plan are not solved: once a plan costs nothing, and where a lower bound on the
     cost at a cap (:func:`~remat.plan.solver.cost_lower_bound`) reaches the best so far; when keeping every layer
     fits and every other unit costs something, keeping every layer is the answer (no other plan costs 0)."""
+    with reuse_tables():  # the solves below share the tables of (model, depth, units, prices)
+        return _search(model, num_layers, budget, in_flight, cost, units, max_stored)
+
+
+def _search(model: UnitModel, num_layers: int, budget: int, in_flight: int, cost: CostModel, units: list[Unit],
+            max_stored: int) -> Solution | None:
     prices = {u: cost.cost(model, u) for u in units}  # priced once for the many solves below
     price = prices.__getitem__
     if in_flight <= 1:

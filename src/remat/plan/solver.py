@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,21 +97,33 @@ class _Tables:
 
 
 _BIG = np.iinfo(np.int64).max
-_TABLES: dict[tuple[Any, ...], tuple[UnitModel, _Tables]] = {}  # the latest tables: a stage's searches share them
+_REUSE: list[dict[tuple[Any, ...], tuple[UnitModel, _Tables]]] = []  # the open reuse_tables() scopes' tables
+
+
+@contextmanager
+def reuse_tables() -> Iterator[None]:
+    """Inside the ``with`` block, :func:`solve` makes the tables of each (model, depth, units, costs) once: a
+    pipeline stage's search solves the same stack under many budgets and caps
+    (:func:`remat.plan.pipeline.search_stage`). Outside, every call makes its own (a model may change between
+    calls)."""
+    _REUSE.append({})
+    try:
+        yield
+    finally:
+        _REUSE.pop()
 
 
 def _tables(model: UnitModel, num_layers: int, units: list[Unit], price: Callable[[Unit], int]) -> _Tables:
-    """The :class:`_Tables` of (model, depth, units, their costs), made once: a pipeline stage's search solves
-    the same stack under many budgets and caps (:func:`remat.plan.pipeline.solve_stage`)."""
+    """The :class:`_Tables` of (model, depth, units, their costs): made once inside :func:`reuse_tables`."""
     costs = [price(u) for u in units]
+    if not _REUSE:
+        return _Tables(model, num_layers, units, costs)
     key = (id(model), num_layers, tuple(units), tuple(costs))
-    found = _TABLES.get(key)
+    found = _REUSE[-1].get(key)
     if found is not None and found[0] is model:
         return found[1]
     tables = _Tables(model, num_layers, units, costs)
-    if len(_TABLES) >= 8:
-        _TABLES.clear()
-    _TABLES[key] = (model, tables)
+    _REUSE[-1][key] = (model, tables)
     return tables
 
 

@@ -12,7 +12,7 @@ import torch
 
 from remat.config import ModelConfig
 from remat.memory import disk_cache
-from remat.memory.trace_pool import available_workers
+from remat.memory.trace_pool import available_workers, worker_timeout
 from remat.plan.unit_model import (
     PENDING,
     UNIT_MODELS,
@@ -25,14 +25,17 @@ from remat.plan.unit_model import (
 )
 from remat.policy import ENGINES
 
+_STARTED: dict[tuple[Any, ...], BaseProcess] = {}  # the processes prefetch_unit_model started, by key
+
 
 def prefetch_unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
                         sp: bool = False) -> bool:
     """Start building :func:`~remat.plan.unit_model.unit_model`'s answer for these arguments in a forked process;
     the next ``unit_model`` call with them waits for it and takes it (the same model: built by the same code and
-    sent back in the disk cache's exact JSON form; if the process fails, ``unit_model`` builds it itself and
-    raises what fails). Nothing is started when the model is made or stored already, for arguments
-    ``unit_model`` refuses, or with one core or no ``fork``. Returns whether a process was started."""
+    sent back in the disk cache's exact JSON form; if the process fails or sends nothing within
+    :func:`~remat.memory.trace_pool.worker_timeout` seconds, ``unit_model`` builds it itself and raises what
+    fails). Nothing is started when the model is made or stored already, for arguments ``unit_model`` refuses, or
+    with one core or no ``fork``. Returns whether a process was started."""
     key = unit_model_key(config, device, engine, tp, sp)
     if key in UNIT_MODELS or key in PENDING or device not in ("cpu", "cuda") or engine not in ENGINES:
         return False
@@ -45,7 +48,18 @@ def prefetch_unit_model(config: ModelConfig, *, device: str = "cpu", engine: str
     process.start()
     send.close()
     PENDING[key] = lambda: _take(process, receive)
+    _STARTED[key] = process
     return True
+
+
+def cancel_prefetches() -> None:
+    """Stop the unit models still being built by :func:`prefetch_unit_model` (their answer is not wanted: e.g.
+    every stage fits without recomputing anything); a later ``unit_model`` call builds its own."""
+    for key, process in list(_STARTED.items()):
+        if PENDING.pop(key, None) is not None and process.is_alive():
+            process.terminate()
+        process.join()
+    _STARTED.clear()
 
 
 def _build(config: ModelConfig, key: tuple[Any, ...], send: Connection) -> None:
@@ -59,12 +73,15 @@ def _build(config: ModelConfig, key: tuple[Any, ...], send: Connection) -> None:
 
 
 def _take(process: BaseProcess, receive: Connection) -> UnitModel | None:
-    try:
-        data = receive.recv()
+    _STARTED.pop(next((k for k, p in _STARTED.items() if p is process), None), None)
+    try:  # a process that sends nothing in time (killed, stuck) is ended: unit_model builds the model itself
+        data = receive.recv() if receive.poll(worker_timeout()) else None
     except (EOFError, OSError):
         data = None
     finally:
         receive.close()
+        if process.is_alive() and data is None:
+            process.terminate()
         process.join()
     try:
         return None if data is None else model_from_dict(data)
