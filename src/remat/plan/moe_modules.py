@@ -12,7 +12,8 @@ from remat.config import ModelConfig
 from remat.plan.costs import CostModel
 from remat.plan.megatron import MOE_MLA_MODULES, megatron_modules, megatron_policies
 from remat.plan.options import PlanOptions
-from remat.plan.unit_model import UnitModel, add_traced_units
+from remat.plan.unit_model import UnitModel, add_traced_units, model_from_dict, model_to_dict
+from remat.plan.unit_prefetch import run_isolated
 from remat.policy import SELECTIVE_MODULES, Policy
 from remat.recompute.plan_format import KEEP, Unit
 
@@ -84,7 +85,23 @@ def on_layer(modules: tuple[str, ...], layer: ModelConfig) -> tuple[str, ...]:
 def add_moe_units(model: UnitModel, config: ModelConfig) -> UnitModel:
     """Make ``model`` (one layer kind of ``config``'s model) price every set of :func:`moe_mla_sets`, and return
     it: the sets the layer has are traced into it (:func:`remat.plan.unit_model.add_traced_units`); a set that does
-    less on this layer is priced as what it does there (the unit of that set, or a kept layer)."""
+    less on this layer is priced as what it does there (the unit of that set, or a kept layer).
+
+    The traces run in a forked process (:func:`remat.plan.unit_prefetch.run_isolated`; here when there is none):
+    made in this process, they changed later whole-rank predictions of MoE/MLA stages (a DeepSeek-V3 stage's
+    full/block/1 came out 67 MB over its own full trace) through state not yet found; in a child, nothing is left.
+    """
+    data = run_isolated(lambda: model_to_dict(_add_moe_units(model, config)))
+    if data is not None:
+        try:
+            model.shapes.update(model_from_dict(data).shapes)
+            return model
+        except (KeyError, TypeError, ValueError):
+            pass
+    return _add_moe_units(model, config)
+
+
+def _add_moe_units(model: UnitModel, config: ModelConfig) -> UnitModel:
     sets = moe_mla_sets(config)
     own = [Unit("selective", 1, s) for s in sets if on_layer(s, model.config) == s]
     # in a few layers per profile stack: in one long stack a DeepSeek-V3 MoE layer's units came out 2 MiB off the

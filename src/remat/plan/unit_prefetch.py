@@ -4,6 +4,7 @@ plan's unit model traces then run on one core while its exact stage predictions 
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -74,7 +75,38 @@ def _build(config: ModelConfig, key: tuple[Any, ...], send: Connection) -> None:
 
 def _take(process: BaseProcess, receive: Connection) -> UnitModel | None:
     _STARTED.pop(next((k for k, p in _STARTED.items() if p is process), None), None)
-    try:  # a process that sends nothing in time (killed, stuck) is ended: unit_model builds the model itself
+    data = _received(process, receive)  # None: unit_model builds the model itself
+    try:
+        return None if data is None else model_from_dict(data)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def run_isolated(build: Callable[[], Any]) -> Any | None:
+    """``build()``'s JSON-able answer, computed in a forked process so that nothing it leaves in this process's
+    state can change a later trace here; None with one core or no ``fork``, when it fails, or when it sends
+    nothing within :func:`~remat.memory.trace_pool.worker_timeout` seconds (the caller then builds it itself)."""
+    if available_workers() <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    receive, send = multiprocessing.Pipe(duplex=False)
+    process = multiprocessing.get_context("fork").Process(target=_answer, args=(build, send), daemon=True)
+    process.start()
+    send.close()
+    return _received(process, receive)
+
+
+def _answer(build: Callable[[], Any], send: Connection) -> None:
+    torch.set_num_threads(1)  # fake tensors compute nothing; never touch an OpenMP pool made before the fork
+    try:
+        send.send(build())
+    except Exception:  # the parent builds it again and raises the error itself
+        send.send(None)
+    finally:
+        send.close()
+
+
+def _received(process: BaseProcess, receive: Connection) -> Any | None:
+    try:  # a process that sends nothing in time (killed, stuck) is ended
         data = receive.recv() if receive.poll(worker_timeout()) else None
     except (EOFError, OSError):
         data = None
@@ -83,7 +115,4 @@ def _take(process: BaseProcess, receive: Connection) -> UnitModel | None:
         if process.is_alive() and data is None:
             process.terminate()
         process.join()
-    try:
-        return None if data is None else model_from_dict(data)
-    except (KeyError, TypeError, ValueError):
-        return None
+    return data
