@@ -44,10 +44,7 @@ def prefetch_unit_model(config: ModelConfig, *, device: str = "cpu", engine: str
         return False
     if disk_cache.load("unit_model", unit_model_disk_key(key)) is not None:
         return False  # read from disk when asked: nothing to overlap
-    receive, send = multiprocessing.Pipe(duplex=False)
-    process = multiprocessing.get_context("fork").Process(target=_build, args=(config, key, send), daemon=True)
-    process.start()
-    send.close()
+    process, receive = _fork(lambda: model_to_dict(unit_model(config, device=device, engine=engine, tp=tp, sp=sp)))
     PENDING[key] = lambda: _take(process, receive)
     _STARTED[key] = process
     return True
@@ -61,16 +58,6 @@ def cancel_prefetches() -> None:
             process.terminate()
         process.join()
     _STARTED.clear()
-
-
-def _build(config: ModelConfig, key: tuple[Any, ...], send: Connection) -> None:
-    torch.set_num_threads(1)  # fake tensors compute nothing; never touch an OpenMP pool made before the fork
-    try:
-        send.send(model_to_dict(unit_model(config, device=key[1], engine=key[2], tp=key[3], sp=key[4])))
-    except Exception:  # the parent builds it again and raises the error itself
-        send.send(None)
-    finally:
-        send.close()
 
 
 def _take(process: BaseProcess, receive: Connection) -> UnitModel | None:
@@ -88,11 +75,16 @@ def run_isolated(build: Callable[[], Any]) -> Any | None:
     nothing within :func:`~remat.memory.trace_pool.worker_timeout` seconds (the caller then builds it itself)."""
     if available_workers() <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         return None
+    return _received(*_fork(build))
+
+
+def _fork(build: Callable[[], Any]) -> tuple[BaseProcess, Connection]:
+    """A forked process sending ``build()``'s answer (None when it fails), and the end that receives it."""
     receive, send = multiprocessing.Pipe(duplex=False)
     process = multiprocessing.get_context("fork").Process(target=_answer, args=(build, send), daemon=True)
     process.start()
     send.close()
-    return _received(process, receive)
+    return process, receive
 
 
 def _answer(build: Callable[[], Any], send: Connection) -> None:
