@@ -2,7 +2,7 @@
 """Every rank of a real Megatron-style job (gloo on CPU, one process per rank) measured vs remat's whole-rank
 prediction (:func:`remat.parallel.job_predict.predict_job`).
 
-Two jobs of a tiny GPT (4 layers, s=32, microbatch 2, vocab 128, bf16 mixed precision: bf16 parameters, the fp32
+Seven jobs of a tiny GPT (4 layers, s=32, microbatch 2, vocab 128, bf16 mixed precision: bf16 parameters, the fp32
 main-gradient buffer, fp32 master parameters and Adam moments, an optimizer step inside the measured step):
 
 * (a) TP=2 x PP=2 (4 processes), h=64, 4 microbatches, Megatron's 1F1B;
@@ -21,6 +21,9 @@ main-gradient buffer, fp32 master parameters and Adam moments, an optimizer step
   outputs reduce-scattered (remat.models.tp_moe), MLA's heads split over tp (remat.models.tp_mla);
 * (f) the same model at TP=2 (SP) x EP=2 (dp=2, 4 processes), distributed optimizer: all-to-all over ep, then
   the gather over etp, counts exchanged over the tp x ep group.
+* (g) the same model at TP=2 (SP) x EP=2 with expert tensor parallelism etp=1 (2 processes, dp=1, Megatron's
+  ``--expert-tensor-parallel-size 1``): the expert ranks cut across the tensor-parallel pair (expert-parallel
+  rank = tp rank), each rank's two experts whole, tokens all-to-all over ep, no gather over etp.
 
 Per rank: stage, tensor-parallel and data-parallel position, predicted and measured peak bytes, error =
 (predicted - measured) / measured, the parts alive at the measured peak, and where they differ from the
@@ -40,7 +43,7 @@ import time
 
 from remat.config import ModelConfig
 from remat.job import Job
-from remat.parallel.job_measure import format_rows, measure_job, rank_rows
+from remat.parallel.job_measure import format_rows, measure_job, rank_rows, routing_counts
 from remat.policy import Policy
 from remat.timeline import write_atomic
 
@@ -56,9 +59,7 @@ DEEPSEEK = MOE.replace(moe_grouped_gemm=True, moe_shared_expert_intermediate_siz
 def given_counts(job: Job, measured: list) -> Job:
     """``job`` predicted with the token counts per expert its real run reported (one list per MoE layer; every
     rank routes the same tokens alike, so rank 0's counts are every rank's)."""
-    reports = measured[0].meta["moe_routing"]
-    counts = ";".join(",".join(map(str, r["tokens_per_expert"])) for r in reports)
-    return job.replace(model=job.model.replace(moe_routing_assumption=f"counts:{counts}"))
+    return job.replace(model=job.model.replace(moe_routing_assumption=routing_counts(measured[0].meta["moe_routing"])))
 JOBS = {
     "(a) tp=2 x pp=2, 1f1b, 4 microbatches": Job.build(MODEL, precision="bf16", tp=2, pp=2, num_microbatches=4),
     "(b) dp=2, distributed optimizer, 2 microbatches": Job.build(MODEL.replace(hidden_size=48), precision="bf16",
@@ -74,6 +75,9 @@ JOBS = {
         policy=Policy.parse("selective/moe_act+mla_up_proj")),
     "(f) tp=2 sp x ep=2 (dp=2) MoE + MLA, distributed optimizer": Job.build(
         DEEPSEEK, precision="bf16", tp=2, sp=True, ep=2, dp=2, distributed_optimizer=True,
+        policy=Policy.parse("selective/moe_act+mla_up_proj")),
+    "(g) tp=2 sp x ep=2, etp=1 MoE + MLA, moe_act+mla_up_proj": Job.build(
+        DEEPSEEK, precision="bf16", tp=2, sp=True, ep=2, etp=1, num_microbatches=2,
         policy=Policy.parse("selective/moe_act+mla_up_proj")),
 }
 

@@ -16,6 +16,16 @@ Methods, at each budget:
   not. Every distinct ratio is one compile (cached across budgets); both counts are reported. Its recomputed
   FLOPs are counted on the compiled forward and backward graphs (``torch.utils.flop_counter`` formulas on each
   node's fake value) against ratio 1.0;
+* **remat plan + torch.compile** (benchmarks/compile_peers.py): ``remat.apply(model, plan)`` then
+  ``torch.compile(model)``, the same backend, ratio 1.0 (NOTE [regions under torch.compile] in
+  ``remat.recompute.region``: groups, selective modules and non_matmul layers become torch's checkpoint in the graph).
+  The plans come from ``plan()`` priced as remat (time), without offload and keep_ops kinds (they would run eagerly
+  under compile). remat plans against the eager step's peak and the compiled step keeps less (the partitioner
+  recomputes cheap operators outside the regions too), so the plan's target is searched like compile's ratio: the
+  largest target between the budget and the eager no-recompute peak whose compiled step's profiler peak fits
+  (first guess: the budget plus what compiling saves on the plain model, then 3 bisection steps). Compared like for
+  like with torch.compile: both extra times over the same compiled 1.0 step of the same rounds, and the paired
+  per-round ratio of the two step times (``recheck_compiled.py`` re-times the pair with more rounds);
 * **torch sac_milp** (benchmarks/torch_sac.py): torch's own SAC planner (torch.distributed._tools: MemTracker,
   SACEstimator, sac_milp with PuLP/CBC, then each layer's operator knapsack applied with torch's selective
   checkpoint), its operators priced by the roofline max(FLOPs / 400 TFLOP/s, bytes / 3 TB/s); beside it **remat
@@ -43,7 +53,7 @@ Solve time: remat's dynamic program (and its whole ``plan()`` call: unit model, 
 trace the first time, cached afterwards), torch.compile's compiles. The dynamic program alone is
 also timed on a ``--dp-layers`` (128) deep version of the model.
 
-Usage: ``python benchmarks/bench_plan.py`` (~10-15 min on a shared 2-core machine; ``--quick``: a smoke run;
+Usage: ``python benchmarks/bench_plan.py`` (~30-40 min on a shared 2-core machine; ``--quick``: a smoke run;
 ``--rockmate-python ~/rockmate_venv/bin/python --json out.json``).
 """
 
@@ -62,7 +72,6 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -80,48 +89,16 @@ from remat.recompute.plan_format import Plan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_sac  # noqa: E402  (benchmarks/torch_sac.py: torch's SAC ILP as a peer)
+from compile_peers import (  # noqa: E402  (benchmarks/compile_peers.py: torch.compile and remat + torch.compile)
+    COMPILABLE_SETS,
+    CompileSearch,
+    RematCompileSearch,
+    profiler_peak,
+    step,
+)
 
 MIB = 1 << 20
 warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
-
-
-# ------------------------------------------------------------------------------------------------ instruments
-def storage_bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
-def step(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], seed: int = 1234) -> None:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = model(*batch)
-    loss.backward()
-
-
-def profiler_peak(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
-    """Peak CPU bytes of one step by the profiler's memory timeline: parameters, buffers and batch alive before
-    the step, plus the highest running sum of every storage created and destroyed during it."""
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
-
-    model.zero_grad(set_to_none=True)
-    base = storage_bytes(list(model.parameters()) + list(model.buffers()) + list(batch))
-    torch.manual_seed(1234)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
-        loss = model(*batch)
-        loss.backward()
-        del loss
-    live = peak = 0
-    for _, action, _, size in p._memory_profile().timeline:
-        if action == Action.CREATE:
-            live += size
-        elif action == Action.DESTROY:
-            live -= size
-        peak = max(peak, live)
-    return base + peak
 
 
 def time_steps(variants: dict[str, Any], batch: Any, rounds: int, baselines: dict[str, str]) -> dict[str, dict]:
@@ -145,92 +122,9 @@ def time_steps(variants: dict[str, Any], batch: Any, rounds: int, baselines: dic
     for name, ts in times.items():
         base = baselines.get(name)
         ratios = [a / b for a, b in zip(ts, times[base])] if base else []
-        out[name] = {"seconds": statistics.median(ts), "ratio": statistics.median(ratios) if ratios else None}
+        out[name] = {"seconds": statistics.median(ts), "ratio": statistics.median(ratios) if ratios else None,
+                     "times": ts}
     return out
-
-
-# ------------------------------------------------------------------------------------------------ torch.compile
-@dataclass
-class Compiled:
-    ratio: float
-    module: Any
-    peak: int
-    fw_flops: int
-    bw_flops: int
-    compile_seconds: float
-
-
-@dataclass
-class CompileSearch:
-    """torch.compile models, one per activation_memory_budget ratio, compiled on demand and cached."""
-
-    config: ModelConfig
-    batch: Any
-    cache: dict[float, Compiled] = field(default_factory=dict)
-
-    def backend(self, counts: dict[str, int]) -> Any:
-        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
-
-        from remat.memory.measure import FLOP_FORMULAS  # torch.utils.flop_counter formulas, plus CPU flash attention
-
-        def counting(kind: str):
-            def compiler(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
-                total = 0
-                for node in gm.graph.nodes:
-                    target = getattr(node.target, "overloadpacket", None)
-                    if node.op == "call_function" and target in FLOP_FORMULAS:
-                        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-                        total += int(FLOP_FORMULAS[target](*args, **kwargs, out_val=node.meta.get("val")))
-                counts[kind] = counts.get(kind, 0) + total
-                return boxed_nop(gm, example_inputs)
-            return compiler
-
-        return lambda gm, inputs, **kw: aot_eager(gm, inputs, fw_compiler=counting("fw"),
-                                                  bw_compiler=counting("bw"), **kw)
-
-    def get(self, ratio: float) -> Compiled:
-        ratio = round(ratio, 6)
-        if ratio not in self.cache:
-            import torch._functorch.config as functorch_config
-
-            model = build_model(self.config, seed=0)  # its own instance: its own dynamo cache entry
-            counts: dict[str, int] = {}
-            functorch_config.activation_memory_budget = ratio
-            compiled = torch.compile(model, backend=self.backend(counts))
-            start = time.perf_counter()
-            step(compiled, self.batch)  # compiles
-            seconds = time.perf_counter() - start
-            functorch_config.activation_memory_budget = 1.0
-            self.cache[ratio] = Compiled(ratio, compiled, profiler_peak(compiled, self.batch), counts.get("fw", 0),
-                                         counts.get("bw", 0), seconds)
-        return self.cache[ratio]
-
-    def fit(self, budget: int, steps: int = 6) -> tuple[Compiled | None, int, int]:
-        """(largest-ratio fitting model found, ratios evaluated, fresh compiles) for ``budget``."""
-        before = len(self.cache)
-        evaluated: list[float] = []
-
-        def fits(r: float) -> bool:
-            evaluated.append(r)
-            return self.get(r).peak <= budget
-
-        if fits(1.0):
-            return self.get(1.0), len(evaluated), len(self.cache) - before
-        lo = None
-        for r in (0.5, 0.25, 0.75, 0.125, 0.375, 0.625, 0.875, 0.0):
-            if fits(r):
-                lo = r
-                break
-        if lo is None:
-            return None, len(evaluated), len(self.cache) - before
-        hi = min([r for r in evaluated if r > lo and self.get(r).peak > budget] + [1.0])
-        for _ in range(steps):
-            mid = (lo + hi) / 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return self.get(lo), len(evaluated), len(self.cache) - before
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -288,6 +182,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["layer_times"] = layer_times
     search = CompileSearch(cfg, batch)
     base_compiled = search.get(1.0)
+    remat_compiled = RematCompileSearch(cfg, batch, PlanOptions(
+        measured_times=layer_times, offload=False, operator_sets=0, selective_sets=COMPILABLE_SETS),
+        none_peak, base_compiled)
     sac_reason = torch_sac.missing() if not args.no_sac else "--no-sac"
     peer = None
     if sac_reason is None:
@@ -355,6 +252,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   recompute_flops=flops,
                                   extra_compute_pct=100 * flops / (base_compiled.fw_flops + base_compiled.bw_flops),
                                   compile_seconds=found.compile_seconds)
+        start = time.perf_counter()
+        mine, evaluated, fresh = remat_compiled.fit(budget)
+        row["remat_compiled"] = {"targets_evaluated": evaluated, "fresh_compiles": fresh,
+                                 "search_seconds": time.perf_counter() - start}
+        if mine is not None:
+            variants["remat compiled"], baselines["remat compiled"] = mine.module, "compile 1.0"
+            variants["compile 1.0"], baselines["compile 1.0"] = base_compiled.module, "eager none"
+            base_total = base_compiled.fw_flops + base_compiled.bw_flops
+            flops = mine.fw_flops + mine.bw_flops - base_total
+            row["remat_compiled"].update(plan=mine.plan, target=mine.target, profiler_peak=mine.peak,
+                                         fits=mine.peak <= budget, recompute_flops=flops,
+                                         extra_compute_pct=100 * flops / base_total,
+                                         compile_seconds=mine.compile_seconds)
         timing = time_steps(variants, batch, args.rounds, baselines)
         row["timing"] = timing
         rows.append(row)
@@ -371,12 +281,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"x{ratio_text(timing, 'remat extended_roofline')} ({ext_r and ext_r['plan']}) | torch sac_milp "
               f"{fmt_mib(sac and sac['measured_peak'])} x{ratio_text(timing, 'torch sac')} "
               f"({sac and sac['plan']})", flush=True)
+        rc = row["remat_compiled"]
+        print(f"    compiled (vs compile 1.0): remat plan + torch.compile {fmt_mib(rc.get('profiler_peak'))} "
+              f"x{ratio_text(timing, 'remat compiled')} ({rc.get('plan')}, target "
+              f"{fmt_mib(rc.get('target'))} MiB, {rc['targets_evaluated']} targets, {rc['fresh_compiles']} new "
+              f"compiles) | torch.compile x{ratio_text(timing, 'compile ratio')}", flush=True)
         del variants
         gc.collect()
     report["rows"] = rows
     report["compile_cache"] = {str(r): {"profiler_peak": c.peak, "compile_seconds": c.compile_seconds,
                                         "fw_flops": c.fw_flops, "bw_flops": c.bw_flops}
                                for r, c in sorted(search.cache.items())}
+    report["remat_compiled_cache"] = {k: {"target": c.target, "profiler_peak": c.peak, "compile_seconds":
+                                          c.compile_seconds} for k, c in remat_compiled.cache.items()}
 
     # the dynamic program alone, on a deep version of the model
     deep = cfg.replace(num_layers=args.dp_layers)
@@ -414,9 +331,12 @@ def peer_table(report: dict[str, Any]) -> list[str]:
     cols = [("remat (time)", "extended_time", "remat extended_time"),
             ("remat (roofline)", "extended_roofline", "remat extended_roofline"),
             ("torch sac_milp (roofline)", "torch_sac", "torch sac"), ("torch.compile", "compile", "compile ratio"),
+            ("remat plan + torch.compile", "remat_compiled", "remat compiled"),
             ("remat Megatron", "megatron", "remat megatron")]
     head = "budget MiB | " + " | ".join(f"{name:^27}" for name, _, _ in cols)
-    lines = ["", "measured peak MiB (* over budget) / extra step time % / recomputed FLOPs %", head, "-" * len(head)]
+    lines = ["", "measured peak MiB (* over budget) / extra step time % / recomputed FLOPs % (eager methods: over "
+             "eager no recompute, remat.measure; torch.compile and remat plan + torch.compile: over compiled 1.0, "
+             "profiler)", head, "-" * len(head)]
     wins = {"time": 0, "peak": 0, "n": 0, "torch_fits": 0}
     for r in rows:
         cells = []
@@ -445,6 +365,39 @@ def peer_table(report: dict[str, Any]) -> list[str]:
                      f"noise allowance) at {wins['time']}/{wins['n']} budgets where torch's ILP has a plan; remat "
                      f"within budget at {wins['peak']}/{wins['n']}, torch at {wins['torch_fits']}/{wins['n']}; "
                      f"torch's ILP has no plan at {len(rows) - wins['n']}/{len(rows)}")
+    return lines
+
+
+def compiled_comparison(rows: list[dict[str, Any]]) -> list[str]:
+    """remat plan + torch.compile against torch.compile's activation_memory_budget, like for like: both compiled
+    with the same backend, both peaks on the profiler, both extra times over the same compiled 1.0 step of the same
+    rounds; and each round's remat-compiled / compile-ratio step time, paired."""
+    lines = ["", "remat plan + torch.compile vs torch.compile (activation_memory_budget), both aot_eager, extra over "
+             "the same compiled 1.0 step; paired = median over rounds of remat compiled / torch.compile step time",
+             "budget MiB | remat+compile peak, extra, FLOP%, plan (target MiB) | torch.compile ratio, peak, extra, "
+             "FLOP% | paired | winner"]
+    both = wins = ties = 0
+    for r in rows:
+        rc, comp, tm = r.get("remat_compiled") or {}, r["compile"], r["timing"]
+        a, b = tm.get("remat compiled", {}).get("ratio"), tm.get("compile ratio", {}).get("ratio")
+        left = (f"{rc['profiler_peak'] / MIB:7.2f}{'*' if not rc['fits'] else ' '} {100 * (a - 1):+6.1f}% "
+                f"{rc['extra_compute_pct']:5.1f}% {rc['plan']} ({rc['target'] / MIB:.2f})" if a is not None
+                else "no plan fits")
+        right = (f"r={comp['ratio']:.4f} {comp['profiler_peak'] / MIB:7.2f} {100 * (b - 1):+6.1f}% "
+                 f"{comp['extra_compute_pct']:5.1f}%" if b is not None else "no ratio fits")
+        paired, winner = "-", "remat (only one that fits)" if a is not None else "-"
+        if a is not None and b is not None and rc["fits"] and comp["fits"]:
+            both += 1
+            ta, tb = tm["remat compiled"]["times"], tm["compile ratio"]["times"]
+            p = statistics.median([x / y for x, y in zip(ta, tb)])
+            same = rc["plan"] == "keep all" and comp["ratio"] == 1.0
+            paired = "same model" if same else f"{p:.3f}"
+            ties += same
+            wins += not same and p < 1.0
+            winner = "tie (same model: no recompute)" if same else ("remat" if p < 1.0 else "torch.compile")
+        lines.append(f"{r['budget'] / MIB:9.2f} | {left} | {right} | {paired} | {winner}")
+    lines.append(f"remat plan + torch.compile faster (paired) at {wins}/{both} budgets where both fit, the same model "
+                 f"(neither recomputes) at {ties}/{both}, torch.compile faster at {both - wins - ties}/{both}")
     return lines
 
 
@@ -510,6 +463,7 @@ def summary(report: dict[str, Any]) -> str:
         lines.append(f"{name} step time: extra over its own no-recompute step <= torch.compile's over compiled 1.0 "
                      f"(+2% noise allowance) at {sum(own)}/{len(own)} budgets where both fit; step time <= "
                      f"torch.compile's, both against eager no-recompute, at {sum(eager)}/{len(eager)}")
+    lines += compiled_comparison(rows)
     err = [abs(r["extended_time"]["step_time_ratio"] - r["timing"]["remat extended_time"]["ratio"])
            for r in rows if r.get("extended_time") and r["timing"].get("remat extended_time", {}).get("ratio")]
     if err:

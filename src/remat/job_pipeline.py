@@ -189,7 +189,8 @@ def chunk_layer_counts(num_layers: int, pp: int, vpp: int | None = None, *, firs
                 + f" + 1 ({LOSS_FLAG})" * account_for_loss)
         where = f"pp * vpp = {pp} * {v}" if v > 1 else f"pp = {pp}"
         raise JobError(f"{what} = {total} layers are not divisible by {where}: Megatron splits them evenly over "
-                       f"the pipeline chunks; use {where} dividing {total}, or an uneven split ({FIRST_FLAG} / "
+                       f"the pipeline chunks; use a {'pp * vpp' if v > 1 else 'pp'} dividing {total}, or an "
+                       f"uneven split ({FIRST_FLAG} / "
                        f"{LAST_FLAG}, or {LAYOUT_FLAG})")
     counts = [total // (pp * v)] * (pp * v)
     counts[0] -= account_for_embedding

@@ -265,6 +265,8 @@ class Timeline:
         for name in ("alloc_at", "free_at", "phase_index", "module", "category"):
             if len(getattr(self, name)) != n:
                 raise TimelineError(f"timeline field {name!r} has {len(getattr(self, name))} rows, expected {n}")
+        if n > 64 and self._rows_valid():  # the usual case, checked at once; else the first bad row is named
+            return
         for row in range(n):
             if self.nbytes[row] < 0:
                 raise TimelineError(f"allocation {row}: nbytes {self.nbytes[row]} is negative")
@@ -278,6 +280,20 @@ class Timeline:
             if not 0 <= self.phase_index[row] < len(self.phases):
                 raise TimelineError(f"allocation {row}: phase_index {self.phase_index[row]} names no phase (there are "
                                     f"{len(self.phases)})")
+
+    def _rows_valid(self) -> bool:
+        """Whether every row passes :meth:`validate`'s checks (on whole columns at once)."""
+        if not set(self.category) <= _KNOWN_CATEGORIES:
+            return False
+        try:
+            nbytes, alloc, free, phase = (np.asarray(c, dtype=np.int64) for c in (
+                self.nbytes, self.alloc_at, self.free_at, self.phase_index))
+        except (TypeError, ValueError, OverflowError):  # not whole numbers: the row walk names the row
+            return False
+        events = self.num_events
+        return bool((nbytes >= 0).all() and (alloc >= 0).all() and (alloc < max(events, 1)).all()
+                    and ((free == -1) | ((alloc < free) & (free < events))).all()
+                    and (phase >= 0).all() and (phase < len(self.phases)).all())
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write :meth:`to_dict` as compact JSON to ``path`` atomically (:func:`write_atomic`, folders made as
@@ -294,6 +310,9 @@ class Timeline:
             except json.JSONDecodeError as err:
                 raise TimelineError(f"{path}: not valid JSON ({err})") from err
         return cls.from_dict(data)
+
+
+_KNOWN_CATEGORIES = frozenset(CATEGORIES)
 
 
 def write_atomic(path: str | os.PathLike[str], content: str | bytes) -> Path:

@@ -231,3 +231,22 @@ def test_compare_runs_every_rank_of_a_data_parallel_job_beside_its_prediction(ca
     priced = next(r for r in report["rows"] if r["dp_rank"] == predicted.state.dp_rank)
     assert priced["predicted_bytes"] == predicted.peak_bytes and priced["predicted_parts"] == predicted.parts
     assert all(r["measured_bytes"] > 0 and r["policy"] == "none" for r in report["rows"])
+
+
+def test_compare_of_a_moe_job_says_its_routing_and_predicts_the_runs_own_counts_exactly(capsys, tmp_path):
+    """A MoE job routes for real: compare says the prediction assumed balanced routing and gives the --moe-routing
+    counts of what the run routed; predicted with those, every rank's peak is the measured one to the byte."""
+    moe = SMALL_CONFIG.replace(num_layers=2, num_moe_experts=4, moe_ffn_hidden_size=32, hidden_dropout=0.0,
+                               attention_dropout=0.0)
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(moe.to_dict()))
+    argv = ["compare", "--config", str(path), "--precision", "fp32", "--dp", "1"]
+    first = _json(capsys, argv)
+    routing = first["moe_routing"]
+    assert routing["predicted"] == "balanced (remat's default)" and routing["measured"].startswith("counts:")
+    assert len(routing["measured"].split(";")) == 2  # both layers are MoE layers
+    again = _json(capsys, [*argv, "--moe-routing", routing["measured"]])
+    assert again["moe_routing"] == {"predicted": routing["measured"], "measured": routing["measured"]}
+    assert all(r["predicted_bytes"] == r["measured_bytes"] for r in again["rows"])
+    assert main(["predict", *TINY, "--moe-routing", "counts:1,x"]) == 2
+    assert "--moe-routing 'counts:1,x': write" in capsys.readouterr().err

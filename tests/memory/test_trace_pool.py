@@ -9,7 +9,15 @@ from tiny_models import LLAMA
 from remat.memory import predict as predict_module
 from remat.memory import trace_pool
 from remat.memory.predict import predict_many, prepare_shallow_traces
-from remat.memory.trace_pool import TIMEOUT_ENV, WORKERS_ENV, available_workers, run_traces, worker_timeout
+from remat.memory.trace_pool import (
+    TIMEOUT_ENV,
+    WORKERS_ENV,
+    available_workers,
+    idle_workers,
+    run_forked,
+    run_traces,
+    worker_timeout,
+)
 from remat.policy import Policy
 
 SWEEP = ["none", "full/uniform/1", "full/uniform/2", "full/uniform/4", "full/block/2", "selective/core_attn"]
@@ -74,3 +82,23 @@ def test_a_worker_that_sends_nothing_in_time_is_ended_and_its_trace_made_here(mo
     monkeypatch.setenv(TIMEOUT_ENV, "soon")
     with pytest.raises(ValueError, match="REMAT_TRACE_TIMEOUT='soon'"):
         worker_timeout()
+
+
+def test_forked_tasks_answer_in_order_and_a_failure_is_raised_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    parent = os.getpid()
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    answers = run_forked([lambda i=i: (i, os.getpid() != parent, {"rows": list(range(i))}) for i in range(5)])
+    assert answers == [(i, True, {"rows": list(range(i))}) for i in range(5)]  # made by the workers, in order
+
+    def boom():
+        raise ValueError("the task's own message")
+
+    with pytest.raises(ValueError, match="the task's own message"):
+        run_forked([lambda: 1, boom])
+    monkeypatch.setenv(WORKERS_ENV, "1")
+    assert run_forked([lambda: os.getpid()]) == [parent]  # one worker: here
+    assert idle_workers() == 1
+    monkeypatch.delenv(WORKERS_ENV)
+    assert 1 <= idle_workers() <= available_workers()

@@ -8,14 +8,13 @@ import contextlib
 
 import pytest
 import torch
-from thread_ranks import Mailbox, run_ranks
+from thread_ranks import Mailbox, ThreadCounts, ThreadTP, run_ranks
 
 from remat.config import ConfigError, ModelConfig
 from remat.job import Job, JobError, parse_megatron_args
 from remat.memory.measure import measure
 from remat.memory.predict import predict_config
 from remat.models.expert_parallel import (
-    ExpertParallelGroup,
     SimulatedExpertGroup,
     expert_parallel_group,
     expert_tensor_parallel_group,
@@ -23,7 +22,7 @@ from remat.models.expert_parallel import (
 from remat.models.gpt import rotary_tables, sample_batch
 from remat.models.mla import MLASelfAttention
 from remat.models.moe import MoELayer
-from remat.models.tensor_parallel import SimulatedGroup, TensorParallelGroup, build_tp_model
+from remat.models.tensor_parallel import SimulatedGroup, build_tp_model
 from remat.models.tp_mla import TPMLASelfAttention
 from remat.models.tp_moe import TPMoELayer
 from remat.parallel.job_predict import predict_job, stage_state
@@ -38,47 +37,9 @@ MLA = MOE.replace(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, 
 
 
 # ------------------------------------------------------------------------------------------------ two thread ranks
-class _ThreadTP(TensorParallelGroup):
-    """Tensor-parallel ranks as threads: real sums (in rank order) and gathers, of equal or unequal splits."""
-
-    def __init__(self, mailbox: Mailbox, rank: int):
-        self.mailbox, self.size, self.rank = mailbox, mailbox.size, rank
-
-    def _sum(self, parts):
-        total = parts[0].clone()
-        for p in parts[1:]:
-            total += p
-        return total
-
-    def all_reduce_(self, x, op="sum"):
-        got = self.mailbox.exchange(self.rank, [x] * self.size)
-        x.copy_(torch.stack(got).amax(0) if op == "max" else self._sum(got))
-        return x
-
-    def _all_gather_into(self, out, x):
-        out.copy_(torch.cat(self.mailbox.exchange(self.rank, [x] * self.size)))
-
-    def _reduce_scatter_into(self, out, x):
-        out.copy_(self._sum(self.mailbox.exchange(self.rank, list(x.chunk(self.size)))))
-
-    def _all_gather_v_into(self, out, x, splits):
-        self._all_gather_into(out, x)
-
-    def _reduce_scatter_v_into(self, out, x, splits):
-        out.copy_(self._sum(self.mailbox.exchange(self.rank, list(x.split(splits)))))
-
-
-class _ThreadCounts(ExpertParallelGroup):
-    def __init__(self, mailbox: Mailbox, rank: int):
-        self.mailbox, self.size, self.rank = mailbox, mailbox.size, rank
-
-    def _gather_counts(self, gathered, local, counts):
-        return self.mailbox.exchange(self.rank, [list(counts)] * self.size)
-
-
 def _run_ranks(size, fn):
     boxes = [Mailbox(size) for _ in range(2)]
-    return run_ranks(size, boxes, lambda r: fn(_ThreadTP(boxes[0], r), _ThreadCounts(boxes[1], r)))
+    return run_ranks(size, boxes, lambda r: fn(ThreadTP(boxes[0], r), ThreadCounts(boxes[1], r)))
 
 
 def _shard(full: torch.Tensor, r: int, t: int, dim: int, gated: bool = False) -> torch.Tensor:

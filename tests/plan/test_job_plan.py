@@ -122,3 +122,43 @@ def test_stage_predictions_are_read_back_from_the_disk_cache(peaks, tmp_path, mo
     assert first.stats["exact_predictions"] > 0 and second.stats["exact_predictions"] == 0
     strip = [{k: v for k, v in d.items() if k != "stats"} for d in (first.to_dict(), second.to_dict())]
     assert strip[0] == strip[1]
+
+
+def _answer(result) -> dict:
+    out = result.to_dict()
+    out["stats"] = {k: v for k, v in out["stats"].items() if not k.endswith("seconds")}
+    return out
+
+
+def test_stages_searched_side_by_side_give_the_answer_of_one_process(middle, monkeypatch):
+    # NOTE [stages side by side]: forked workers search the stages (Megatron screen and extended search apart) and
+    # the Megatron setting of every stage is predicted ahead in them; the plans, predictions, tried settings in
+    # their order and the count of exact predictions are those of one process searching in order
+    budget, _ = middle
+    monkeypatch.setenv("REMAT_TRACE_WORKERS", "1")
+    serial = _answer(plan_job(JOB, budget))
+    monkeypatch.setenv("REMAT_TRACE_WORKERS", "2")
+    forked = _answer(plan_job(JOB, budget))
+    assert forked == serial
+    assert [list(s["tried"]) for s in forked["stages"]] == [list(s["tried"]) for s in serial["stages"]]
+    assert serial["stats"]["exact_predictions"] > 0
+
+
+def test_tracing_ahead_while_the_unit_model_is_built_changes_no_answer(monkeypatch):
+    # NOTE [tracing ahead]: the full/block stand-ins traced while the unit model is built leave the answer alone
+    from remat.plan import job_plan
+
+    job = Job.build(CONFIG.replace(num_layers=10), precision="bf16", pp=2, num_microbatches=2)
+    keep = predict_job(job).worst.peak_bytes
+    full = predict_job(job.replace(policy=Policy.parse("full/uniform/1"))).worst.peak_bytes
+    budget = (keep + full) // 2
+    made: list[str] = []
+    real = job_plan.predict_stage
+    with monkeypatch.context() as patch:
+        patch.setattr(job_plan, "idle_cores", lambda *a, **k: 2.0)
+        patch.setattr(job_plan, "prefetch_pending", lambda *a, **k: True)
+        patch.setattr(job_plan, "predict_stage", lambda j, *a, **k: made.append(str(j.policy)) or real(j, *a, **k))
+        ahead = _answer(plan_job(job, budget))
+    assert ahead == _answer(plan_job(job, budget))
+    # each stage with nothing recomputed, then one full/block stand-in per kind of stage (embedding, head) ahead
+    assert made[:4] == ["none", "none", "full/block/3", "full/block/3"]

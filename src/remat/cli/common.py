@@ -16,7 +16,16 @@ from typing import Any, NoReturn
 from remat.analysis.explain import resolve_policies
 from remat.analysis.outputs import path_problem
 from remat.analysis.report import write_json
-from remat.config import ACTIVATIONS, ATTENTIONS, DTYPES, NORMALIZATIONS, POSITIONS, ConfigError, ModelConfig
+from remat.config import (
+    ACTIVATIONS,
+    ATTENTIONS,
+    DTYPES,
+    NORMALIZATIONS,
+    POSITIONS,
+    ConfigError,
+    ModelConfig,
+    RoutingAssumption,
+)
 from remat.parallel.launch import DEFAULT_TIMEOUT
 from remat.parallel.schedule import RUNTIMES, SCHEDULES, PipelineError, check_schedule, partition
 from remat.plan.fine_offload import OFFLOAD_SWEEP_DESCRIPTION, offload_sweep
@@ -86,6 +95,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=tuple(DTYPES), help=f"parameter/activation dtype (default {d.dtype})")
     g.add_argument("--dropout", type=probability, metavar="P",
                    help=f"hidden and attention dropout (default {d.hidden_dropout})")
+    g.add_argument("--moe-routing", type=routing_assumption, metavar="ROUTING",
+                   help="MoE models: the routing a prediction assumes, which sets each expert's routed tokens: "
+                        "balanced (default), capacity:<factor> (every expert full: the worst case), or "
+                        "counts:<c0>,<c1>,...[;<next MoE layer>...] (tokens per expert, e.g. a run's own)")
 
 
 _MODEL_FLAGS = {
@@ -93,7 +106,17 @@ _MODEL_FLAGS = {
     "query_groups": "num_query_groups", "ffn": "ffn_hidden_size", "seq": "seq_length",
     "batch": "micro_batch_size", "vocab": "vocab_size", "activation": "activation",
     "normalization": "normalization", "position": "position", "attention": "attention", "dtype": "dtype",
+    "moe_routing": "moe_routing_assumption",
 }
+
+
+def routing_assumption(text: str) -> str:
+    """``--moe-routing``'s value, checked (:class:`remat.config.RoutingAssumption`)."""
+    try:
+        RoutingAssumption.parse(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err).replace("moe_routing_assumption=", "--moe-routing ")) from None
+    return text
 
 
 def _model_fields(args: argparse.Namespace) -> dict[str, Any]:

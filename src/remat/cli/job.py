@@ -13,7 +13,7 @@ from remat.cli.common import emit_report, max_error_status
 from remat.cli.job_args import JobSource, job_flags_given, job_from_args, job_policies
 from remat.job import Job
 from remat.job_flags import JobError
-from remat.parallel.job_measure import check_measurable, compare_job, format_rows
+from remat.parallel.job_measure import check_measurable, compare_job, format_rows, routing_counts
 from remat.parallel.job_predict import job_kernels, predict_job
 from remat.parallel.launch import DEFAULT_TIMEOUT
 from remat.plan.job_plan import plan_job
@@ -100,18 +100,36 @@ def run_compare_job(args: argparse.Namespace) -> int:
         job: Job = source.job.replace(policy=policy)
         check_measurable(job)
         rows += [{"policy": str(policy), **row} for row in compare_job(job, timeout=args.timeout or DEFAULT_TIMEOUT)]
+    routing = _routing(source.job, rows)
     report = {"format": "remat.compare-job", "version": 1, "job": _job_dict(source), "kernels": "cpu",
-              "assumed": source.assumed,
+              "assumed": source.assumed, "moe_routing": routing,
               "ignored_flags": source.ignored, "not_counted": not_counted_line(), "rows": rows}
     def print_text() -> None:
         print(_header(source) + "\n")
         for policy in dict.fromkeys(r["policy"] for r in rows):
             print(f"policy {policy}: predicted vs measured per rank (error = (predicted - measured) / measured)")
             print(format_rows([r for r in rows if r["policy"] == policy]) + "\n")
+        if routing:
+            print(f"MoE routing: predicted with {routing['predicted']}; the run routed (the first rank of each stage, "
+                  f"its last microbatch) {routing['measured'].removeprefix('counts:')} tokens per expert per MoE "
+                  f"layer: --moe-routing {routing['measured']} predicts those counts")
         print(not_counted_line())
 
     emit_report(args, report, print_text)
     return max_error_status(args, rows, "a rank's peak")
+
+
+def _routing(job: Job, rows: list[dict]) -> dict[str, str] | None:
+    """A MoE job's routing: the assumption its prediction used and the one that predicts what the run routed (the
+    first policy's run; its stages' MoE layers in order: None with virtual pipeline chunks, whose layers a rank's
+    report does not list in model order)."""
+    first = [r for r in rows if r["policy"] == rows[0]["policy"]] if rows else []
+    reports = [rep for stage in sorted({r["stage"] for r in first})
+               for rep in next(r for r in first if r["stage"] == stage).get("moe_routing") or ()]
+    if not reports or job.vpp:
+        return None
+    assumed = job.model.moe_routing_assumption
+    return {"predicted": assumed or "balanced (remat's default)", "measured": routing_counts(reports)}
 
 
 def run_plan_job(args: argparse.Namespace, options: PlanOptions) -> int:

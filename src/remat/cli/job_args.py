@@ -22,7 +22,8 @@ from remat.policy import Policy
 # rank. Without them the single-process commands run as before. A flag the job path cannot honour is refused, by
 # name, with the fix; so is a flag that --megatron-args already sets (the job has one source).
 PIPELINE_SPLIT = tuple(FLAG_OF)  # the Job fields of an uneven pipeline split, each a flag of the same name
-JOB_FLAGS = ("megatron_args", "dp", "cp", "ep", "distributed_optimizer", "optimizer", "precision", *PIPELINE_SPLIT)
+JOB_FLAGS = ("megatron_args", "dp", "cp", "ep", "etp", "distributed_optimizer", "optimizer", "precision",
+             *PIPELINE_SPLIT)
 # CLI flag -> the Megatron flag that sets it inside --megatron-args
 _MEGATRON_NAME = {
     "preset": "the model flags (--num-layers, --hidden-size, ...)", "config": "the model flags (--num-layers, ...)",
@@ -30,7 +31,7 @@ _MEGATRON_NAME = {
     "vpp": "--num-virtual-stages-per-pipeline-rank", "microbatches": "--global-batch-size",
     "schedule": "--num-virtual-stages-per-pipeline-rank (interleaved) or nothing (1f1b)",
     "dp": "--data-parallel-size or --world-size", "cp": "--context-parallel-size",
-    "ep": "--expert-model-parallel-size",
+    "ep": "--expert-model-parallel-size", "etp": "--expert-tensor-parallel-size",
     "distributed_optimizer": "--use-distributed-optimizer", "optimizer": "--optimizer", "precision": "--bf16/--fp16",
     "dropout": "--hidden-dropout/--attention-dropout", "layers": "--num-layers", "hidden": "--hidden-size",
     "heads": "--num-attention-heads", "query_groups": "--num-query-groups", "ffn": "--ffn-hidden-size",
@@ -59,6 +60,10 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
                    help="expert-parallel size (Megatron's --expert-model-parallel-size, MoE models): each rank holds "
                         "num_moe_experts/ep experts and exchanges routed tokens all-to-all; dp must be a multiple of "
                         "ep (default: the model's, 1)")
+    g.add_argument("--etp", type=positive_int, metavar="T",
+                   help="the experts' tensor-parallel size (Megatron's --expert-tensor-parallel-size, MoE models): "
+                        "each expert split over etp ranks, its tokens gathered over them; ep x etp must divide "
+                        "tp x cp x dp (default: tp)")
     g.add_argument("--distributed-optimizer", action="store_true", default=None,
                    help="Megatron's --use-distributed-optimizer: master params and optimizer state sharded over dp")
     g.add_argument("--optimizer", choices=OPTIMIZERS,
@@ -141,6 +146,8 @@ def job_from_args(args: argparse.Namespace, *, default_microbatches: Callable[[i
             warnings.simplefilter("always")
             job, ignored = parse_megatron_args(text)
         assumed = [str(w.message) for w in caught]
+        if getattr(args, "moe_routing", None) is not None:  # remat's prediction setting: no Megatron flag sets it
+            job = job.replace(model=job.model.replace(moe_routing_assumption=args.moe_routing))
         tokens, _ = flag_tokens(text)
         recompute = any(t.partition("=")[0] in RECOMPUTE_FLAGS or t.startswith("--recompute-") for t in tokens)
         return JobSource(job, ignored, assumed, recompute)
@@ -178,8 +185,8 @@ def job_from_args(args: argparse.Namespace, *, default_microbatches: Callable[[i
     microbatches = getattr(args, "microbatches", None) or default_microbatches(pp)
     schedule = getattr(args, "schedule", None) or ("interleaved" if vpp else "1f1b")
     job = Job.build(config, precision=precision, tp=args.tp, sp=args.sp, pp=pp, vpp=vpp, cp=args.cp or 1,
-                    dp=args.dp or 1, ep=ep, num_microbatches=microbatches, schedule=schedule, optimizer=optimizer,
-                    distributed_optimizer=bool(args.distributed_optimizer), **split)
+                    dp=args.dp or 1, ep=ep, etp=args.etp, num_microbatches=microbatches, schedule=schedule,
+                    optimizer=optimizer, distributed_optimizer=bool(args.distributed_optimizer), **split)
     return JobSource(job, [], assumed, False)
 
 

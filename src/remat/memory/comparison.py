@@ -48,12 +48,17 @@ def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
     parallel = {"tp": tp, "sp": sp} if tp != 1 or sp else {}
     if adam and parallel:
         raise ValueError("--adam with --tp/--sp: Adam states are traced on one unsharded process only; drop one")
+    early: dict[int, tuple[Timeline, float]] = {}  # composed while the other shallow traces were being made
     if not adam:  # every shallow trace the compositions below need, made together (side by side on the cores)
-        prepare_shallow_traces(config, policies, device=device, **parallel)
+        prepare_shallow_traces(config, policies, device=device, **parallel,
+                               on_composed=lambda i, timeline, seconds: early.__setitem__(i, (timeline, seconds)))
     out = []
     for i, policy in enumerate(policies):
         if progress is not None:
             progress(i, len(policies), str(policy))
+        if i in early:
+            out.append(early[i])
+            continue
         start = time.perf_counter()
         if adam:  # a full trace: composition does not cover optimizer.step()
             timeline = predict(config, policy, optimizer=adam_steady_state, device=device)

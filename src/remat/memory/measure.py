@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -41,6 +42,37 @@ def _cpu_flash_backward_flops(grad_out: torch.Tensor, query: torch.Tensor, key: 
 # attention on CPU), counted as its other attention kernels are.
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = dict(flop_registry)
 _DEVICE_QUERY = torch.ops.prim.device.default  # what reading tensor.device dispatches to under a mode
+# argument types that are pytree leaves and never tensors: an argument list of these and tensors is its own flattening
+_PLAIN_ARGS = frozenset((int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+                         torch.memory_format))
+
+
+def _tensors_in(values: Any) -> Sequence[Any]:
+    """The leaves of ``values`` in :func:`tree_flatten`'s order (what the recorder tracks of an operator's
+    arguments or outputs): a list or tuple of tensors, plain values and lists or tuples of those (nearly every
+    operator's) is flattened here, without tree_flatten's per-node type lookups; anything else by ``tree_flatten``."""
+    if type(values) is not tuple and type(values) is not list:
+        return tree_flatten(values)[0]
+    leaves: list[Any] = []
+    for value in values:
+        if type(value) in _PLAIN_ARGS or isinstance(value, torch.Tensor):
+            leaves.append(value)
+        elif type(value) is list or type(value) is tuple:
+            for item in value:
+                if not (type(item) in _PLAIN_ARGS or isinstance(item, torch.Tensor)):
+                    return tree_flatten(values)[0]
+                leaves.append(item)
+        else:
+            return tree_flatten(values)[0]
+    return leaves
+
+
+def _fake_mode_alone_below(tensor: FakeTensor) -> bool:
+    """Whether a mode's ``tensor.device`` query would reach ``tensor``'s own fake mode next, outside a fake kernel
+    (no other dispatch mode between): the fake mode then answers ``tensor.fake_device``."""
+    mode = tensor.fake_mode
+    return (torch._C._len_torch_dispatch_stack() == 1 and not mode.in_kernel_invocation
+            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is mode)
 
 
 for _name, _formula in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash_forward_flops),
@@ -214,17 +246,20 @@ class StepRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         if func is _DEVICE_QUERY:  # tensor.device (most dispatches of a fake step): no output, no FLOPs
-            self.track(args[0])
+            tensor = args[0]
+            self.track(tensor)
+            if type(tensor) is FakeTensor and _fake_mode_alone_below(tensor):
+                return tensor.fake_device  # what the fake mode's handler answers, without a second dispatch
             return func(*args)
         kwargs = kwargs or {}
-        for leaf in tree_flatten((args, kwargs))[0]:
+        for leaf in _tensors_in(args) if not kwargs else tree_flatten((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor):  # storages made outside any operator (RNG states, ...)
                 self.track(leaf)
         out = func(*args, **kwargs)
         packet = func.overloadpacket
         if packet in FLOP_FORMULAS:
             self.phase_flops[-1] += int(FLOP_FORMULAS[packet](*args, **kwargs, out_val=out))
-        for leaf in tree_flatten(out)[0]:
+        for leaf in (out,) if isinstance(out, torch.Tensor) else _tensors_in(out):
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)
         return out

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -181,17 +182,25 @@ def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "
         shallow_policy, shallow_depth, small_kinds = stand_in
         small_config = config.with_depth(shallow_depth, None if small_kinds is None else
                                          tuple(k == "moe" for k in small_kinds))
-        try:
-            shallow = _shallow_trace(small_config, shallow_policy, device, tp, sp)
-            timeline = compose(shallow, shallow_policy, policy, config.num_layers, kinds)
-        except CompositionError as err:
-            timeline = trace_rank(config, policy, device, tp, sp)
-            timeline.meta["composition_refused"] = str(err)
-        else:
-            timeline.meta["config"] = config.to_dict()
-            timeline.meta.update({"tp": tp, "sp": sp})
-        return timeline
+        return _composed(config, policy, kinds, lambda: _shallow_trace(small_config, shallow_policy, device, tp, sp),
+                         device, tp, sp)
     return trace_rank(config, policy, device, tp, sp)
+
+
+def _composed(config: ModelConfig, policy: Policy, kinds: tuple[str, ...] | None, shallow: Callable[[], ShallowTrace],
+              device: str, tp: int, sp: bool) -> Timeline:
+    """``policy``'s step composed from the shallow trace ``shallow()`` gives, or traced in full (the reason in
+    ``meta['composition_refused']``) when that trace cannot be laid out for it."""
+    try:
+        trace_ = shallow()
+        timeline = compose(trace_, trace_.policy, policy, config.num_layers, kinds)
+    except CompositionError as err:
+        timeline = trace_rank(config, policy, device, tp, sp)
+        timeline.meta["composition_refused"] = str(err)
+    else:
+        timeline.meta["config"] = config.to_dict()
+        timeline.meta.update({"tp": tp, "sp": sp})
+    return timeline
 
 
 def _stand_in(config: ModelConfig, policy: Policy, kinds: tuple[str, ...] | None, where: tuple[Any, ...],
@@ -261,11 +270,17 @@ def predict_many(config: ModelConfig, policies: Iterable[Policy | str], *, devic
 
 
 def prepare_shallow_traces(config: ModelConfig, policies: Iterable[Policy], *, device: str = "cpu", tp: int = 1,
-                           sp: bool = False) -> int:
+                           sp: bool = False, on_composed: Callable[[int, Timeline, float], None] | None = None,
+                           ) -> int:
     """Make, before :func:`predict_config` composes ``policies`` one by one, every shallow trace it will compose
     them from: chosen together (a trace made for one policy serves every later one whose layer roles it has),
     read from the disk cache or traced side by side on the machine's cores (:mod:`remat.memory.trace_pool`).
-    Returns how many were traced."""
+    Returns how many were traced.
+
+    With ``on_composed``, each policy whose shallow trace is made here is composed as soon as that trace is
+    made, while the other traces are still being made, and handed over as ``on_composed(index in policies,
+    timeline, seconds)``: the timeline :func:`predict_config` gives for it afterwards (from the same stand-in)."""
+    policies = list(policies)
     kinds = layer_kinds(config)
     if config.moe_routing_assumption is not None and RoutingAssumption.parse(config.moe_routing_assumption).per_layer:
         return 0
@@ -302,11 +317,57 @@ def prepare_shallow_traces(config: ModelConfig, policies: Iterable[Policy], *, d
         else:
             _remember(key, ShallowTrace(timeline, small_policy))
     todo.sort(key=lambda k: -k[0].num_layers)  # the longest first: the workers finish together
-    traced = run_traces([functools.partial(trace_rank, k[0], k[1], device, tp, sp) for k in todo])
-    for key, timeline in zip(todo, traced):
+    waiting = _waiting_for(config, policies, kinds, where, [planned[k] for k in todo], tp, sp) \
+        if on_composed is not None else {}
+    made: dict[int, ShallowTrace] = {}
+    deliver = on_composed or (lambda *_: None)
+
+    def compose_waiting(index: int, timeline: Timeline) -> None:
+        try:
+            made[index] = ShallowTrace(timeline, todo[index][1])
+        except CompositionError:  # raised below, as without on_composed
+            return
+        for i in waiting.get(todo[index], ()):
+            start = time.perf_counter()
+            composed = _composed(config, policies[i], kinds, lambda: made[index], device, tp, sp)
+            deliver(i, composed, time.perf_counter() - start)
+
+    traced = run_traces([functools.partial(trace_rank, k[0], k[1], device, tp, sp) for k in todo],
+                        on_result=compose_waiting if waiting else None)
+    for index, (key, timeline) in enumerate(zip(todo, traced)):
         disk_cache.store("shallow_trace", _disk_key(key), timeline.to_dict())
-        _remember(key, ShallowTrace(timeline, key[1]))
+        _remember(key, made[index] if index in made else ShallowTrace(timeline, key[1]))
     return len(todo)
+
+
+def _waiting_for(config: ModelConfig, policies: Sequence[Policy], kinds: tuple[str, ...] | None,
+                 where: tuple[Any, ...], todo: list[tuple[tuple[Any, ...], frozenset[Role], tuple[str, ...] | None]],
+                 tp: int, sp: bool) -> dict[tuple[Any, ...], list[int]]:
+    """Which of ``policies`` (indices) :func:`predict_config` will compose from each shallow trace of ``todo``
+    ((key, roles, layer kinds), in the order they will be remembered) once they are all made: the stand-in it
+    picks among the shallow traces then made (:func:`_stand_in`). Empty when that cannot be told beforehand (the
+    cache would drop some) or the layout is refused (its error is raised as without early compositions)."""
+    if len(SHALLOW_TRACES) + len(todo) > SHALLOW_TRACES_CAPACITY:
+        return {}
+    try:
+        check_tensor_parallel(config, tp, sp)
+    except ValueError:
+        return {}
+    ordered = [*((key, t.role_set, t.kinds) for key, t in SHALLOW_TRACES.items()), *todo]
+    ordered.reverse()  # as _stand_in reads the traces made: the latest first
+    pending: dict[tuple[Any, ...], list[int]] = {entry[0]: [] for entry in todo}
+    for i, policy in enumerate(policies):
+        if policy.offloads:  # traced in full (predict_config)
+            continue
+        found = _stand_in(config, policy, kinds, where, ordered)
+        if found is None or found[1] >= config.num_layers:
+            continue
+        small_policy, depth, small_kinds = found
+        small = config.with_depth(depth, None if small_kinds is None else tuple(k == "moe" for k in small_kinds))
+        key = (small, small_policy, *where)
+        if key in pending:
+            pending[key].append(i)
+    return {key: found for key, found in pending.items() if found}
 
 
 SHALLOW_TRACES: dict[tuple[ModelConfig, Policy, str, int, bool, str], ShallowTrace] = {}  # ..., kernel profile

@@ -246,7 +246,10 @@ def rank_state(job: Job, chunks: Sequence[Sequence[ParamInfo]], *, pipeline_rank
                                         and index == 0)]
     n = sum(lay.numel_unpadded for lay in layouts)
     padded = sum(lay.numel for lay in layouts)
-    candidates = [expert_position(job, g) for g in range(0, job.tp * job.cp * job.dp, job.tp)]
+    # tp rank 0 of each dense shard; a given ep_rank may sit at another tp rank only (etp < tp: the expert ranks
+    # run through the tensor-parallel ones), so then every rank of the stage is a candidate
+    candidates = [expert_position(job, g) for g in range(0, job.tp * job.cp * job.dp, 1 if ep_rank is not None
+                                                             else job.tp)]
     candidates = [c for c in candidates if ep_rank is None or c[1] == ep_rank]
     if not dist:
         candidates = candidates[:1]

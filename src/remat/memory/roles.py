@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from remat.config import ModelConfig
@@ -97,16 +97,28 @@ def shallow_stand_ins(policy: Policy, depth: int, max_depth: int = 12) -> Iterat
     """Every (policy, depth) of the same kind, shallowest first, whose layers have every role of
     ``(policy, depth)`` (so its trace can be composed into the deep one)."""
     need = role_set(policy, depth)
-    for small_depth in range(1, min(depth, max_depth) + 1):
-        if policy.granularity == "full":
-            low = 1 if policy.method == "uniform" else 0
-            ks = range(low, min(policy.num_layers, small_depth) + 1)
-            candidates = [dataclasses.replace(policy, num_layers=k) for k in ks]
-        else:
-            candidates = [policy]
-        for candidate in candidates:
+    with_k = _with_group_sizes(policy)
+    # a stack of n layers has at most n roles: shallower ones cannot stand in
+    for small_depth in range(max(1, len(need)), min(depth, max_depth) + 1):
+        for candidate in with_k(small_depth):
             if need <= role_set(candidate, small_depth):
                 yield candidate, small_depth
+
+
+def _with_group_sizes(policy: Policy) -> Callable[[int], list[Policy]]:
+    """The candidates of :func:`shallow_stand_ins` on ``n`` layers: ``policy`` itself, or for full recompute
+    ``policy`` with each layer count from 1 (uniform) or 0 (block) up to ``min(K, n)``; each made once."""
+    if policy.granularity != "full":
+        return lambda n: [policy]
+    low = 1 if policy.method == "uniform" else 0
+    made: list[Policy] = []
+
+    def candidates(n: int) -> list[Policy]:
+        top = min(policy.num_layers, n)
+        while low + len(made) <= top:
+            made.append(dataclasses.replace(policy, num_layers=low + len(made)))
+        return made[:max(0, top - low + 1)]
+    return candidates
 
 
 def shallow_stand_ins_of_kinds(policy: Policy, kinds: Sequence[str], max_depth: int = 16,
@@ -116,16 +128,12 @@ def shallow_stand_ins_of_kinds(policy: Policy, kinds: Sequence[str], max_depth: 
     depth = len(kinds)
     need = role_set(policy, depth, kinds)
     names = sorted(set(kinds))
-    for small_depth in range(1, min(depth, max_depth) + 1):
+    with_k = _with_group_sizes(policy)
+    # a stack of n layers has at most n roles: shallower ones cannot stand in
+    for small_depth in range(max(1, len(need)), min(depth, max_depth) + 1):
         patterns = {tuple(kinds[:small_depth]), tuple(kinds[-small_depth:])}
         patterns |= {(a,) * n + (b,) * (small_depth - n) for a in names for b in names for n in range(small_depth + 1)}
-        if policy.granularity == "full":
-            low = 1 if policy.method == "uniform" else 0
-            candidates = [dataclasses.replace(policy, num_layers=k)
-                          for k in range(low, min(policy.num_layers, small_depth) + 1)]
-        else:
-            candidates = [policy]
-        for candidate in candidates:
+        for candidate in with_k(small_depth):
             for pattern in sorted(patterns):
                 if need <= role_set(candidate, small_depth, pattern):
                     yield candidate, small_depth, pattern

@@ -6,13 +6,17 @@ are forked from this process after everything is imported (no second start-up), 
 back the timeline's JSON form; the result is the same timeline, byte for byte, as tracing here.
 ``REMAT_TRACE_WORKERS`` sets the number of workers (``1``: trace in this process). A worker that sends nothing for
 ``REMAT_TRACE_TIMEOUT`` seconds (default 600: a worker killed by the system, or stuck) ends the pool, and what it
-had not sent is traced here: a sweep never waits forever on a worker.
+had not sent is traced here: a sweep never waits forever on a worker. :func:`run_forked` runs any tasks so (a job
+plan's stage searches), their answers pickled back; :func:`idle_workers` says how many are worth forking now.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
+import queue
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +39,42 @@ def available_workers() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
         return max(1, os.cpu_count() or 1)
+
+
+def idle_workers(window: float = 0.05) -> int:
+    """How many processes may work side by side without slowing each other: ``$REMAT_TRACE_WORKERS`` when set,
+    else the cores this process may use that stood idle over the next ``window`` seconds (this process waiting
+    meanwhile; ``/proc/stat``, else the one-minute load average), at least 1. Forked workers share the CPU time
+    their session gets (Linux's autogroup scheduling): on cores that others keep busy they only add their start-up
+    and pickling to the same share, so they are worth it only where a core is free."""
+    cores = available_workers()
+    if os.environ.get(WORKERS_ENV, "").strip() or cores <= 1:
+        return cores
+    idle = idle_cores(window)
+    if idle is None:
+        try:
+            idle = (os.cpu_count() or cores) - os.getloadavg()[0]
+        except OSError:  # no load average either: take the cores to be free
+            idle = cores
+    return max(1, min(cores, int(idle + 0.5)))
+
+
+def idle_cores(window: float = 0.05) -> float | None:
+    """Cores of the machine that stood idle over the next ``window`` seconds (this process waiting meanwhile), from
+    ``/proc/stat``'s counters; None where that is unreadable (not Linux)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat", encoding="ascii") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        return sum(ticks), ticks[3] + ticks[4]
+    try:
+        total, idle = sample()
+        time.sleep(window)
+        total2, idle2 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total2 <= total:
+        return None
+    return (idle2 - idle) / (total2 - total) * (os.cpu_count() or 1)
 
 
 def worker_timeout() -> float:
@@ -62,13 +102,15 @@ def _worker_start() -> None:
     torch.set_num_threads(1)  # fake tensors compute nothing; never touch an OpenMP pool made before the fork
 
 
-def run_traces(tasks: Sequence[Callable[[], Timeline]], workers: int | None = None) -> list[Timeline]:
+def run_traces(tasks: Sequence[Callable[[], Timeline]], workers: int | None = None,
+               on_result: Callable[[int, Timeline], None] | None = None) -> list[Timeline]:
     """Run ``tasks`` (each makes one timeline) and return their timelines in order: in forked workers when there
     are several tasks and several workers (:func:`available_workers`), else here. A task that fails in a worker is
-    run again here, so its error is raised as it would be without workers."""
+    run again here, so its error is raised as it would be without workers. ``on_result(index, timeline)`` is
+    called here with each timeline as soon as it is made (while the workers go on with the others), each once."""
     workers = min(len(tasks), available_workers() if workers is None else workers)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return [task() for task in tasks]
+        return [_made(i, task(), on_result) for i, task in enumerate(tasks)]
     _warm_up()
     _TASKS[:] = tasks
     out: list[Timeline | None] = [None] * len(tasks)
@@ -81,10 +123,72 @@ def run_traces(tasks: Sequence[Callable[[], Timeline]], workers: int | None = No
                     index, data, error = answers.next(timeout)
                 except multiprocessing.TimeoutError:  # the pool is ended on leaving; the rest is traced here
                     break
-                out[index] = None if error is not None else Timeline.from_dict(data)
+                out[index] = None if error is not None else _made(index, Timeline.from_dict(data), on_result)
     finally:
         _TASKS.clear()
-    return [tl if tl is not None else tasks[i]() for i, tl in enumerate(out)]
+    return [tl if tl is not None else _made(i, tasks[i](), on_result) for i, tl in enumerate(out)]
+
+
+def _made(index: int, timeline: Timeline, on_result: Callable[[int, Timeline], None] | None) -> Timeline:
+    if on_result is not None:
+        on_result(index, timeline)
+    return timeline
+
+
+def run_forked(tasks: Sequence[Callable[[], Any]], workers: int | None = None) -> list[Any]:
+    """Run ``tasks`` (each returns a picklable answer) and return their answers in order: side by side in forked
+    worker processes when there are several tasks and several workers (:func:`available_workers`), else here, one
+    after the other. Each worker takes the next task when it has sent its last answer (the longest tasks listed
+    first end soonest). A task that fails in a worker, or that a worker silent for :func:`worker_timeout` seconds
+    had not answered, is run again here, so its error is raised as it would be without workers. The workers are
+    not daemons: a task may fork processes of its own (:func:`run_traces`, remat.plan.unit_prefetch)."""
+    workers = min(len(tasks), available_workers() if workers is None else workers)
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [task() for task in tasks]
+    _warm_up()
+    ctx = multiprocessing.get_context("fork")
+    todo, answers = ctx.SimpleQueue(), ctx.Queue()
+    for index in range(len(tasks)):
+        todo.put(index)
+    for _ in range(workers):
+        todo.put(None)
+    # forked: the tasks are inherited, never pickled; only the answers are
+    procs = [ctx.Process(target=_serve, args=(tasks, todo, answers)) for _ in range(workers)]
+    for proc in procs:
+        proc.start()
+    out: list[tuple[bool, Any]] = [(False, None)] * len(tasks)
+    try:
+        timeout, waited, received = worker_timeout(), 0.0, 0
+        while received < len(tasks) and waited < timeout:
+            try:
+                index, data = answers.get(timeout=1.0)
+            except queue.Empty:  # all workers gone (killed) or one silent too long: the rest run here
+                waited += 1.0
+                if not any(proc.is_alive() for proc in procs) and answers.empty():
+                    break
+                continue
+            waited, received = 0.0, received + 1
+            out[index] = (data is not None, None if data is None else pickle.loads(data))
+    finally:
+        for proc in procs:
+            proc.join(0.5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+        answers.close()
+    return [answer if ok else tasks[i]() for i, (ok, answer) in enumerate(out)]
+
+
+def _serve(tasks: Sequence[Callable[[], Any]], todo: Any, answers: Any) -> None:
+    _worker_start()
+    while (index := todo.get()) is not None:
+        try:  # pickled here, so that an answer that cannot be sent is a failure the parent hears of
+            data: bytes | None = pickle.dumps(tasks[index]())
+        except Exception:  # the parent runs the task itself (and raises its error there)
+            data = None
+        answers.put((index, data))
+    answers.close()
+    answers.join_thread()  # every answer sent before the worker ends
 
 
 def _warm_up() -> None:

@@ -28,7 +28,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.config import ConfigError, ModelConfig, RoutingAssumption
-from remat.models.collectives import released
+from remat.models.collectives import released, run_collective
 
 
 def host_values(values: list[int], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
@@ -57,17 +57,22 @@ class ExpertParallelGroup:
     def all_to_all(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
         """Send rows ``input_splits[d]`` of ``x`` (in rank order) to rank d; return the rows received, rank by rank
         (``output_splits[s]`` from rank s), as one new tensor (Megatron's ``_AllToAll.forward``)."""
-        x = x.contiguous()
-        out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        self._all_to_all_into(out, x, output_splits, input_splits)
-        return out
+        def exchange() -> torch.Tensor:
+            rows = x.contiguous()
+            out = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+            self._all_to_all_into(out, rows, output_splits, input_splits)
+            return out
+
+        return run_collective(exchange)
 
     def exchange_counts(self, counts: list[int], like: torch.Tensor) -> list[list[int]]:
         """Every rank's tokens per expert, ``[rank][expert]``, from this rank's ``counts``: an all-gather of a long
         tensor (Megatron gathers ``num_local_tokens_per_expert`` over the expert-parallel group)."""
-        local = host_values(counts, torch.long, like)
-        gathered = local.new_empty(self.size * len(counts))
-        return self._gather_counts(gathered, local, counts)
+        def exchange() -> list[list[int]]:
+            local = host_values(counts, torch.long, like)
+            return self._gather_counts(local.new_empty(self.size * len(counts)), local, counts)
+
+        return run_collective(exchange)
 
 
 class SimulatedExpertGroup(ExpertParallelGroup):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.config import ModelConfig
-from remat.models.collectives import released
+from remat.models.collectives import released, run_collective, run_in_place_collective
 from remat.models.gpt import MLP, SwiGLU
 
 
@@ -22,6 +22,11 @@ class TensorParallelGroup:
     rank: int = 0
 
     def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (``op="max"``: the maximum) of ``x`` over the ranks, written into ``x``; returns ``x``."""
+        run_in_place_collective(lambda: self._all_reduce_into(x, op), written=x)
+        return x
+
+    def _all_reduce_into(self, x: torch.Tensor, op: str) -> None:
         raise NotImplementedError
 
     def _all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
@@ -31,29 +36,38 @@ class TensorParallelGroup:
         raise NotImplementedError
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty((x.shape[0] * self.size, *x.shape[1:]))
-        self._all_gather_into(out, x.contiguous())
-        return out
+        def gather() -> torch.Tensor:
+            out = x.new_empty((x.shape[0] * self.size, *x.shape[1:]))
+            self._all_gather_into(out, x.contiguous())
+            return out
+
+        return run_collective(gather)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] % self.size:
             raise ValueError(f"cannot split {x.shape[0]} tokens {self.size} ways: micro_batch_size x seq_length "
                              "must be divisible by the tensor-parallel size under sequence parallelism")
-        out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
-        self._reduce_scatter_into(out, x.contiguous())
-        return out
+        def reduce_scatter() -> torch.Tensor:
+            out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
+            self._reduce_scatter_into(out, x.contiguous())
+            return out
+
+        return run_collective(reduce_scatter)
 
     def all_gather_v(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor:
         """Every rank's rows, ``splits[r]`` of them from rank r, in rank order, as one new tensor (Megatron's
         ``gather_from_sequence_parallel_region`` with ``output_split_sizes``)."""
         if splits[self.rank] != x.shape[0]:
             raise ValueError(f"rank {self.rank} sends {x.shape[0]} rows, but splits={splits} says {splits[self.rank]}")
-        out = x.new_empty((sum(splits), *x.shape[1:]))
-        if len(set(splits)) == 1:
-            self._all_gather_into(out, x.contiguous())
-        else:
-            self._all_gather_v_into(out, x.contiguous(), splits)
-        return out
+        def gather() -> torch.Tensor:
+            out = x.new_empty((sum(splits), *x.shape[1:]))
+            if len(set(splits)) == 1:
+                self._all_gather_into(out, x.contiguous())
+            else:
+                self._all_gather_v_into(out, x.contiguous(), splits)
+            return out
+
+        return run_collective(gather)
 
     def reduce_scatter_v(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor:
         """Sum ``x`` over the ranks and keep rows ``splits[rank]`` of it (rank order), as one new tensor (Megatron's
@@ -63,9 +77,12 @@ class TensorParallelGroup:
             raise ValueError(f"reduce-scatter of {x.shape[0]} rows into splits={splits}")
         if len(set(splits)) == 1:
             return self.reduce_scatter(x)
-        out = x.new_empty((splits[self.rank], *x.shape[1:]))
-        self._reduce_scatter_v_into(out, x.contiguous(), splits)
-        return out
+        def reduce_scatter() -> torch.Tensor:
+            out = x.new_empty((splits[self.rank], *x.shape[1:]))
+            self._reduce_scatter_v_into(out, x.contiguous(), splits)
+            return out
+
+        return run_collective(reduce_scatter)
 
     def _all_gather_v_into(self, out: torch.Tensor, x: torch.Tensor, splits: list[int]) -> None:
         raise NotImplementedError(f"{type(self).__name__}: a gather of unequal splits {splits}")
@@ -89,8 +106,8 @@ class SimulatedGroup(TensorParallelGroup):
     def __init__(self, size: int, rank: int = 0):
         self.size, self.rank = size, rank
 
-    def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return x
+    def _all_reduce_into(self, x: torch.Tensor, op: str) -> None:
+        pass
 
     def _all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
         out.copy_(x.unsqueeze(0).expand(self.size, *x.shape).reshape(out.shape))
@@ -108,11 +125,10 @@ class DistributedGroup(TensorParallelGroup):
         self.dist, self.group = dist, group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
-    def all_reduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def _all_reduce_into(self, x: torch.Tensor, op: str) -> None:
         reduce_op = self.dist.ReduceOp.MAX if op == "max" else self.dist.ReduceOp.SUM
         with released(x):
             self.dist.all_reduce(x, op=reduce_op, group=self.group)
-        return x
 
     def _all_gather_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
         with released(out, x):

@@ -161,27 +161,85 @@ def _chunk_stand_in(config: ModelConfig, layout: Policy | Plan, layers: int, whe
     return None if found is None else (found[0], found[1], tuple(k == "moe" for k in found[2]))
 
 
+def _keep_shallow(key: tuple[Any, ...], shallow: ChunkTrace) -> None:
+    """Keep a shallow chunk trace (``key``: its config, kind, layout, then :func:`_composed_chunk`'s ``where``) with
+    its two microbatch steps, ready to be composed."""
+    if len(_SHALLOW) >= _SHALLOW_CAPACITY:
+        del _SHALLOW[next(iter(_SHALLOW))]
+    small_config, (_, _, depth), small_layout = key[:3]
+    meta = {"num_layers": depth, "config": small_config.to_dict()}
+    steps = [microbatch_step(shallow.timeline, shallow.bounds, m, meta) for m in (0, 1)]
+    _SHALLOW[key] = (shallow, [ShallowTrace(s.timeline, small_layout) for s in steps], steps)
+
+
+def shallow_chunk_keys() -> frozenset[tuple[Any, ...]]:
+    """The keys of the shallow chunk traces kept in this process (:func:`shallow_chunks_since`)."""
+    return frozenset(_SHALLOW)
+
+
+def shallow_chunks_since(known: frozenset[tuple[Any, ...]]) -> list[tuple[tuple[Any, ...], ChunkTrace]]:
+    """The shallow chunk traces of Megatron settings kept here and not among ``known``
+    (:func:`shallow_chunk_keys`), in the order they were made: another process (e.g. the one that forked this one)
+    takes them with :func:`keep_shallow_chunks` instead of tracing them again. A chunk laid out from any of them is
+    the same, event for event, as from its own shallowest stand-in (NOTE [composing a chunk trace])."""
+    return [(key, found[0]) for key, found in _SHALLOW.items() if key not in known and isinstance(key[2], Policy)]
+
+
+def keep_shallow_chunks(found: Sequence[tuple[tuple[Any, ...], ChunkTrace]]) -> None:
+    """Keep shallow chunk traces made in another process (:func:`shallow_chunks_since`) for later chunks here."""
+    for key, shallow in found:
+        if key not in _SHALLOW:
+            _keep_shallow(key, shallow)
+
+
 def _composed_chunk(config: ModelConfig, kind: tuple[bool, bool, int], layout: Policy | Plan, device: str, tp: int,
                     sp: bool, batch_in_forward: bool, kernels: str = "cpu", drop_grads: bool = False,
                     ) -> ChunkTrace | None:
     """The chunk trace laid out from a shallow chunk's (NOTE [composing a chunk trace]), or None."""
-    first, last, layers = kind
     where = (device, tp, sp, batch_in_forward, simulated_expert_rank(), kernels, drop_grads)
-    found = _chunk_stand_in(config, layout, layers, where)
-    if found is None or found[1] >= layers:
+    traced = _traced_plan_stand_in(config, kind, layout, where)
+    if traced is not None:  # a plan laid out from a shallow plan traced already, when that one can stand in
+        trace = _laid_out(config, kind, layout, traced, where)
+        if trace is not None:
+            return trace
+    found = _chunk_stand_in(config, layout, kind[2], where)
+    if found is None or found[1] >= kind[2]:
         return None
+    return _laid_out(config, kind, layout, found, where)
+
+
+def _traced_plan_stand_in(config: ModelConfig, kind: tuple[bool, bool, int], layout: Policy | Plan,
+                          where: tuple[Any, ...]) -> tuple[Plan, int, None] | None:
+    """A shallow plan traced already for a chunk of the same kind (embedding, head) and a dense stack of the same
+    config family, shallower than ``layout`` and with every layer role of it (e.g. a plan that differs from one
+    traced before only where a run of layers ends): laid out, it gives the chunk's trace as its own shallowest
+    stand-in does (NOTE [composing a deep step from a shallow trace] in remat.memory.compose); None when none is."""
+    if not isinstance(layout, Plan) or any(s.mode == "offload" for s in layout.segments) or \
+            layer_kinds(config.with_depth(kind[2])) is not None:
+        return None
+    need = role_set(layout, kind[2])
+    config_kind = config_family(config)
+    for (small_config, (first, last, depth), small, *rest), (_, traces, _) in reversed(_SHALLOW.items()):
+        if tuple(rest) == where and (first, last) == kind[:2] and isinstance(small, Plan) and \
+                small.engine == layout.engine and depth < kind[2] and config_family(small_config) == config_kind \
+                and need <= traces[0].role_set:
+            return small, depth, None
+    return None
+
+
+def _laid_out(config: ModelConfig, kind: tuple[bool, bool, int], layout: Policy | Plan,
+              found: tuple[Policy | Plan, int, tuple[bool, ...] | None], where: tuple[Any, ...]) -> ChunkTrace | None:
+    """The chunk trace laid out from the shallow chunk ``found`` (its layout, depth and MoE pattern), traced first
+    when it is not kept yet; None when composition refuses it."""
+    first, last, layers = kind
+    device, tp, sp, batch_in_forward, _, kernels, drop_grads = where
     small_layout, depth, pattern = found
     small_config = config.with_depth(depth, pattern)
     key = (small_config, (first, last, depth), small_layout, *where)
     try:
         if key not in _SHALLOW:
-            if len(_SHALLOW) >= _SHALLOW_CAPACITY:
-                del _SHALLOW[next(iter(_SHALLOW))]
-            shallow = _trace_chunk(small_config, (first, last, depth), small_layout, device, tp, sp,
-                                   batch_in_forward, kernels, drop_grads)
-            meta = {"num_layers": depth, "config": small_config.to_dict()}
-            steps = [microbatch_step(shallow.timeline, shallow.bounds, m, meta) for m in (0, 1)]
-            _SHALLOW[key] = (shallow, [ShallowTrace(s.timeline, small_layout) for s in steps], steps)
+            _keep_shallow(key, _trace_chunk(small_config, (first, last, depth), small_layout, device, tp, sp,
+                                            batch_in_forward, kernels, drop_grads))
         shallow, traces, steps = _SHALLOW[key]
         kinds = layer_kinds(config.with_depth(layers))
         sources: list[list[int]] = [[], []]

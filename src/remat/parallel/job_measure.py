@@ -61,13 +61,16 @@ def job_from_dict(data: dict[str, Any]) -> Job:
 def check_measurable(job: Job) -> None:
     """Refuse, naming the field, what the real run does not build (yet)."""
     refusals = [
-        (job.cp > 1, f"cp={job.cp}: the real run has no ring attention; measure with cp=1"),
+        (job.cp > 1, f"cp={job.cp} (--context-parallel-size): the real run has no ring attention (context "
+                     "parallelism's K/V exchange), for dense and MoE layers alike; remat predict (predict_job) prices "
+                     "such a job (its MoE layers route the rank's s/cp tokens); measure with cp=1"),
         (job.vpp is not None, f"vpp={job.vpp}: the real run runs Megatron's non-interleaved 1F1B; use vpp=None"),
         (job.overlap_grad_reduce, "overlap_grad_reduce=True: the real run keeps one bucket per buffer; use False"),
         (job.world_size > MAX_WORLD, f"tp*pp*cp*dp = {job.world_size} processes: the real run starts one CPU "
                                      f"process per rank; use at most {MAX_WORLD}"),
-        (job.model.is_moe and job.tp > 1 and job.expert_tp != job.tp, f"etp={job.expert_tp} with tp={job.tp}: the "
-                                    "real run splits the experts over the tensor-parallel group; use etp=None (tp)"),
+        (job.model.is_moe and job.tp == 1 and not job.sp and job.expert_tp > 1,
+         f"etp={job.expert_tp} with tp=1: the real run splits experts only inside its tensor-parallel model; "
+         "use etp=1, or tp > 1 with sequence parallelism"),
     ]
     for bad, message in refusals:
         if bad:
@@ -103,7 +106,7 @@ def measure_job(job: Job, *, timeout: float = DEFAULT_TIMEOUT, seed: int = 0) ->
 def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timeline:
     """One rank of :func:`measure_job` (run by the worker process): build it, step once, record the next step."""
     job = job_from_dict(spec["job"])
-    lay = Layout(job.tp, job.dp, job.pp, rank, job.ep)
+    lay = Layout(job.tp, job.dp, job.pp, rank, job.ep, job.expert_tp)
     groups = make_groups(lay)
     config = job.model
     pipelined = job.pp > 1
@@ -118,13 +121,16 @@ def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timel
                    contextlib.nullcontext())
         with experts:  # the MoE layers dispatch over the real expert-parallel group
             module = build_stage_module(config, chunk)
-    else:  # MoE layers: experts split over the tp group (etp = tp), token counts exchanged over tp x ep
+    else:  # MoE layers: experts split over the etp group (default the tp group), counts exchanged over etp x ep
         experts = contextlib.ExitStack()
         if job.ep > 1:
             experts.enter_context(expert_parallel_group(DistributedExpertGroup(groups[3])))
         if config.is_moe:
+            etp_group = groups[0] if groups[6] is None else groups[6]
+            counts_group = groups[0] if groups[5] is None else groups[5]
             experts.enter_context(expert_tensor_parallel_group(
-                DistributedGroup(groups[0]), DistributedExpertGroup(groups[5] if job.ep > 1 else groups[0])))
+                DistributedGroup(etp_group),
+                DistributedExpertGroup(counts_group) if job.expert_tp * job.ep > 1 else None))
         with experts:
             module = build_tp_stage_module(config, chunk, DistributedGroup(groups[0]), job.sp, seed=spec["seed"])
     if chunk.num_layers:  # a chunk of only the embedding (or the loss) has no layer to recompute
@@ -185,7 +191,8 @@ def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timel
     tl.meta.update({"backend": "cpu", "device": "cpu", "policy": policy_text, "rank": rank,
                     "config": config.to_dict(), "num_layers": chunk.num_layers,
                     "job_rank": {"rank": rank, "stage": lay.pp_rank, "tp_rank": lay.tp_rank,
-                                 "dp_rank": lay.dp_rank, "ep_rank": lay.ep_rank, "expert_dp_rank": lay.edp_rank}})
+                                 "dp_rank": lay.dp_rank, "ep_rank": lay.ep_rank, "expert_dp_rank": lay.edp_rank,
+                                 "expert_tp_rank": lay.etp_rank}})
     if job.model.is_moe:
         tl.meta["moe_routing"] = [layer.mlp.routing_report() for layer in module.layers
                                   if hasattr(layer.mlp, "routing_report")]
@@ -235,7 +242,17 @@ def rank_rows(job: Job, measured: Sequence[Timeline], prediction: JobPrediction 
                      "measured_parts": parts_at(tl, tl.peak_event),
                      "predicted_phase": guess.timeline.peak_phase.label, "measured_phase": tl.peak_phase.label,
                      "predicted_host": host_of(guess.timeline), "measured_host": host_of(tl)})
+        if "moe_routing" in tl.meta:  # what the run routed; the prediction's assumption is the job model's
+            rows[-1]["moe_routing"] = tl.meta["moe_routing"]
     return rows
+
+
+def routing_counts(reports: Sequence[dict[str, Any]]) -> str:
+    """The routing assumption that predicts what a real run routed: ``counts:`` with the tokens per expert of each
+    of the stage's MoE layers (``reports``: a measured rank's ``meta['moe_routing']``; the last microbatch's)."""
+    if not reports:
+        raise ValueError("no MoE layer reported its routing: the stage has no MoE layers")
+    return "counts:" + ";".join(",".join(map(str, r["tokens_per_expert"])) for r in reports)
 
 
 def host_of(timeline: Timeline) -> dict[str, Any]:

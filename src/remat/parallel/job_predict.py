@@ -180,6 +180,12 @@ def check_job(job: Job) -> None:
         raise JobError(f"moe_routing_assumption={m.moe_routing_assumption!r} gives each MoE layer its own counts, "
                        "which a pipelined job's chunks do not follow yet: give one count list for every MoE layer, "
                        "or pp=1")
+    if m.is_moe and job.tp == 1 and job.expert_tp > 1:
+        # Megatron accepts it (the experts' tokens gathered over etp data-parallel ranks); remat's MoE layer splits
+        # its experts only inside the tensor-parallel model, so a tp=1 rank would be priced with whole experts
+        raise JobError(f"etp (--expert-tensor-parallel-size)={job.expert_tp} with tp=1: remat splits the experts "
+                       "over etp only inside its tensor-parallel model and would price whole experts; use etp=1, or "
+                       "tp > 1 (--tensor-model-parallel-size) with --sequence-parallel")
     if job.cp > 1 and job.model.attention == "math":
         raise JobError(f"cp={job.cp} (--context-parallel-size): Megatron's context parallelism runs Transformer "
                        "Engine's fused/flash ring attention; unfused attention (--attention-backend unfused/local, "

@@ -84,24 +84,43 @@ def _run(tensors: Sequence[torch.Tensor], start: Callable[[], list[Any]]) -> Non
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a rank sits: Megatron's default order tp-cp-dp-pp (cp = 1 here); with expert parallelism (etp = tp
-    here) the expert ranks are ordered etp-ep-edp, so ep-edp inside the data-parallel ranks (NOTE [expert parameters] in
-    :mod:`remat.memory.rank_state`)."""
+    """Where a rank sits: Megatron's default order tp-cp-dp-pp (cp = 1 here); the expert ranks of a stage are
+    ordered etp-ep-edp over the same tp x dp ranks (parallel_state's expert RankGenerator), so with etp = tp (the
+    default, ``etp=None``) ep-edp sit inside the data-parallel ranks (NOTE [expert parameters] in
+    :mod:`remat.memory.rank_state`), and with etp != tp the expert groups cut across the tensor-parallel ones."""
 
     tp: int
     dp: int
     pp: int
     rank: int
     ep: int = 1
+    etp: int | None = None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def stage_index(self) -> int:
+        """The rank's place among its stage's tp x dp ranks (tp fastest)."""
+        return self.tp_rank + self.tp * self.dp_rank
+
+    @property
+    def etp_rank(self) -> int:
+        return self.stage_index % self.expert_tp
 
     @property
     def ep_rank(self) -> int:
-        return self.dp_rank % self.ep
+        return self.stage_index // self.expert_tp % self.ep
 
     @property
     def edp_rank(self) -> int:
         """The rank's expert data-parallel shard."""
-        return self.dp_rank // self.ep
+        return self.stage_index // (self.expert_tp * self.ep)
+
+    def expert_rank(self, etp_rank: int, ep_rank: int, edp_rank: int, pp_rank: int) -> int:
+        """The global rank at expert position (etp, ep, edp) of stage ``pp_rank``."""
+        return etp_rank + self.expert_tp * (ep_rank + self.ep * edp_rank) + self.tp * self.dp * pp_rank
 
     @property
     def tp_rank(self) -> int:
@@ -119,10 +138,11 @@ class Layout:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
 
 
-def make_groups(lay: Layout) -> tuple[Any, Any, Any, Any, Any, Any]:
+def make_groups(lay: Layout) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
     """This rank's tensor-parallel, data-parallel, embedding (first + last stage), expert-parallel, expert
-    data-parallel and tp x ep groups (the last three None without expert parallelism); every rank creates every
-    group, in the same order, as torch.distributed requires."""
+    data-parallel, etp x ep and expert tensor-parallel groups (the expert ones None without expert parallelism and
+    with etp = tp; the last one None with etp = tp: it is the tp group); every rank creates every group, in the same
+    order, as torch.distributed requires."""
     tp_group = dp_group = embd_group = ep_group = edp_group = None
     for d in range(lay.dp):
         for p in range(lay.pp):
@@ -140,23 +160,31 @@ def make_groups(lay: Layout) -> tuple[Any, Any, Any, Any, Any, Any]:
                 ranks = [lay.global_rank(t, d, 0), lay.global_rank(t, d, lay.pp - 1)]
                 group = dist.new_group(ranks)
                 embd_group = group if lay.rank in ranks else embd_group
-    tp_ep_group = None
-    if lay.ep > 1:  # etp = tp: expert-parallel rank e, expert data-parallel rank k is data-parallel rank e + ep*k
+    tp_ep_group = etp_group = None
+    etp, edp = lay.expert_tp, lay.tp * lay.dp // (lay.expert_tp * lay.ep)
+    at = lay.expert_rank
+    if lay.ep > 1 or etp != lay.tp:  # (etp = tp: expert-parallel rank e, expert dp rank k is dp rank e + ep*k)
         for p in range(lay.pp):
-            for t in range(lay.tp):
-                for k in range(lay.dp // lay.ep):
-                    ranks = [lay.global_rank(t, e + lay.ep * k, p) for e in range(lay.ep)]
+            for t in range(etp):
+                for k in range(edp):
+                    ranks = [at(t, e, k, p) for e in range(lay.ep)]
                     group = dist.new_group(ranks)
                     ep_group = group if lay.rank in ranks else ep_group
                 for e in range(lay.ep):
-                    ranks = [lay.global_rank(t, e + lay.ep * k, p) for k in range(lay.dp // lay.ep)]
+                    ranks = [at(t, e, k, p) for k in range(edp)]
                     group = dist.new_group(ranks)
                     edp_group = group if lay.rank in ranks else edp_group
-            for k in range(lay.dp // lay.ep):  # MoE token counts: the tp x ep ranks, ep-major (rank e * tp + t)
-                ranks = [lay.global_rank(t, e + lay.ep * k, p) for e in range(lay.ep) for t in range(lay.tp)]
+            for k in range(edp):  # MoE token counts: the etp x ep ranks, ep-major (rank e * etp + t)
+                ranks = [at(t, e, k, p) for e in range(lay.ep) for t in range(etp)]
                 group = dist.new_group(ranks)
                 tp_ep_group = group if lay.rank in ranks else tp_ep_group
-    return tp_group, dp_group, embd_group, ep_group, edp_group, tp_ep_group
+            if etp != lay.tp:  # the experts' own tensor-parallel groups (etp = tp: the tp group)
+                for e in range(lay.ep):
+                    for k in range(edp):
+                        ranks = [at(t, e, k, p) for t in range(etp)]
+                        group = dist.new_group(ranks)
+                        etp_group = group if lay.rank in ranks else etp_group
+    return tp_group, dp_group, embd_group, ep_group, edp_group, tp_ep_group, etp_group
 
 
 # ------------------------------------------------------------------------------------------------ DDP buffer

@@ -23,7 +23,7 @@ class Composer:
         self.tl = Timeline()
         self.flops: list[int] = []
         self.keys: dict[Any, int] = {}  # runtime-held tensors -> row
-        self.forward_rows: dict[tuple[int, int], tuple[list[int], TraceSegment]] = {}
+        self.forward_rows: dict[tuple[int, int], tuple[Sequence[int], TraceSegment]] = {}
         # fine-grained offloading: [event, host bytes from that event on], and what each module / layer offloaded
         self.host_series: list[list[int]] = []
         self.offloaded: dict[str, int] = {}
@@ -84,14 +84,18 @@ class Composer:
                 self.flops.append(flops)
             phase_ids.append(len(tl.phases) - 1)
         phase_starts = [p[0] for p in seg.phases]
-        rows = []
-        for ordinal, nbytes in enumerate(seg.nbytes):
-            offset = seg.alloc_offsets[ordinal]
-            phase = phase_ids[max(0, bisect.bisect_right(phase_starts, offset) - 1)]
-            rows.append(self._row(nbytes, base + offset, phase, prefix + seg.module[ordinal], seg.category[ordinal]))
+        # one row per allocation of the segment, appended column by column (as _row appends them one by one)
+        rows = range(len(tl.nbytes), len(tl.nbytes) + len(seg.nbytes))
+        tl.nbytes.extend(seg.nbytes)
+        tl.alloc_at.extend([base + offset for offset in seg.alloc_offsets])
+        tl.free_at.extend([-1] * len(rows))
+        tl.phase_index.extend([phase_ids[max(0, bisect.bisect_right(phase_starts, offset) - 1)]
+                               for offset in seg.alloc_offsets])
+        tl.module.extend([prefix + module for module in seg.module])
+        tl.category.extend(seg.category)
         if kind == "F":
             self.forward_rows[(spec.index, microbatch)] = (rows, seg)
-            source: tuple[list[int], TraceSegment] | None = None
+            source: tuple[Sequence[int], TraceSegment] | None = None
         else:
             source = self.forward_rows.pop((spec.index, microbatch), None)
             if source is None:

@@ -27,6 +27,7 @@ def _worker(folder: Path, rank: int, launcher: int) -> int:
     job = json.loads((folder / "job.json").read_text(encoding="utf-8"))
     threading.Thread(target=watchdog, args=(launcher, time.time() + job["timeout"] + 5.0, folder, rank),
                      daemon=True).start()
+    reported = False
     try:
         fault = job.get("fault") or {}
         if fault.get("rank") == rank and fault.get("when") == "start":
@@ -53,15 +54,26 @@ def _worker(folder: Path, rank: int, launcher: int) -> int:
                 measure_one = measure_job_rank
             results = [measure_one(job, policy, rank).to_dict() for policy in job["policies"]]
             dist.barrier()  # every rank is done with its collectives before any tears its connections down
+        except BaseException as err:
+            # reported before the connections go down: tearing them down makes the peers fail ("Connection closed
+            # by peer"), and the launcher blames the earliest reported error
+            _report(folder, rank, err)
+            reported = True
+            raise
         finally:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         write_atomic(folder / f"rank{rank}.json", json.dumps(results, separators=(",", ":")))
         return 0
     except BaseException as err:  # noqa: BLE001 - every failure is reported to the parent
-        message = "".join(traceback.format_exception_only(type(err), err)).strip()
-        report_error(folder, rank, message, traceback.format_exc())
+        if not reported:
+            _report(folder, rank, err)
         return 1
+
+
+def _report(folder: Path, rank: int, err: BaseException) -> None:
+    message = "".join(traceback.format_exception_only(type(err), err)).strip()
+    report_error(folder, rank, message, traceback.format_exc())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

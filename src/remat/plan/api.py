@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from remat.config import ModelConfig
+from remat.memory.trace_pool import idle_workers
 from remat.offload_policy import MIN_OFFLOADED_TENSOR_SIZE
 from remat.plan.costs import CostModel, candidate_units
 from remat.plan.fine_offload import MegatronRow, OffloadOption, choose_offload
@@ -23,6 +24,7 @@ from remat.plan.pipeline import plan_pipeline
 from remat.plan.result import BudgetError, PlanChoice, PlanResult
 from remat.plan.solver import Solution, min_peak, solve, tidy
 from remat.plan.unit_model import UnitModel, add_traced_units, unit_model
+from remat.plan.unit_prefetch import prefetch_unit_model
 from remat.policy import Policy, PolicyError
 from remat.recompute.plan_format import Plan, PlanError, Unit, kept_operators
 from remat.units import format_bytes
@@ -93,6 +95,9 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
     L = config.num_layers
     stats: dict[str, Any] = {}
     t = time.perf_counter()
+    # the unit model is traced on another core (remat.plan.unit_prefetch) while the baseline is predicted here
+    if idle_workers() > 1 and prefetch_unit_model(config, device=device, engine=engine, tp=tp, sp=sp):
+        predicted(config, Policy(engine=engine), device=device, tp=tp, sp=sp)
     model = add_moe_units(unit_model(config, device=device, engine=engine, tp=tp, sp=sp), config)
     stats["model_seconds"] = time.perf_counter() - t  # 0 when cached; building it took model.build_seconds
     stats["model_build_seconds"] = model.build_seconds

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from remat.config import ModelConfig
+from remat.models.collectives import in_collective
 from remat.models.gpt import build_model
 from remat.plan.operator_space import LayerOperator, layer_operators, measured_price, roofline_price
 from remat.plan.space import OBJECTIVES, SELECTIVE_SETS, contraction_sets
@@ -182,7 +183,7 @@ class _OperatorTimer(TorchDispatchMode):
         where = self.inside()
         key = "non_matmul" if func.overloadpacket not in MATMUL_OPS else f"{where}_matmuls" if where else "matmuls"
         self.spent[key] = self.spent.get(key, 0.0) + seconds
-        if func not in SAC_IGNORED_OPS:  # numbered as keep_ops numbers them
+        if func not in SAC_IGNORED_OPS and not in_collective():  # numbered as keep_ops numbers them
             self.spent[f"op_{self.count}"] = seconds
             self.count += 1
         k = contraction(func, args)

@@ -14,32 +14,32 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from remat.job import Job
 from remat.memory import disk_cache
 from remat.memory.kernels import use_kernels
 from remat.memory.rank_state import RankState
+from remat.memory.trace_pool import idle_cores, idle_workers, run_forked
 from remat.offload_policy import MIN_OFFLOADED_TENSOR_SIZE
+from remat.parallel.chunk_trace import keep_shallow_chunks, shallow_chunk_keys, shallow_chunks_since
 from remat.parallel.job_predict import RankPrediction, check_job, chunk_config, job_kernels, predict_stage, stage_state
 from remat.parallel.schedule import ChunkSpec, max_in_flight, schedule_actions
 from remat.parallel.stages import chunk_policy, cut_plan
 from remat.plan.costs import CostModel, candidate_units
 from remat.plan.fine_offload import megatron_offload_policies, price_offload
-from remat.plan.job_stages import kind_config, rank_config, stage_chunks, stage_is_moe, stage_kinds
-from remat.plan.moe_modules import job_policies, layer_moe_units
+from remat.plan.job_result import JobPlan, JobStagePlan, StageChoice
+from remat.plan.job_stages import kind_config, rank_config, stage_chunks, stage_is_moe, stage_kinds, stage_layer_kinds
+from remat.plan.moe_modules import job_policies, layer_moe_units, on_every_layer
 from remat.plan.options import PlanOptions
 from remat.plan.pipeline import solve_stage
 from remat.plan.solver import tidy
 from remat.plan.unit_model import UnitModel
-from remat.plan.unit_prefetch import cancel_prefetches, prefetch_unit_model
+from remat.plan.unit_prefetch import cancel_prefetches, prefetch_pending, prefetch_unit_model
 from remat.policy import Policy
 from remat.recompute.plan_format import KEEP, Plan, PlanError, Unit
 from remat.timeline import Timeline, TimelineError
-from remat.units import format_bytes
-
-STATE_PARTS = ("parameters", "gradients", "master_parameters", "optimizer_state")
 
 # NOTE [the job search]: a rank's model state is the same whatever is recomputed, so each stage's recompute is
 # planned by the extended planner (remat.plan.solver: per-layer keep / selective sets / checkpoint and offload
@@ -60,149 +60,6 @@ STATE_PARTS = ("parameters", "gradients", "master_parameters", "optimizer_state"
 MAX_SCREENED = 6  # Megatron settings predicted exactly per stage before the search stops looking for a cheaper one
 
 
-@dataclass
-class StageChoice:
-    """One answer for one stage: the plan every chunk of the stage runs and its exact whole-rank prediction."""
-
-    plan: Plan | None  # of the stage's deepest chunk's layers, from 0 (NOTE [uneven splits]); None: it has no layer
-    source: str  # 'extended' or 'megatron'
-    prediction: RankPrediction
-    cost: int  # the objective's value per microbatch, summed over the stage's chunks
-    recompute_flops: int  # per microbatch, summed over the stage's chunks
-    extra_seconds: float  # predicted seconds the recompute adds per microbatch (CostModel.extra_seconds)
-    extra_compute_pct: float  # recompute FLOPs / the stage's layers' forward + backward FLOPs
-    # a Megatron setting with fine-grained offloading (NOTE [offloading in a job]); ``plan`` is its recompute part
-    offload_policy: Policy | None = None
-    host_bytes: int = 0  # with offload_policy: the most one microbatch-chunk holds on the host (traced)
-    transfer_seconds: float = 0.0  # with offload_policy: the transfer time charged per microbatch (in ``cost``)
-
-    @property
-    def policy(self) -> Policy | None:
-        """The Megatron setting this plan is (with its offloading), or None."""
-        if self.plan is None:  # a stage without decoder layers recomputes nothing
-            return self.offload_policy or Policy()
-        return self.offload_policy or self.plan.megatron_policy()[0]
-
-    @property
-    def layout(self) -> Plan | Policy:
-        """What each chunk of the stage applies (:func:`remat.apply`): the offload policy, else the plan (a shorter
-        chunk its first layers, :func:`remat.parallel.stages.chunk_policy`), else (no layer) nothing."""
-        return self.offload_policy or self.plan or Policy()
-
-    def to_dict(self) -> dict[str, Any]:
-        policy, why = (self.policy, "") if self.offload_policy is not None or self.plan is None else \
-            self.plan.megatron_policy()
-        p = self.prediction
-        return {"plan": str(self.layout), "plan_json": None if self.offload_policy is not None or self.plan is None
-                else self.plan.to_dict(),
-                "source": self.source, "host_bytes_per_microbatch": self.host_bytes,
-                # the rank's host peak over its microbatches in flight (the stage timeline's host_memory)
-                "host_peak_bytes": (p.timeline.meta.get("host_memory") or {}).get("peak_bytes", 0),
-                "transfer_seconds": self.transfer_seconds,
-                "megatron_policy": None if policy is None else str(policy),
-                "megatron_args": None if policy is None else _megatron_args(policy), "why_not_megatron": why,
-                "rank": p.rank, "peak_bytes": p.peak_bytes, "peak_phase": p.timeline.peak_phase.label, **p.parts,
-                "cost": self.cost, "recompute_flops": self.recompute_flops, "extra_seconds": self.extra_seconds,
-                "extra_compute_pct": self.extra_compute_pct}
-
-
-@dataclass
-class JobStagePlan:
-    """What one pipeline stage runs, or why nothing fits it: the extended plan and the best Megatron setting."""
-
-    stage: int
-    state: RankState
-    policy: Policy | None  # the best Megatron setting of the stage; None: none fits
-    prediction: RankPrediction | None  # of ``policy``, or the lowest peak predicted when nothing fits
-    tried: dict[str, int] = field(default_factory=dict)  # plan or policy -> exact predicted peak
-    extended: StageChoice | None = None  # the cheapest plan that fits (None: nothing fits)
-    megatron: StageChoice | None = None  # ``policy`` as a choice
-    megatron_without_offload: StageChoice | None = None  # the best recompute-only setting, when offloading won
-    offload_options: list[dict[str, Any]] = field(default_factory=list)  # fine-grained variants priced
-    layers: tuple[int, int] = (0, 0)  # the first and last layer of its deepest chunk (the plan's); last < first: none
-    chunk_layers: tuple[int, ...] = ()  # the layers of each of its chunks (an uneven split: not all the same)
-    in_flight: int = 1  # the most microbatch-chunks it holds at once
-    resolves: int = 0  # extended plans that did not fit when predicted exactly
-    note: str = ""
-
-    @property
-    def fits(self) -> bool:
-        return self.extended is not None
-
-
-@dataclass
-class JobPlan:
-    """What :func:`plan_job` found: each stage's cheapest plan (extended search) with its best Megatron setting
-    and, when one exists, one Megatron setting for every stage (what Megatron's flags express), all predicted
-    exactly on every rank."""
-
-    job: Job
-    budget_bytes: int
-    budget_text: str
-    stages: list[JobStagePlan]
-    uniform: Policy | None = None
-    uniform_ranks: list[RankPrediction] = field(default_factory=list)  # worst first
-    objective: str = "extra_flops"
-    stats: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def fits(self) -> bool:
-        """Every stage has a plan whose exact whole-rank peak is <= the budget."""
-        return all(s.fits for s in self.stages)
-
-    @property
-    def state_fits(self) -> bool:
-        """Every rank's model state alone is within the budget."""
-        return all(s.state.total <= self.budget_bytes for s in self.stages)
-
-    def worst_state(self) -> JobStagePlan:
-        return max(self.stages, key=lambda s: (s.state.total, -s.stage))
-
-    def ranks(self) -> list[RankPrediction]:
-        """The exact prediction of each stage's plan, worst first (empty unless every stage fits)."""
-        if not self.fits:
-            return []
-        return sorted((s.extended.prediction for s in self.stages if s.extended is not None),
-                      key=lambda r: (-r.peak_bytes, r.stage))
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready. Per stage: ``policy`` (its best Megatron setting) and ``tried``; ``rank``, ``peak_bytes``
-        and the parts (:data:`STATE_PARTS`, ``activations``, ``communication``) of the plan it runs (the extended
-        one, or the Megatron one when nothing fits); ``extended`` and ``megatron`` (:meth:`StageChoice.to_dict`).
-        ``uniform``: the one Megatron setting for every stage with its flags and rows."""
-        stages = []
-        for s in self.stages:
-            row: dict[str, Any] = {"stage": s.stage, "fits": s.fits, "policy": None if s.policy is None else str(
-                s.policy), "state": s.state.parts(), "state_bytes": s.state.total, "tried": s.tried,
-                "layers": list(s.layers),
-                "chunk_layers": list(s.chunk_layers), "in_flight": s.in_flight, "resolves": s.resolves, "note": s.note,
-                "extended": None if s.extended is None else s.extended.to_dict(),
-                "megatron": None if s.megatron is None else s.megatron.to_dict(),
-                "megatron_without_offload": None if s.megatron_without_offload is None else
-                s.megatron_without_offload.to_dict(), "fine_grained_offload": s.offload_options}
-            shown = s.extended.prediction if s.extended is not None else s.prediction
-            if shown is not None:
-                row.update(rank=shown.rank, peak_bytes=shown.peak_bytes, **shown.parts)
-            else:
-                row.update(rank=None, peak_bytes=None)
-            stages.append(row)
-        uniform = None
-        if self.uniform is not None:
-            uniform = {"policy": str(self.uniform), "megatron_args": _megatron_args(self.uniform),
-                       "rows": [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes, **r.parts}
-                                for r in self.uniform_ranks]}
-        return {"format": "remat.plan-job", "version": 1, "fits": self.fits, "budget_bytes": self.budget_bytes,
-                "budget": self.budget_text, "objective": self.objective, "stages": stages, "uniform": uniform,
-                "stats": self.stats}
-
-
-def _megatron_args(policy: Policy) -> list[str] | None:
-    try:
-        return policy.to_megatron_args()
-    except ValueError:
-        return None
-
-
 def check_job_options(job: Job, options: PlanOptions) -> None:
     """Refuse, naming the option and why, what a whole-job plan cannot honour."""
     if options.measured_times and (job.tp > 1 or job.cp > 1):
@@ -218,16 +75,63 @@ class _Exact:
     def __init__(self, job: Job, device: str, engine: str, states: Sequence[RankState]):
         self.job, self.device, self.engine, self.states = job, device, engine, states
         self.done: dict[tuple[int, str], RankPrediction] = {}
-        self.count = 0  # predictions made (not read from the disk cache)
+        self.made: set[tuple[int, str]] = set()  # of those, predicted here (not read from the disk cache)
+        self.spare: dict[tuple[int, str], Any] = {}  # made ahead in forked workers (prefetch), taken when asked for
+        self.side_by_side = True  # whether forked workers may predict (not when the disk cache answers: warm runs)
         self.job_key = repr(job.replace(policy=Policy()))
         self.kernels = job_kernels()  # plan_job's profile (one for the search and every exact prediction)
 
     def __call__(self, stage: int, plan: Plan | Policy) -> RankPrediction:
-        policy = plan if isinstance(plan, Policy) else plan.megatron_policy()[0]  # a Policy: fine-grained offloading
-        key = (stage, str(policy) if policy is not None else f"plan {plan}@{plan.engine}")
+        key, policy = self._key(stage, plan)
         if key not in self.done:
-            self.done[key] = self._predict(stage, plan, policy, key[1])
+            if key in self.spare:
+                entry, chunks = self.spare.pop(key)
+                self.adopt([entry])
+                keep_shallow_chunks(chunks)
+            else:
+                self.done[key] = self._predict(stage, plan, policy, key[1])
         return self.done[key]
+
+    @staticmethod
+    def _key(stage: int, plan: Plan | Policy) -> tuple[tuple[int, str], Policy | None]:
+        policy = plan if isinstance(plan, Policy) else plan.megatron_policy()[0]  # a Policy: fine-grained offloading
+        return (stage, str(policy) if policy is not None else f"plan {plan}@{plan.engine}"), policy
+
+    def prefetch(self, wanted: Sequence[tuple[int, Plan | Policy]]) -> None:
+        """Predict those of ``wanted`` not predicted yet side by side in forked workers, when there are two or more
+        and several cores; each is taken (kept, counted) only when asked for, so that what the caller then asks
+        for, and in which order, is all that counts, as without the prefetch."""
+        todo = [(s, p) for s, p in wanted if self._key(s, p)[0] not in self.done and self._key(s, p)[0] not in
+                self.spare]
+        workers = min(idle_workers(), len(todo)) if self.side_by_side and len(todo) > 1 else 1
+        if workers <= 1:
+            return
+        known_chunks = shallow_chunk_keys()
+
+        def task(stage: int, plan: Plan | Policy) -> Callable[[], Any]:
+            def run() -> Any:
+                pred, key = self(stage, plan), self._key(stage, plan)[0]
+                return (key, pred, key in self.made), shallow_chunks_since(known_chunks)
+            return run
+        for entry, chunks in run_forked([task(s, p) for s, p in todo], workers):
+            if entry[0] not in self.done:
+                self.spare[entry[0]] = (entry, chunks)
+
+    @property
+    def count(self) -> int:
+        """Predictions made (not read from the disk cache)."""
+        return len(self.made)
+
+    def made_since(self, known: frozenset[tuple[int, str]]) -> list[tuple[tuple[int, str], RankPrediction, bool]]:
+        """The predictions not among ``known``, each with whether it was made (not read from the disk cache)."""
+        return [(key, pred, key in self.made) for key, pred in self.done.items() if key not in known]
+
+    def adopt(self, found: Sequence[tuple[tuple[int, str], RankPrediction, bool]]) -> None:
+        """Take predictions another process made (:meth:`made_since`): each is the same whoever makes it."""
+        for key, pred, made in found:
+            self.done.setdefault(key, pred)
+            if made:
+                self.made.add(key)
 
     def _predict(self, stage: int, plan: Plan | Policy, policy: Policy | None, layout: str) -> RankPrediction:
         disk_key = {"job": self.job_key, "stage": stage, "layout": layout, "device": self.device,
@@ -240,7 +144,7 @@ class _Exact:
             except (KeyError, TypeError, ValueError, TimelineError) as err:
                 warnings.warn(f"remat cache: a stored stage prediction is malformed ({err}); predicting it again",
                               stacklevel=2)
-        self.count += 1
+        self.made.add((stage, layout))
         pred = predict_stage(self.job.replace(policy=policy), stage, device=self.device) if policy is not None \
             else predict_stage(self.job, stage, device=self.device, layout=plan)
         disk_cache.store("job_stage", disk_key, {"rank": pred.rank, "ranks": pred.ranks,
@@ -257,6 +161,7 @@ class _StageModel:
     depths: tuple[int, ...]  # the layers of each of the stage's chunks (vpp of them), at least one > 0
     in_flight: int
     offset: int = 0
+    kinds: tuple[Any, ...] = ()  # the kinds of the stage's layers (ModelConfigs), when it mixes dense and MoE
 
     @property
     def num_layers(self) -> int:
@@ -352,6 +257,7 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) ->
     first_kind = kind_config(rank_config(job), stage_is_moe(rank_config(job), job, 0))
     prefetch_unit_model(first_kind, device=options.device, engine=engine, tp=job.tp, sp=job.sp)
     plain = [exact(stage, none) for stage in range(job.pp)]
+    exact.side_by_side = exact.count > 0  # all read back from disk: so will the rest be, forking would cost more
     keeps: list[Plan | None] = []
     for st, pred in zip(result.stages, plain):
         _stage_layout(job, st)
@@ -366,6 +272,8 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) ->
         result.uniform_ranks = sorted(plain, key=lambda r: (-r.peak_bytes, r.stage))
     else:
         config = rank_config(job)
+        _while_the_unit_model_is_built(job, [st for st, keep in zip(result.stages, keeps) if keep is not None],
+                                       first_kind, options)
         kinds = stage_kinds(job, options, [st.stage for st, keep in zip(result.stages, keeps) if keep is not None])
         stage_models: list[_StageModel | None] = []
         for st, pred, keep in zip(result.stages, plain, keeps):
@@ -373,17 +281,102 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) ->
                 stage_models.append(None)
                 _bare_stage(st, pred, budget_bytes)
                 continue
-            sm = _StageModel(*kinds[stage_is_moe(config, job, st.stage)], st.chunk_layers, st.in_flight)
+            sm = _StageModel(*kinds[stage_is_moe(config, job, st.stage)], st.chunk_layers, st.in_flight,
+                             kinds=stage_layer_kinds(config, job, st.stage))
             sm.calibrate(keep, pred.peak_bytes)
             stage_models.append(sm)
-            _megatron_stage(st, sm, exact, budget_bytes, engine, config)
-            if options.fine_grained_offload:
-                _offload_stage(job, st, sm, exact, budget_bytes, options)
-            _extended_stage(st, sm, exact, budget_bytes, options)
+        _search_stages(job, [(st, sm) for st, sm in zip(result.stages, stage_models) if sm is not None], exact,
+                       budget_bytes, options, config)
         result.stats["unit_model_build_seconds"] = sum(m.build_seconds for m, _ in kinds.values())
         _uniform(result, stage_models, exact, engine)
     result.stats.update(seconds=time.perf_counter() - started, exact_predictions=exact.count)
     return result
+
+
+# NOTE [stages side by side]: a stage's Megatron screen (with its fine-grained offloading) and its extended search
+# read nothing the other writes (the extended search starts from the stage's calibration on "nothing recomputed"
+# and meets the Megatron setting only when it chooses between the two at the end), and stages read nothing of each
+# other, so with several cores they run side by side in forked workers (remat.memory.trace_pool.run_forked), the
+# longer extended searches first. Each sends back what it set on its stage and the exact predictions it made; they
+# are merged here into what one process running them in order (Megatron screen, offloading, extended search, stage
+# by stage) holds: the same plans, predictions and ``tried`` order, each prediction counted once.
+def _search_stages(job: Job, searched: Sequence[tuple[JobStagePlan, _StageModel]], exact: _Exact, budget: int,
+                   options: PlanOptions, config: Any) -> None:
+    """Each searched stage's best Megatron setting (:func:`_megatron_stage`, :func:`_offload_stage`) and extended
+    plan (:func:`_extended_stage`), side by side where there are cores (NOTE [stages side by side])."""
+    engine = options.engine
+    workers = min(idle_workers(), 2 * len(searched)) if exact.side_by_side else 1
+    if workers <= 1:  # one free core (or the disk cache answers): in order, in this process
+        for st, sm in searched:
+            _megatron_stage(st, sm, exact, budget, engine, config)
+            if options.fine_grained_offload:
+                _offload_stage(job, st, sm, exact, budget, options)
+            _extended_stage(st, sm, exact, budget, options)
+        return
+    known, known_chunks = frozenset(exact.done), shallow_chunk_keys()
+    tried, offsets = [dict(st.tried) for st, _ in searched], [sm.offset for _, sm in searched]
+
+    def megatron(i: int) -> Callable[[], Any]:
+        def task() -> Any:
+            st, sm = searched[i]
+            st.tried = dict(tried[i])  # the stage as before its search (a task run again here finds it so)
+            _megatron_stage(st, sm, exact, budget, engine, config)
+            if options.fine_grained_offload:
+                _offload_stage(job, st, sm, exact, budget, options)
+            return (st.tried, st.policy, st.prediction, st.megatron, st.megatron_without_offload,
+                    st.offload_options, exact.made_since(known), shallow_chunks_since(known_chunks))
+        return task
+
+    def extended(i: int) -> Callable[[], Any]:
+        def task() -> Any:
+            st, sm = searched[i]
+            st.tried, st.resolves, sm.offset = dict(tried[i]), 0, offsets[i]
+            fitting = _extended_search(st, sm, exact, budget, options)
+            found = (st.tried, st.resolves, sm.offset, fitting, exact.made_since(known),
+                     shallow_chunks_since(known_chunks))
+            sm.offset = offsets[i]  # as the Megatron screen expects it, should it run here too
+            return found
+        return task
+    n = len(searched)
+    answers = run_forked([extended(i) for i in range(n)] + [megatron(i) for i in range(n)], workers)
+    for i, (st, sm) in enumerate(searched):
+        e_tried, st.resolves, sm.offset, fitting, e_made, e_chunks = answers[i]
+        (m_tried, st.policy, st.prediction, st.megatron, st.megatron_without_offload, st.offload_options,
+         m_made, m_chunks) = answers[n + i]
+        exact.adopt(m_made)
+        exact.adopt(e_made)
+        keep_shallow_chunks(m_chunks + e_chunks)  # for the Megatron setting of every stage, predicted here next
+        st.tried = {**m_tried, **e_tried}  # the Megatron screen's entries first, as in one process
+        _choose(st, fitting)
+
+
+# NOTE [tracing ahead]: when every stage does not fit with nothing recomputed, the stages' searches need the unit
+# model, which another core is still building when the stages' "nothing recomputed" predictions are done; the
+# wait is spent tracing, per kind of stage, the shallow chunk that every Megatron full/block setting of 3 to L-1
+# layers of it is laid out from (what the Megatron screens and the setting for every stage predict most often),
+# until the unit model is sent. The answers do not change: a chunk laid out from a shallow trace is the same
+# whichever one it is (NOTE [composing a chunk trace]); only dense, non-MLA models (whose unit models do not
+# depend on what was traced before them in the process).
+def _while_the_unit_model_is_built(job: Job, stages: Sequence[JobStagePlan], kind: Any, options: PlanOptions) -> None:
+    """Trace ahead what the stages' searches will likely predict while the unit model is built (NOTE [tracing
+    ahead])."""
+    if job.model.is_moe or job.model.multi_latent_attention or not prefetch_pending(
+            kind, device=options.device, engine=options.engine, tp=job.tp, sp=job.sp) or (idle_cores() or 0.0) < 0.75:
+        return  # (no core free beside the unit model's: tracing here would only slow it down)
+    seen: set[tuple[Any, ...]] = set()
+    for st in stages:
+        layers = max(st.chunk_layers)
+        chunks = tuple(c.kind for c in stage_chunks(job, st.stage))
+        if layers < 5 or chunks in seen:
+            continue
+        seen.add(chunks)
+        if not prefetch_pending(kind, device=options.device, engine=options.engine, tp=job.tp, sp=job.sp):
+            return
+        policy = Policy("full", "block", layers - 2, engine=options.engine)
+        try:  # the prediction is not kept: only the traces it leaves in this process's caches are wanted
+            predict_stage(job.replace(policy=policy), st.stage, device=options.device)
+        except Exception:  # a trace made ahead is never needed for the answer: whatever fails, stop
+            return
 
 
 def _deepest(job: Job, stage: int) -> ChunkSpec:
@@ -496,13 +489,21 @@ def _offload_stage(job: Job, st: JobStagePlan, sm: _StageModel,
 def _extended_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Plan], RankPrediction], budget: int,
                     options: PlanOptions) -> None:
     """The cheapest plan of the extended space whose exact whole-rank peak fits (NOTE [the job search])."""
+    _choose(st, _extended_search(st, sm, exact, budget, options))
+
+
+def _extended_search(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Plan], RankPrediction], budget: int,
+                     options: PlanOptions) -> list[StageChoice]:
+    """The extended plans found and predicted exactly for the stage (re-solved while one does not fit), those that
+    fit: what :func:`_choose` picks from with the stage's Megatron setting."""
     m, L, engine = sm.model, sm.num_layers, options.engine
     units = [u for u in candidate_units(L, offload=options.offload, engine=engine, selective_sets=(
         options.selective_sets), contractions=m.contractions) if _traced(m, u)] + layer_moe_units(m, options)
+    units = [u for u in units if on_every_layer(u, sm.kinds)]  # a stage mixing kinds: units every layer takes
     full_stored = sm.stored([KEEP] * L)
 
     def price(u: Unit) -> int:  # tidy tries lighter selective sets: one the layer lacks is never lighter
-        return sm.cost.cost(m, u) if _traced(m, u) else sys.maxsize
+        return sm.cost.cost(m, u) if _traced(m, u) and on_every_layer(u, sm.kinds) else sys.maxsize
     fitting: list[StageChoice] = []
     seen: set[Plan] = set()
     for _ in range(options.max_resolves + 1):
@@ -525,6 +526,12 @@ def _extended_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Pla
         sm.calibrate(plan, pred.peak_bytes)
         if pred.peak_bytes <= budget and sm.offset >= before:
             break
+    return fitting
+
+
+def _choose(st: JobStagePlan, fitting: list[StageChoice]) -> None:
+    """The stage's answer: the cheapest of the extended plans that fit and its Megatron setting."""
+    fitting = list(fitting)
     if st.megatron is not None:
         fitting.append(st.megatron)
     if fitting:
@@ -539,8 +546,7 @@ def _traced(model: UnitModel, unit: Unit) -> bool:
     return unit.mode != "selective" or unit in model.shapes
 
 
-def _uniform(result: JobPlan, stage_models: Sequence[_StageModel | None],
-             exact: Callable[[int, Plan | Policy], RankPrediction], engine: str) -> None:
+def _uniform(result: JobPlan, stage_models: Sequence[_StageModel | None], exact: _Exact, engine: str) -> None:
     """The cheapest Megatron setting that fits every stage (what Megatron's flags express), each stage exact: the
     settings of the job's deepest chunk, each what Megatron runs on every stage's chunks (NOTE [uneven splits])."""
     budget = result.budget_bytes
@@ -565,6 +571,7 @@ def _uniform(result: JobPlan, stage_models: Sequence[_StageModel | None],
     rows.sort(key=lambda r: r[:3])
     for *_, policy in rows[:MAX_SCREENED]:
         preds = []
+        exact.prefetch([(st.stage, policy) for st in result.stages])
         for st in result.stages:
             pred = exact(st.stage, policy)
             st.tried[str(policy)] = pred.peak_bytes
@@ -576,19 +583,3 @@ def _uniform(result: JobPlan, stage_models: Sequence[_StageModel | None],
             result.uniform_ranks = sorted(preds, key=lambda r: (-r.peak_bytes, r.stage))
             return
 
-
-def smallest_dp(job: Job, stage: JobStagePlan, budget: int) -> int | None:
-    """The data-parallel size at which, with the distributed optimizer, the stage's model state would leave room
-    under ``budget`` (None when even an unbounded dp would not: parameters and main grads are not sharded)."""
-    s = stage.state
-    fixed = s.parameters + s.parameter_padding + s.gradients
-    sharded = (s.master_parameters + s.optimizer_state) * (job.optimizer_shards if job.distributed_optimizer else 1)
-    if fixed >= budget or not sharded:
-        return None
-    return -(-sharded // (budget - fixed)) // job.cp or 1
-
-
-def format_state(state: RankState) -> str:
-    """``parameters 16.43 GiB + gradients 32.86 GiB + ...`` of a rank's model state."""
-    return " + ".join(f"{k} {format_bytes(v)}" for k, v in state.parts().items() if v) + \
-        f" = {format_bytes(state.total)}"

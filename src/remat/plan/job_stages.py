@@ -45,6 +45,13 @@ def stage_is_moe(config: ModelConfig, job: Job, stage: int) -> bool:
     return 2 * sum(kinds) >= len(kinds) and any(kinds)
 
 
+def stage_layer_kinds(config: ModelConfig, job: Job, stage: int) -> tuple[ModelConfig, ...]:
+    """The layer kinds (:func:`kind_config`) the stage's layers are of: one, or both for a stage mixing them."""
+    pattern = config.moe_layer_pattern()
+    kinds = {pattern[i] for c in stage_chunks(job, stage) for i in range(c.layer_offset, c.layer_offset + c.num_layers)}
+    return tuple(kind_config(config, moe) for moe in sorted(kinds))
+
+
 def kind_config(config: ModelConfig, moe: bool) -> ModelConfig:
     """One layer of ``config`` of one kind: an MoE layer, or (``moe`` False) a dense one (an MoE model's dense
     layers, DeepSeek's first layers, are the dense model's: the MoE fields dropped)."""
@@ -68,9 +75,9 @@ def stage_kinds(job: Job, options: PlanOptions, stages: Sequence[int]) -> dict[b
             kind = kind_config(config, moe)
             kinds[moe] = (unit_model(kind, device=options.device, engine=options.engine, tp=job.tp, sp=job.sp),
                           options.cost_model(kind))
-    # every kind is built before the MoE/MLA sets are traced into any: in one process, a DeepSeek-V3 MoE layer's
-    # unit model built after the dense layers' mla_up_proj traces came out 2 MiB off its own check (unit_model
-    # refuses it), built before them it is sound
+    # every kind is built before the MoE/MLA sets are traced into any: a DeepSeek-V3 MoE layer's unit model built
+    # after the dense layers' core_attn+mla_up_proj traces came out 2 MiB off its own check (unit_model refuses it)
+    # while those traces left mla_up_proj's saved-tensor hooks pushed (remat.recompute.discard, fixed since)
     for model, _ in kinds.values():
         add_moe_units(model, config)
     return kinds

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from remat.config import ModelConfig
 from remat.memory import disk_cache
 from remat.memory.measure import FLOP_FORMULAS
+from remat.models.collectives import in_collective
 from remat.plan.unit_model import watch_one_layer
 from remat.recompute.plan_format import keep_ops_token
 
@@ -66,7 +67,7 @@ class _Lister(TorchDispatchMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.inside or func in SAC_IGNORED_OPS:
+        if not self.inside or func in SAC_IGNORED_OPS or in_collective():  # NOTE [collectives are not operators]
             return out
         i = len(self.ops)
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from remat.config import ModelConfig
 from remat.memory import disk_cache
-from remat.memory.kernels import resolve_kernels
+from remat.memory.kernels import kernel_trace, prepare_model, resolve_kernels
 from remat.memory.measure import StepRecorder, record_step
 from remat.memory.predict import rank_model_factory
 from remat.models.gpt import sample_batch
@@ -99,7 +99,6 @@ class _Marks:
 def _recorder() -> Any:
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-
     mode = _get_current_dispatch_mode()
     if isinstance(mode, StepRecorder):
         return mode
@@ -123,8 +122,9 @@ def marked_trace(config: ModelConfig, units: Sequence[Unit], *, device: str = "c
         at += unit.size
     marks = _Marks({}, {})
     tokens, labels = sample_batch(cfg)
-    with FakeTensorMode(allow_non_fake_inputs=False) as fake:
+    with FakeTensorMode(allow_non_fake_inputs=False) as fake, kernel_trace(resolve_kernels(None, device)) as kernels:
         model = rank_model_factory(cfg, tp, sp)()
+        prepare_model(model, kernels.kernels)  # the active kernel profile (use_kernels), as remat.memory.predict's
         state = apply(model, plan)
         index = {id(layer): i for i, layer in enumerate(state.layers)}
 

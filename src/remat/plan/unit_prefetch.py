@@ -27,6 +27,7 @@ from remat.plan.unit_model import (
 from remat.policy import ENGINES
 
 _STARTED: dict[tuple[Any, ...], BaseProcess] = {}  # the processes prefetch_unit_model started, by key
+_ANSWERS: dict[tuple[Any, ...], Connection] = {}  # where each sends its answer (prefetch_pending)
 
 
 def prefetch_unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
@@ -47,7 +48,22 @@ def prefetch_unit_model(config: ModelConfig, *, device: str = "cpu", engine: str
     process, receive = _fork(lambda: model_to_dict(unit_model(config, device=device, engine=engine, tp=tp, sp=sp)))
     PENDING[key] = lambda: _take(process, receive)
     _STARTED[key] = process
+    _ANSWERS[key] = receive
     return True
+
+
+def prefetch_pending(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
+                     sp: bool = False) -> bool:
+    """Whether :func:`prefetch_unit_model`'s process for these arguments is still building the model (it has sent
+    nothing yet): a caller may do other work meanwhile instead of waiting in ``unit_model``."""
+    key = unit_model_key(config, device, engine, tp, sp)
+    receive = _ANSWERS.get(key)
+    if key not in PENDING or receive is None:
+        return False
+    try:
+        return not receive.poll(0)
+    except (EOFError, OSError):  # closed: taken or failed, nothing to wait for
+        return False
 
 
 def cancel_prefetches() -> None:
@@ -58,10 +74,13 @@ def cancel_prefetches() -> None:
             process.terminate()
         process.join()
     _STARTED.clear()
+    _ANSWERS.clear()
 
 
 def _take(process: BaseProcess, receive: Connection) -> UnitModel | None:
-    _STARTED.pop(next((k for k, p in _STARTED.items() if p is process), None), None)
+    key = next((k for k, p in _STARTED.items() if p is process), None)
+    _STARTED.pop(key, None)
+    _ANSWERS.pop(key, None)
     data = _received(process, receive)  # None: unit_model builds the model itself
     try:
         return None if data is None else model_from_dict(data)

@@ -182,7 +182,9 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
     Nothing in the model's code changes (NOTE [how regions run] in :mod:`remat.recompute.region`): forwards are
     replaced on the module instances, so parameter names, ``state_dict`` keys and module hooks are those of the
     plain model. Both engines restore the RNG state for the recomputation, so
-    dropout masks are the same and gradients equal the plain model's bit for bit.
+    dropout masks are the same and gradients equal the plain model's bit for bit. The model can then be compiled
+    (``torch.compile(model)``): groups, selective modules and non_matmul layers become torch's checkpoint in the
+    graph (NOTE [regions under torch.compile] in :mod:`remat.recompute.region` says which kinds run eagerly).
 
     Args:
         model: the model; its layer stack is found by :func:`find_layer_stack`. Hugging Face models are

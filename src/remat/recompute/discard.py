@@ -185,14 +185,19 @@ class OutputDiscardingRegion(Region):
         self._pending = handle
         return tree_unflatten(list(outputs), out_spec[0])
 
+    # A consumer in a checkpoint region of its own (core_attn with mla_up_proj) is called again inside its call (the
+    # region re-runs the module): the hooks are a stack, one entry per call, so the inner call's leaving does not
+    # lose the outer call's hooks (lost, they stayed pushed for the rest of the process: every later saved tensor
+    # went through pack, which keeps an op's own output in a cycle autograd never frees, e.g. a router's scores).
     def _enter_consumer(self, module: nn.Module, args: Any) -> None:
         handle, self._pending = self._pending, None
         hooks = torch.autograd.graph.saved_tensors_hooks(handle.pack, DiscardHandle.unpack) if handle else None
         if hooks is not None:
             hooks.__enter__()
-        self._inside_hooks = hooks
+        self.__dict__.setdefault("_consumer_hooks", []).append(hooks)
 
     def _leave_consumer(self, module: nn.Module, args: Any, output: Any) -> None:
-        hooks, self._inside_hooks = getattr(self, "_inside_hooks", None), None
+        stack = self.__dict__.get("_consumer_hooks")
+        hooks = stack.pop() if stack else None
         if hooks is not None:
             hooks.__exit__(None, None, None)

@@ -13,8 +13,12 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch._C._autograd import _make_saved_tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+from remat.models.collectives import in_collective, replaying
+from remat.recompute.operators import MATMUL_OVERLOADS, contraction
 
 Keeps = Callable[[Any, tuple[Any, ...]], bool]
 
@@ -115,7 +119,7 @@ class _Keep(_FrameMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         out = func(*args, **kwargs) if kwargs else func(*args)
         frame = self.frame
-        if func in frame.candidates and frame.keeps(func, args):
+        if func in frame.candidates and not in_collective() and frame.keeps(func, args):
             frame.kept.append(_Kept(func, out))
         return out
 
@@ -126,7 +130,7 @@ class _Reuse(_FrameMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         frame = self.frame
-        if func in frame.candidates and frame.keeps(func, args):
+        if func in frame.candidates and not in_collective() and frame.keeps(func, args):
             return frame.reuse(func)
         return func(*args, **kwargs) if kwargs else func(*args)
 
@@ -156,6 +160,9 @@ class _Frame:
         self.kept: list[_Kept | None] = []
         self.slots: list[weakref.ref[_Slot]] = []
         self.reused = 0
+        # storage -> weak reference to it, of the kept outputs handed back (a weak reference keeps a freed storage's
+        # address from being a new one's while it is held)
+        self.reused_outputs: dict[int, StorageWeakRef] = {}
         self.recomputed = False
 
     # -- forward ------------------------------------------------------------------------------------------
@@ -193,7 +200,15 @@ class _Frame:
                 "full recompute for this layer, or make the model's operation on it out-of-place")
         self.kept[i] = None  # its last holder is now the recomputed graph, as the forward's was its graph
         self.reused = i + 1
+        values = entry.value if isinstance(entry.value, (tuple, list)) else (entry.value,)
+        self.reused_outputs.update((v.untyped_storage()._cdata, StorageWeakRef(v.untyped_storage())) for v in values
+                                   if isinstance(v, torch.Tensor))
         return entry.value
+
+    def holds_kept(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is (a view of) a kept output this recomputation has handed back."""
+        ref = self.reused_outputs.get(tensor.untyped_storage()._cdata)
+        return ref is not None and not ref.expired()
 
     def reuse_mode(self) -> TorchDispatchMode:
         """The dispatch mode of the recomputation: hands back the kept outputs."""
@@ -223,11 +238,14 @@ class _Frame:
                 for device, state in zip(self.cuda_devices, self.cuda_rng):
                     torch.cuda.set_rng_state(state, device)
                 self._restore_forward_state(stack)
+                # an in-place collective on a kept output is not run again (NOTE [collectives are not operators])
                 with torch.autograd.graph.saved_tensors_hooks(pack, _same), torch.enable_grad(), \
-                        self.reuse_mode():
+                        replaying(self.holds_kept), self.reuse_mode():
                     self.run(*inputs)
         except _StopRecomputation:
             pass
+        finally:
+            self.reused_outputs.clear()
         if count != total:
             raise OperatorCheckpointError(
                 f"{self.label}: the recomputation saved {count} tensors for backward where the forward saved {total}: "
@@ -250,6 +268,30 @@ def _rule_contexts(keeps: Keeps, candidates: frozenset[Any]) -> Any:
         keep = func in candidates and keeps(func, args)
         return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if keep else \
             torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)
+
+
+def checkpoint_matmuls(run: Callable[..., Any], tensors: Sequence[torch.Tensor], max_contraction: int = 0) -> Any:
+    """A ``selective/non_matmul`` layer under ``torch.compile``: torch's selective activation checkpoint
+    (``use_reentrant=False``) whose policy keeps the output of every matrix multiply
+    (:data:`~remat.recompute.operators.MATMUL_OVERLOADS`) whose contraction dimension is above ``max_contraction``
+    (or that has none) and recomputes every other operator: the rule of :func:`checkpoint_operators` for a layer
+    without core_attn/mlp (``matmul_k<N>``: ``max_contraction=N``). Dynamo turns it into the
+    tag_activation_checkpoint operator, so the policy runs once, when the graph is traced. Outside ``torch.compile``
+    it is torch's eager selective checkpoint (use :func:`checkpoint_operators` there: the same tensors, less
+    Python work)."""
+    return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True,
+                                             context_fn=functools.partial(_matmul_contexts, max_contraction))
+
+
+def _matmul_contexts(max_contraction: int) -> Any:
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
+        if func in MATMUL_OVERLOADS:
+            k = contraction(func, args)
+            if k is None or k > max_contraction:
+                return torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE
+        return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)
 
@@ -300,7 +342,8 @@ def checkpoint_operators(run: Callable[..., Any], tensors: Sequence[torch.Tensor
 # NOTE [kept operators by index]
 # A keep_ops(...) layer (remat.recompute.plan_format NOTE [operator sets]) runs on the same engine with a rule by
 # operator index: operator i is the i-th operator the layer's forward dispatches, not counting SAC_IGNORED_OPS (as
-# torch's selective checkpointing and remat.plan.operator_space count them), and it is kept iff i is in the set. The
+# torch's selective checkpointing and remat.plan.operator_space count them) nor what collectives dispatch (NOTE
+# [collectives are not operators] in remat.models.collectives), and it is kept iff i is in the set. The
 # rule is one set lookup per operator; each operator overload's kind (does it mutate its first argument, does it draw
 # random numbers) is looked up once per process (_kind), and only those few operators are checked as they run:
 #   * an operator that changes a kept output in place must be kept too (else the recomputation would change the kept
@@ -346,7 +389,7 @@ class _KeepIndexed(_FrameMode):
         kind = _KIND.get(func)
         if kind is None:
             kind = _kind(func)
-        if kind == _IGNORED:
+        if kind == _IGNORED or in_collective():
             return out
         frame = self.frame
         i = frame.count
@@ -365,7 +408,7 @@ class _ReuseIndexed(_FrameMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kind = _KIND.get(func)
-        if (kind if kind is not None else _kind(func)) != _IGNORED:
+        if (kind if kind is not None else _kind(func)) != _IGNORED and not in_collective():
             frame = self.frame
             i = frame.count
             frame.count = i + 1
@@ -435,16 +478,17 @@ def checkpoint_kept_operators(run: Callable[..., Any], tensors: Sequence[torch.T
 
     The semantics are those of :func:`checkpoint_operators` with the rule "operator i is kept iff i in kept", i.e.
     of ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` with ``create_selective_checkpoint_contexts`` of
-    that policy (``allow_cache_entry_mutation=True``), which is what runs under ``torch.compile``: the same storages
+    that policy (``allow_cache_entry_mutation=True``): the same storages
     allocated, in the same order, with the same bytes in use after each (kept outputs that no backward used are let
     go when the graph goes, possibly in another order than torch's). Gradients equal the plain run's bit for bit,
-    dropout included.
+    dropout included. Under ``torch.compile`` the call runs eagerly (a graph break): the indices count an eager
+    forward's operators, which are not those of a traced one.
 
     Args:
         run: the region; called with ``tensors``, in forward and once more in backward.
         tensors: the region's tensor inputs (kept as torch's checkpoint keeps its inputs).
         kept: indices of the operators whose outputs are kept, counting every operator the forward dispatches but
-            ``torch.utils.checkpoint.SAC_IGNORED_OPS``, from 0.
+            ``torch.utils.checkpoint.SAC_IGNORED_OPS`` and those of remat's collectives, from 0.
         label: how errors name the region (``'keep_ops(3,19) in layers.3'``).
         refused: the exception raised, in forward, for a set the recomputation cannot replay: an operator that
             changes a kept output in place and is not kept, a kept in-place operator whose tensor is not kept, a
@@ -460,7 +504,7 @@ def checkpoint_kept_operators(run: Callable[..., Any], tensors: Sequence[torch.T
     if not torch.is_grad_enabled():
         return run(*tensors)
     if torch.compiler.is_compiling():
-        return _torch_selective(run, tensors, kept)
+        return _kept_operators_eagerly(run, tensors, kept, label, refused)
     frame = _IndexedFrame(run, tensors, frozenset(kept), label, refused)
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
         with _KeepIndexed(frame):
@@ -469,23 +513,10 @@ def checkpoint_kept_operators(run: Callable[..., Any], tensors: Sequence[torch.T
     return out
 
 
-def _torch_selective(run: Callable[..., Any], tensors: Sequence[torch.Tensor], kept: frozenset[int]) -> Any:
-    """torch's selective checkpointing with the policy "keep operator i iff i in kept" (under torch.compile; dynamo
-    takes a context_fn that is a module-level function or a partial of one)."""
-    return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True,
-                                             context_fn=functools.partial(_index_contexts, kept))
-
-
-def _index_contexts(kept: frozenset[int]) -> Any:
-    decisions: list[torch.utils.checkpoint.CheckpointPolicy] = []
-    replayed = [0]
-
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
-        if ctx.is_recompute:  # torch versions that ask the policy in the recomputation too
-            replayed[0] += 1
-            return decisions[replayed[0] - 1]
-        decisions.append(torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE if len(decisions) in kept else
-                         torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE)
-        return decisions[-1]
-
-    return torch.utils.checkpoint.create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)
+@torch.compiler.disable
+def _kept_operators_eagerly(run: Callable[..., Any], tensors: Sequence[torch.Tensor], kept: frozenset[int],
+                            label: str, refused: type[Exception]) -> Any:
+    # Under torch.compile the operators a layer dispatches are not its eager ones (dropout is one native_dropout
+    # where eager runs empty_like, bernoulli_, div_, mul; bmm outputs are views, not _unsafe_views), so eager operator
+    # indices would keep other tensors: the layer runs eagerly, on this engine (a graph break).
+    return checkpoint_kept_operators(run, tensors, kept, label, refused)

@@ -28,7 +28,9 @@ def usable_set(modules: Iterable[str]) -> bool:
 # checkpointing semantics) that keeps the outputs of exactly the listed operators and recomputes every other one
 # in backward. Operator i is the i-th aten operator the layer's forward dispatches, from 0, counting every
 # operator torch's selective checkpointing asks its policy about (all but torch.utils.checkpoint.SAC_IGNORED_OPS:
-# detach and metadata queries); remat.plan lists a layer's operators (remat.plan.operator_space). Indices are
+# detach and metadata queries) and not dispatched by a collective of remat's parallel groups (NOTE [collectives are
+# not operators] in remat.models.collectives: they differ by backend, so they are never counted nor kept);
+# remat.plan lists a layer's operators (remat.plan.operator_space). Indices are
 # written sorted, runs as ranges: ``keep_ops(3,19-21,41)``; ``keep_ops()`` keeps nothing (the whole layer is
 # recomputed). An in-place operator that mutates a kept output must be kept with it, and a kept random draw needs
 # every later draw kept (apply refuses the plan at the first step otherwise). It stands alone in a selective set.

@@ -24,7 +24,7 @@ from remat.recompute.engines import (
     side_inputs,
 )
 from remat.recompute.offload import OffloadedCheckpoint
-from remat.recompute.operator_checkpoint import checkpoint_kept_operators, checkpoint_operators
+from remat.recompute.operator_checkpoint import checkpoint_kept_operators, checkpoint_matmuls, checkpoint_operators
 from remat.recompute.operators import MATMUL_OVERLOADS, contraction
 
 # Where common model families keep their decoder layers, most specific first.
@@ -219,7 +219,8 @@ class Region:
         return output
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        recompute = in_backward()
+        # only observers care whether this is the recomputation (and torch.compile cannot trace the question)
+        recompute = bool(observers) and in_backward()
         if recompute:
             for observer in observers:
                 observer.on_recompute(self, True)
@@ -258,7 +259,13 @@ class Region:
         if self.kept_ops is not None:  # the same engine, keeping operators by index
             return checkpoint_kept_operators(run, tensors, self.kept_ops, self.label, ApplyError)
         if self.operator_level:  # remat's lean selective checkpoint (remat.recompute.operator_checkpoint)
+            if torch.compiler.is_compiling():
+                return self._compiled_operator_level(run, tensors)
             return checkpoint_operators(run, tensors, self._keeps_output, MATMUL_OVERLOADS, self.label)
+        if torch.compiler.is_compiling():  # NOTE [regions under torch.compile]
+            if self.offload_inputs or self.distribute is not None:
+                return self._eager_reentrant(run, tensors)
+            return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False, preserve_rng_state=True)
         if self.engine == "non-reentrant":
             return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False,
                                                      preserve_rng_state=True)
@@ -267,6 +274,9 @@ class Region:
             raise ApplyError(f"{self.label}: no input requires grad, so a reentrant checkpoint would give its "
                              "parameters no gradient (as Megatron's and torch's reentrant checkpoints do); use "
                              "the non-reentrant engine ('@non-reentrant') or make the inputs require grad")
+        return self._run_reentrant(run, tensors)
+
+    def _run_reentrant(self, run: Callable[..., Any], tensors: list[torch.Tensor]) -> Any:
         out = OutputSpec(self)
         if self.offload_inputs:
             outputs = iter(OffloadedCheckpoint.apply(run, out, *tensors))
@@ -275,7 +285,36 @@ class Region:
         leaves_out = [next(outputs) if isinstance(leaf, torch.Tensor) else leaf for leaf in out.leaves]
         return tree_unflatten(leaves_out, out.spec)
 
+    def _compiled_operator_level(self, run: Callable[..., Any], tensors: list[torch.Tensor]) -> Any:
+        """A non_matmul layer under torch.compile (NOTE [regions under torch.compile])."""
+        if self.matmuls_inside:  # the rule needs the module hooks as the operators run: not traceable
+            return self._eager_operator_level(run, tensors)
+        return checkpoint_matmuls(run, tensors, self.max_contraction)
 
+    @torch.compiler.disable  # a graph break: this region runs eagerly (NOTE [regions under torch.compile])
+    def _eager_reentrant(self, run: Callable[..., Any], tensors: list[torch.Tensor]) -> Any:
+        return self._run_reentrant(run, tensors)
+
+    @torch.compiler.disable
+    def _eager_operator_level(self, run: Callable[..., Any], tensors: list[torch.Tensor]) -> Any:
+        return checkpoint_operators(run, tensors, self._keeps_output, MATMUL_OVERLOADS, self.label)
+
+
+# NOTE [regions under torch.compile]
+# A model remat.apply was called on can be compiled (torch.compile(model)). Under dynamo a group or a selective
+# module region becomes torch.utils.checkpoint.checkpoint(use_reentrant=False), which dynamo turns into the
+# tag_activation_checkpoint higher-order operator that AOTAutograd's partitioner honours: it keeps the region's inputs
+# only, as Megatron's reentrant CheckpointFunction does (a Python autograd.Function with a callable argument, which
+# dynamo cannot trace). A non_matmul layer (with matmul_k<N> or not) becomes torch's selective checkpoint with the
+# same rule (checkpoint_matmuls: MUST_SAVE the matrix multiplies it keeps, PREFER_RECOMPUTE every other operator),
+# the policy asked once, when the graph is traced, instead of a dispatch mode at every operator of every step.
+# Outside the regions the partitioner decides as it does for the plain model (its min-cut recomputes cheap operators,
+# so a compiled plan may keep fewer bytes than the same plan run eagerly: measure it). Four kinds run eagerly on
+# remat's own engines, each as a graph break: offloaded group inputs and --distribute-saved-activations (reentrant
+# engine only), a non_matmul layer that recomputes core_attn or mlp matmuls too (its rule follows module hooks as the
+# operators run), and keep_ops layers (their indices count an eager forward's operators; a traced forward runs
+# others, e.g. one native_dropout for empty_like, bernoulli_, div_, mul). Gradients: bit for bit those of the
+# compiled plain model, and of the eager one, on CPU with aot_eager (tests/recompute/test_compiled_regions.py).
 @dataclass
 class AppliedPolicy:
     """What :func:`apply` did: the policy, where the layer stack is, and the checkpoint regions."""
