@@ -67,7 +67,6 @@ import argparse
 import gc
 import json
 import platform
-import random
 import statistics
 import sys
 import time
@@ -95,36 +94,11 @@ from compile_peers import (  # noqa: E402  (benchmarks/compile_peers.py: torch.c
     RematCompileSearch,
     profiler_peak,
     step,
+    time_steps,
 )
 
 MIB = 1 << 20
 warnings.filterwarnings("ignore", message=".*global hooks on modules.*")
-
-
-def time_steps(variants: dict[str, Any], batch: Any, rounds: int, baselines: dict[str, str]) -> dict[str, dict]:
-    """Median step seconds per variant and the median per-round ratio to its baseline variant."""
-    for fn in variants.values():
-        step(fn, batch)  # warm-up
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    rng = random.Random(0)
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            order = list(variants)
-            rng.shuffle(order)
-            for name in order:
-                start = time.perf_counter()
-                step(variants[name], batch)
-                times[name].append(time.perf_counter() - start)
-    finally:
-        gc.enable()
-    out = {}
-    for name, ts in times.items():
-        base = baselines.get(name)
-        ratios = [a / b for a, b in zip(ts, times[base])] if base else []
-        out[name] = {"seconds": statistics.median(ts), "ratio": statistics.median(ratios) if ratios else None,
-                     "times": ts}
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -6,6 +6,9 @@ generation) and the same FLOP count of the compiled graphs."""
 
 from __future__ import annotations
 
+import gc
+import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -240,3 +243,29 @@ class RematCompileSearch:
         if best is None:
             best = fits(budget)
         return best, len(evaluated), len(self.cache) - before
+
+
+def time_steps(variants: dict[str, Any], batch: Any, rounds: int, baselines: dict[str, str]) -> dict[str, dict]:
+    """Median step seconds per variant and the median per-round ratio to its baseline variant."""
+    for fn in variants.values():
+        step(fn, batch)  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    rng = random.Random(0)
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            order = list(variants)
+            rng.shuffle(order)
+            for name in order:
+                start = time.perf_counter()
+                step(variants[name], batch)
+                times[name].append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    out = {}
+    for name, ts in times.items():
+        base = baselines.get(name)
+        ratios = [a / b for a, b in zip(ts, times[base])] if base else []
+        out[name] = {"seconds": statistics.median(ts), "ratio": statistics.median(ratios) if ratios else None,
+                     "times": ts}
+    return out

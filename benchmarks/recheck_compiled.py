@@ -20,7 +20,6 @@ import json
 import random
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from remat import ModelConfig, build_model, sample_batch
 from remat.recompute.plan_format import Plan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compile_peers import CompileSearch, counting_backend, profiler_peak, step  # noqa: E402
+from compile_peers import CompileSearch, counting_backend, profiler_peak, step, time_steps  # noqa: E402
 
 MIB = 1 << 20
 
@@ -77,21 +76,7 @@ def main() -> None:
         mine = base if rc["plan"] == "keep all" else compiled_plan(config, rc["plan"], batch)
         mine_peak = profiler_peak(mine, batch)
         variants = {"eager": eager, "base": base, "compile": found.module, "remat": mine}
-        for m in variants.values():
-            step(m, batch)
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        rng = random.Random(0)
-        gc.disable()
-        try:
-            for _ in range(args.rounds):
-                order = list(variants)
-                rng.shuffle(order)
-                for name in order:
-                    start = time.perf_counter()
-                    step(variants[name], batch)
-                    times[name].append(time.perf_counter() - start)
-        finally:
-            gc.enable()
+        times = {name: t["times"] for name, t in time_steps(variants, batch, args.rounds, {}).items()}
 
         def ratio(a: str, b: str, times: dict[str, list[float]] = times) -> list[float]:
             return [x / y for x, y in zip(times[a], times[b])]

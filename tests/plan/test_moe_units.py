@@ -4,10 +4,14 @@ picks such a set where it is the cheapest fit."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 
 from remat import apply, build_model, measure, sample_batch
 from remat.config import ModelConfig
+from remat.memory.predict import predict_config
 from remat.plan.api import plan
 from remat.plan.moe_modules import add_moe_units, job_policies, moe_mla_sets
 from remat.plan.unit_model import unit_model
@@ -31,10 +35,35 @@ def _measured(policy: str) -> int:
     return measure(model, sample_batch(MLA_MOE)).peak_bytes
 
 
-def test_mla_up_proj_pops_its_hooks_after_a_core_attn_layer() -> None:
+def _saved_tensor_hooks() -> object:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_hooks() -> Iterator[None]:
+    assert _saved_tensor_hooks() is None, "an earlier test left saved-tensor hooks pushed"
+    yield
+    while _saved_tensor_hooks() is not None:  # a failure here must not change the bytes of later tests
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+
+
+# A measurement or prediction does not depend on what ran before it in the process: a recompute region's saved-tensor
+# hooks are all popped when its step is over (remat.recompute.discard.OutputDiscardingRegion). mla_up_proj's consumer
+# (core attention) runs again inside its own core_attn checkpoint; the hooks it left pushed once kept DeepSeek-V3's
+# sigmoid router scores (2 MiB a layer) in every later trace of the process.
+def test_a_measurement_after_an_mla_up_proj_core_attn_step_is_the_same() -> None:
+    before = _measured("none")
     _measured("selective/core_attn+mla_up_proj")
-    # the consumer (core attention) runs again inside its own core_attn checkpoint: its hooks must still be popped
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert _saved_tensor_hooks() is None
+    assert _measured("none") == before
+
+
+def test_a_prediction_after_an_mla_up_proj_core_attn_trace_is_the_same() -> None:
+    # traced whole each time (compose_layers=False): a composed one would reuse the first call's shallow trace
+    before = predict_config(MLA_MOE, "full/block/1", compose_layers=False).peak_bytes
+    predict_config(MLA_MOE, "selective/core_attn+mla_up_proj", compose_layers=False)
+    assert _saved_tensor_hooks() is None
+    assert predict_config(MLA_MOE, "full/block/1", compose_layers=False).peak_bytes == before
 
 
 def test_every_core_attn_set_on_an_mla_moe_layer_is_priced_as_measured() -> None:
