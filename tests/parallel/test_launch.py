@@ -50,6 +50,16 @@ def test_the_earliest_python_error_is_blamed_when_no_rank_was_killed(tmp_path):
     assert first_failure(tmp_path, [1, 1, -signal.SIGABRT], {0: 3.0, 1: 3.0, 2: 0.5}) == (1, "error of rank 1")
 
 
+def test_a_lost_peer_connection_is_blamed_after_the_error_that_caused_it(tmp_path):
+    """Rank 1 raised and tore its connections down before its error was written: rank 0's "Connection closed by
+    peer", stamped earlier, is the symptom."""
+    for rank, when, error in ((0, 1.0, "RuntimeError: [pair.cc:534] Connection closed by peer [127.0.0.1]:4242"),
+                              (1, 2.0, "RuntimeError: rank one broke on purpose")):
+        (tmp_path / f"rank{rank}.error.json").write_text(json.dumps(
+            {"rank": rank, "error": error, "traceback": "", "time": when}))
+    assert first_failure(tmp_path, [1, 1], {0: 3.0, 1: 3.0}) == (1, "RuntimeError: rank one broke on purpose")
+
+
 def test_a_killed_worker_is_reported_by_rank_and_signal():
     with pytest.raises(DistributedError) as err:
         measure_pipeline(SMALL, "none", 2, 2, timeout=60, fault={"rank": 1, "kind": "kill"})

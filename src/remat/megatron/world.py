@@ -122,11 +122,13 @@ def megatron_world(sizes: ParallelSizes, rank: int = 0, *, backend: str = "fake"
             raise MegatronSettingError(f"backend={backend!r}: use 'fake' (predict) or 'gloo' (measure)")
         stack.callback(dist.destroy_process_group)
         stack.callback(parallel_state.destroy_model_parallel)
-        if backend == "gloo" and world > 1:  # every rank is done with its collectives before any tears down
-            stack.callback(dist.barrier)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=sizes.tp, pipeline_model_parallel_size=sizes.pp,
             context_parallel_size=sizes.cp, expert_model_parallel_size=sizes.ep,
             expert_tensor_parallel_size=sizes.etp, create_gloo_process_groups=False)
         random.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
         yield
+        # every rank is done with its collectives before any tears down (only after a step that ended well: a
+        # failed rank goes down at once, so its peers fail at once and the launcher reports its error)
+        if backend == "gloo" and world > 1:
+            dist.barrier()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -137,6 +138,9 @@ def _errors(folder: Path) -> list[tuple[int, dict[str, Any]]]:
     return sorted(found, key=lambda item: item[1].get("time", 0.0))
 
 
+_PEER_LOST = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
+
+
 def first_failure(folder: Path, codes: Sequence[int | None], exited: dict[int, float]) -> tuple[int, str]:
     """The rank whose failure stopped the run, and what happened to it.
 
@@ -148,8 +152,8 @@ def first_failure(folder: Path, codes: Sequence[int | None], exited: dict[int, f
     Returns:
         ``(rank, message)``. A rank that died without a Python error (killed by a signal other than SIGABRT, or
         ``os._exit``) comes first: its peers' errors ("Connection reset by peer") are what its death did to them,
-        and they are often written before the launcher sees it die. Then the earliest reported error, then a rank
-        that aborted (SIGABRT).
+        and they are often written before the launcher sees it die. Then the earliest reported error, then errors
+        of a lost peer connection and ranks that aborted (SIGABRT): symptoms of another rank's failure.
     """
     reported = dict(_errors(folder))
     failures = []
@@ -157,7 +161,10 @@ def first_failure(folder: Path, codes: Sequence[int | None], exited: dict[int, f
         if code in (None, 0):
             continue
         if rank in reported:
-            failures.append((1, float(reported[rank].get("time", 0.0)), rank, str(reported[rank]["error"])))
+            error = str(reported[rank]["error"])
+            # a peer's lost connection is what a failed rank's teardown did to this one: blamed after real errors
+            cause = 2 if _PEER_LOST.search(error) else 1
+            failures.append((cause, float(reported[rank].get("time", 0.0)), rank, error))
             continue
         tail = ""
         with contextlib.suppress(OSError):
