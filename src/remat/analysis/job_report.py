@@ -150,6 +150,8 @@ def format_job_plan(result: JobPlan) -> str:
                          f"{s.megatron_without_offload.cost:,} vs {s.megatron.cost if s.megatron else 0:,})")
         elif s.megatron is None and s.extended is not None:
             lines.append("      no Megatron setting fits this stage")
+        if s.megatron_search_cut:
+            lines.append("      (the Megatron screen's time cap cut its search: a cheaper setting may fit)")
     if result.uniform is not None:
         flags = " ".join(result.uniform.to_megatron_args()) if result.uniform.engine == "reentrant" else "-"
         lines.append(f"one Megatron setting for every stage (what its flags express): {result.uniform} (flags: "

@@ -31,7 +31,7 @@ from remat.config import ConfigError, ModelConfig, RoutingAssumption
 from remat.models.collectives import released, run_collective
 
 
-def host_values(values: list[int], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+def host_values(values: Sequence[int], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
     """``values`` (decided in Python) as a tensor on ``like``'s device. Under fake tensors an empty one of the same
     size: ``torch.tensor`` would first make a real constant, which a recorder would count as a second
     allocation that the real run does not have."""

@@ -4,6 +4,7 @@ experts (separate MLPs or one grouped weight), combine, and the optional shared 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -82,9 +83,11 @@ class Router(nn.Module):
         self.last_counts = counts
         return probs.flatten(), host_values(order, torch.long, tokens), counts
 
-    def dispatch_order(self, choice: torch.Tensor, experts: int) -> tuple[list[int], list[int]]:
+    def dispatch_order(self, choice: torch.Tensor, experts: int) -> tuple[list[int], Sequence[int]]:
         """(tokens per expert, the routed copies in expert order): real or assumed (NOTE [routing under fake
-        tensors])."""
+        tensors]). Under fake tensors the order is a ``range`` of its length, all that
+        :func:`~remat.models.expert_parallel.host_values` reads of it there (a Python list of tokens x topk
+        copies per MoE layer was most of the router's time in a prediction)."""
         copies = choice.numel()
         assumption = self.assumption
         if assumption is None and isinstance(choice, FakeTensor):
@@ -92,6 +95,8 @@ class Router(nn.Module):
         if assumption is not None:
             counts = assumption.tokens_per_expert(choice.shape[0], experts, self.topk, self.moe_index)
             self.last_source = str(assumption)
+            if isinstance(choice, FakeTensor):
+                return counts, range(sum(counts))
             return counts, [p % copies for p in range(sum(counts))]
         self.last_source = "measured"
         expert_of = choice.flatten().tolist()

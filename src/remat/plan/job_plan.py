@@ -31,6 +31,7 @@ from remat.plan.costs import CostModel, candidate_units
 from remat.plan.fine_offload import megatron_offload_policies, price_offload
 from remat.plan.job_result import JobPlan, JobStagePlan, StageChoice
 from remat.plan.job_stages import kind_config, rank_config, stage_chunks, stage_is_moe, stage_kinds, stage_layer_kinds
+from remat.plan.megatron_screen import cheapest_fit
 from remat.plan.moe_modules import job_policies, layer_moe_units, on_every_layer
 from remat.plan.options import PlanOptions
 from remat.plan.pipeline import solve_stage
@@ -54,10 +55,11 @@ from remat.timeline import Timeline, TimelineError
 # layers under an uneven split, NOTE [uneven splits] in remat.plan.job_stages: model state + microbatches
 # in flight + communication), and re-solved under the offset raised by the excess when it does not fit; a plan is
 # reported as fitting only on that exact prediction. Beside it, the best Megatron setting of each stage (every
-# none / full uniform|block K / selective setting, screened cheapest first by the same estimate, then predicted
-# exactly) and one Megatron setting for every stage (what Megatron's flags express). The extended plan never costs
-# more than the stage's Megatron setting (that one is kept when cheaper).
-MAX_SCREENED = 6  # Megatron settings predicted exactly per stage before the search stops looking for a cheaper one
+# none / full uniform|block K / selective setting, in cost order, predicted exactly until the first that fits,
+# the estimate only a lower bound that skips what cannot fit: NOTE [the Megatron screen of a stage]) and one
+# Megatron setting for every stage (what Megatron's flags express). The extended plan never costs more than the
+# stage's Megatron setting (that one is kept when cheaper).
+MAX_SCREENED = 6  # settings for every stage predicted exactly before _uniform stops looking for a cheaper one
 
 
 def check_job_options(job: Job, options: PlanOptions) -> None:
@@ -288,6 +290,8 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) ->
         _search_stages(job, [(st, sm) for st, sm in zip(result.stages, stage_models) if sm is not None], exact,
                        budget_bytes, options, config)
         result.stats["unit_model_build_seconds"] = sum(m.build_seconds for m, _ in kinds.values())
+        # stages whose Megatron screen the time cap cut: their setting may not be the cheapest that fits
+        result.stats["megatron_search_cut"] = [st.stage for st in result.stages if st.megatron_search_cut]
         _uniform(result, stage_models, exact, engine)
     result.stats.update(seconds=time.perf_counter() - started, exact_predictions=exact.count)
     return result
@@ -324,7 +328,8 @@ def _search_stages(job: Job, searched: Sequence[tuple[JobStagePlan, _StageModel]
             if options.fine_grained_offload:
                 _offload_stage(job, st, sm, exact, budget, options)
             return (st.tried, st.policy, st.prediction, st.megatron, st.megatron_without_offload,
-                    st.offload_options, exact.made_since(known), shallow_chunks_since(known_chunks))
+                    st.offload_options, st.megatron_search_cut, exact.made_since(known),
+                    shallow_chunks_since(known_chunks))
         return task
 
     def extended(i: int) -> Callable[[], Any]:
@@ -342,7 +347,7 @@ def _search_stages(job: Job, searched: Sequence[tuple[JobStagePlan, _StageModel]
     for i, (st, sm) in enumerate(searched):
         e_tried, st.resolves, sm.offset, fitting, e_made, e_chunks = answers[i]
         (m_tried, st.policy, st.prediction, st.megatron, st.megatron_without_offload, st.offload_options,
-         m_made, m_chunks) = answers[n + i]
+         st.megatron_search_cut, m_made, m_chunks) = answers[n + i]
         exact.adopt(m_made)
         exact.adopt(e_made)
         keep_shallow_chunks(m_chunks + e_chunks)  # for the Megatron setting of every stage, predicted here next
@@ -408,7 +413,8 @@ def _megatron_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Pla
                     engine: str, config: Any = None) -> None:
     """The cheapest Megatron setting of the stage that fits, predicted exactly (NOTE [the job search])."""
     m, L = sm.model, sm.num_layers
-    # the estimate may be off by a layer stack's .grad bytes and the side inputs (NOTE [the unit model]) either way
+    # the unit model may hold a layer stack's .grad bytes and the side inputs beyond the rank (NOTE [the Megatron
+    # screen of a stage] in remat.plan.megatron_screen): its estimate less those is a lower bound of the exact peak
     slack = L * m.grad_per_layer + sum(m.side.values())
     rows = []
     for policy in job_policies(L, engine, config, sm.cost, [m]):
@@ -417,22 +423,19 @@ def _megatron_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Pla
         rows.append((sm.plan_cost(plan), sum(m.shape(u).recompute_bytes for u in units), sm.modelled(units), policy,
                      plan))
     rows.sort(key=lambda r: r[:3])
-    lowest: RankPrediction | None = None
-    predicted, offset = 0, sm.offset
-    for _, _, modelled, policy, plan in rows:
-        if modelled + offset - slack > budget:
-            continue
-        if predicted >= MAX_SCREENED:
-            break
+
+    def predict(i: int) -> int:
+        pred = exact(st.stage, rows[i][4])
+        st.tried[str(rows[i][3])] = pred.peak_bytes
+        return pred.peak_bytes
+    found = cheapest_fit([r[2] for r in rows], sm.offset, slack, budget, predict)
+    st.megatron_search_cut = found.cut
+    if found.chosen is not None:
+        policy, plan = rows[found.chosen][3:]
         pred = exact(st.stage, plan)
-        predicted += 1
-        st.tried[str(policy)] = pred.peak_bytes
-        if pred.peak_bytes <= budget:
-            st.policy, st.prediction, st.megatron = policy, pred, sm.choice(plan, "megatron", pred)
-            return
-        if lowest is None or pred.peak_bytes < lowest.peak_bytes:
-            lowest = pred
-        offset = max(offset, pred.peak_bytes - modelled)  # the model under-estimated here: screen the rest harder
+        st.policy, st.prediction, st.megatron = policy, pred, sm.choice(plan, "megatron", pred)
+        return
+    lowest = min((exact(st.stage, rows[i][4]) for i in found.peaks), key=lambda p: p.peak_bytes, default=None)
     # nothing screened fits: every layer recomputed is Megatron's lowest peak
     full = Plan.from_policy(Policy("full", "uniform", 1, engine=engine), L)
     pred = exact(st.stage, full)

@@ -79,6 +79,7 @@ class JobStagePlan:
     chunk_layers: tuple[int, ...] = ()  # the layers of each of its chunks (an uneven split: not all the same)
     in_flight: int = 1  # the most microbatch-chunks it holds at once
     resolves: int = 0  # extended plans that did not fit when predicted exactly
+    megatron_search_cut: bool = False  # the Megatron screen's time cap stopped it: maybe not the cheapest
     note: str = ""
 
     @property
@@ -132,6 +133,7 @@ class JobPlan:
                 s.policy), "state": s.state.parts(), "state_bytes": s.state.total, "tried": s.tried,
                 "layers": list(s.layers),
                 "chunk_layers": list(s.chunk_layers), "in_flight": s.in_flight, "resolves": s.resolves, "note": s.note,
+                "megatron_search_cut": s.megatron_search_cut,
                 "extended": None if s.extended is None else s.extended.to_dict(),
                 "megatron": None if s.megatron is None else s.megatron.to_dict(),
                 "megatron_without_offload": None if s.megatron_without_offload is None else
