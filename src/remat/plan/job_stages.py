@@ -73,11 +73,6 @@ def stage_kinds(job: Job, options: PlanOptions, stages: Sequence[int]) -> dict[b
         moe = stage_is_moe(config, job, stage)
         if moe not in kinds:
             kind = kind_config(config, moe)
-            kinds[moe] = (unit_model(kind, device=options.device, engine=options.engine, tp=job.tp, sp=job.sp),
-                          options.cost_model(kind))
-    # every kind is built before the MoE/MLA sets are traced into any: a DeepSeek-V3 MoE layer's unit model built
-    # after the dense layers' core_attn+mla_up_proj traces came out 2 MiB off its own check (unit_model refuses it)
-    # while those traces left mla_up_proj's saved-tensor hooks pushed (remat.recompute.discard, fixed since)
-    for model, _ in kinds.values():
-        add_moe_units(model, config)
+            model = unit_model(kind, device=options.device, engine=options.engine, tp=job.tp, sp=job.sp)
+            kinds[moe] = (add_moe_units(model, config), options.cost_model(kind))
     return kinds

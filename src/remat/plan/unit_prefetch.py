@@ -46,7 +46,7 @@ def prefetch_unit_model(config: ModelConfig, *, device: str = "cpu", engine: str
     if disk_cache.load("unit_model", unit_model_disk_key(key)) is not None:
         return False  # read from disk when asked: nothing to overlap
     process, receive = _fork(lambda: model_to_dict(unit_model(config, device=device, engine=engine, tp=tp, sp=sp)))
-    PENDING[key] = lambda: _take(process, receive)
+    PENDING[key] = lambda: _take(key, process, receive)
     _STARTED[key] = process
     _ANSWERS[key] = receive
     return True
@@ -77,8 +77,7 @@ def cancel_prefetches() -> None:
     _ANSWERS.clear()
 
 
-def _take(process: BaseProcess, receive: Connection) -> UnitModel | None:
-    key = next((k for k, p in _STARTED.items() if p is process), None)
+def _take(key: tuple[Any, ...], process: BaseProcess, receive: Connection) -> UnitModel | None:
     _STARTED.pop(key, None)
     _ANSWERS.pop(key, None)
     data = _received(process, receive)  # None: unit_model builds the model itself
@@ -86,15 +85,6 @@ def _take(process: BaseProcess, receive: Connection) -> UnitModel | None:
         return None if data is None else model_from_dict(data)
     except (KeyError, TypeError, ValueError):
         return None
-
-
-def run_isolated(build: Callable[[], Any]) -> Any | None:
-    """``build()``'s JSON-able answer, computed in a forked process so that nothing it leaves in this process's
-    state can change a later trace here; None with one core or no ``fork``, when it fails, or when it sends
-    nothing within :func:`~remat.memory.trace_pool.worker_timeout` seconds (the caller then builds it itself)."""
-    if available_workers() <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return None
-    return _received(*_fork(build))
 
 
 def _fork(build: Callable[[], Any]) -> tuple[BaseProcess, Connection]:
