@@ -195,3 +195,26 @@ def test_fake_tensor_cache_keeps_a_copied_storage_alive():
     assert torch.ops.aten.set_.source_Storage in STORAGE_SETTERS
     assert not freed_after_copy(recorded=False)  # torch's behaviour: the storage outlives every reference
     assert freed_after_copy(recorded=True)
+
+
+def test_a_real_world_of_one_frees_collective_tensors_when_python_drops_them():
+    # NOTE [a world of one process]: gloo's work kept an all-reduced tensor alive after Python dropped it, so its
+    # free could land after the step's peak; in-process collectives hold nothing and give gloo's results
+    import threading
+    import weakref
+
+    import torch.distributed as dist
+
+    freed = []
+    with megatron_on_cpu(), megatron_world(ParallelSizes(), 0, backend="gloo"):
+        tensor = torch.arange(4.0)
+        weakref.finalize(tensor.untyped_storage(), lambda: freed.append(threading.get_ident()))
+        work = dist.all_reduce(tensor, async_op=True)
+        work.wait()
+        assert torch.equal(tensor, torch.arange(4.0))
+        del tensor
+        assert freed == [threading.get_ident()]  # freed at once, on this thread, while the work is still held
+        gathered = torch.zeros(4)
+        dist.all_gather_into_tensor(gathered, torch.arange(4.0), group=parallel_state.get_tensor_model_parallel_group())
+        assert torch.equal(gathered, torch.arange(4.0))
+        del work

@@ -5,15 +5,23 @@ sees it, not the ranks themselves: :func:`megatron_world` starts torch.distribut
 (every collective returns at once, shapes as on the real job) and calls Megatron's ``initialize_model_parallel``
 without the gloo side groups. The same function with ``backend='gloo'`` runs a real CPU rank (one process, or
 one of the processes :mod:`remat.megatron.multiprocess` starts).
+
+NOTE [a world of one process] A real run of one process has nothing to communicate, but Megatron still calls
+collectives on its groups of one rank (the cross-entropy all-reduces its [s, b] maxima and sums). gloo runs each on a
+worker thread that holds the work, and so the tensor, until it picks its next job; when the worker is descheduled
+past the point where Python drops the tensor, its free lands later in the timeline than in the prediction (a 256-byte
+vocab-parallel maximum alive at the peak: a test failed on it under load; 20 of 20,000 all-reduces of a loaded run
+were freed late here). A world of one therefore runs in torch's fake process group: over one rank each of its
+collectives gives gloo's result (an all-reduce or broadcast leaves the tensor as it is, a gather or scatter copies
+it), on the calling thread, and holds nothing after it returns. Runs of several processes keep gloo and its race
+(see NOTE [gloo's late release] in benchmarks/bench_megatron_core.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -85,7 +93,8 @@ def megatron_world(sizes: ParallelSizes, rank: int = 0, *, backend: str = "fake"
     Args:
         sizes: the job's parallel sizes.
         rank: the global rank this process plays.
-        backend: ``'fake'`` (no communication, any world size) or ``'gloo'`` (a real run).
+        backend: ``'fake'`` (no communication, any world size) or ``'gloo'`` (a real run; a world of one process
+            runs its collectives in-process, see NOTE [a world of one process]).
         seed: Megatron's ``model_parallel_cuda_manual_seed`` seed.
         init_method: where a real run of more than one process meets (``tcp://127.0.0.1:<port>``; every rank
             gives the same); world size 1 uses a private file store.
@@ -112,9 +121,11 @@ def megatron_world(sizes: ParallelSizes, rank: int = 0, *, backend: str = "fake"
             if init_method is not None:
                 dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=timeout)
             elif world == 1:
-                folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="remat-gloo-"))
-                store = dist.FileStore(os.path.join(folder, "store"), 1)
-                dist.init_process_group("gloo", rank=0, world_size=1, store=store, timeout=timeout)
+                # See NOTE [a world of one process]: torch's fake group, whose collectives over one rank give
+                # gloo's results, on the calling thread
+                from torch.testing._internal.distributed.fake_pg import FakeStore
+
+                dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
             else:
                 raise MegatronSettingError(f"a real run of tp x pp x cp x dp = {world} processes needs init_method "
                                            "(remat.megatron.measure_megatron_core_distributed starts them)")
