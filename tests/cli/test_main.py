@@ -89,3 +89,17 @@ def test_parse_policy_list_keeps_options():
     assert parse_policy_list(None) is None
     with pytest.raises(PolicyError):
         parse_policy_list(" , ")
+
+
+
+def test_only_the_console_script_freezes_the_collector_before_it_exits(monkeypatch, tmp_path, capsys):
+    import gc
+    import sys
+
+    args = ["plan", *_tiny_args("plan", tmp_path), "--json"]
+    before = gc.get_freeze_count()  # (tests/conftest.py freezes what is alive when a module starts)
+    assert main(args) == 0 and gc.get_freeze_count() <= before  # called with arguments (a library, a test)
+    before = gc.get_freeze_count()
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/remat", *args])  # what the console script runs, then exits
+    assert main() == 0
+    assert gc.get_freeze_count() > before  # nothing it holds is collected again: exiting skips that

@@ -144,9 +144,27 @@ def test_stages_searched_side_by_side_give_the_answer_of_one_process(middle, mon
     assert serial["stats"]["exact_predictions"] > 0
 
 
+def test_the_screens_predictions_made_ahead_give_the_answer_of_one_process(middle, monkeypatch):
+    # NOTE [stages side by side]: the predictions the Megatron screens (and the setting for every stage) will likely
+    # ask for are made in workers beside the extended searches, each counted only when asked for
+    from remat.plan.job_exact import ExactStages
+
+    budget, _ = middle
+    monkeypatch.setenv("REMAT_TRACE_WORKERS", "1")
+    serial = _answer(plan_job(JOB, budget))
+    made: list[object] = []
+    keep = ExactStages.keep_ahead
+    monkeypatch.setattr(ExactStages, "keep_ahead", lambda self, answers: made.extend(answers) or keep(self, answers))
+    monkeypatch.setenv("REMAT_TRACE_WORKERS", "2")
+    forked = _answer(plan_job(JOB, budget))
+    assert forked == serial
+    assert [list(s["tried"]) for s in forked["stages"]] == [list(s["tried"]) for s in serial["stages"]]
+    assert made  # predictions were made ahead, and the answer, its tried order and counts are one process's
+
+
 def test_tracing_ahead_while_the_unit_model_is_built_changes_no_answer(monkeypatch):
     # NOTE [tracing ahead]: the full/block stand-ins traced while the unit model is built leave the answer alone
-    from remat.plan import job_plan
+    from remat.plan import job_exact, job_plan
 
     job = Job.build(CONFIG.replace(num_layers=10), precision="bf16", pp=2, num_microbatches=2)
     keep = predict_job(job).worst.peak_bytes
@@ -157,8 +175,10 @@ def test_tracing_ahead_while_the_unit_model_is_built_changes_no_answer(monkeypat
     with monkeypatch.context() as patch:
         patch.setattr(job_plan, "idle_cores", lambda *a, **k: 2.0)
         patch.setattr(job_plan, "prefetch_pending", lambda *a, **k: True)
-        patch.setattr(job_plan, "predict_stage", lambda j, *a, **k: made.append(str(j.policy)) or real(j, *a, **k))
+        for module in (job_plan, job_exact):  # traced ahead (job_plan), predicted exactly (job_exact)
+            patch.setattr(module, "predict_stage", lambda j, *a, **k: made.append(str(j.policy)) or real(j, *a, **k))
         ahead = _answer(plan_job(job, budget))
     assert ahead == _answer(plan_job(job, budget))
-    # each stage with nothing recomputed, then one full/block stand-in per kind of stage (embedding, head) ahead
-    assert made[:4] == ["none", "none", "full/block/3", "full/block/3"]
+    # each stage with nothing recomputed, then per kind of stage (embedding, head) selective/core_attn and one
+    # full/block stand-in ahead
+    assert made[:6] == ["none", "none", "selective/core_attn", "selective/core_attn", "full/block/3", "full/block/3"]

@@ -159,4 +159,6 @@ def format_job_plan(result: JobPlan) -> str:
         lines += _rank_lines(result.uniform_ranks)
     else:
         lines.append("no one Megatron setting fits every stage")
+    if result.stats.get("uniform_search_cut"):
+        lines.append("  (the time cap cut the search for one setting for every stage: a cheaper setting may fit)")
     return "\n".join(lines)

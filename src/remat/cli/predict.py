@@ -6,6 +6,7 @@ import argparse
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 from remat.analysis.prediction import format_formula_report, format_prediction_table, formula_report, prediction_row
 from remat.cli.common import (
@@ -35,6 +36,7 @@ from remat.memory.kernels import resolve_kernels
 from remat.memory.predict import predict_config
 from remat.memory.reserved import REPLAY_NOTE, format_reserved, reserved_figures
 from remat.policy import ENGINES
+from remat.timeline import Timeline
 
 
 def predict_command(sub: Subparsers) -> Runner:
@@ -85,17 +87,23 @@ def run_predict(args: argparse.Namespace) -> int:
     policies = resolve_cli_policies(args, config.num_layers, config)
     parallel = parallel_kwargs(args)
     started = time.perf_counter()
+    kernels = resolve_kernels(None, args.device)
+    replay = kernels != "cpu" or args.device == "cuda"  # GPU bytes: the caching allocator's reserved memory too
+    made: dict[int, dict[str, Any]] = {}  # each policy's row, made as soon as its timeline is (beside the tracing)
+
+    def row_of(i: int, timeline: Timeline, seconds: float) -> None:
+        made[i] = prediction_row(policies[i], timeline, seconds)
+        if replay:
+            made[i]["allocator_replay"] = reserved_figures(timeline)
+
     bar = ProgressBar("remat predict")
-    try:
+    try:  # only the no-recompute timeline is kept (for the formulas): the rows are made from each as it comes
         predicted = predict_policies(config, policies, device=args.device, adam=args.adam, **parallel,
-                                     progress=bar if len(policies) > 1 else None)
+                                     progress=bar if len(policies) > 1 else None, on_predicted=row_of,
+                                     keep=lambda i: policies[i].is_none)
     finally:
         bar.close()
-    rows = [prediction_row(policy, timeline, seconds) for policy, (timeline, seconds) in zip(policies, predicted)]
-    kernels = resolve_kernels(None, args.device)
-    if kernels != "cpu" or args.device == "cuda":  # GPU bytes: the caching allocator's reserved memory too
-        for row, (timeline, _) in zip(rows, predicted):
-            row["allocator_replay"] = reserved_figures(timeline)
+    rows = [made[i] for i in range(len(policies))]
     # the formulas are compared with a no-recompute trace on CPU without optimizer (reused when there is one)
     plain_cpu = next((tl for policy, (tl, _) in zip(policies, predicted) if policy.is_none), None)
     if plain_cpu is None or args.adam or args.device != "cpu" or kernels != "cpu":

@@ -27,7 +27,8 @@ MEMORY_SHARE = 0.8
 
 def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device: str = "cpu", adam: bool = False,
                      tp: int = 1, sp: bool = False, progress: Progress | None = None,
-                     ) -> list[tuple[Timeline, float]]:
+                     on_predicted: Callable[[int, Timeline, float], None] | None = None,
+                     keep: Callable[[int], bool] | None = None) -> list[tuple[Timeline | None, float]]:
     """Each policy's predicted step and the seconds its prediction took.
 
     Args:
@@ -37,9 +38,15 @@ def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
         adam: include Adam's states and trace ``optimizer.step()`` (a full trace per policy, one unsharded rank).
         tp, sp: one tensor-parallel rank (:func:`remat.memory.predict.predict_config`).
         progress: called as ``progress(i, len(policies), str(policy))`` before each policy and once at the end.
+        on_predicted: called as ``on_predicted(i, timeline, seconds)`` once per policy, as soon as its timeline is
+            made (for a policy composed while the other shallow traces are still being traced, then), so that a
+            caller's own work on it (a report row) overlaps the tracing.
+        keep: which policies' timelines (by index) the result holds; the others hold None once ``on_predicted`` has
+            seen them, so that their memory is reused for the next ones (a sweep's timelines of an 80-layer model
+            take hundreds of MB, and growing the process into them costs more than composing them). Default: all.
 
     Returns:
-        ``[(timeline, seconds), ...]`` in the order of ``policies``.
+        ``[(timeline, seconds), ...]`` in the order of ``policies`` (``timeline`` None where ``keep`` says so).
 
     Example::
 
@@ -48,11 +55,16 @@ def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
     parallel = {"tp": tp, "sp": sp} if tp != 1 or sp else {}
     if adam and parallel:
         raise ValueError("--adam with --tp/--sp: Adam states are traced on one unsharded process only; drop one")
-    early: dict[int, tuple[Timeline, float]] = {}  # composed while the other shallow traces were being made
+    early: dict[int, tuple[Timeline | None, float]] = {}  # composed while the other shallow traces were made
+
+    def composed_early(i: int, timeline: Timeline, seconds: float) -> None:
+        if on_predicted is not None:
+            on_predicted(i, timeline, seconds)
+        early[i] = (timeline if keep is None or keep(i) else None, seconds)
+
     if not adam:  # every shallow trace the compositions below need, made together (side by side on the cores)
-        prepare_shallow_traces(config, policies, device=device, **parallel,
-                               on_composed=lambda i, timeline, seconds: early.__setitem__(i, (timeline, seconds)))
-    out = []
+        prepare_shallow_traces(config, policies, device=device, **parallel, on_composed=composed_early)
+    out: list[tuple[Timeline | None, float]] = []
     for i, policy in enumerate(policies):
         if progress is not None:
             progress(i, len(policies), str(policy))
@@ -64,7 +76,10 @@ def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
             timeline = predict(config, policy, optimizer=adam_steady_state, device=device)
         else:
             timeline = predict_config(config, policy, device=device, **parallel)
-        out.append((timeline, time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        if on_predicted is not None:
+            on_predicted(i, timeline, seconds)
+        out.append((timeline if keep is None or keep(i) else None, seconds))
     if progress is not None:
         progress(len(policies), len(policies), "")
     return out

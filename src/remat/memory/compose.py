@@ -15,6 +15,7 @@ from remat.memory.roles import (  # the role names are part of this module's int
     CompositionError,
     Role,
     config_family,
+    cover_stand_ins,
     layer_kinds,
     layer_regions,
     layer_roles,
@@ -31,8 +32,8 @@ from remat.recompute.region import RecomputeLayout, group_label
 from remat.timeline import Phase, Timeline
 
 OUTER = -1  # "layer index" of phases outside the stack (setup, embedding, head)
-__all__ = ["OUTER", "CompositionError", "Role", "ShallowTrace", "compose", "config_family", "layer_kinds",
-           "layer_regions", "layer_roles", "policy_family", "region_bounds", "role_set", "shallow_plan",
+__all__ = ["OUTER", "CompositionError", "Role", "ShallowTrace", "compose", "config_family", "cover_stand_ins",
+           "layer_kinds", "layer_regions", "layer_roles", "policy_family", "region_bounds", "role_set", "shallow_plan",
            "shallow_stand_in", "shallow_stand_ins", "shallow_stand_ins_of_kinds"]
 
 
@@ -56,13 +57,13 @@ class _Block:
     module_suffix: list[str | None] = field(default_factory=list)  # after "layers.<j>", or None: not a layer's
     module: list[str] = field(default_factory=list)
     free_groups: list[tuple[int, str, int, list[int], list[int], list[int]]] = field(default_factory=list)
-    arrays: tuple[np.ndarray, np.ndarray, np.ndarray] = ()  # type: ignore[assignment]  # filled by finish()
+    arrays: tuple[np.ndarray, ...] = ()  # filled by finish()
 
     def finish(self, tl: Timeline) -> None:
         self.nbytes = [tl.nbytes[r] for r in self.rows]
-        # bytes, allocation offsets, and offsets one after the other (as setup copies them)
+        # bytes, allocation offsets, offsets one after the other (as setup copies them), and the shallow rows
         self.arrays = (np.asarray(self.nbytes, dtype=np.int64), np.asarray(self.alloc_offsets, dtype=np.int64),
-                       np.arange(len(self.rows), dtype=np.int64))
+                       np.arange(len(self.rows), dtype=np.int64), np.asarray(self.rows, dtype=np.int64))
         self.category = [tl.category[r] for r in self.rows]
         self.module = [tl.module[r] for r in self.rows]
         prefix = f"layers.{self.layer}"
@@ -160,7 +161,8 @@ class ShallowTrace:
         self.by_key = {b.key: b for b in self.blocks}
         self.freed = np.asarray(tl.free_at, dtype=np.int64) >= 0  # which shallow rows the shallow step frees
         self.modules: dict[tuple[int, int], list[str]] = {}  # (block, deep layer) -> its rows' module names
-        self.matched: dict[tuple[int, int], list[int]] = {}  # compose's matched frees, kept for the next policy
+        # compose's matched frees, kept for the next policy: runs of (kind, occurrence, ordinals, offsets, count)
+        self.matched: dict[tuple[int, int], list[tuple[str, int, np.ndarray, np.ndarray, int]]] = {}
         self.template_of_role: dict[Role, int] = {}
         for j, role in enumerate(self.roles):
             self.template_of_role.setdefault(role, j)
@@ -311,7 +313,6 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
     small_flops = small.meta.get("phase_flops", [0] * len(small.phases))
 
     out = Timeline(meta=dict(small.meta))
-    copied: list[int] = [] if sources is None else sources  # the shallow row each deep row copies
     phase_flops: list[int] = []
     block_start: dict[tuple[int, str, int], tuple[int, _Block]] = {}
 
@@ -348,29 +349,34 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
     emitted: list[tuple[_Block, int, bool]] = []  # (block, deep layer, setup) of each copy, in order
     starts: list[int] = []  # the event each copy starts at
     phase_ids: list[int] = []
+    num_rows = 0  # deep rows laid out so far
 
     def allocate(block: _Block, layer: int, offsets: list[int] | None) -> None:
         """Append the block's rows as deep rows of ``layer`` (their columns are filled at the end); record where
         they start."""
-        block_start[(layer, block.kind, block.occurrence)] = (len(out.free_at), block)
+        nonlocal num_rows
+        block_start[(layer, block.kind, block.occurrence)] = (num_rows, block)
         n = len(block.rows)
         emitted.append((block, layer, offsets is None))
         starts.append(out.num_events)
         phase_ids.append(len(out.phases) - 1)
-        out.free_at.extend([-1] * n)
+        num_rows += n
         if offsets is None:  # setup: allocations one after the other
             out.num_events += n
 
-    def fill_columns() -> None:
-        """Every copied row's columns, block by block (numpy where the columns are numbers)."""
+    def fill_columns() -> np.ndarray:
+        """Every copied row's columns, block by block (numpy where the columns are numbers); returns the shallow
+        row each deep row copies."""
         sizes = np.fromiter((len(b.rows) for b, _, _ in emitted), dtype=np.int64, count=len(emitted))
-        out.nbytes = np.concatenate([b.arrays[0] for b, _, _ in emitted]).tolist()
+        # the shallow rows' own int objects where a column is copied as is (faster than numpy's tolist)
+        out.nbytes = list(itertools.chain.from_iterable(b.nbytes for b, _, _ in emitted))
         offsets = np.concatenate([b.arrays[2] if setup else b.arrays[1] for b, _, setup in emitted])
         out.alloc_at = (offsets + np.repeat(np.asarray(starts, dtype=np.int64), sizes)).tolist()
-        out.phase_index = np.repeat(np.asarray(phase_ids, dtype=np.int64), sizes).tolist()
+        out.phase_index = list(itertools.chain.from_iterable(
+            itertools.repeat(phase, len(b.rows)) for (b, _, _), phase in zip(emitted, phase_ids)))
         out.category = list(itertools.chain.from_iterable(b.category for b, _, _ in emitted))
-        copied.extend(itertools.chain.from_iterable(b.rows for b, _, _ in emitted))
         out.module = list(itertools.chain.from_iterable(names(b, layer) for b, layer, _ in emitted))
+        return np.concatenate([b.arrays[3] for b, _, _ in emitted])
 
     def names(block: _Block, layer: int) -> list[str]:
         if layer == OUTER or block.layer == layer:
@@ -383,13 +389,11 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
         return found
 
     # (free group, template layer of the deep layer it frees from) -> where the freed tensors are in that template,
-    # once found to be the same tensors: runs of (block kind, occurrence, ordinals, event offsets)
-    matched: dict[tuple[int, int], list[tuple[str, int, np.ndarray, np.ndarray]]] = trace.matched
-    # each run of frees of each copy: the freed rows are run ordinals + row base, their events offsets + event base
-    freed_ordinals: list[np.ndarray] = []
-    freed_offsets: list[np.ndarray] = []
-    row_bases: list[int] = []
-    event_bases: list[int] = []
+    # once found to be the same tensors: runs of (block kind, occurrence, ordinals, event offsets, count)
+    matched = trace.matched
+    # each run of frees of each copy: (ordinals, offsets, row base, event base, count): the freed rows are run
+    # ordinals + row base, their events offsets + event base
+    freed: list[tuple[np.ndarray, np.ndarray, int, int, int]] = []
 
     def release(block: _Block, layer: int, head_side: bool) -> None:
         n0 = out.num_events
@@ -410,17 +414,15 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
                         pending.append((target_kind, target_occurrence, [], []))
                     pending[-1][2].append(ordinal)
                     pending[-1][3].append(offset)
-                runs = [(k, o, np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)) for k, o, a, b in pending]
+                runs = [(k, o, np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64), len(a))
+                        for k, o, a, b in pending]
                 matched[(id(ordinals), source_layer)] = runs
-            for target_kind, target_occurrence, run_ordinals, run_offsets in runs:
+            for target_kind, target_occurrence, run_ordinals, run_offsets, count in runs:
                 found = block_start.get((deep, target_kind, target_occurrence))
                 if found is None:
                     raise CompositionError(f"a free in {block.phase.label} does not find its tensor in deep layer "
                                            f"{deep}")
-                freed_ordinals.append(run_ordinals)
-                freed_offsets.append(run_offsets)
-                row_bases.append(found[0])
-                event_bases.append(n0)
+                freed.append((run_ordinals, run_offsets, found[0], n0, count))
 
     def _match(block: _Block, key: tuple[int, str, int], ordinals: list[int], rows: list[int], source_layer: int,
                deep: int, head_side: bool) -> list[tuple[str, int, int]]:
@@ -487,17 +489,22 @@ def compose(shallow: Timeline | ShallowTrace, shallow_policy: RecomputeLayout, p
     for k in range(trace.last_layer_block + 1, len(trace.blocks)):
         emit(trace.blocks[k], OUTER, trace.blocks[k].phase.detail)
 
-    fill_columns()
-    lengths = np.fromiter((len(a) for a in freed_ordinals), dtype=np.int64, count=len(freed_ordinals))
-    targets = np.concatenate(freed_ordinals) + np.repeat(np.asarray(row_bases, dtype=np.int64), lengths)
-    free_at = np.full(len(out.free_at), -1, dtype=np.int64)
-    free_at[targets] = np.concatenate(freed_offsets) + np.repeat(np.asarray(event_bases, dtype=np.int64), lengths)
+    copied = fill_columns()  # the shallow row each deep row copies
+    if sources is not None:
+        sources.extend(copied.tolist())
+    free_at = np.full(num_rows, -1, dtype=np.int64)
+    targets = np.zeros(0, dtype=np.int64)
+    if freed:
+        freed_ordinals, freed_offsets, row_bases, event_bases, counts = zip(*freed)
+        lengths = np.asarray(counts, dtype=np.int64)
+        targets = np.concatenate(freed_ordinals) + np.repeat(np.asarray(row_bases, dtype=np.int64), lengths)
+        free_at[targets] = np.concatenate(freed_offsets) + np.repeat(np.asarray(event_bases, dtype=np.int64), lengths)
     out.free_at = free_at.tolist()
     # every tensor freed once, and exactly those whose shallow original is freed (a template whose neighbours free
     # differently would show here)
     deep_freed = free_at >= 0
     if len(targets) != int(np.count_nonzero(deep_freed)) or not np.array_equal(
-            deep_freed, trace.freed[np.asarray(copied, dtype=np.int64)]):
+            deep_freed, trace.freed[copied]):
         raise CompositionError("the composed step frees other tensors than the shallow trace's layers do")
     out.meta["phase_flops"] = phase_flops
     flops: dict[str, int] = {}

@@ -22,6 +22,7 @@ from remat.memory.compose import (
     ShallowTrace,
     compose,
     config_family,
+    cover_stand_ins,
     layer_kinds,
     policy_family,
     role_set,
@@ -221,6 +222,15 @@ def _stand_in(config: ModelConfig, policy: Policy, kinds: tuple[str, ...] | None
     return next(shallow_stand_ins_of_kinds(policy, kinds), None)
 
 
+def _trace_key(config: ModelConfig, stand_in: tuple[Policy, int, tuple[str, ...] | None],
+               where: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The key of :data:`SHALLOW_TRACES` under which the trace of ``stand_in`` (policy, depth, layer kinds) of
+    ``config`` is kept."""
+    small_policy, depth, small_kinds = stand_in
+    small = config.with_depth(depth, None if small_kinds is None else tuple(k == "moe" for k in small_kinds))
+    return (small, small_policy, *where)
+
+
 def rank_model_factory(config: ModelConfig, tp: int = 1, sp: bool = False) -> Callable[[], nn.Module]:
     """What builds the model one rank runs: the reference GPT, or its tensor-parallel rank
     (:mod:`remat.models.tensor_parallel`,
@@ -273,8 +283,9 @@ def prepare_shallow_traces(config: ModelConfig, policies: Iterable[Policy], *, d
                            sp: bool = False, on_composed: Callable[[int, Timeline, float], None] | None = None,
                            ) -> int:
     """Make, before :func:`predict_config` composes ``policies`` one by one, every shallow trace it will compose
-    them from: chosen together (a trace made for one policy serves every later one whose layer roles it has),
-    read from the disk cache or traced side by side on the machine's cores (:mod:`remat.memory.trace_pool`).
+    them from: chosen together (a trace serves every policy whose layer roles it has; the fewest traced layers
+    that serve them all, :func:`~remat.memory.roles.cover_stand_ins`), read from the disk cache or traced side by
+    side on the machine's cores (:mod:`remat.memory.trace_pool`).
     Returns how many were traced.
 
     With ``on_composed``, each policy whose shallow trace is made here is composed as soon as that trace is
@@ -286,25 +297,22 @@ def prepare_shallow_traces(config: ModelConfig, policies: Iterable[Policy], *, d
         return 0
     where = (device, tp, sp, resolve_kernels(None, device))
     planned: dict[tuple[Any, ...], tuple[tuple[Any, ...], frozenset[Role], tuple[str, ...] | None]] = {}
-    wanted = []
+    pending = []  # the policies that no shallow trace made before stands in for
     for policy in policies:
         if not policy.offloads:
             policy.layer_groups(config.num_layers)  # refuses k > depth, naming the depth
             found = _stand_in(config, policy, kinds, where)
-            wanted.append((-(found[1] if found is not None else 0), len(wanted), policy))
-    # the policies whose stand-ins are deepest first: a deeper stand-in often has every role of a shallower one
-    for _, _, policy in sorted(wanted, key=lambda w: w[:2]):
-        found = _stand_in(config, policy, kinds, where, list(reversed(planned.values())))
-        if found is None or found[1] >= config.num_layers:
-            continue
-        small_policy, depth, small_kinds = found
-        small = config.with_depth(depth, None if small_kinds is None else tuple(k == "moe" for k in small_kinds))
-        key = (small, small_policy, *where)
+            if found is not None and found[1] < config.num_layers and _trace_key(config, found, where) not in \
+                    SHALLOW_TRACES:
+                pending.append(policy)
+    # the fewest traced layers that stand in for them all: a stand-in a layer deeper often serves several policies
+    for small_policy, depth, small_kinds in cover_stand_ins(pending, config.num_layers, kinds):
+        key = _trace_key(config, (small_policy, depth, small_kinds), where)
         if key not in SHALLOW_TRACES and key not in planned:
             planned[key] = (key, role_set(small_policy, depth, small_kinds), small_kinds)
     todo = []
     for key in planned:
-        small, small_policy = key[0], key[1]
+        small_policy = key[1]
         stored = disk_cache.load("shallow_trace", _disk_key(key))
         timeline = None
         if stored is not None:

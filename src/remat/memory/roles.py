@@ -139,6 +139,50 @@ def shallow_stand_ins_of_kinds(policy: Policy, kinds: Sequence[str], max_depth: 
                     yield candidate, small_depth, pattern
 
 
+def cover_stand_ins(policies: Sequence[Policy], depth: int, kinds: Sequence[str] | None = None, slack: int = 1,
+                    ) -> list[tuple[Policy, int, tuple[str, ...] | None]]:
+    """Shallow stand-ins (policy, depth, layer kinds) that together stand in for every one of ``policies`` on
+    ``depth`` layers (``kinds``: :func:`layer_kinds`): each policy's roles are all in one of them, of its family
+    (:func:`policy_family`). Chosen greedily by traced layers (plus one for the trace's own head and setup) per
+    policy newly covered, among each policy's stand-ins (:func:`shallow_stand_ins`, or
+    :func:`shallow_stand_ins_of_kinds`) up to ``slack`` layers deeper than its shallowest: a slightly deeper
+    stand-in that serves several policies beats one trace each. Policies without a stand-in are left out."""
+    key = None if kinds is None else tuple(kinds)
+    families: dict[tuple[object, ...], list[Policy]] = {}
+    for policy in policies:
+        families.setdefault(policy_family(policy), []).append(policy)
+    chosen: list[tuple[Policy, int, tuple[str, ...] | None]] = []
+    for members in families.values():
+        # policies with the same roles and the same stand-in candidates (full: the method and the group size up to
+        # the deepest stand-in) are one entry, weighed by how many they are
+        groups: dict[tuple[object, ...], list[Policy]] = {}
+        for policy in members:
+            full = policy.granularity == "full"
+            groups.setdefault((policy.method if full else None, min(policy.num_layers, 16) if full else None,
+                               role_set(policy, depth, key)), []).append(policy)
+        needs = [(need, len(group)) for (*_, need), group in groups.items()]
+        candidates: dict[tuple[Policy, int, tuple[str, ...] | None], frozenset[int]] = {}
+        for group in groups.values():
+            stand_ins = (((p, d, None) for p, d in shallow_stand_ins(group[0], depth)) if key is None
+                         else shallow_stand_ins_of_kinds(group[0], key))
+            shallowest = None
+            for small_policy, small_depth, small_kinds in stand_ins:
+                shallowest = small_depth if shallowest is None else shallowest
+                if small_depth > shallowest + (slack if len(groups) > 1 else 0) or small_depth >= depth:
+                    break
+                if (small_policy, small_depth, small_kinds) not in candidates:
+                    roles = role_set(small_policy, small_depth, small_kinds)
+                    candidates[(small_policy, small_depth, small_kinds)] = frozenset(
+                        i for i, (need, _) in enumerate(needs) if need <= roles)
+        left = set().union(*candidates.values())
+        while left:
+            best = min(candidates, key=lambda c: (
+                (c[1] + 1) / max(sum(needs[i][1] for i in candidates[c] & left), 1e-9), c[1]))
+            chosen.append(best)
+            left -= candidates[best]
+    return chosen
+
+
 def policy_family(policy: Policy) -> tuple[object, ...]:
     """What a stand-in shares with the policy it stands in for: every field but full's method and layer count
     (uniform and block groups differ only in where the groups are, which the layer roles say)."""

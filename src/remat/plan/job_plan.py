@@ -12,15 +12,12 @@ from __future__ import annotations
 import functools
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from remat.job import Job
-from remat.memory import disk_cache
 from remat.memory.kernels import use_kernels
-from remat.memory.rank_state import RankState
 from remat.memory.trace_pool import idle_cores, idle_workers, run_forked
 from remat.offload_policy import MIN_OFFLOADED_TENSOR_SIZE
 from remat.parallel.chunk_trace import keep_shallow_chunks, shallow_chunk_keys, shallow_chunks_since
@@ -29,8 +26,10 @@ from remat.parallel.schedule import ChunkSpec, max_in_flight, schedule_actions
 from remat.parallel.stages import chunk_policy, cut_plan
 from remat.plan.costs import CostModel, candidate_units
 from remat.plan.fine_offload import megatron_offload_policies, price_offload
+from remat.plan.job_exact import ExactStages
 from remat.plan.job_result import JobPlan, JobStagePlan, StageChoice
 from remat.plan.job_stages import kind_config, rank_config, stage_chunks, stage_is_moe, stage_kinds, stage_layer_kinds
+from remat.plan.job_uniform import uniform_setting
 from remat.plan.megatron_screen import cheapest_fit
 from remat.plan.moe_modules import job_policies, layer_moe_units, on_every_layer
 from remat.plan.options import PlanOptions
@@ -40,7 +39,6 @@ from remat.plan.unit_model import UnitModel
 from remat.plan.unit_prefetch import cancel_prefetches, prefetch_pending, prefetch_unit_model
 from remat.policy import Policy
 from remat.recompute.plan_format import KEEP, Plan, PlanError, Unit
-from remat.timeline import Timeline, TimelineError
 
 # NOTE [the job search]: a rank's model state is the same whatever is recomputed, so each stage's recompute is
 # planned by the extended planner (remat.plan.solver: per-layer keep / selective sets / checkpoint and offload
@@ -57,9 +55,9 @@ from remat.timeline import Timeline, TimelineError
 # reported as fitting only on that exact prediction. Beside it, the best Megatron setting of each stage (every
 # none / full uniform|block K / selective setting, in cost order, predicted exactly until the first that fits,
 # the estimate only a lower bound that skips what cannot fit: NOTE [the Megatron screen of a stage]) and one
-# Megatron setting for every stage (what Megatron's flags express). The extended plan never costs more than the
-# stage's Megatron setting (that one is kept when cheaper).
-MAX_SCREENED = 6  # settings for every stage predicted exactly before _uniform stops looking for a cheaper one
+# Megatron setting for every stage (what Megatron's flags express; NOTE [the uniform screen] in
+# remat.plan.job_uniform). The extended plan never costs more than the stage's Megatron setting (that one is kept
+# when cheaper).
 
 
 def check_job_options(job: Job, options: PlanOptions) -> None:
@@ -68,90 +66,6 @@ def check_job_options(job: Job, options: PlanOptions) -> None:
         raise PlanError("PlanOptions.measured_times (--measured-times) times an unsharded layer with all s tokens "
                         f"on this machine, not a rank of tp={job.tp} cp={job.cp}: drop it (the roofline prices "
                         "the rank's own FLOPs and bytes; --objective time)")
-
-
-class _Exact:
-    """Exact whole-rank predictions of (stage, plan or policy), each computed once, and kept on disk
-    (:mod:`remat.memory.disk_cache`, keyed by the job, the stage and the plan) for the next run."""
-
-    def __init__(self, job: Job, device: str, engine: str, states: Sequence[RankState]):
-        self.job, self.device, self.engine, self.states = job, device, engine, states
-        self.done: dict[tuple[int, str], RankPrediction] = {}
-        self.made: set[tuple[int, str]] = set()  # of those, predicted here (not read from the disk cache)
-        self.spare: dict[tuple[int, str], Any] = {}  # made ahead in forked workers (prefetch), taken when asked for
-        self.side_by_side = True  # whether forked workers may predict (not when the disk cache answers: warm runs)
-        self.job_key = repr(job.replace(policy=Policy()))
-        self.kernels = job_kernels()  # plan_job's profile (one for the search and every exact prediction)
-
-    def __call__(self, stage: int, plan: Plan | Policy) -> RankPrediction:
-        key, policy = self._key(stage, plan)
-        if key not in self.done:
-            if key in self.spare:
-                entry, chunks = self.spare.pop(key)
-                self.adopt([entry])
-                keep_shallow_chunks(chunks)
-            else:
-                self.done[key] = self._predict(stage, plan, policy, key[1])
-        return self.done[key]
-
-    @staticmethod
-    def _key(stage: int, plan: Plan | Policy) -> tuple[tuple[int, str], Policy | None]:
-        policy = plan if isinstance(plan, Policy) else plan.megatron_policy()[0]  # a Policy: fine-grained offloading
-        return (stage, str(policy) if policy is not None else f"plan {plan}@{plan.engine}"), policy
-
-    def prefetch(self, wanted: Sequence[tuple[int, Plan | Policy]]) -> None:
-        """Predict those of ``wanted`` not predicted yet side by side in forked workers, when there are two or more
-        and several cores; each is taken (kept, counted) only when asked for, so that what the caller then asks
-        for, and in which order, is all that counts, as without the prefetch."""
-        todo = [(s, p) for s, p in wanted if self._key(s, p)[0] not in self.done and self._key(s, p)[0] not in
-                self.spare]
-        workers = min(idle_workers(), len(todo)) if self.side_by_side and len(todo) > 1 else 1
-        if workers <= 1:
-            return
-        known_chunks = shallow_chunk_keys()
-
-        def task(stage: int, plan: Plan | Policy) -> Callable[[], Any]:
-            def run() -> Any:
-                pred, key = self(stage, plan), self._key(stage, plan)[0]
-                return (key, pred, key in self.made), shallow_chunks_since(known_chunks)
-            return run
-        for entry, chunks in run_forked([task(s, p) for s, p in todo], workers):
-            if entry[0] not in self.done:
-                self.spare[entry[0]] = (entry, chunks)
-
-    @property
-    def count(self) -> int:
-        """Predictions made (not read from the disk cache)."""
-        return len(self.made)
-
-    def made_since(self, known: frozenset[tuple[int, str]]) -> list[tuple[tuple[int, str], RankPrediction, bool]]:
-        """The predictions not among ``known``, each with whether it was made (not read from the disk cache)."""
-        return [(key, pred, key in self.made) for key, pred in self.done.items() if key not in known]
-
-    def adopt(self, found: Sequence[tuple[tuple[int, str], RankPrediction, bool]]) -> None:
-        """Take predictions another process made (:meth:`made_since`): each is the same whoever makes it."""
-        for key, pred, made in found:
-            self.done.setdefault(key, pred)
-            if made:
-                self.made.add(key)
-
-    def _predict(self, stage: int, plan: Plan | Policy, policy: Policy | None, layout: str) -> RankPrediction:
-        disk_key = {"job": self.job_key, "stage": stage, "layout": layout, "device": self.device,
-                    "kernels": self.kernels}
-        stored = disk_cache.load("job_stage", disk_key)
-        if stored is not None:
-            try:
-                return RankPrediction(stage, int(stored["rank"]), int(stored["ranks"]), self.states[stage],
-                                      Timeline.from_dict(stored["timeline"]))
-            except (KeyError, TypeError, ValueError, TimelineError) as err:
-                warnings.warn(f"remat cache: a stored stage prediction is malformed ({err}); predicting it again",
-                              stacklevel=2)
-        self.made.add((stage, layout))
-        pred = predict_stage(self.job.replace(policy=policy), stage, device=self.device) if policy is not None \
-            else predict_stage(self.job, stage, device=self.device, layout=plan)
-        disk_cache.store("job_stage", disk_key, {"rank": pred.rank, "ranks": pred.ranks,
-                                                 "timeline": pred.timeline.to_dict()})
-        return pred
 
 
 @dataclass
@@ -253,7 +167,7 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) ->
     if any(state.total > budget_bytes for state in states):  # no plan can help: trace nothing
         result.stats["seconds"] = time.perf_counter() - started
         return result
-    exact = _Exact(job, options.device, engine, states)
+    exact = ExactStages(job, options.device, engine, states)
     none = Policy(engine=engine)
     # the first stage's unit model is traced on another core while the stages are predicted (remat.plan.unit_prefetch)
     first_kind = kind_config(rank_config(job), stage_is_moe(rank_config(job), job, 0))
@@ -292,7 +206,7 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) ->
         result.stats["unit_model_build_seconds"] = sum(m.build_seconds for m, _ in kinds.values())
         # stages whose Megatron screen the time cap cut: their setting may not be the cheapest that fits
         result.stats["megatron_search_cut"] = [st.stage for st in result.stages if st.megatron_search_cut]
-        _uniform(result, stage_models, exact, engine)
+        uniform_setting(result, stage_models, exact, engine)
     result.stats.update(seconds=time.perf_counter() - started, exact_predictions=exact.count)
     return result
 
@@ -303,8 +217,16 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) ->
 # other, so with several cores they run side by side in forked workers (remat.memory.trace_pool.run_forked), the
 # longer extended searches first. Each sends back what it set on its stage and the exact predictions it made; they
 # are merged here into what one process running them in order (Megatron screen, offloading, extended search, stage
-# by stage) holds: the same plans, predictions and ``tried`` order, each prediction counted once.
-def _search_stages(job: Job, searched: Sequence[tuple[JobStagePlan, _StageModel]], exact: _Exact, budget: int,
+# by stage) holds: the same plans, predictions and ``tried`` order, each prediction counted once. Without
+# offloading, a screen is its exact predictions, made one after the other: those it will likely make (the
+# candidates the lower bound lets through, up to the first the estimate says fits, at most MAX_AHEAD a stage), and
+# the costliest of those first fits on every stage (what the setting for every stage, remat.plan.job_uniform, then
+# likely predicts), are made by workers beside the extended searches instead, and the screens run here after them,
+# each prediction taken (kept, counted) only when asked for (ExactStages.keep_ahead): the same answers, on 2 cores.
+MAX_AHEAD = 4
+
+
+def _search_stages(job: Job, searched: Sequence[tuple[JobStagePlan, _StageModel]], exact: ExactStages, budget: int,
                    options: PlanOptions, config: Any) -> None:
     """Each searched stage's best Megatron setting (:func:`_megatron_stage`, :func:`_offload_stage`) and extended
     plan (:func:`_extended_stage`), side by side where there are cores (NOTE [stages side by side])."""
@@ -319,6 +241,18 @@ def _search_stages(job: Job, searched: Sequence[tuple[JobStagePlan, _StageModel]
         return
     known, known_chunks = frozenset(exact.done), shallow_chunk_keys()
     tried, offsets = [dict(st.tried) for st, _ in searched], [sm.offset for _, sm in searched]
+    # without offloading the screens are quick once their predictions are made: those they will likely make are
+    # made ahead beside the extended searches, and the screens run here after them
+    wanted: list[tuple[int, Plan | Policy]] = []
+    likely: list[tuple[int, Policy]] = []  # each stage's setting the estimate says fits first, with its cost
+    for st, sm in [] if options.fine_grained_offload else searched:
+        plans, fit = _screen_ahead(sm, budget, engine, config, lambda p, s=st.stage: exact.key(s, p)[0] in known)
+        wanted += [(st.stage, plan) for plan in plans]
+        if fit is not None:
+            likely.append((sm.plan_cost(fit), fit.megatron_policy()[0]))
+    if likely:  # the setting for every stage (remat.plan.job_uniform) is likely the costliest stage's own
+        wanted += [(st.stage, max(likely, key=lambda c: c[0])[1]) for st, _ in searched]
+    ahead = [exact.ahead(stage, plan, known_chunks) for stage, plan in exact.distinct(wanted)]
 
     def megatron(i: int) -> Callable[[], Any]:
         def task() -> Any:
@@ -343,12 +277,24 @@ def _search_stages(job: Job, searched: Sequence[tuple[JobStagePlan, _StageModel]
             return found
         return task
     n = len(searched)
-    answers = run_forked([extended(i) for i in range(n)] + [megatron(i) for i in range(n)], workers)
+    screens = [] if ahead else [megatron(i) for i in range(n)]
+    answers = run_forked([extended(i) for i in range(n)] + screens + ahead, min(workers, n + len(screens + ahead)))
+    if ahead:  # the screens (here) find what the extended searches and the tasks ahead predicted
+        exact.keep_ahead(answers[n:])
+        for *_, e_made, e_chunks in answers[:n]:
+            exact.adopt(e_made)
+            keep_shallow_chunks(e_chunks)
     for i, (st, sm) in enumerate(searched):
-        e_tried, st.resolves, sm.offset, fitting, e_made, e_chunks = answers[i]
-        (m_tried, st.policy, st.prediction, st.megatron, st.megatron_without_offload, st.offload_options,
-         st.megatron_search_cut, m_made, m_chunks) = answers[n + i]
-        exact.adopt(m_made)
+        e_tried, st.resolves, e_offset, fitting, e_made, e_chunks = answers[i]
+        if ahead:
+            sm.offset = offsets[i]
+            (m_tried, st.policy, st.prediction, st.megatron, st.megatron_without_offload, st.offload_options,
+             st.megatron_search_cut, m_made, m_chunks) = megatron(i)()
+        else:
+            (m_tried, st.policy, st.prediction, st.megatron, st.megatron_without_offload, st.offload_options,
+             st.megatron_search_cut, m_made, m_chunks) = answers[n + i]
+            exact.adopt(m_made)
+        sm.offset = e_offset
         exact.adopt(e_made)
         keep_shallow_chunks(m_chunks + e_chunks)  # for the Megatron setting of every stage, predicted here next
         st.tried = {**m_tried, **e_tried}  # the Megatron screen's entries first, as in one process
@@ -357,11 +303,12 @@ def _search_stages(job: Job, searched: Sequence[tuple[JobStagePlan, _StageModel]
 
 # NOTE [tracing ahead]: when every stage does not fit with nothing recomputed, the stages' searches need the unit
 # model, which another core is still building when the stages' "nothing recomputed" predictions are done; the
-# wait is spent tracing, per kind of stage, the shallow chunk that every Megatron full/block setting of 3 to L-1
-# layers of it is laid out from (what the Megatron screens and the setting for every stage predict most often),
-# until the unit model is sent. The answers do not change: a chunk laid out from a shallow trace is the same
-# whichever one it is (NOTE [composing a chunk trace]); only dense, non-MLA models (whose unit models do not
-# depend on what was traced before them in the process).
+# wait is spent tracing, per kind of stage, the shallow chunks of selective/core_attn (often the cheapest setting
+# that fits a large model: what a stage's screen and the setting for every stage then predict), then the one that
+# every Megatron full/block setting of 3 to L-1 layers of it is laid out from, until the unit model is sent. The
+# answers do not change: a chunk laid out from a shallow trace is the same whichever one it is (NOTE [composing
+# a chunk trace]); only dense, non-MLA models (whose unit models do not depend on what was traced before them in
+# the process).
 def _while_the_unit_model_is_built(job: Job, stages: Sequence[JobStagePlan], kind: Any, options: PlanOptions) -> None:
     """Trace ahead what the stages' searches will likely predict while the unit model is built (NOTE [tracing
     ahead])."""
@@ -369,15 +316,16 @@ def _while_the_unit_model_is_built(job: Job, stages: Sequence[JobStagePlan], kin
             kind, device=options.device, engine=options.engine, tp=job.tp, sp=job.sp) or (idle_cores() or 0.0) < 0.75:
         return  # (no core free beside the unit model's: tracing here would only slow it down)
     seen: set[tuple[Any, ...]] = set()
-    for st in stages:
+    for st, core in [(st, True) for st in stages] + [(st, False) for st in stages]:
         layers = max(st.chunk_layers)
-        chunks = tuple(c.kind for c in stage_chunks(job, st.stage))
-        if layers < 5 or chunks in seen:
+        chunks = (core, tuple(c.kind for c in stage_chunks(job, st.stage)))
+        if (not core and layers < 5) or chunks in seen:
             continue
         seen.add(chunks)
         if not prefetch_pending(kind, device=options.device, engine=options.engine, tp=job.tp, sp=job.sp):
             return
-        policy = Policy("full", "block", layers - 2, engine=options.engine)
+        policy = Policy("selective", modules=("core_attn",), engine=options.engine) if core else Policy(
+            "full", "block", layers - 2, engine=options.engine)
         try:  # the prediction is not kept: only the traces it leaves in this process's caches are wanted
             predict_stage(job.replace(policy=policy), st.stage, device=options.device)
         except Exception:  # a trace made ahead is never needed for the answer: whatever fails, stop
@@ -409,13 +357,10 @@ def _bare_stage(st: JobStagePlan, pred: RankPrediction, budget: int) -> None:
         st.note = "it holds no decoder layer, so no recompute lowers it (its embedding/loss and model state)"
 
 
-def _megatron_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Plan], RankPrediction], budget: int,
-                    engine: str, config: Any = None) -> None:
-    """The cheapest Megatron setting of the stage that fits, predicted exactly (NOTE [the job search])."""
+def _screen_rows(sm: _StageModel, engine: str, config: Any) -> tuple[int, list[tuple[Any, ...]]]:
+    """The stage's slack and its Megatron screen's candidates in cost order: (cost, recomputed bytes, modelled peak,
+    policy, plan) each."""
     m, L = sm.model, sm.num_layers
-    # the unit model may hold a layer stack's .grad bytes and the side inputs beyond the rank (NOTE [the Megatron
-    # screen of a stage] in remat.plan.megatron_screen): its estimate less those is a lower bound of the exact peak
-    slack = L * m.grad_per_layer + sum(m.side.values())
     rows = []
     for policy in job_policies(L, engine, config, sm.cost, [m]):
         plan = Plan.from_policy(policy, L)
@@ -423,6 +368,34 @@ def _megatron_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Pla
         rows.append((sm.plan_cost(plan), sum(m.shape(u).recompute_bytes for u in units), sm.modelled(units), policy,
                      plan))
     rows.sort(key=lambda r: r[:3])
+    return L * m.grad_per_layer + sum(m.side.values()), rows
+
+
+def _screen_ahead(sm: _StageModel, budget: int, engine: str, config: Any, known: Callable[[Plan], bool],
+                  ) -> tuple[list[Plan], Plan | None]:
+    """What the stage's Megatron screen will likely predict (NOTE [stages side by side]): its candidates in order
+    that the lower bound lets through, up to the first the estimate says fits (also returned; None: none within
+    MAX_AHEAD), at most MAX_AHEAD not ``known`` (predicted already)."""
+    slack, rows = _screen_rows(sm, engine, config)
+    out: list[Plan] = []
+    for _, _, modelled, _, plan in rows:
+        if len(out) == MAX_AHEAD:
+            break
+        if modelled + sm.offset - slack <= budget:
+            if not known(plan):
+                out.append(plan)
+            if modelled + sm.offset <= budget:
+                return out, plan
+    return out, None
+
+
+def _megatron_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Plan], RankPrediction], budget: int,
+                    engine: str, config: Any = None) -> None:
+    """The cheapest Megatron setting of the stage that fits, predicted exactly (NOTE [the job search])."""
+    L = sm.num_layers
+    # the unit model may hold a layer stack's .grad bytes and the side inputs beyond the rank (NOTE [the Megatron
+    # screen of a stage] in remat.plan.megatron_screen): its estimate less those is a lower bound of the exact peak
+    slack, rows = _screen_rows(sm, engine, config)
 
     def predict(i: int) -> int:
         pred = exact(st.stage, rows[i][4])
@@ -507,6 +480,10 @@ def _extended_search(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Pl
 
     def price(u: Unit) -> int:  # tidy tries lighter selective sets: one the layer lacks is never lighter
         return sm.cost.cost(m, u) if _traced(m, u) and on_every_layer(u, sm.kinds) else sys.maxsize
+    keep = Plan.from_units([KEEP] * L, engine)
+    if all(price(u) > 0 for u in units if u.mode != "keep") and exact(st.stage, keep).peak_bytes <= budget:
+        # nothing recomputed fits and every other unit costs something: keep is the one plan the search finds
+        return [sm.choice(keep, "extended", exact(st.stage, keep))]
     fitting: list[StageChoice] = []
     seen: set[Plan] = set()
     for _ in range(options.max_resolves + 1):
@@ -547,42 +524,4 @@ def _choose(st: JobStagePlan, fitting: list[StageChoice]) -> None:
 def _traced(model: UnitModel, unit: Unit) -> bool:
     """Whether the layer has what ``unit`` recomputes (an MoE layer has no dense 'act', :func:`unit_model`)."""
     return unit.mode != "selective" or unit in model.shapes
-
-
-def _uniform(result: JobPlan, stage_models: Sequence[_StageModel | None], exact: _Exact, engine: str) -> None:
-    """The cheapest Megatron setting that fits every stage (what Megatron's flags express), each stage exact: the
-    settings of the job's deepest chunk, each what Megatron runs on every stage's chunks (NOTE [uneven splits])."""
-    budget = result.budget_bytes
-    needed = [s.megatron for s in result.stages]
-    if any(c is None for c in needed):
-        return
-    models = [sm for sm in stage_models if sm is not None]
-    least = max(c.cost for c in needed if c is not None)  # no setting cheaper than a stage's own best fits it
-    rows, seen = [], set()
-    for policy in job_policies(result.job.layers_per_chunk, engine, rank_config(result.job), models[0].cost,
-                               [sm.model for sm in models]):
-        plans = tuple(sm.policy_plan(policy) for sm in models)
-        if plans in seen:  # the same on every stage as a cheaper-listed setting (e.g. full/block/L, full/uniform/1)
-            continue
-        seen.add(plans)
-        c = max(sm.plan_cost(plan) for sm, plan in zip(models, plans))  # the slowest stage's
-        # the estimate may be off by a layer stack's .grad bytes and the side inputs (NOTE [the unit model])
-        over = any(sm.estimate(plan.units()) - plan.num_layers * sm.model.grad_per_layer - sum(
-            sm.model.side.values()) > budget for sm, plan in zip(models, plans))
-        if c >= least and not over:
-            rows.append((c, max(sm.estimate(plan.units()) for sm, plan in zip(models, plans)), str(policy), policy))
-    rows.sort(key=lambda r: r[:3])
-    for *_, policy in rows[:MAX_SCREENED]:
-        preds = []
-        exact.prefetch([(st.stage, policy) for st in result.stages])
-        for st in result.stages:
-            pred = exact(st.stage, policy)
-            st.tried[str(policy)] = pred.peak_bytes
-            preds.append(pred)
-            if pred.peak_bytes > budget:
-                break
-        else:
-            result.uniform = policy
-            result.uniform_ranks = sorted(preds, key=lambda r: (-r.peak_bytes, r.stage))
-            return
 

@@ -1,0 +1,124 @@
+"""The exact whole-rank predictions a job plan makes (:class:`ExactStages`): each (stage, plan or policy) predicted
+once (:func:`remat.parallel.job_predict.predict_stage`), kept on disk, and made ahead in forked workers where cores
+are free."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from remat.job import Job
+from remat.memory import disk_cache
+from remat.memory.rank_state import RankState
+from remat.memory.trace_pool import idle_workers, run_forked
+from remat.parallel.chunk_trace import keep_shallow_chunks, shallow_chunk_keys, shallow_chunks_since
+from remat.parallel.job_predict import RankPrediction, job_kernels, predict_stage
+from remat.plan.job_stages import stage_chunks
+from remat.policy import Policy
+from remat.recompute.plan_format import Plan
+from remat.timeline import Timeline, TimelineError
+
+
+class ExactStages:
+    """Exact whole-rank predictions of (stage, plan or policy), each computed once, and kept on disk
+    (:mod:`remat.memory.disk_cache`, keyed by the job, the stage and the plan) for the next run."""
+
+    def __init__(self, job: Job, device: str, engine: str, states: Sequence[RankState]):
+        self.job, self.device, self.engine, self.states = job, device, engine, states
+        self.done: dict[tuple[int, str], RankPrediction] = {}
+        self.made: set[tuple[int, str]] = set()  # of those, predicted here (not read from the disk cache)
+        self.spare: dict[tuple[int, str], Any] = {}  # made ahead in forked workers (prefetch), taken when asked for
+        self.side_by_side = True  # whether forked workers may predict (not when the disk cache answers: warm runs)
+        self.job_key = repr(job.replace(policy=Policy()))
+        self.kernels = job_kernels()  # plan_job's profile (one for the search and every exact prediction)
+
+    def __call__(self, stage: int, plan: Plan | Policy) -> RankPrediction:
+        key, policy = self.key(stage, plan)
+        if key not in self.done:
+            if key in self.spare:
+                entry, chunks = self.spare.pop(key)
+                self.adopt([entry])
+                keep_shallow_chunks(chunks)
+            else:
+                self.done[key] = self._predict(stage, plan, policy, key[1])
+        return self.done[key]
+
+    @staticmethod
+    def key(stage: int, plan: Plan | Policy) -> tuple[tuple[int, str], Policy | None]:
+        """((stage, the setting's or plan's name), the Megatron policy it is, if one): a plan that is a Megatron
+        setting is that setting's prediction."""
+        policy = plan if isinstance(plan, Policy) else plan.megatron_policy()[0]  # a Policy: fine-grained offloading
+        return (stage, str(policy) if policy is not None else f"plan {plan}@{plan.engine}"), policy
+
+    def prefetch(self, wanted: Sequence[tuple[int, Plan | Policy]]) -> None:
+        """Predict those of ``wanted`` not predicted yet side by side in forked workers, when there are two or more
+        and several cores; each is taken (kept, counted) only when asked for, so that what the caller then asks
+        for, and in which order, is all that counts, as without the prefetch."""
+        todo = self.distinct(wanted)
+        workers = min(idle_workers(), len(todo)) if self.side_by_side and len(todo) > 1 else 1
+        if workers <= 1:
+            return
+        known_chunks = shallow_chunk_keys()
+        self.keep_ahead(run_forked([self.ahead(s, p, known_chunks) for s, p in todo], workers))
+
+    def distinct(self, wanted: Sequence[tuple[int, Plan | Policy]]) -> list[tuple[int, Plan | Policy]]:
+        """Those of ``wanted`` worth predicting ahead: not predicted or made ahead yet, each once, and one of the
+        stages whose chunks are of the same kinds under the same setting (they lay their chunks out from the same
+        shallow traces: the others are predicted here from its shallow traces, kept as they come back)."""
+        out, alike = [], set()
+        for s, p in wanted:
+            key = self.key(s, p)[0]
+            sig = (key[1], tuple(c.kind for c in stage_chunks(self.job, s)))
+            if key not in self.done and key not in self.spare and sig not in alike:
+                out.append((s, p))
+            alike.add(sig)
+        return out
+
+    def ahead(self, stage: int, plan: Plan | Policy, known_chunks: frozenset[Any]) -> Callable[[], Any]:
+        """A task predicting (stage, plan) in a forked worker, for :meth:`keep_ahead`."""
+        def run() -> Any:
+            pred, key = self(stage, plan), self.key(stage, plan)[0]
+            return (key, pred, key in self.made), shallow_chunks_since(known_chunks)
+        return run
+
+    def keep_ahead(self, answers: Sequence[Any]) -> None:
+        """Keep what :meth:`ahead` tasks sent back, each prediction taken only when asked for."""
+        for entry, chunks in answers:
+            keep_shallow_chunks(chunks)  # the same chunks whichever shallow trace they are laid out from
+            if entry[0] not in self.done:
+                self.spare.setdefault(entry[0], (entry, []))
+
+    @property
+    def count(self) -> int:
+        """Predictions made (not read from the disk cache)."""
+        return len(self.made)
+
+    def made_since(self, known: frozenset[tuple[int, str]]) -> list[tuple[tuple[int, str], RankPrediction, bool]]:
+        """The predictions not among ``known``, each with whether it was made (not read from the disk cache)."""
+        return [(key, pred, key in self.made) for key, pred in self.done.items() if key not in known]
+
+    def adopt(self, found: Sequence[tuple[tuple[int, str], RankPrediction, bool]]) -> None:
+        """Take predictions another process made (:meth:`made_since`): each is the same whoever makes it."""
+        for key, pred, made in found:
+            self.done.setdefault(key, pred)
+            if made:
+                self.made.add(key)
+
+    def _predict(self, stage: int, plan: Plan | Policy, policy: Policy | None, layout: str) -> RankPrediction:
+        disk_key = {"job": self.job_key, "stage": stage, "layout": layout, "device": self.device,
+                    "kernels": self.kernels}
+        stored = disk_cache.load("job_stage", disk_key)
+        if stored is not None:
+            try:
+                return RankPrediction(stage, int(stored["rank"]), int(stored["ranks"]), self.states[stage],
+                                      Timeline.from_dict(stored["timeline"]))
+            except (KeyError, TypeError, ValueError, TimelineError) as err:
+                warnings.warn(f"remat cache: a stored stage prediction is malformed ({err}); predicting it again",
+                              stacklevel=2)
+        self.made.add((stage, layout))
+        pred = predict_stage(self.job.replace(policy=policy), stage, device=self.device) if policy is not None \
+            else predict_stage(self.job, stage, device=self.device, layout=plan)
+        disk_cache.store("job_stage", disk_key, {"rank": pred.rank, "ranks": pred.ranks,
+                                                 "timeline": pred.timeline.to_dict()})
+        return pred
