@@ -18,14 +18,19 @@ Methods, at each budget:
   node's fake value) against ratio 1.0;
 * **remat plan + torch.compile** (benchmarks/compile_peers.py): ``remat.apply(model, plan)`` then
   ``torch.compile(model)``, the same backend, ratio 1.0 (NOTE [regions under torch.compile] in
-  ``remat.recompute.region``: groups, selective modules and non_matmul layers become torch's checkpoint in the graph).
-  The plans come from ``plan()`` priced as remat (time), without offload and keep_ops kinds (they would run eagerly
-  under compile). remat plans against the eager step's peak and the compiled step keeps less (the partitioner
-  recomputes cheap operators outside the regions too), so the plan's target is searched like compile's ratio: the
-  largest target between the budget and the eager no-recompute peak whose compiled step's profiler peak fits
-  (first guess: the budget plus what compiling saves on the plain model, then 3 bisection steps). Compared like for
-  like with torch.compile: both extra times over the same compiled 1.0 step of the same rounds, and the paired
-  per-round ratio of the two step times (``recheck_compiled.py`` re-times the pair with more rounds);
+  ``remat.recompute.region``: groups, selective modules and non_matmul layers become torch's checkpoint in the graph),
+  two ways to choose the plan:
+  - **compiled planning** (``remat.plan.compiled.plan_compiled``, NOTE [compiled planning]): each per-layer choice
+    (keep, a checkpointed layer, each compilable selective set) priced in bytes by what its compiled forward graphs
+    save for backward, priced in time like remat (time), the cheapest set of choices whose predicted compiled peak
+    fits found by a knapsack, then measured (profiler) and re-solved while over the budget;
+  - **eager plans compiled** (the target search): ``plan()`` priced as remat (time), without offload and keep_ops
+    kinds (they would run eagerly under compile), asked for targets between the budget and the eager
+    no-recompute peak, keeping the largest target whose compiled step's profiler peak fits (first guess: the budget
+    plus what compiling saves on the plain model, then 3 bisection steps). It misses the cheapest compiled choices:
+    ``selective/act`` frees nothing eagerly (fc2 saves the GELU's output) but compiled frees the GELU's output.
+  Compared like for like with torch.compile: extra times over the same compiled 1.0 step of the same rounds, and
+  the paired per-round ratio of the step times (``recheck_compiled.py`` re-times the pairs with more rounds);
 * **torch sac_milp** (benchmarks/torch_sac.py): torch's own SAC planner (torch.distributed._tools: MemTracker,
   SACEstimator, sac_milp with PuLP/CBC, then each layer's operator knapsack applied with torch's selective
   checkpoint), its operators priced by the roofline max(FLOPs / 400 TFLOP/s, bytes / 3 TB/s); beside it **remat
@@ -54,7 +59,8 @@ trace the first time, cached afterwards), torch.compile's compiles. The dynamic 
 also timed on a ``--dp-layers`` (128) deep version of the model.
 
 Usage: ``python benchmarks/bench_plan.py`` (~30-40 min on a shared 2-core machine; ``--quick``: a smoke run;
-``--rockmate-python ~/rockmate_venv/bin/python --json out.json``).
+``--rockmate-python ~/rockmate_venv/bin/python --json out.json``; ``--budget-mib 141.20 --compiled-only``: one
+budget of the full run, torch.compile and remat + torch.compile only, a few minutes).
 """
 
 from __future__ import annotations
@@ -91,6 +97,7 @@ import torch_sac  # noqa: E402  (benchmarks/torch_sac.py: torch's SAC ILP as a p
 from compile_peers import (  # noqa: E402  (benchmarks/compile_peers.py: torch.compile and remat + torch.compile)
     COMPILABLE_SETS,
     CompileSearch,
+    RematCompiledPlanner,
     RematCompileSearch,
     profiler_peak,
     step,
@@ -127,6 +134,45 @@ def measured(config: ModelConfig, p: Plan, batch: Any) -> tuple[int, int]:
     return measure(model, batch).peak_bytes, profiler_peak(model, batch)
 
 
+def eager_methods(cfg: ModelConfig, batch: Any, budget: int, result: Any, peer: Any, base_flops: int,
+                  row: dict[str, Any], variants: dict[str, Any], baselines: dict[str, str], start: float) -> None:
+    """The eager methods of one budget (remat Megatron, remat (time), remat (roofline), torch sac_milp): their
+    plans measured into ``row``, their models added to ``variants`` for timing."""
+    row["remat_plan_seconds"] = time.perf_counter() - start
+    row["remat_dp_seconds"] = result.stats["dp_seconds"]
+    row["remat_megatron_sweep_seconds"] = result.stats["megatron_seconds"]
+    row["remat_validate_seconds"] = result.stats["validate_seconds"]
+    row["remat_model_seconds"] = result.stats["model_seconds"]
+    roofline = plan(cfg, budget)  # the default options: torch SAC's price, the same roofline
+    if peer is not None:
+        start = time.perf_counter()
+        decisions, _, estimate = peer.plan(budget)
+        solve_seconds = time.perf_counter() - start
+        m = build_model(cfg, seed=0)
+        peer.apply(m, decisions)
+        peak = measure(m, batch).peak_bytes if decisions or estimate >= 0 else None
+        row["torch_sac"] = {"plan": decisions, "estimate": estimate, "measured_peak": peak,
+                            "fits": peak is not None and peak <= budget, "solve_seconds": solve_seconds,
+                            "recompute_flops": step_flops(m, batch) - base_flops if peak else None}
+        if peak is not None:
+            row["torch_sac"]["extra_compute_pct"] = 100 * row["torch_sac"]["recompute_flops"] / base_flops
+            variants["torch sac"], baselines["torch sac"] = m, "eager none"
+    for key, choice in (("megatron", result.megatron), ("extended_time", result.extended),
+                        ("extended_roofline", roofline.extended)):
+        if choice is None:
+            row[key] = None
+            continue
+        peak, prof = measured(cfg, choice.plan, batch)
+        m = build_model(cfg, seed=0)
+        remat.apply(m, choice.plan)
+        variants[f"remat {key}"] = m
+        baselines[f"remat {key}"] = "eager none"
+        row[key] = {"plan": str(choice.plan), "predicted_peak": choice.peak_bytes, "measured_peak": peak,
+                    "profiler_peak": prof, "fits": peak <= budget, "recompute_flops": choice.recompute_flops,
+                    "extra_compute_pct": choice.extra_compute_pct, "step_time_ratio": choice.step_time_ratio,
+                    "megatron_args": choice.megatron_args}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 512
@@ -146,6 +192,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = unit_model(cfg)
     lowest = min_peak(model, cfg.num_layers, candidate_units(cfg.num_layers))
     budgets = sorted({int(b) for b in np.linspace(lowest, none_peak, args.budgets)})
+    if args.budget_mib:  # the same budgets as a full run when given as its printed MiB (2 decimals)
+        budgets = sorted({min((b for b in budgets if abs(b / MIB - x) < 0.005), default=int(x * MIB))
+                          for x in args.budget_mib})
+    report["compiled_only"] = args.compiled_only
     report["no_recompute"] = {"measure_peak": none_peak, "profiler_peak": none_prof,
                               "instrument_difference": none_prof - none_peak}
     print(f"model: {cfg.num_layers} layers, h={cfg.hidden_size}, s={cfg.seq_length}, b={cfg.micro_batch_size}, "
@@ -156,10 +206,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["layer_times"] = layer_times
     search = CompileSearch(cfg, batch)
     base_compiled = search.get(1.0)
-    remat_compiled = RematCompileSearch(cfg, batch, PlanOptions(
-        measured_times=layer_times, offload=False, operator_sets=0, selective_sets=COMPILABLE_SETS),
-        none_peak, base_compiled)
-    sac_reason = torch_sac.missing() if not args.no_sac else "--no-sac"
+    compiled_options = PlanOptions(measured_times=layer_times, offload=False, operator_sets=0,
+                                   selective_sets=COMPILABLE_SETS)
+    remat_compiled_eager = RematCompileSearch(cfg, batch, compiled_options, none_peak, base_compiled)
+    remat_compiled = RematCompiledPlanner(cfg, batch, compiled_options.cost_model(cfg), base_compiled)
+    sac_reason = torch_sac.missing() if not (args.no_sac or args.compiled_only) else "--no-sac"
     peer = None
     if sac_reason is None:
         start = time.perf_counter()
@@ -172,46 +223,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {"budget": budget}
         start = time.perf_counter()
         try:  # the default objective (time), priced by this machine's measured operator times
-            result = plan(cfg, budget, PlanOptions(measured_times=layer_times))
+            result = None if args.compiled_only else plan(cfg, budget, PlanOptions(measured_times=layer_times))
         except BudgetError as err:
             row["remat_error"] = str(err)
             rows.append(row)
             continue
-        row["remat_plan_seconds"] = time.perf_counter() - start
-        row["remat_dp_seconds"] = result.stats["dp_seconds"]
-        row["remat_megatron_sweep_seconds"] = result.stats["megatron_seconds"]
-        row["remat_validate_seconds"] = result.stats["validate_seconds"]
-        row["remat_model_seconds"] = result.stats["model_seconds"]
-        roofline = plan(cfg, budget)  # the default options: torch SAC's price, the same roofline
         variants: dict[str, Any] = {"eager none": build_model(cfg, seed=0)}
         baselines = {}
-        if peer is not None:
-            start = time.perf_counter()
-            decisions, _, estimate = peer.plan(budget)
-            solve_seconds = time.perf_counter() - start
-            m = build_model(cfg, seed=0)
-            peer.apply(m, decisions)
-            peak = measure(m, batch).peak_bytes if decisions or estimate >= 0 else None
-            row["torch_sac"] = {"plan": decisions, "estimate": estimate, "measured_peak": peak,
-                                "fits": peak is not None and peak <= budget, "solve_seconds": solve_seconds,
-                                "recompute_flops": step_flops(m, batch) - base_flops if peak else None}
-            if peak is not None:
-                row["torch_sac"]["extra_compute_pct"] = 100 * row["torch_sac"]["recompute_flops"] / base_flops
-                variants["torch sac"], baselines["torch sac"] = m, "eager none"
-        for key, choice in (("megatron", result.megatron), ("extended_time", result.extended),
-                            ("extended_roofline", roofline.extended)):
-            if choice is None:
-                row[key] = None
-                continue
-            peak, prof = measured(cfg, choice.plan, batch)
-            m = build_model(cfg, seed=0)
-            remat.apply(m, choice.plan)
-            variants[f"remat {key}"] = m
-            baselines[f"remat {key}"] = "eager none"
-            row[key] = {"plan": str(choice.plan), "predicted_peak": choice.peak_bytes, "measured_peak": peak,
-                        "profiler_peak": prof, "fits": peak <= budget, "recompute_flops": choice.recompute_flops,
-                        "extra_compute_pct": choice.extra_compute_pct, "step_time_ratio": choice.step_time_ratio,
-                        "megatron_args": choice.megatron_args}
+        if result is not None:
+            eager_methods(cfg, batch, budget, result, peer, base_flops, row, variants, baselines, start)
         start = time.perf_counter()
         found, evaluated, fresh = search.fit(budget)
         row["compile"] = {"ratios_evaluated": evaluated, "fresh_compiles": fresh,
@@ -227,47 +247,59 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   extra_compute_pct=100 * flops / (base_compiled.fw_flops + base_compiled.bw_flops),
                                   compile_seconds=found.compile_seconds)
         start = time.perf_counter()
-        mine, evaluated, fresh = remat_compiled.fit(budget)
-        row["remat_compiled"] = {"targets_evaluated": evaluated, "fresh_compiles": fresh,
-                                 "search_seconds": time.perf_counter() - start}
-        if mine is not None:
-            variants["remat compiled"], baselines["remat compiled"] = mine.module, "compile 1.0"
+        mine, info = remat_compiled.fit(budget)  # compiled planning (NOTE [compiled planning])
+        row["remat_compiled"] = info
+        eager_mine, evaluated, fresh = remat_compiled_eager.fit(budget)  # eager plans, compiled: the target search
+        row["remat_compiled_eager"] = {"targets_evaluated": evaluated, "fresh_compiles": fresh,
+                                       "search_seconds": time.perf_counter() - start - info["plan_seconds"]}
+        base_total = base_compiled.fw_flops + base_compiled.bw_flops
+        for key, name, got in (("remat_compiled", "remat compiled", mine),
+                               ("remat_compiled_eager", "remat compiled eager", eager_mine)):
+            if got is None:
+                continue
+            variants[name], baselines[name] = got.module, "compile 1.0"
             variants["compile 1.0"], baselines["compile 1.0"] = base_compiled.module, "eager none"
-            base_total = base_compiled.fw_flops + base_compiled.bw_flops
-            flops = mine.fw_flops + mine.bw_flops - base_total
-            row["remat_compiled"].update(plan=mine.plan, target=mine.target, profiler_peak=mine.peak,
-                                         fits=mine.peak <= budget, recompute_flops=flops,
-                                         extra_compute_pct=100 * flops / base_total,
-                                         compile_seconds=mine.compile_seconds)
+            flops = got.fw_flops + got.bw_flops - base_total
+            row[key].update(plan=got.plan, target=got.target, profiler_peak=got.peak, fits=got.peak <= budget,
+                            recompute_flops=flops, extra_compute_pct=100 * flops / base_total,
+                            compile_seconds=got.compile_seconds)
         timing = time_steps(variants, batch, args.rounds, baselines)
         row["timing"] = timing
         rows.append(row)
-        meg, comp = row.get("megatron"), row["compile"]
-        ext_t = row.get("extended_time")
-        print(f"budget {budget / MIB:8.2f} MiB | megatron {fmt_mib(meg and meg['measured_peak'])} "
-              f"x{ratio_text(timing, 'remat megatron')} | remat (time) "
-              f"{fmt_mib(ext_t and ext_t['measured_peak'])} x{ratio_text(timing, 'remat extended_time')} "
-              f"({ext_t and ext_t['plan']}) | compile r={comp.get('ratio', '-')} "
-              f"{fmt_mib(comp.get('profiler_peak'))} x{ratio_text(timing, 'compile ratio')} "
-              f"({comp['ratios_evaluated']} evals, {comp['fresh_compiles']} new compiles)", flush=True)
-        sac, ext_r = row.get("torch_sac"), row.get("extended_roofline")
-        print(f"    same roofline price: remat {fmt_mib(ext_r and ext_r['measured_peak'])} "
-              f"x{ratio_text(timing, 'remat extended_roofline')} ({ext_r and ext_r['plan']}) | torch sac_milp "
-              f"{fmt_mib(sac and sac['measured_peak'])} x{ratio_text(timing, 'torch sac')} "
-              f"({sac and sac['plan']})", flush=True)
-        rc = row["remat_compiled"]
-        print(f"    compiled (vs compile 1.0): remat plan + torch.compile {fmt_mib(rc.get('profiler_peak'))} "
-              f"x{ratio_text(timing, 'remat compiled')} ({rc.get('plan')}, target "
-              f"{fmt_mib(rc.get('target'))} MiB, {rc['targets_evaluated']} targets, {rc['fresh_compiles']} new "
-              f"compiles) | torch.compile x{ratio_text(timing, 'compile ratio')}", flush=True)
+        if not args.compiled_only:
+            meg, comp = row.get("megatron"), row["compile"]
+            ext_t = row.get("extended_time")
+            print(f"budget {budget / MIB:8.2f} MiB | megatron {fmt_mib(meg and meg['measured_peak'])} "
+                  f"x{ratio_text(timing, 'remat megatron')} | remat (time) "
+                  f"{fmt_mib(ext_t and ext_t['measured_peak'])} x{ratio_text(timing, 'remat extended_time')} "
+                  f"({ext_t and ext_t['plan']}) | compile r={comp.get('ratio', '-')} "
+                  f"{fmt_mib(comp.get('profiler_peak'))} x{ratio_text(timing, 'compile ratio')} "
+                  f"({comp['ratios_evaluated']} evals, {comp['fresh_compiles']} new compiles)", flush=True)
+            sac, ext_r = row.get("torch_sac"), row.get("extended_roofline")
+            print(f"    same roofline price: remat {fmt_mib(ext_r and ext_r['measured_peak'])} "
+                  f"x{ratio_text(timing, 'remat extended_roofline')} ({ext_r and ext_r['plan']}) | torch sac_milp "
+                  f"{fmt_mib(sac and sac['measured_peak'])} x{ratio_text(timing, 'torch sac')} "
+                  f"({sac and sac['plan']})", flush=True)
+        rc, rce = row["remat_compiled"], row["remat_compiled_eager"]
+        print(f"    compiled (vs compile 1.0): remat compiled plan {fmt_mib(rc.get('profiler_peak'))} "
+              f"x{ratio_text(timing, 'remat compiled')} ({rc.get('plan')}, predicted "
+              f"{fmt_mib(rc.get('predicted_peak'))} MiB, {rc.get('resolves', '-')} re-solves, "
+              f"{rc['fresh_compiles']} new compiles) | eager plan {fmt_mib(rce.get('profiler_peak'))} "
+              f"x{ratio_text(timing, 'remat compiled eager')} ({rce.get('plan')}, "
+              f"target {fmt_mib(rce.get('target'))} MiB, {rce['targets_evaluated']} targets) | torch.compile "
+              f"x{ratio_text(timing, 'compile ratio')}", flush=True)
         del variants
         gc.collect()
     report["rows"] = rows
     report["compile_cache"] = {str(r): {"profiler_peak": c.peak, "compile_seconds": c.compile_seconds,
                                         "fw_flops": c.fw_flops, "bw_flops": c.bw_flops}
                                for r, c in sorted(search.cache.items())}
-    report["remat_compiled_cache"] = {k: {"target": c.target, "profiler_peak": c.peak, "compile_seconds":
-                                          c.compile_seconds} for k, c in remat_compiled.cache.items()}
+    report["remat_compiled_cache"] = {k: {"profiler_peak": c.peak, "compile_seconds": c.compile_seconds}
+                                      for k, c in remat_compiled.cache.items()}
+    report["remat_compiled_eager_cache"] = {k: {"target": c.target, "profiler_peak": c.peak, "compile_seconds":
+                                                c.compile_seconds} for k, c in remat_compiled_eager.cache.items()}
+    if args.compiled_only:
+        return report
 
     # the dynamic program alone, on a deep version of the model
     deep = cfg.replace(num_layers=args.dp_layers)
@@ -343,40 +375,56 @@ def peer_table(report: dict[str, Any]) -> list[str]:
 
 
 def compiled_comparison(rows: list[dict[str, Any]]) -> list[str]:
-    """remat plan + torch.compile against torch.compile's activation_memory_budget, like for like: both compiled
-    with the same backend, both peaks on the profiler, both extra times over the same compiled 1.0 step of the same
-    rounds; and each round's remat-compiled / compile-ratio step time, paired."""
-    lines = ["", "remat plan + torch.compile vs torch.compile (activation_memory_budget), both aot_eager, extra over "
-             "the same compiled 1.0 step; paired = median over rounds of remat compiled / torch.compile step time",
-             "budget MiB | remat+compile peak, extra, FLOP%, plan (target MiB) | torch.compile ratio, peak, extra, "
-             "FLOP% | paired | winner"]
-    both = wins = ties = 0
+    """remat's plans + torch.compile against torch.compile's activation_memory_budget, like for like: all compiled
+    with the same backend, peaks on the profiler, extra times over the same compiled 1.0 step of the same rounds;
+    and each round's remat / torch.compile step time, paired. Two remat columns: compiled planning (NOTE [compiled
+    planning] in remat.plan.compiled) and eager plans compiled (the target search of RematCompileSearch)."""
+    lines = ["", "remat + torch.compile vs torch.compile (activation_memory_budget), all aot_eager, extra over the "
+             "same compiled 1.0 step; paired = median over rounds of remat / torch.compile step time",
+             "budget MiB | remat compiled planning: peak, extra, FLOP%, plan (predicted MiB) | paired | eager plan "
+             "compiled: peak, extra, FLOP%, plan (target MiB) | paired | torch.compile ratio, peak, extra, FLOP%"]
+    tally = {k: [0, 0, 0] for k in ("remat compiled", "remat compiled eager")}  # both fit, remat faster, same
+
+    def cell(r: dict[str, Any], key: str, name: str, hint: str) -> tuple[str, str]:
+        rc, comp, tm = r.get(key) or {}, r["compile"], r["timing"]
+        a, b = tm.get(name, {}).get("ratio"), tm.get("compile ratio", {}).get("ratio")
+        if a is None:
+            return "no plan fits", "-"
+        text = (f"{rc['profiler_peak'] / MIB:7.2f}{'*' if not rc['fits'] else ' '} {100 * (a - 1):+6.1f}% "
+                f"{rc['extra_compute_pct']:5.1f}% {rc['plan']} ({rc[hint] / MIB:.2f})")
+        if b is None or not (rc["fits"] and comp["fits"]):
+            return text, "-"
+        t = tally[name]
+        t[0] += 1
+        if rc["plan"] == "keep all" and comp["ratio"] == 1.0:
+            t[2] += 1
+            return text, "same model"
+        p = statistics.median([x / y for x, y in zip(tm[name]["times"], tm["compile ratio"]["times"])])
+        t[1] += p < 1.0
+        return text, f"{p:.3f}"
+
     for r in rows:
-        rc, comp, tm = r.get("remat_compiled") or {}, r["compile"], r["timing"]
-        a, b = tm.get("remat compiled", {}).get("ratio"), tm.get("compile ratio", {}).get("ratio")
-        left = (f"{rc['profiler_peak'] / MIB:7.2f}{'*' if not rc['fits'] else ' '} {100 * (a - 1):+6.1f}% "
-                f"{rc['extra_compute_pct']:5.1f}% {rc['plan']} ({rc['target'] / MIB:.2f})" if a is not None
-                else "no plan fits")
+        comp, tm = r["compile"], r["timing"]
+        b = tm.get("compile ratio", {}).get("ratio")
         right = (f"r={comp['ratio']:.4f} {comp['profiler_peak'] / MIB:7.2f} {100 * (b - 1):+6.1f}% "
                  f"{comp['extra_compute_pct']:5.1f}%" if b is not None else "no ratio fits")
-        paired, winner = "-", "remat (only one that fits)" if a is not None else "-"
-        if a is not None and b is not None and rc["fits"] and comp["fits"]:
-            both += 1
-            ta, tb = tm["remat compiled"]["times"], tm["compile ratio"]["times"]
-            p = statistics.median([x / y for x, y in zip(ta, tb)])
-            same = rc["plan"] == "keep all" and comp["ratio"] == 1.0
-            paired = "same model" if same else f"{p:.3f}"
-            ties += same
-            wins += not same and p < 1.0
-            winner = "tie (same model: no recompute)" if same else ("remat" if p < 1.0 else "torch.compile")
-        lines.append(f"{r['budget'] / MIB:9.2f} | {left} | {right} | {paired} | {winner}")
-    lines.append(f"remat plan + torch.compile faster (paired) at {wins}/{both} budgets where both fit, the same model "
-                 f"(neither recomputes) at {ties}/{both}, torch.compile faster at {both - wins - ties}/{both}")
+        mine, p1 = cell(r, "remat_compiled", "remat compiled", "predicted_peak")
+        eager, p2 = cell(r, "remat_compiled_eager", "remat compiled eager", "target")
+        lines.append(f"{r['budget'] / MIB:9.2f} | {mine} | {p1} | {eager} | {p2} | {right}")
+    for name, (both, wins, same) in tally.items():
+        label = "compiled planning" if name == "remat compiled" else "eager plans compiled (target search)"
+        lines.append(f"remat {label}: faster than torch.compile (paired median) at {wins}/{both} budgets where both "
+                     f"fit, the same model (neither recomputes) at {same}/{both}, torch.compile faster at "
+                     f"{both - wins - same}/{both}")
+    lines.append("(recheck_compiled.py re-times each pair with more rounds and a 95% bootstrap interval)")
     return lines
 
 
 def summary(report: dict[str, Any]) -> str:
     rows = [r for r in report["rows"] if "remat_error" not in r]
+    if report.get("compiled_only"):
+        return "\n".join([*compiled_comparison(rows), f"load average during the run: "
+                          f"{report['machine']['load_average']} (at the end: {os.getloadavg()})"])
     lines = [*peer_table(report), "", "=" * 150,
              "budget MiB | remat Megatron: measured MiB, step x, FLOP% | remat (time): measured MiB (profiler), "
              "predicted step x, step x, FLOP% | remat (roofline): MiB, step x, FLOP% | torch.compile: ratio, peak "
@@ -484,6 +532,11 @@ def main() -> None:
     parser.add_argument("--rockmate-python", default=os.environ.get("ROCKMATE_PYTHON"),
                         help="interpreter of a venv with rockmate installed (pip install rockmate==2.0.0)")
     parser.add_argument("--no-sac", action="store_true", help="leave out torch's SAC ILP (sac_milp)")
+    parser.add_argument("--budget-mib", type=float, action="append", default=[],
+                        help="run this budget only (MiB, repeatable; a full run's printed budget selects that "
+                             "budget to the byte); default: --budgets evenly spaced budgets")
+    parser.add_argument("--compiled-only", action="store_true",
+                        help="only torch.compile and remat + torch.compile (no eager methods, DP timing, rockmate)")
     parser.add_argument("--quick", action="store_true", help="4 layers, 3 budgets, 2 rounds, 16-layer DP")
     parser.add_argument("--json", help="write the full report here")
     args = parser.parse_args()

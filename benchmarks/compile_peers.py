@@ -1,8 +1,9 @@
 """torch.compile peers of ``bench_plan.py``: the profiler's peak instrument, torch.compile's
-``activation_memory_budget`` search (:class:`CompileSearch`) and remat's plans compiled (:class:`RematCompileSearch`:
-``remat.apply(model, plan)`` then ``torch.compile(model)``, NOTE [regions under torch.compile] in
-``remat.recompute.region``), both with the same backend (``aot_eager``: AOTAutograd's partitioner, no code
-generation) and the same FLOP count of the compiled graphs."""
+``activation_memory_budget`` search (:class:`CompileSearch`) and remat's plans compiled (``remat.apply(model, plan)``
+then ``torch.compile(model)``, NOTE [regions under torch.compile] in ``remat.recompute.region``): planned for the
+compiled step (:class:`RematCompiledPlanner`, NOTE [compiled planning] in ``remat.plan.compiled``) or eager plans
+at searched targets (:class:`RematCompileSearch`), all with the same backend (``aot_eager``: AOTAutograd's
+partitioner, no code generation) and the same FLOP count of the compiled graphs."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import torch
 import remat
 from remat import ModelConfig, build_model
 from remat.plan.api import BudgetError, PlanOptions, plan
+from remat.plan.compiled import plan_compiled
+from remat.plan.costs import CostModel
 from remat.plan.space import SELECTIVE_SETS
 from remat.recompute.plan_format import Plan
 
@@ -243,6 +246,53 @@ class RematCompileSearch:
         if best is None:
             best = fits(budget)
         return best, len(evaluated), len(self.cache) - before
+
+
+@dataclass
+class RematCompiledPlanner:
+    """remat's compiled planning (:func:`remat.plan.compiled.plan_compiled`, NOTE [compiled planning]): per-layer
+    choices priced in bytes on the compiled graphs, the cheapest that fits by a knapsack, and each candidate's
+    compiled step measured here on the profiler (the instrument torch.compile's fit is judged on); the compiled
+    models are cached by plan, so the one timed is the one measured."""
+
+    config: ModelConfig
+    batch: Any
+    cost: CostModel
+    base: Compiled                                  # compiled at ratio 1.0, no recompute
+    selective_sets: tuple[tuple[str, ...], ...] = COMPILABLE_SETS
+    cache: dict[str, CompiledPlan] = field(default_factory=dict)
+
+    def get(self, p: Plan) -> CompiledPlan:
+        key = str(p)
+        if all(u.mode == "keep" for u in p.units()):
+            b = self.base
+            return CompiledPlan(0, "keep all", b.module, b.peak, b.fw_flops, b.bw_flops, 0.0)
+        if key not in self.cache:
+            model = build_model(self.config, seed=0)
+            remat.apply(model, p)
+            counts: dict[str, int] = {}
+            compiled = torch.compile(model, backend=counting_backend(counts))
+            start = time.perf_counter()
+            step(compiled, self.batch)
+            seconds = time.perf_counter() - start
+            self.cache[key] = CompiledPlan(0, key, compiled, profiler_peak(compiled, self.batch),
+                                           counts.get("fw", 0), counts.get("bw", 0), seconds)
+        return self.cache[key]
+
+    def fit(self, budget: int) -> tuple[CompiledPlan | None, dict[str, Any]]:
+        """(the compiled plan whose measured peak fits, or None; how it was found: predicted peak, price, resolves,
+        plan seconds incl. the measuring compiles, fresh compiles)."""
+        before = len(self.cache)
+        start = time.perf_counter()
+        found = plan_compiled(self.config, budget, self.base.peak, lambda p: self.get(p).peak, self.cost,
+                              self.selective_sets)
+        info: dict[str, Any] = {"plan_seconds": time.perf_counter() - start, "fresh_compiles": len(self.cache) - before}
+        if found is None:
+            return None, info
+        info.update(predicted_peak=found.predicted_peak, price=found.cost, resolves=found.resolves)
+        mine = self.get(found.plan)
+        mine.target = budget
+        return mine, info
 
 
 def time_steps(variants: dict[str, Any], batch: Any, rounds: int, baselines: dict[str, str]) -> dict[str, dict]:

@@ -3,7 +3,8 @@
 at the ratio it found and remat's plan + torch.compile as it found it, both compiled again (``aot_eager``), their
 peaks measured again on the profiler, and their steps timed interleaved with compiled 1.0 and eager no recompute
 (``--rounds`` rounds, random order, one thread). Prints extra step time over compiled 1.0 for both and the paired
-per-round ratio remat / torch.compile with a 95% bootstrap interval.
+per-round ratio remat / torch.compile with a 95% bootstrap interval; with both remat plans in the report (compiled
+planning and the eager plans' target search), both, timed in the same rounds.
 
 Usage: ``python benchmarks/recheck_compiled.py report.json --rounds 31``.
 """
@@ -53,6 +54,8 @@ def main() -> None:
     parser.add_argument("report", help="bench_plan.py --json output")
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--budget", type=float, action="append", default=[],
+                        help="only the report's budget(s) within 0.01 MiB of this (MiB, repeatable; default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch._dynamo.config.cache_size_limit = 512
@@ -63,35 +66,45 @@ def main() -> None:
     search = CompileSearch(config, batch)
     eager = build_model(config, seed=0)
     base = search.get(1.0).module
-    print("budget MiB | remat+compile peak, extra | torch.compile ratio, peak, extra | paired remat/compile "
-          "(95% CI) | compiled 1.0 vs eager | winner", flush=True)
+    print("budget MiB | remat plan: peak, extra | torch.compile ratio, peak, extra | paired remat/compile "
+          "(95% CI) | compiled 1.0 vs eager | winner | plan", flush=True)
     for row in report["rows"]:
-        rc, comp = row.get("remat_compiled") or {}, row.get("compile") or {}
-        if "plan" not in rc or "ratio" not in comp:
+        comp = row.get("compile") or {}
+        # reports since compiled planning: remat_compiled is it, remat_compiled_eager the eager plans' target search
+        mine = [(label, row.get(key) or {}) for key, label in (("remat_compiled", "compiled planning"),
+                                                                ("remat_compiled_eager", "eager plan"))]
+        mine = [(label if "remat_compiled_eager" in row else "remat plan", rc) for label, rc in mine if "plan" in rc]
+        if not mine or "ratio" not in comp:
             continue
-        if rc["plan"] == "keep all" and comp["ratio"] == 1.0:
+        if args.budget and not any(abs(row["budget"] / MIB - b) < 0.01 for b in args.budget):
+            continue
+        if all(rc["plan"] == "keep all" for _, rc in mine) and comp["ratio"] == 1.0:
             print(f"{row['budget'] / MIB:9.2f} | both the compiled plain model (no recompute): tie", flush=True)
             continue
         found = search.get(comp["ratio"])
-        mine = base if rc["plan"] == "keep all" else compiled_plan(config, rc["plan"], batch)
-        mine_peak = profiler_peak(mine, batch)
-        variants = {"eager": eager, "base": base, "compile": found.module, "remat": mine}
+        variants = {"eager": eager, "base": base, "compile": found.module}
+        peaks = {}
+        for label, rc in mine:
+            variants[label] = base if rc["plan"] == "keep all" else compiled_plan(config, rc["plan"], batch)
+            peaks[label] = profiler_peak(variants[label], batch)
         times = {name: t["times"] for name, t in time_steps(variants, batch, args.rounds, {}).items()}
 
         def ratio(a: str, b: str, times: dict[str, list[float]] = times) -> list[float]:
             return [x / y for x, y in zip(times[a], times[b])]
 
-        paired = ratio("remat", "compile")
-        lo, hi = bootstrap(paired)
-        p = statistics.median(paired)
-        verdict = "remat" if hi < 1.0 else ("torch.compile" if lo > 1.0 else ("remat?" if p < 1.0 else
-                                                                           "torch.compile?"))
-        print(f"{row['budget'] / MIB:9.2f} | {mine_peak / MIB:7.2f}{'*' if mine_peak > row['budget'] else ' '} "
-              f"{100 * (statistics.median(ratio('remat', 'base')) - 1):+6.1f}% | r={comp['ratio']:.4f} "
-              f"{found.peak / MIB:7.2f}{'*' if found.peak > row['budget'] else ' '} "
-              f"{100 * (statistics.median(ratio('compile', 'base')) - 1):+6.1f}% | {p:.3f} ({lo:.3f}-{hi:.3f}) | "
-              f"{statistics.median(ratio('base', 'eager')):.3f} | {verdict}", flush=True)
-        del variants, mine
+        for label, rc in mine:
+            paired = ratio(label, "compile")
+            lo, hi = bootstrap(paired)
+            p = statistics.median(paired)
+            verdict = "remat" if hi < 1.0 else ("torch.compile" if lo > 1.0 else ("remat?" if p < 1.0 else
+                                                                               "torch.compile?"))
+            peak = peaks[label]
+            print(f"{row['budget'] / MIB:9.2f} | {label}: {peak / MIB:7.2f}{'*' if peak > row['budget'] else ' '} "
+                  f"{100 * (statistics.median(ratio(label, 'base')) - 1):+6.1f}% | r={comp['ratio']:.4f} "
+                  f"{found.peak / MIB:7.2f}{'*' if found.peak > row['budget'] else ' '} "
+                  f"{100 * (statistics.median(ratio('compile', 'base')) - 1):+6.1f}% | {p:.3f} ({lo:.3f}-{hi:.3f}) | "
+                  f"{statistics.median(ratio('base', 'eager')):.3f} | {verdict} | {rc['plan']}", flush=True)
+        del variants
         gc.collect()
     print(f"load average: {os.getloadavg()}")
 
