@@ -171,6 +171,19 @@ class CompiledPlan:
     compile_seconds: float
 
 
+def compile_plan(config: ModelConfig, plan: Plan, batch: Any, target: int, name: str) -> CompiledPlan:
+    """``plan`` applied to a fresh model, compiled (aot_eager, FLOPs counted), one step run, its peak measured."""
+    model = build_model(config, seed=0)
+    remat.apply(model, plan)
+    counts: dict[str, int] = {}
+    compiled = torch.compile(model, backend=counting_backend(counts))
+    start = time.perf_counter()
+    step(compiled, batch)
+    seconds = time.perf_counter() - start
+    return CompiledPlan(target, name, compiled, profiler_peak(compiled, batch), counts.get("fw", 0),
+                        counts.get("bw", 0), seconds)
+
+
 @dataclass
 class RematCompileSearch:
     """remat's plans applied, then compiled (``torch.compile(backend=aot_eager)``, activation_memory_budget 1.0: the
@@ -208,15 +221,7 @@ class RematCompileSearch:
                 b = self.base
                 self.cache[key] = CompiledPlan(target, key, b.module, b.peak, b.fw_flops, b.bw_flops, 0.0)
             else:
-                model = build_model(self.config, seed=0)
-                remat.apply(model, found)
-                counts: dict[str, int] = {}
-                compiled = torch.compile(model, backend=counting_backend(counts))
-                start = time.perf_counter()
-                step(compiled, self.batch)
-                seconds = time.perf_counter() - start
-                self.cache[key] = CompiledPlan(target, key, compiled, profiler_peak(compiled, self.batch),
-                                               counts.get("fw", 0), counts.get("bw", 0), seconds)
+                self.cache[key] = compile_plan(self.config, found, self.batch, target, key)
         return self.cache[key]
 
     def fit(self, budget: int, steps: int = 3) -> tuple[CompiledPlan | None, int, int]:
@@ -268,15 +273,7 @@ class RematCompiledPlanner:
             b = self.base
             return CompiledPlan(0, "keep all", b.module, b.peak, b.fw_flops, b.bw_flops, 0.0)
         if key not in self.cache:
-            model = build_model(self.config, seed=0)
-            remat.apply(model, p)
-            counts: dict[str, int] = {}
-            compiled = torch.compile(model, backend=counting_backend(counts))
-            start = time.perf_counter()
-            step(compiled, self.batch)
-            seconds = time.perf_counter() - start
-            self.cache[key] = CompiledPlan(0, key, compiled, profiler_peak(compiled, self.batch),
-                                           counts.get("fw", 0), counts.get("bw", 0), seconds)
+            self.cache[key] = compile_plan(self.config, p, self.batch, 0, key)
         return self.cache[key]
 
     def fit(self, budget: int) -> tuple[CompiledPlan | None, dict[str, Any]]:
