@@ -6,7 +6,7 @@ reference model.
 megatron-core GPT, an MLA model and a MoE model (balanced routing): predicted (``predict_megatron_core``) vs
 measured (``measure_megatron_core``, one gloo process).
 (2) Real multi-process runs (gloo, one process per rank, ``measure_megatron_core_distributed``): TP=2 and PP=2,
-per rank, ``--trials`` times (TP's all-reduces can be released late by gloo's worker thread: see the NOTE below).
+per rank, ``--trials`` times (each should be exact: see the NOTE below).
 (3) Cross-check: the same GPT through remat's reference model (``remat.memory.predict.predict_config``) and
 through megatron-core, per policy, and the tensors of layer 0 alive at the end of forward in each, side by side.
 (4) Trace time of one rank of a 70B-class job (80 layers, h=8192, GQA 64/8, ffn 28672, s=4096, bf16, TP=8):
@@ -14,9 +14,10 @@ fake traces of 1 and 3 layers, the time per layer, and the 80-layer time compose
 labelled as such: megatron-core timelines are not composed layer by layer yet); ``--full-70b`` also traces all 80.
 
 NOTE [gloo's late release] A real TP run all-reduces activations in place. gloo runs the collective on a worker
-thread that holds the work (and so the tensor) until it picks its next job; when the Python code drops its last
-reference first, the tensor is freed a few events later than in the prediction, where the fake process group holds
-nothing. When that happens at the peak, the measured peak is one all-reduced tensor above the prediction.
+thread that holds the work (and so the tensor) until it picks its next job; when the Python code dropped its last
+reference first, the tensor was freed a few events later than in the prediction, one or two all-reduced tensors
+above it at the peak. Real ranks now wait for the release (NOTE [gloo's late release in Megatron's collectives] in
+remat.megatron.released_collectives), so repeated trials should all be exact.
 
 Usage::
 

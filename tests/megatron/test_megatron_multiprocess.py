@@ -31,17 +31,13 @@ def test_tensor_parallel_two_processes_per_rank(small_config, step_shape):
     config = small_config(tensor_model_parallel_size=2, **FULL_1)
     predicted = predict_megatron_core(config, **step_shape, tp=2, ranks="all")
     measured = measure_megatron_core_distributed(config, **step_shape, tp=2, timeout=150)
-    hidden = 32 * 2 * 64 * 4  # one all-reduced activation
     for rank in (0, 1):
         assert measured[rank].meta["rank"] == rank and measured[rank].meta["backend"] == "cpu"
         assert measured[rank].meta["pid"] > 0  # the launcher names the worker process
-        p, m = predicted[rank].at_peak, measured[rank].at_peak
-        # exact, or one all-reduced activation more in one part: gloo's worker thread can drop its last reference
-        # to a finished all-reduce after the Python code dropped its own (a race of the real run; see NOTE [gloo's
-        # late release] in benchmarks/bench_megatron_core.py)
-        late = {k: m[k] - p[k] for k in p if m[k] != p[k]}
-        assert late == {} or list(late.values()) == [hidden], late
-        assert measured[rank].peak_bytes - predicted[rank].peak_bytes == sum(late.values())
+        # exact: each collective returns once gloo's worker has let go of its tensors (NOTE [gloo's late release in
+        # Megatron's collectives]; before, an all-reduced activation or two could be freed late, under load)
+        assert measured[rank].at_peak == predicted[rank].at_peak
+        assert measured[rank].peak_bytes == predicted[rank].peak_bytes
 
 
 def test_launch_failure_is_one_line_and_every_rank_ends(small_config, step_shape):

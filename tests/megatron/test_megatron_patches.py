@@ -218,3 +218,27 @@ def test_a_real_world_of_one_frees_collective_tensors_when_python_drops_them():
         dist.all_gather_into_tensor(gathered, torch.arange(4.0), group=parallel_state.get_tensor_model_parallel_group())
         assert torch.equal(gathered, torch.arange(4.0))
         del work
+
+
+def test_megatron_collectives_wait_for_their_release_on_a_real_rank_and_are_restored():
+    # NOTE [gloo's late release in Megatron's collectives]: every collective megatron-core calls, under each name it
+    # holds, waits while a real rank of several processes runs; asynchronous calls are handed through
+    import importlib
+
+    import torch.distributed as dist
+
+    from remat.megatron.released_collectives import ALIASES, COLLECTIVES, collectives_released
+
+    owners = [(dist, name) for name in COLLECTIVES] + [(importlib.import_module(m), n) for m, n in ALIASES]
+    originals = [getattr(owner, name) for owner, name in owners]
+    # megatron-core's aliases are torch's collectives themselves (bound at import), so wrapping both covers its calls
+    assert all(getattr(importlib.import_module(m), n) in originals[:len(COLLECTIVES)] for m, n in ALIASES)
+    with collectives_released():
+        assert all(getattr(getattr(owner, name), "waits_for_release", False) for owner, name in owners)
+        with megatron_on_cpu(), megatron_world(ParallelSizes(), 0, backend="fake"):
+            tensor = torch.arange(4.0)
+            before = tensor._use_count()
+            dist.all_reduce(tensor)
+            assert torch.equal(tensor, torch.arange(4.0)) and tensor._use_count() == before
+            dist.all_reduce(tensor, async_op=True).wait()
+    assert [getattr(owner, name) for owner, name in owners] == originals

@@ -23,6 +23,7 @@ from remat.config import RoutingAssumption
 from remat.megatron.compat import MegatronSettingError
 from remat.megatron.cpu_patches import megatron_on_cpu
 from remat.megatron.recorder import record_megatron_step
+from remat.megatron.released_collectives import collectives_released
 from remat.megatron.routing import assume_routing, routing_assumption
 from remat.megatron.settings import check_settings
 from remat.megatron.world import ParallelSizes, megatron_world
@@ -122,6 +123,8 @@ def trace_rank(model: Any, layer_spec: Any, shape: StepShape, sizes: ParallelSiz
         if config is not None:
             check_settings(config, shape.seq_length, sizes)
         stack.enter_context(megatron_world(sizes, rank, backend="fake" if fake else "gloo", init_method=init_method))
+        if not fake and sizes.world_size > 1:  # NOTE [gloo's late release in Megatron's collectives]
+            stack.enter_context(collectives_released())
         stack.enter_context(torch.random.fork_rng(devices=[]))
         torch.manual_seed(1234)
         if fake:
