@@ -11,7 +11,6 @@ and the parameter all-gather) with the same recorder that measures everything el
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from remat.config import ModelConfig
+from remat.models.collectives import released
 from remat.models.tp_stage import hidden_shape
 from remat.parallel.schedule import ChunkSpec
 from remat.parallel.stages import PipelineRecorder
@@ -60,26 +60,13 @@ STATE = "optimizer.state"
 #   (``config.grad_scale_func``).
 
 
-def wait_released(tensors: Sequence[torch.Tensor], before: Sequence[int], timeout: float = 1.0) -> None:
-    """Wait until gloo's worker thread has dropped its references to ``tensors`` (``before``: their reference
-    counts before the communication), so that the caller's frees happen in program order (see
-    ``remat.models.tensor_parallel.DistributedGroup``)."""
-    deadline = time.monotonic() + timeout
-    while any(now > then for now, then in zip(use_counts(tensors), before)) and time.monotonic() < deadline:
-        time.sleep(0)
-
-
-def use_counts(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """References to each tensor and to its storage."""
-    return [n for t in tensors for n in (t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata))]
-
-
 def _run(tensors: Sequence[torch.Tensor], start: Callable[[], list[Any]]) -> None:
-    before = use_counts(tensors)
-    for work in start():
-        if work is not None:
-            work.wait()
-    wait_released(tensors, before)
+    """Start the communication of ``tensors`` and wait for it, and for gloo's worker thread to drop its references
+    to them, so that the caller's frees happen in program order (:func:`remat.models.collectives.released`)."""
+    with released(*tensors):
+        for work in start():
+            if work is not None:
+                work.wait()
 
 
 @dataclass(frozen=True)
