@@ -222,7 +222,7 @@ def test_a_real_world_of_one_frees_collective_tensors_when_python_drops_them():
 
 def test_megatron_collectives_wait_for_their_release_on_a_real_rank_and_are_restored():
     # NOTE [gloo's late release in Megatron's collectives]: every collective megatron-core calls, under each name it
-    # holds, waits while a real rank of several processes runs; asynchronous calls are handed through
+    # holds, waits for its release while a real rank of several processes runs (asynchronous ones when waited for)
     import importlib
 
     import torch.distributed as dist
@@ -240,5 +240,7 @@ def test_megatron_collectives_wait_for_their_release_on_a_real_rank_and_are_rest
             before = tensor._use_count()
             dist.all_reduce(tensor)
             assert torch.equal(tensor, torch.arange(4.0)) and tensor._use_count() == before
-            dist.all_reduce(tensor, async_op=True).wait()
+            work = dist.all_reduce(tensor, async_op=True)  # waits for the release when its caller waits
+            assert type(work).__name__ == "ReleasingWork" and work.wait() and tensor._use_count() == before
+            assert work.wait() and work.is_completed()
     assert [getattr(owner, name) for owner, name in owners] == originals

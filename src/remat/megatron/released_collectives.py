@@ -7,8 +7,9 @@ peak can exceed its prediction by an all-reduced activation or two (seen under l
 tp=2 test; 20 of 20,000 all-reduces of a loaded process were freed late). remat's own groups wait for the release
 (remat.models.collectives.released); Megatron calls torch.distributed itself, so while a real rank of several
 processes runs, :func:`collectives_released` wraps torch.distributed's collectives, and the ones megatron-core
-bound to names of its own at import, in the same wait. Asynchronous calls (``async_op=True``) are left as they
-are: their caller decides when to wait. A world of one process has no gloo at all (NOTE [a world of one process]
+bound to names of its own at import, in the same wait; an asynchronous call (``async_op=True``, e.g. the
+all-reduce of a column-parallel linear's input gradient, overlapped with its weight gradient) waits for the release
+when its caller waits for the work. A world of one process has no gloo at all (NOTE [a world of one process]
 in remat.megatron.world).
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from remat.models.collectives import released
+from remat.models.collectives import reference_counts, released, wait_for_counts
 
 # torch.distributed's collectives that Megatron calls synchronously
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "_all_gather_base",
@@ -47,14 +48,53 @@ def waiting_for_release(collective: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(collective)
     def run(*args: Any, **kwargs: Any) -> Any:
         arguments = signature.bind(*args, **kwargs).arguments
-        if arguments.get("async_op"):
-            return collective(*args, **kwargs)
         tensors = [t for value in arguments.values() for t in (value if isinstance(value, (list, tuple)) else [value])
                    if isinstance(t, torch.Tensor)]
-        with released(*tensors):
-            return collective(*args, **kwargs)
+        if not arguments.get("async_op"):
+            with released(*tensors):
+                return collective(*args, **kwargs)
+        before = reference_counts(tensors)
+        work = collective(*args, **kwargs)
+        if work is None:  # this rank is not in the group
+            return None
+        # what the work holds of the tensors (the caller's own references may change until it waits)
+        return ReleasingWork(work, tensors, [n - b for n, b in zip(reference_counts(tensors), before)])
     run.waits_for_release = True  # type: ignore[attr-defined]
     return run
+
+
+class ReleasingWork:
+    """An asynchronous collective's work whose :meth:`wait` returns once the communication library holds none of
+    its tensors; everything else is the work's own."""
+
+    def __init__(self, work: Any, tensors: list[torch.Tensor], held: list[int]):
+        self._work, self._tensors, self._held = work, tensors, held
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        done = self._work.wait(*args, **kwargs)
+        if self._tensors:
+            tensors, self._tensors = self._tensors, []
+            # once the work is gone, the counts drop by what it held (and by the references this object held)
+            counts = [n - h for n, h in zip(reference_counts(tensors), self._held)]
+            self._work = _Done(done)
+            wait_for_counts(tensors, counts)
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class _Done:
+    """A waited work's stand-in (holding nothing): waiting again answers as the work did."""
+
+    def __init__(self, result: Any):
+        self.result = result
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self.result
+
+    def is_completed(self) -> bool:
+        return True
 
 
 @contextlib.contextmanager
