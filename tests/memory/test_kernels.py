@@ -130,3 +130,30 @@ def test_an_operator_the_profile_cannot_express_is_warned_with_its_bytes() -> No
     assert messages == ["kernels=cuda: remat_test.fused.default (not an ATen operator: what its CUDA kernel keeps "
                         "is unknown) is priced as the fake trace made it: 256 bytes of outputs in 1 call(s)"]
     assert tl.meta["kernel_warnings"] == messages
+
+
+def test_a_recorder_above_the_profile_observes_for_it_and_gives_it_back() -> None:
+    """NOTE [the kernel profile's observer, absorbed]: inside the recorder the observer is off the mode stack (one
+    Python mode per operator) yet still notes what the profile cannot express; it is back on exit."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from remat.memory.kernels import UntranslatedObserver
+    from remat.memory.measure import StepRecorder
+
+    lib = torch.library.Library("remat_test_absorbed", "FRAGMENT")  # noqa: TOR901
+    lib.define("fused(Tensor x) -> Tensor")
+    lib.impl("fused", lambda x: torch.empty_like(x), "Meta")
+    model = torch.nn.Linear(4, 4)
+    with warnings.catch_warnings(record=True) as caught, FakeTensorMode(), kernel_trace("cuda") as record:
+        warnings.simplefilter("always")
+        observer = _get_current_dispatch_mode()
+        assert type(observer) is UntranslatedObserver
+        with StepRecorder(model, [model]) as recorder:
+            assert _get_current_dispatch_mode() is recorder and torch._C._len_torch_dispatch_stack() == 2
+            torch.ops.remat_test_absorbed.fused(torch.empty(8, dtype=torch.float32))
+        assert _get_current_dispatch_mode() is observer
+        torch.ops.remat_test_absorbed.fused(torch.empty(4, dtype=torch.float32))
+    assert record.messages == ["kernels=cuda: remat_test_absorbed.fused.default (not an ATen operator: what its CUDA "
+                               "kernel keeps is unknown) is priced as the fake trace made it: 48 bytes of outputs "
+                               "in 2 call(s)"]
+    assert len([w for w in caught if issubclass(w.category, KernelWarning)]) == 1

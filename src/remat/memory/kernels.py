@@ -320,18 +320,21 @@ class KernelTrace:
         return [u.message(self.kernels) for u in self.untranslated.values()]
 
 
-class _UntranslatedObserver(TorchDispatchMode):
-    """Notes operators the profile cannot express (run under the fake mode, below the recorder)."""
+class UntranslatedObserver(TorchDispatchMode):
+    """Notes operators the profile cannot express (run under the fake mode, below the recorder).
+
+    A :class:`~remat.memory.measure.StepRecorder` entered directly above it takes its place on the mode stack
+    for the step and calls :meth:`observe` on each operator itself: one Python dispatch per operator instead
+    of two, the same notes."""
 
     def __init__(self, record: KernelTrace):
         super().__init__()
         self.record = record
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+    def observe(self, func: Any, args: tuple[Any, ...], out: Any) -> None:
+        """Note ``func`` (called with positional ``args``, giving ``out``) if the profile cannot translate it."""
         if func is _DEVICE_QUERY:  # tensor.device, most of a fake step's dispatches: an ATen-level query
-            return out
+            return
         namespace = func.namespace
         if namespace not in ("aten", "prims", "prim"):
             self.record.note(str(func), "not an ATen operator: what its CUDA kernel keeps is unknown", out)
@@ -342,6 +345,11 @@ class _UntranslatedObserver(TorchDispatchMode):
               and args[0].dtype in HALF):
             self.record.note(str(func), "attention made of separate operators, which TE would fuse; kept as the "
                              "composite keeps it", out)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.observe(func, args, out)
         return out
 
 
@@ -363,7 +371,7 @@ def kernel_trace(kernels: str) -> Iterator[KernelTrace]:
     if kernels == "cpu":
         yield record
         return
-    with routed(TE_ROUTES if kernels == "te" else CUDA_ROUTES), _UntranslatedObserver(record):
+    with routed(TE_ROUTES if kernels == "te" else CUDA_ROUTES), UntranslatedObserver(record):
         yield record
     for message in record.messages:
         warnings.warn(message, KernelWarning, stacklevel=3)
