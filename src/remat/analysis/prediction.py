@@ -6,8 +6,6 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from remat.analysis.differences import explain_differences, traced_layer_bytes
 from remat.analysis.formulas import korthikanti_layer_bytes, megatron_estimate
 from remat.analysis.report import format_table, size_cell
@@ -26,15 +24,14 @@ def prediction_row(policy: Any, timeline: Any, seconds: float | None = None) -> 
     (matmul-style FLOPs as ``torch.utils.flop_counter`` counts them)."""
     flops = {k: int(v) for k, v in timeline.meta.get("flops", {}).items()}
     base = flops.get("forward", 0) + flops.get("backward", 0)
-    # the live curve once (a sweep makes a row per policy): the peak, its phase and what is alive there, as
-    # Timeline.peak_bytes, peak_phase and at_peak give them
-    live = timeline.live_bytes()
-    peak_event = int(np.argmax(live)) if timeline.num_events else 0
+    # the live curve once (a sweep makes a row per policy): what is alive at the peak adds up to the peak
+    peak_event = timeline.peak_event
+    at_peak = timeline.breakdown(peak_event)
     row: dict[str, Any] = {
         "policy": str(policy),
-        "peak_bytes": int(live[peak_event]) if timeline.num_events else 0,
+        "peak_bytes": sum(at_peak.values()),
         "peak_phase": timeline.phase_at(peak_event).label,
-        "at_peak": timeline.breakdown(peak_event),
+        "at_peak": at_peak,
         "flops": flops,
         "extra_compute_pct": 100.0 * flops.get("recompute", 0) / base if base else 0.0,
     }

@@ -13,8 +13,8 @@ past the point where Python drops the tensor, its free lands later in the timeli
 vocab-parallel maximum alive at the peak: a test failed on it under load; 20 of 20,000 all-reduces of a loaded run
 were freed late here). A world of one therefore runs in torch's fake process group: over one rank each of its
 collectives gives gloo's result (an all-reduce or broadcast leaves the tensor as it is, a gather or scatter copies
-it), on the calling thread, and holds nothing after it returns. Runs of several processes keep gloo and its race
-(see NOTE [gloo's late release] in benchmarks/bench_megatron_core.py).
+it), on the calling thread, and holds nothing after it returns. Runs of several processes keep gloo and wait for
+its release instead (NOTE [gloo's late release in Megatron's collectives] in remat.megatron.released_collectives).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def megatron_world(sizes: ParallelSizes, rank: int = 0, *, backend: str = "fake"
             runs its collectives in-process, see NOTE [a world of one process]).
         seed: Megatron's ``model_parallel_cuda_manual_seed`` seed.
         init_method: where a real run of more than one process meets (``tcp://127.0.0.1:<port>``; every rank
-            gives the same); world size 1 uses a private file store.
+            gives the same); a world of one process needs none.
         timeout_s: how long a real rank waits for its peers in a collective.
     """
     from megatron.core import parallel_state

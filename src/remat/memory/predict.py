@@ -181,8 +181,7 @@ def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "
         _stand_in(config, policy, kinds, (device, tp, sp, resolve_kernels(None, device)))
     if stand_in is not None and stand_in[1] < config.num_layers:
         shallow_policy, shallow_depth, small_kinds = stand_in
-        small_config = config.with_depth(shallow_depth, None if small_kinds is None else
-                                         tuple(k == "moe" for k in small_kinds))
+        small_config = _stand_in_config(config, shallow_depth, small_kinds)
         return _composed(config, policy, kinds, lambda: _shallow_trace(small_config, shallow_policy, device, tp, sp),
                          device, tp, sp)
     return trace_rank(config, policy, device, tp, sp)
@@ -227,8 +226,12 @@ def _trace_key(config: ModelConfig, stand_in: tuple[Policy, int, tuple[str, ...]
     """The key of :data:`SHALLOW_TRACES` under which the trace of ``stand_in`` (policy, depth, layer kinds) of
     ``config`` is kept."""
     small_policy, depth, small_kinds = stand_in
-    small = config.with_depth(depth, None if small_kinds is None else tuple(k == "moe" for k in small_kinds))
-    return (small, small_policy, *where)
+    return (_stand_in_config(config, depth, small_kinds), small_policy, *where)
+
+
+def _stand_in_config(config: ModelConfig, depth: int, kinds: tuple[str, ...] | None) -> ModelConfig:
+    """``config`` on a stand-in's ``depth`` layers, of ``kinds`` (None: the config's own layer pattern)."""
+    return config.with_depth(depth, None if kinds is None else tuple(k == "moe" for k in kinds))
 
 
 def rank_model_factory(config: ModelConfig, tp: int = 1, sp: bool = False) -> Callable[[], nn.Module]:
@@ -370,9 +373,7 @@ def _waiting_for(config: ModelConfig, policies: Sequence[Policy], kinds: tuple[s
         found = _stand_in(config, policy, kinds, where, ordered)
         if found is None or found[1] >= config.num_layers:
             continue
-        small_policy, depth, small_kinds = found
-        small = config.with_depth(depth, None if small_kinds is None else tuple(k == "moe" for k in small_kinds))
-        key = (small, small_policy, *where)
+        key = _trace_key(config, found, where)
         if key in pending:
             pending[key].append(i)
     return {key: found for key, found in pending.items() if found}

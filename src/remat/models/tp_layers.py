@@ -4,6 +4,7 @@ groups (real or simulated), the mappings between parallel regions, column/row-pa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,39 +36,33 @@ class TensorParallelGroup:
     def _reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        def gather() -> torch.Tensor:
-            out = x.new_empty((x.shape[0] * self.size, *x.shape[1:]))
-            self._all_gather_into(out, x.contiguous())
+    def _into_new(self, x: torch.Tensor, rows: int, fill: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+        """One collective (NOTE [collectives are not operators]) writing ``fill(out, x)`` into a new ``out`` of
+        ``rows`` rows shaped as ``x``'s."""
+        def collective() -> torch.Tensor:
+            out = x.new_empty((rows, *x.shape[1:]))
+            fill(out, x.contiguous())
             return out
 
-        return run_collective(gather)
+        return run_collective(collective)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return self._into_new(x, x.shape[0] * self.size, self._all_gather_into)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] % self.size:
             raise ValueError(f"cannot split {x.shape[0]} tokens {self.size} ways: micro_batch_size x seq_length "
                              "must be divisible by the tensor-parallel size under sequence parallelism")
-        def reduce_scatter() -> torch.Tensor:
-            out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
-            self._reduce_scatter_into(out, x.contiguous())
-            return out
-
-        return run_collective(reduce_scatter)
+        return self._into_new(x, x.shape[0] // self.size, self._reduce_scatter_into)
 
     def all_gather_v(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor:
         """Every rank's rows, ``splits[r]`` of them from rank r, in rank order, as one new tensor (Megatron's
         ``gather_from_sequence_parallel_region`` with ``output_split_sizes``)."""
         if splits[self.rank] != x.shape[0]:
             raise ValueError(f"rank {self.rank} sends {x.shape[0]} rows, but splits={splits} says {splits[self.rank]}")
-        def gather() -> torch.Tensor:
-            out = x.new_empty((sum(splits), *x.shape[1:]))
-            if len(set(splits)) == 1:
-                self._all_gather_into(out, x.contiguous())
-            else:
-                self._all_gather_v_into(out, x.contiguous(), splits)
-            return out
-
-        return run_collective(gather)
+        if len(set(splits)) == 1:
+            return self._into_new(x, sum(splits), self._all_gather_into)
+        return self._into_new(x, sum(splits), lambda out, rows: self._all_gather_v_into(out, rows, splits))
 
     def reduce_scatter_v(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor:
         """Sum ``x`` over the ranks and keep rows ``splits[rank]`` of it (rank order), as one new tensor (Megatron's
@@ -77,12 +72,7 @@ class TensorParallelGroup:
             raise ValueError(f"reduce-scatter of {x.shape[0]} rows into splits={splits}")
         if len(set(splits)) == 1:
             return self.reduce_scatter(x)
-        def reduce_scatter() -> torch.Tensor:
-            out = x.new_empty((splits[self.rank], *x.shape[1:]))
-            self._reduce_scatter_v_into(out, x.contiguous(), splits)
-            return out
-
-        return run_collective(reduce_scatter)
+        return self._into_new(x, splits[self.rank], lambda out, rows: self._reduce_scatter_v_into(out, rows, splits))
 
     def _all_gather_v_into(self, out: torch.Tensor, x: torch.Tensor, splits: list[int]) -> None:
         raise NotImplementedError(f"{type(self).__name__}: a gather of unequal splits {splits}")

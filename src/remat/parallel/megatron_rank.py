@@ -130,23 +130,25 @@ def make_groups(lay: Layout) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
     data-parallel, etp x ep and expert tensor-parallel groups (the expert ones None without expert parallelism and
     with etp = tp; the last one None with etp = tp: it is the tp group); every rank creates every group, in the same
     order, as torch.distributed requires."""
+    def mine(ranks: list[int], current: Any) -> Any:
+        """A new group of ``ranks`` (every rank creates it) if this rank is in it, else ``current``."""
+        group = dist.new_group(ranks)
+        return group if lay.rank in ranks else current
+
     tp_group = dp_group = embd_group = ep_group = edp_group = None
     for d in range(lay.dp):
         for p in range(lay.pp):
             ranks = [lay.global_rank(t, d, p) for t in range(lay.tp)]
-            group = dist.new_group(ranks)
-            tp_group = group if lay.rank in ranks else tp_group
+            tp_group = mine(ranks, tp_group)
     for p in range(lay.pp):
         for t in range(lay.tp):
             ranks = [lay.global_rank(t, d, p) for d in range(lay.dp)]
-            group = dist.new_group(ranks)
-            dp_group = group if lay.rank in ranks else dp_group
+            dp_group = mine(ranks, dp_group)
     if lay.pp > 1:
         for d in range(lay.dp):
             for t in range(lay.tp):
                 ranks = [lay.global_rank(t, d, 0), lay.global_rank(t, d, lay.pp - 1)]
-                group = dist.new_group(ranks)
-                embd_group = group if lay.rank in ranks else embd_group
+                embd_group = mine(ranks, embd_group)
     tp_ep_group = etp_group = None
     etp, edp = lay.expert_tp, lay.tp * lay.dp // (lay.expert_tp * lay.ep)
     at = lay.expert_rank
@@ -155,22 +157,18 @@ def make_groups(lay: Layout) -> tuple[Any, Any, Any, Any, Any, Any, Any]:
             for t in range(etp):
                 for k in range(edp):
                     ranks = [at(t, e, k, p) for e in range(lay.ep)]
-                    group = dist.new_group(ranks)
-                    ep_group = group if lay.rank in ranks else ep_group
+                    ep_group = mine(ranks, ep_group)
                 for e in range(lay.ep):
                     ranks = [at(t, e, k, p) for k in range(edp)]
-                    group = dist.new_group(ranks)
-                    edp_group = group if lay.rank in ranks else edp_group
+                    edp_group = mine(ranks, edp_group)
             for k in range(edp):  # MoE token counts: the etp x ep ranks, ep-major (rank e * etp + t)
                 ranks = [at(t, e, k, p) for e in range(lay.ep) for t in range(etp)]
-                group = dist.new_group(ranks)
-                tp_ep_group = group if lay.rank in ranks else tp_ep_group
+                tp_ep_group = mine(ranks, tp_ep_group)
             if etp != lay.tp:  # the experts' own tensor-parallel groups (etp = tp: the tp group)
                 for e in range(lay.ep):
                     for k in range(edp):
                         ranks = [at(t, e, k, p) for t in range(etp)]
-                        group = dist.new_group(ranks)
-                        etp_group = group if lay.rank in ranks else etp_group
+                        etp_group = mine(ranks, etp_group)
     return tp_group, dp_group, embd_group, ep_group, edp_group, tp_ep_group, etp_group
 
 

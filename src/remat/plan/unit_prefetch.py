@@ -26,8 +26,8 @@ from remat.plan.unit_model import (
 )
 from remat.policy import ENGINES
 
-_STARTED: dict[tuple[Any, ...], BaseProcess] = {}  # the processes prefetch_unit_model started, by key
-_ANSWERS: dict[tuple[Any, ...], Connection] = {}  # where each sends its answer (prefetch_pending)
+# the processes prefetch_unit_model started, by key, each with the end it sends its answer to
+_STARTED: dict[tuple[Any, ...], tuple[BaseProcess, Connection]] = {}
 
 
 def prefetch_unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
@@ -47,8 +47,7 @@ def prefetch_unit_model(config: ModelConfig, *, device: str = "cpu", engine: str
         return False  # read from disk when asked: nothing to overlap
     process, receive = _fork(lambda: model_to_dict(unit_model(config, device=device, engine=engine, tp=tp, sp=sp)))
     PENDING[key] = lambda: _take(key, process, receive)
-    _STARTED[key] = process
-    _ANSWERS[key] = receive
+    _STARTED[key] = process, receive
     return True
 
 
@@ -57,11 +56,11 @@ def prefetch_pending(config: ModelConfig, *, device: str = "cpu", engine: str = 
     """Whether :func:`prefetch_unit_model`'s process for these arguments is still building the model (it has sent
     nothing yet): a caller may do other work meanwhile instead of waiting in ``unit_model``."""
     key = unit_model_key(config, device, engine, tp, sp)
-    receive = _ANSWERS.get(key)
-    if key not in PENDING or receive is None:
+    started = _STARTED.get(key)
+    if key not in PENDING or started is None:
         return False
     try:
-        return not receive.poll(0)
+        return not started[1].poll(0)
     except (EOFError, OSError):  # closed: taken or failed, nothing to wait for
         return False
 
@@ -69,17 +68,15 @@ def prefetch_pending(config: ModelConfig, *, device: str = "cpu", engine: str = 
 def cancel_prefetches() -> None:
     """Stop the unit models still being built by :func:`prefetch_unit_model` (their answer is not wanted: e.g.
     every stage fits without recomputing anything); a later ``unit_model`` call builds its own."""
-    for key, process in list(_STARTED.items()):
+    for key, (process, _) in list(_STARTED.items()):
         if PENDING.pop(key, None) is not None and process.is_alive():
             process.terminate()
         process.join()
     _STARTED.clear()
-    _ANSWERS.clear()
 
 
 def _take(key: tuple[Any, ...], process: BaseProcess, receive: Connection) -> UnitModel | None:
     _STARTED.pop(key, None)
-    _ANSWERS.pop(key, None)
     data = _received(process, receive)  # None: unit_model builds the model itself
     try:
         return None if data is None else model_from_dict(data)
