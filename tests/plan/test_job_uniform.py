@@ -16,7 +16,7 @@ from remat.plan.costs import CostModel
 from remat.plan.job_plan import plan_job
 from remat.plan.job_stages import rank_config
 from remat.plan.moe_modules import job_policies
-from remat.plan.unit_model import unit_model
+from remat.plan.unit_model import UnitModel, unit_model
 from remat.policy import Policy
 from remat.recompute.plan_format import Plan
 
@@ -66,9 +66,37 @@ def test_the_one_setting_is_the_cheapest_that_fits_every_stage_by_brute_force(br
 def test_a_time_cap_that_cuts_the_search_says_so(brute, monkeypatch: pytest.MonkeyPatch) -> None:
     budget, rows = brute
     monkeypatch.setattr(job_uniform, "UNIFORM_SECONDS", 0.0)
+    # bounds that skip nothing (each peak's bytes beyond the rank taken as a stack's), so the screen predicts
+    monkeypatch.setattr(UnitModel, "beyond_rank", lambda self, units: 1 << 50)
     result = plan_job(JOB, budget)
     assert result.stats["uniform_search_cut"] is True and result.to_dict()["stats"]["uniform_search_cut"] is True
     assert "a cheaper setting may fit" in format_job_plan(result).split("one Megatron setting")[-1]
     # the answer after a cut is every layer recomputed, full/uniform/1, when it fits every stage (here it does not)
     full = {name: p for _, name, p in rows}["full/uniform/1"]
     assert (result.uniform is None) == (max(full) > budget)
+
+
+def test_each_settings_lower_bound_is_under_its_exact_peak(brute) -> None:
+    """The screens' premise (NOTE [the Megatron screen of a stage]): a setting's modelled peak + the stage's
+    calibration on "nothing recomputed" - the bytes that peak holds beyond the rank is <= its exact peak, on both
+    stages, for every setting; and it is tighter than the whole stack's slack for some."""
+    _, rows = brute
+    config = rank_config(JOB)
+    model = unit_model(config, tp=JOB.tp, sp=JOB.sp)
+    depth, in_flight = {0: 6, 1: 2}, {0: 2, 1: 1}
+
+    def modelled(stage: int, policy: Policy) -> tuple[int, int]:
+        units = Plan.from_policy(chunk_policy(policy, config, depth[stage]), depth[stage]).units()
+        stored = sum(model.shape(u).forward.net for u in units)
+        return model.peak(units) + (in_flight[stage] - 1) * stored, model.beyond_rank(units)
+
+    offset = {s: predict_stage(JOB, s).peak_bytes - modelled(s, Policy())[0] for s in (0, 1)}
+    tighter = checked = 0
+    for _, name, peaks in rows:
+        for stage, peak in zip((1, 0), peaks):
+            m, held = modelled(stage, Policy.parse(name))
+            assert m + offset[stage] - held <= peak, (name, stage)
+            slack = depth[stage] * model.grad_per_layer + sum(model.side.values())
+            tighter += held < slack
+            checked += 1
+    assert checked > len(rows) and tighter > len(rows) // 2

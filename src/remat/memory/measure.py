@@ -18,6 +18,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.config import ModelConfig
+from remat.memory.fake_keys import fast_cache_keys
 from remat.memory.kernels import UntranslatedObserver
 from remat.models.tensor_parallel import TPGPT
 from remat.recompute.apply import applied, find_layer_stack
@@ -364,6 +365,8 @@ class StepRecorder(TorchDispatchMode):
         if type(below) is UntranslatedObserver:
             self._observer = below
             _pop_mode()
+        self._fast_keys = fast_cache_keys(torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE))
+        self._fast_keys.__enter__()  # NOTE [fast fake-tensor cache keys]
         super().__enter__()
         self.active = True
         self._handles = [
@@ -379,6 +382,7 @@ class StepRecorder(TorchDispatchMode):
         for handle in self._handles:
             handle.remove()
         super().__exit__(*exc)
+        self._fast_keys.__exit__(None, None, None)
         if self._observer is not None:  # back under the kernel profile's exit (see __enter__)
             _push_mode(self._observer)
             self._observer = None

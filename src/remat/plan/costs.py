@@ -19,7 +19,8 @@ from remat.models.collectives import in_collective
 from remat.models.gpt import build_model
 from remat.plan.operator_space import LayerOperator, layer_operators, measured_price, roofline_price
 from remat.plan.space import OBJECTIVES, SELECTIVE_SETS, contraction_sets
-from remat.plan.unit_model import UnitModel, layer_contractions
+from remat.plan.unit_model import UnitModel
+from remat.plan.unit_trace import layer_contractions
 from remat.policy import SELECTIVE_MODULES, contraction_limit
 from remat.recompute.apply import apply
 from remat.recompute.operators import MATMUL_OPS, contraction

@@ -359,14 +359,14 @@ def _bare_stage(st: JobStagePlan, pred: RankPrediction, budget: int) -> None:
 
 def _screen_rows(sm: _StageModel, engine: str, config: Any) -> tuple[int, list[tuple[Any, ...]]]:
     """The stage's slack and its Megatron screen's candidates in cost order: (cost, recomputed bytes, modelled peak,
-    policy, plan) each."""
+    policy, plan, bytes held beyond the rank at the modelled peak) each (NOTE [the Megatron screen of a stage])."""
     m, L = sm.model, sm.num_layers
     rows = []
     for policy in job_policies(L, engine, config, sm.cost, [m]):
         plan = Plan.from_policy(policy, L)
         units = plan.units()
         rows.append((sm.plan_cost(plan), sum(m.shape(u).recompute_bytes for u in units), sm.modelled(units), policy,
-                     plan))
+                     plan, m.beyond_rank(units)))
     rows.sort(key=lambda r: r[:3])
     return L * m.grad_per_layer + sum(m.side.values()), rows
 
@@ -376,12 +376,12 @@ def _screen_ahead(sm: _StageModel, budget: int, engine: str, config: Any, known:
     """What the stage's Megatron screen will likely predict (NOTE [stages side by side]): its candidates in order
     that the lower bound lets through, up to the first the estimate says fits (also returned; None: none within
     MAX_AHEAD), at most MAX_AHEAD not ``known`` (predicted already)."""
-    slack, rows = _screen_rows(sm, engine, config)
+    _, rows = _screen_rows(sm, engine, config)
     out: list[Plan] = []
-    for _, _, modelled, _, plan in rows:
+    for _, _, modelled, _, plan, held in rows:
         if len(out) == MAX_AHEAD:
             break
-        if modelled + sm.offset - slack <= budget:
+        if modelled + sm.offset - held <= budget:
             if not known(plan):
                 out.append(plan)
             if modelled + sm.offset <= budget:
@@ -401,10 +401,10 @@ def _megatron_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Pla
         pred = exact(st.stage, rows[i][4])
         st.tried[str(rows[i][3])] = pred.peak_bytes
         return pred.peak_bytes
-    found = cheapest_fit([r[2] for r in rows], sm.offset, slack, budget, predict)
+    found = cheapest_fit([r[2] for r in rows], sm.offset, slack, budget, predict, held=[r[5] for r in rows])
     st.megatron_search_cut = found.cut
     if found.chosen is not None:
-        policy, plan = rows[found.chosen][3:]
+        policy, plan = rows[found.chosen][3:5]
         pred = exact(st.stage, plan)
         st.policy, st.prediction, st.megatron = policy, pred, sm.choice(plan, "megatron", pred)
         return

@@ -1,25 +1,25 @@
 """One Megatron setting for every pipeline stage of a whole job (what Megatron's flags express): the cheapest whose
 exact whole-rank prediction fits the budget on every stage (:func:`uniform_setting`).
 
-NOTE [the uniform screen]: the job's twin of the Megatron screen of a stage (NOTE [the Megatron screen of a stage]
-in remat.plan.megatron_screen). The candidates are the Megatron settings of the job's deepest chunk
-(remat.plan.moe_modules.job_policies), each what Megatron runs on every stage's chunks (NOTE [uneven splits]), in
-the order of their cost (the slowest stage's), then of their estimated peak (the highest stage's); a setting that
-runs on every stage what a cheaper-listed one runs is left out. A setting fits iff every stage's exact peak fits.
-On each stage the premise of the stage's screen holds (exact - modelled peak = c - g, c one constant of the stage,
-0 <= g <= the stage's slack: the .grad bytes of its layers and the side inputs the unit model holds beyond the
-rank), so a setting's exact peak there is >= its modelled peak + the largest exact - modelled seen on the stage
-(from its calibration on "nothing recomputed" and every setting already predicted there, e.g. by the stage's own
-screen) - the slack. A setting over the budget by that lower bound on any stage cannot fit and is skipped without
-predicting it; so is one cheaper than a stage's own cheapest fitting Megatron setting (none cheaper fits that stage;
-only stages whose screen the time cap did not cut). The others are predicted exactly in cost order (an exact peak
-already predicted is read, not predicted again), stage by stage (a known peak first, then the highest bound, the
-rest predicted side by side ahead where there are cores), a setting dropped at its first stage that does not fit,
-until the first setting that fits every stage: the cheapest that fits. An exact peak under its bound (the premise
-broken) screens again with the calibrations alone (not raised by what was seen). The search is capped by time
-(:data:`UNIFORM_SECONDS`, after at least one exact prediction of its own): when the cap cuts it,
-``stats['uniform_search_cut']`` says so and the answer is ``full/uniform/1`` (every layer recomputed: Megatron's
-lowest peak) if that fits every stage, else none; a cheaper setting may fit.
+NOTE [the uniform screen]: the job's twin of the Megatron screen of a stage (NOTE [the Megatron screen of a stage] in
+remat.plan.megatron_screen). The candidates are the Megatron settings of the job's deepest chunk
+(remat.plan.moe_modules.job_policies), each what Megatron runs on every stage's chunks (NOTE [uneven splits]), in the
+order of their cost (the slowest stage's), then of their estimated peak (the highest stage's); a setting that runs on
+every stage what a cheaper-listed one runs is left out. A setting fits iff every stage's exact peak fits. On each stage
+the premise of the stage's screen holds (exact - modelled peak = c - g, c one constant of the stage, g at the modelled
+peak <= the bytes the setting holds there beyond the rank: the .grad of the layers whose backward has begun and the side
+inputs), so a setting's exact peak there is >= its modelled peak + the largest exact - modelled seen on the stage (from
+its calibration on "nothing recomputed" and every setting already predicted there, e.g. by the stage's own screen) -
+those bytes. A setting over the budget by that lower bound on any stage cannot fit and is skipped without predicting it;
+so is one cheaper than a stage's own cheapest fitting Megatron setting (none cheaper fits that stage; only stages whose
+screen the time cap did not cut). The others are predicted exactly in cost order (an exact peak already predicted is
+read, not predicted again), stage by stage (a known peak first, then the highest bound, the rest predicted side by side
+ahead where there are cores), a setting dropped at its first stage that does not fit, until the first setting that fits
+every stage: the cheapest that fits. An exact peak under its bound (the premise broken) screens again with the
+calibrations alone (not raised by what was seen) and each stage's whole slack (every layer's .grad and the side inputs).
+The search is capped by time (:data:`UNIFORM_SECONDS`, after at least one exact prediction of its own): when the cap
+cuts it, ``stats['uniform_search_cut']`` says so and the answer is ``full/uniform/1`` (every layer recomputed:
+Megatron's lowest peak) if that fits every stage, else none; a cheaper setting may fit.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ class _Row:
     policy: Policy
     cost: int  # the slowest stage's
     modelled: dict[int, int]  # stage -> the modelled peak of what it runs (stages with decoder layers)
+    held: dict[int, int] = field(default_factory=dict)  # stage -> bytes that peak holds beyond the rank
 
 
 def uniform_setting(result: JobPlan, stage_models: Sequence[StageEstimate | None], exact: ExactPredictions,
@@ -130,7 +131,9 @@ def _screen(result: JobPlan, stage_models: Sequence[StageEstimate | None], exact
         seen, skipped = dict(calibration), 0
 
         def bound(s: int, row: _Row) -> int | None:
-            return row.modelled[s] + seen[s] - slack[s] if s in row.modelled else None
+            if s not in row.modelled:
+                return None
+            return row.modelled[s] + seen[s] - (row.held[s] if raise_offset else slack[s])
 
         def see(s: int, row: _Row, peak: int) -> bool:
             """Raise the stage's offset by ``peak``; False when ``peak`` is under its bound (the premise broken)."""
@@ -208,7 +211,8 @@ def _rows(result: JobPlan, models: dict[int, StageEstimate], calibration: dict[i
             continue
         seen.add(tuple(plans.values()))
         row = _Row(policy, max(models[s].plan_cost(p) for s, p in plans.items()),
-                   {s: models[s].modelled(p.units()) for s, p in plans.items()})
+                   {s: models[s].modelled(p.units()) for s, p in plans.items()},
+                   {s: models[s].model.beyond_rank(p.units()) for s, p in plans.items()})
         keyed.append(((row.cost, max(m + calibration[s] for s, m in row.modelled.items()), str(policy)), row))
     keyed.sort(key=lambda k: k[0])
     return [row for _, row in keyed]

@@ -18,7 +18,7 @@ from remat.config import ModelConfig
 from remat.memory import disk_cache
 from remat.memory.measure import FLOP_FORMULAS
 from remat.models.collectives import in_collective
-from remat.plan.unit_model import watch_one_layer
+from remat.plan.unit_trace import watch_one_layer
 from remat.recompute.plan_format import keep_ops_token
 
 

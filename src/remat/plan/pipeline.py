@@ -278,20 +278,25 @@ def _search(model: UnitModel, num_layers: int, budget: int, in_flight: int, cost
             return sol
     free = min(prices.values(), default=0) >= 0  # no plan costs less than 0
     best: Solution | None = None
+    best_at = (0, 0)  # (pass, index in its grid) of the best
     grid = sorted({int(max_stored * k / 32) for k in range(33)})
-    for _ in range(2):
-        for cap in grid:
+    for sweep in range(2):
+        # the answer is the cheapest plan, of equal costs the first pass's and then the lowest cap's; the caps are
+        # solved from the highest down, where the cheap plans usually are, so the lower bound skips most of the rest
+        for at in reversed(range(len(grid))):
+            cap = grid[at]
             if best is not None:
-                if free and best.cost <= 0:
-                    return best
-                if cost_lower_bound(model, num_layers, budget - (in_flight - 1) * cap, price, units=units,
-                                    stored_cap=cap) >= best.cost:
-                    continue  # only a strictly cheaper plan would replace the best
+                bound = cost_lower_bound(model, num_layers, budget - (in_flight - 1) * cap, price, units=units,
+                                         stored_cap=cap)
+                if bound > best.cost or (bound >= best.cost and (sweep, at) > best_at):
+                    continue  # it cannot give a plan that replaces the best
             sol = solve(model, num_layers, budget - (in_flight - 1) * cap, price, units=units, stored_cap=cap)
-            if sol is not None and (best is None or sol.cost < best.cost):
-                best = sol
+            if sol is not None and (best is None or (sol.cost, sweep, at) < (best.cost, *best_at)):
+                best, best_at = sol, (sweep, at)
         if best is None:
             return None
+        if free and best.cost <= 0:
+            return best
         used = sum(model.shape(u).forward.net for u in best.units)
         step = max(1, (grid[1] - grid[0]) if len(grid) > 1 else 1)
         grid = sorted({max(0, used + int(step * k / 16)) for k in range(-16, 17)})

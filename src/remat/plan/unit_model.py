@@ -11,25 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
-from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from remat.config import ModelConfig
 from remat.memory import disk_cache
-from remat.memory.kernels import kernel_trace, prepare_model, resolve_kernels
-from remat.memory.measure import StepRecorder, record_step
-from remat.memory.predict import rank_model_factory
-from remat.models.gpt import sample_batch
+from remat.memory.kernels import resolve_kernels
 from remat.plan.space import SELECTIVE_SETS, contraction_sets
+from remat.plan.unit_trace import UnitMarks, layer_contractions, marked_trace
 from remat.policy import ENGINES
-from remat.recompute.apply import apply
-from remat.recompute.engines import in_backward
-from remat.recompute.operators import contraction
-from remat.recompute.plan_format import KEEP, Plan, PlanError, Unit, kept_operators
+from remat.recompute.plan_format import KEEP, PlanError, Unit, kept_operators
 from remat.timeline import Timeline
-from remat.units import CUDA_BLOCK
 
 NO_EVENT = -(1 << 62)  # the "highest point" of a block without events
 SIDE_MASK, SIDE_ROTARY = "mask", "rotary"  # side inputs of a layer a unit may depend on
@@ -88,84 +78,6 @@ class _Piece:
     remat_bytes: int    # bytes allocated by recomputation in it
 
 
-@dataclass
-class _Marks:
-    forward: dict[int, int]   # unit index -> event at which the unit's forward starts
-    backward: dict[int, int]  # unit index -> event at which the gradient of its output is ready
-    head: int = -1            # the head's forward starts
-    embedding: int = -1       # the gradient of the embedding's output is ready
-
-
-def _recorder() -> Any:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    mode = _get_current_dispatch_mode()
-    if isinstance(mode, StepRecorder):
-        return mode
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        if isinstance(mode, StepRecorder):
-            return mode
-    raise RuntimeError("remat.plan: no step recorder is active")
-
-
-def marked_trace(config: ModelConfig, units: Sequence[Unit], *, device: str = "cpu",
-                 engine: str = "reentrant", tp: int = 1, sp: bool = False) -> tuple[Timeline, _Marks]:
-    """Trace the reference GPT under the plan of ``units`` (fake tensors) and mark where each unit's forward and
-    backward start, by module hooks that read the recorder's event count."""
-    plan = Plan.from_units(units, engine)
-    cfg = config.replace(num_layers=plan.num_layers)
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    at = 0
-    for u, unit in enumerate(units):
-        first[at], last[at + unit.size - 1] = u, u
-        at += unit.size
-    marks = _Marks({}, {})
-    tokens, labels = sample_batch(cfg)
-    with FakeTensorMode(allow_non_fake_inputs=False) as fake, kernel_trace(resolve_kernels(None, device)) as kernels:
-        model = rank_model_factory(cfg, tp, sp)()
-        prepare_model(model, kernels.kernels)  # the active kernel profile (use_kernels), as remat.memory.predict's
-        state = apply(model, plan)
-        index = {id(layer): i for i, layer in enumerate(state.layers)}
-
-        def outer(module: nn.Module) -> bool:
-            region = module.__dict__.get("_remat_region")
-            return not in_backward() and not (region is not None and region.kind == "layers" and region._running)
-
-        def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if module is model.head and not in_backward() and marks.head < 0:
-                marks.head = _recorder().timeline.num_events
-            i = index.get(id(module))
-            if i is None or not outer(module):
-                return
-            if i in first and first[i] not in marks.forward:
-                marks.forward[first[i]] = _recorder().timeline.num_events
-            if i == 0 and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                args[0].register_hook(lambda g: setattr(marks, "embedding", _recorder().timeline.num_events))
-
-        def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            i = index.get(id(module))
-            if i is None or not outer(module) or i not in last:
-                return
-            u = last[i]
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(lambda g: marks.backward.__setitem__(u, _recorder().timeline.num_events))
-
-        handles = [nn.modules.module.register_module_forward_pre_hook(pre),
-                   nn.modules.module.register_module_forward_hook(post)]
-        try:
-            batch = (fake.from_tensor(tokens), fake.from_tensor(labels))
-            timeline, _ = record_step(model, batch, layers=state.layers,
-                                      block_bytes=CUDA_BLOCK if device == "cuda" else 1)
-        finally:
-            for handle in handles:
-                handle.remove()
-    missing = [u for u in range(len(units)) if u not in marks.forward or u not in marks.backward]
-    if missing or marks.head < 0 or marks.embedding < 0:
-        raise RuntimeError(f"remat.plan: unit boundaries were not all seen in the trace (units {missing})")
-    return timeline, marks
-
-
 def _deltas(tl: Timeline) -> np.ndarray:
     d = np.zeros(tl.num_events, dtype=np.int64)
     nbytes = np.asarray(tl.nbytes, dtype=np.int64)
@@ -220,17 +132,18 @@ def _expand(pieces: list[_Piece], size: int, traced_size: int) -> tuple[Block, i
     return block, flops, remat
 
 
-# NOTE [the unit model]: built from two fake traces (FakeTensorMode, once per model shape): a stack that holds each
-# kind of unit once (a kept layer, a selective layer per module set, checkpoint/offload groups of 1, 2 and 3 layers;
-# larger groups repeat a middle layer's events), cut at unit boundaries marked by module hooks into per-unit forward
-# and backward event blocks (each block's net bytes, its highest point and the FLOPs it recomputes), and a plain
-# two-layer stack for the head when no unit keeps the attention mask. A step's live bytes are then a sum of blocks
-# in execution order (setup and embedding, each unit's forward bottom-up, the head's forward and backward, each
-# unit's backward top-down, the embedding's backward), plus two non-local terms handled exactly: parameter
-# gradients accumulate (a fixed amount per layer) and the attention mask / rotary tables live until the lowest
-# unit that keeps them has run its backward. The one known approximation: those side inputs are taken to be freed
-# at the *end* of their lowest holder's backward, which can only over-estimate, by their bytes. With tp/sp the
-# traces are of one tensor-parallel rank (remat.models.tensor_parallel on a simulated group).
+# NOTE [the unit model]: built from three fake traces (FakeTensorMode, once per model shape): two profile stacks that
+# hold each kind of unit once above a checkpointed layer (a kept layer, a selective layer per module set, and
+# checkpoint/offload groups of 1, 2 and 3 layers, larger groups repeating a middle layer's events; in two stacks that
+# two cores trace side by side, remat.plan.unit_prefetch: layer_stack, group_stack), cut at unit boundaries marked by
+# module hooks (remat.plan.unit_trace.marked_trace) into per-unit forward and backward event blocks (each block's net
+# bytes, its highest point and the FLOPs it recomputes), and a plain two-layer stack for the head when no unit keeps the
+# attention mask. A step's live bytes are then a sum of blocks in execution order (setup and embedding, each unit's
+# forward bottom-up, the head's forward and backward, each unit's backward top-down, the embedding's backward), plus two
+# non-local terms handled exactly: parameter gradients accumulate (a fixed amount per layer) and the attention mask /
+# rotary tables live until the lowest unit that keeps them has run its backward. The one known approximation: those side
+# inputs are taken to be freed at the *end* of their lowest holder's backward, which can only over-estimate, by their
+# bytes. With tp/sp the traces are of one tensor-parallel rank (remat.models.tensor_parallel on a simulated group).
 @dataclass
 class UnitModel:
     """The memory model of one training step of the reference GPT, assembled from unit blocks (NOTE [the unit
@@ -285,16 +198,24 @@ class UnitModel:
         """The modelled peak of the plan ``units`` (bottom-up): the step's blocks in execution order."""
         return self.walk(units)[0]
 
-    def walk(self, units: Sequence[Unit]) -> tuple[int, str]:
-        """``(peak, where)``: the modelled peak and the block it is in."""
+    def beyond_rank(self, units: Sequence[Unit]) -> int:
+        """The most bytes the modelled peak of ``units`` holds that a Megatron rank does not: the .grad of every
+        layer whose backward has begun by then (the rank's DDP hook moves it to the main-gradient buffer) and the
+        side inputs (NOTE [the Megatron screen of a stage] in remat.plan.megatron_screen)."""
+        return self.walk(units)[2] * self.grad_per_layer + sum(self.side.values())
+
+    def walk(self, units: Sequence[Unit]) -> tuple[int, str, int]:
+        """``(peak, where, begun)``: the modelled peak, the block it is in and how many layers' backwards have
+        begun by then."""
         L = sum(u.size for u in units)
         level = self.setup(L)
         best, tag = level + max(self.embedding.high, 0), ("forward embedding", -1)
+        begun = begun_at_best = 0
 
         def visit(block: Block, at: tuple[str, int]) -> None:  # the block's label is made only for the answer
-            nonlocal level, best, tag
+            nonlocal level, best, tag, begun_at_best
             if block.high != NO_EVENT and level + block.high > best:
-                best, tag = level + block.high, at
+                best, tag, begun_at_best = level + block.high, at, begun
             level += block.net
 
         visit(self.embedding, ("forward embedding", -1))
@@ -316,12 +237,13 @@ class UnitModel:
         visit(self.head_forward[held], ("forward head", -1))
         visit(self.head_backward, ("backward head", -1))
         for j in reversed(range(len(units))):
+            begun += units[j].size
             visit(shapes[j].backward, ("backward", j))
             for c in holds[j] - below[j]:  # the lowest holder frees the side input at its end
                 level -= self.side[c]
         visit(self.tail, ("backward embedding", -1))
         kind, j = tag
-        return best, kind if j < 0 else f"{kind} {units[j]} at layer {sum(u.size for u in units[:j])}"
+        return best, kind if j < 0 else f"{kind} {units[j]} at layer {sum(u.size for u in units[:j])}", begun_at_best
 
 
 UNIT_MODELS: dict[tuple[ModelConfig, str, str, int, bool], UnitModel] = {}
@@ -342,7 +264,7 @@ def unit_model_disk_key(key: tuple[Any, ...]) -> dict[str, Any]:
 
 def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
                sp: bool = False) -> UnitModel:
-    """The :class:`UnitModel` of ``config``'s layers (any depth), built from two fake traces and cached; with
+    """The :class:`UnitModel` of ``config``'s layers (any depth), built from three fake traces and cached; with
     ``tp``/``sp``, of one tensor-parallel rank."""
     key = unit_model_key(config, device, engine, tp, sp)
     if key in UNIT_MODELS:
@@ -351,13 +273,14 @@ def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reent
         raise PlanError(f"device={device!r}: plans are predicted for 'cpu' (exact bytes) or 'cuda' (512-byte blocks)")
     if engine not in ENGINES:
         raise PlanError(f"unknown engine {engine!r}: use {' or '.join(ENGINES)}")
+    disk_key = unit_model_disk_key(key)
     waiting = PENDING.pop(key, None)
     if waiting is not None:  # being built elsewhere (remat.plan.unit_prefetch)
         model = waiting()
         if model is not None:
             UNIT_MODELS[key] = model
+            disk_cache.store("unit_model", disk_key, model_to_dict(model))
             return model
-    disk_key = unit_model_disk_key(key)
     stored = disk_cache.load("unit_model", disk_key)
     if stored is not None:
         try:
@@ -370,22 +293,78 @@ def unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reent
     return model
 
 
+# the selective sets at the end of SELECTIVE_SETS traced in the group stack, so that the two stacks' traces take about
+# as long (the layer stack's process also traces the plain stack): the same shapes either way (each unit is cut from
+# its own layer's events above a checkpointed one)
+SETS_WITH_GROUPS = 3
+
+
+def _selective_sets(config: ModelConfig) -> tuple[tuple[str, ...], ...]:
+    # an MoE layer has no dense MLP activation to recompute ('act'; Megatron's moe_act is its experts' own)
+    return tuple(s for s in SELECTIVE_SETS if not (config.is_moe and "act" in s))
+
+
+def layer_stack(config: ModelConfig, contractions: tuple[int, ...]) -> list[Unit]:
+    """The first profile stack of a unit model (NOTE [the unit model]): a checkpointed layer at the bottom (it keeps
+    every side input, so no unit above is the lowest holder), a kept layer, the selective sets but the last
+    :data:`SETS_WITH_GROUPS`, the matmul sets of the layer's ``contractions``."""
+    sets = _selective_sets(config)[:-SETS_WITH_GROUPS] + contraction_sets(contractions)
+    return [Unit("checkpoint", 1), KEEP, *(Unit("selective", 1, s) for s in sets)]
+
+
+def group_stack(config: ModelConfig, engine: str) -> list[Unit]:
+    """The second profile stack of a unit model, above a checkpointed layer: the last :data:`SETS_WITH_GROUPS`
+    selective sets, then checkpoint (and, with the reentrant engine, offload) groups of 1, 2 and 3 layers (a middle
+    layer first appears at 3)."""
+    modes = ("checkpoint", "offload") if engine == "reentrant" else ("checkpoint",)
+    sets = _selective_sets(config)[-SETS_WITH_GROUPS:]
+    return [Unit("checkpoint", 1), *(Unit("selective", 1, s) for s in sets),
+            *(Unit(m, k) for m in modes for k in (1, 2, 3))]
+
+
+StackShapes = tuple[dict[Unit, UnitShape], dict[str, tuple[list[_Piece], list[_Piece], int]]]
+
+
+def stack_shapes(config: ModelConfig, stack: Sequence[Unit], *, device: str, engine: str, tp: int,
+                 sp: bool) -> StackShapes:
+    """The shapes of ``stack``'s units above its bottom layer, and the pieces of its 3-layer groups (expanded to
+    larger groups), from one marked trace."""
+    tl, marks = marked_trace(config, stack, device=device, engine=engine, tp=tp, sp=sp)
+    return _cut_units(tl, _deltas(tl), marks, stack)
+
+
+def _cut_units(tl: Timeline, d: np.ndarray, marks: UnitMarks, stack: Sequence[Unit]) -> StackShapes:
+    n = len(stack)
+    shapes: dict[Unit, UnitShape] = {}
+    pieces: dict[str, tuple[list[_Piece], list[_Piece], int]] = {}
+    at = stack[0].size
+    for u in range(1, n):  # the bottom copy is the lowest holder of the side inputs: its shape is not a unit's
+        fwd = _pieces(tl, d, marks.forward[u], marks.forward[u + 1] if u + 1 < n else marks.head, at)
+        bwd = _pieces(tl, d, marks.backward[u], marks.backward[u - 1], at)
+        shapes[stack[u]] = UnitShape(_chain(fwd), _chain(bwd), sum(p.flops for p in bwd),
+                                     sum(p.remat_bytes for p in bwd))
+        if stack[u].is_group and stack[u].size == 3:
+            pieces[stack[u].mode] = (fwd, bwd, 3)
+        at += stack[u].size
+    return shapes, pieces
+
+
 def _build_unit_model(config: ModelConfig, device: str, engine: str, tp: int, sp: bool) -> UnitModel:
     start = time.perf_counter()
-    group_modes = ("checkpoint", "offload") if engine == "reentrant" else ("checkpoint",)
-    # the profile stack: a checkpointed layer at the bottom keeps every side input, so no unit above is the lowest
-    # holder; then every unit kind once (groups of 1, 2 and 3 layers: a middle layer first appears at 3)
+    model = base_unit_model(config, device=device, engine=engine, tp=tp, sp=sp)
+    groups = stack_shapes(config, group_stack(config, engine), device=device, engine=engine, tp=tp, sp=sp)
+    return finish_unit_model(model, groups, time.perf_counter() - start)
+
+
+def base_unit_model(config: ModelConfig, *, device: str, engine: str, tp: int, sp: bool) -> UnitModel:
+    """A unit model without the units of the group stack (:func:`finish_unit_model` adds them): the step's blocks
+    outside the layers and the units of :func:`layer_stack`, from its trace and a plain two-layer stack's."""
     contractions = layer_contractions(config, tp, sp)
-    # an MoE layer has no dense MLP activation to recompute ('act'; Megatron's moe_act is its experts' own)
-    sets = tuple(s for s in SELECTIVE_SETS if not (config.is_moe and "act" in s))
-    units = [Unit("checkpoint", 1), KEEP, *(Unit("selective", 1, s) for s in sets + contraction_sets(contractions))]
-    units += [Unit(m, k) for m in group_modes for k in (1, 2, 3)]
+    units = layer_stack(config, contractions)
     tl, marks = marked_trace(config, units, device=device, engine=engine, tp=tp, sp=sp)
     d = _deltas(tl)
     n = len(units)
     L = sum(u.size for u in units)
-    fwd_end = [marks.forward[u + 1] if u + 1 < n else marks.head for u in range(n)]
-    bwd_end = [marks.backward[u - 1] if u > 0 else marks.embedding for u in range(n)]
     head_bwd = next(p.start for p in tl.phases if p.kind == "backward" and p.region == "head")
 
     # the plain two-layer stack: what the head does when no unit keeps the mask, and the side inputs' bytes
@@ -420,29 +399,25 @@ def _build_unit_model(config: ModelConfig, device: str, engine: str, tp: int, sp
         if model.head_forward[plain_held].net != model.head_forward[all_held].net - freed:
             raise RuntimeError("remat.plan: the head's forward frees other bytes than the unkept side inputs; the "
                                "unit model does not describe this model")
-
-    flops = tl.meta.get("phase_flops", [0] * len(tl.phases))
-    at = 0
-    for u, unit in enumerate(units):
-        fwd = _pieces(tl, d, marks.forward[u], fwd_end[u], at)
-        bwd = _pieces(tl, d, marks.backward[u], bwd_end[u], at)
-        shape = UnitShape(_chain(fwd), _chain(bwd), sum(p.flops for p in bwd), sum(p.remat_bytes for p in bwd))
-        if u == 0:
-            shape = model.shapes.get(unit, shape)  # the bottom copy is the lowest holder: use the one above
-        else:
-            model.shapes[unit] = shape
-        if unit.is_group and unit.size == 3:
-            model.group_pieces[unit.mode] = (fwd, bwd, 3)
-        if unit == KEEP:
-            starts = [p.start for p in tl.phases]
-            for p, phase in enumerate(tl.phases):
-                if marks.forward[u] <= starts[p] < fwd_end[u] and phase.kind == "forward":
-                    model.layer_forward_flops += flops[p]
-                if marks.backward[u] <= starts[p] < bwd_end[u] and phase.kind == "backward":
-                    model.layer_backward_flops += flops[p]
-        at += unit.size
+    model.shapes, model.group_pieces = _cut_units(tl, d, marks, units)
+    flops, starts = tl.meta.get("phase_flops", [0] * len(tl.phases)), [p.start for p in tl.phases]
+    u = units.index(KEEP)
+    fwd_end, bwd_end = marks.forward[u + 1] if u + 1 < n else marks.head, marks.backward[u - 1]
+    for p, phase in enumerate(tl.phases):
+        if marks.forward[u] <= starts[p] < fwd_end and phase.kind == "forward":
+            model.layer_forward_flops += flops[p]
+        if marks.backward[u] <= starts[p] < bwd_end and phase.kind == "backward":
+            model.layer_backward_flops += flops[p]
     keep = model.shapes[KEEP]
     model.grad_per_layer = keep.forward.net + keep.backward.net
+    return model
+
+
+def finish_unit_model(model: UnitModel, groups: StackShapes, seconds: float) -> UnitModel:
+    """``model`` (:func:`base_unit_model`) with the shapes ``groups`` of the group stack's units (:func:`stack_shapes`
+    of :func:`group_stack`) added, and every unit checked; ``seconds`` the time the two took."""
+    model.shapes.update(groups[0])
+    model.group_pieces.update(groups[1])
     for unit, shape in model.shapes.items():
         if shape.forward.net + shape.backward.net != model.grad_per_layer * unit.size:
             raise RuntimeError(f"remat.plan: unit {unit} leaves {shape.forward.net + shape.backward.net} bytes after "
@@ -450,7 +425,7 @@ def _build_unit_model(config: ModelConfig, device: str, engine: str, tp: int, sp
                                "this model")
     model.hidden_bytes = model.shapes[Unit("checkpoint", 1)].forward.net - (
         model.shapes[Unit("offload", 1)].forward.net if Unit("offload", 1) in model.shapes else 0)
-    model.build_seconds = time.perf_counter() - start
+    model.build_seconds = seconds
     return model
 
 
@@ -472,15 +447,8 @@ def add_traced_units(model: UnitModel, units: Sequence[Unit]) -> list[Unit]:
         shapes = stored = None
     while shapes is None and todo:
         stack = [Unit("checkpoint", 1), *todo]  # the bottom layer keeps every side input, as in _build_unit_model
-        tl, marks = marked_trace(model.config, stack, device=model.device, engine=model.engine, tp=model.tp,
-                                 sp=model.sp)
-        d = _deltas(tl)
-        shapes = {}
-        for u in range(1, len(stack)):
-            fwd = _pieces(tl, d, marks.forward[u], marks.forward[u + 1] if u + 1 < len(stack) else marks.head, u)
-            bwd = _pieces(tl, d, marks.backward[u], marks.backward[u - 1], u)
-            shapes[stack[u]] = UnitShape(_chain(fwd), _chain(bwd), sum(p.flops for p in bwd),
-                                         sum(p.remat_bytes for p in bwd))
+        shapes = stack_shapes(model.config, stack, device=model.device, engine=model.engine, tp=model.tp,
+                              sp=model.sp)[0]
         # a unit that leaves other bytes after its step than a layer's gradients frees (or keeps) something of its
         # neighbour's, so its blocks and the one above's depend on the neighbours: leave it out and trace again
         odd = [u for u, sh in shapes.items() if sh.forward.net + sh.backward.net != model.grad_per_layer]
@@ -527,15 +495,30 @@ def model_to_dict(model: UnitModel) -> dict[str, Any]:
         "hidden_bytes": model.hidden_bytes, "layer_forward_flops": model.layer_forward_flops,
         "layer_backward_flops": model.layer_backward_flops, "contractions": list(model.contractions),
         "tp": model.tp, "sp": model.sp, "build_seconds": model.build_seconds,
-        "shapes": [[_unit_json(u), [sh.forward.net, sh.forward.high], [sh.backward.net, sh.backward.high],
-                    sh.recompute_flops, sh.recompute_bytes] for u, sh in model.shapes.items()],
-        "group_pieces": {mode: [[_piece_json(p) for p in fwd], [_piece_json(p) for p in bwd], traced]
-                         for mode, (fwd, bwd, traced) in model.group_pieces.items()},
+        **stack_shapes_to_json((model.shapes, model.group_pieces)),
     }
+
+
+def stack_shapes_to_json(found: StackShapes) -> dict[str, Any]:
+    """The JSON form of unit shapes and group pieces (``shapes`` and ``group_pieces`` of :func:`model_to_dict`)."""
+    shapes, pieces = found
+    return {"shapes": [[_unit_json(u), [sh.forward.net, sh.forward.high], [sh.backward.net, sh.backward.high],
+                        sh.recompute_flops, sh.recompute_bytes] for u, sh in shapes.items()],
+            "group_pieces": {mode: [[_piece_json(p) for p in fwd], [_piece_json(p) for p in bwd], traced]
+                             for mode, (fwd, bwd, traced) in pieces.items()}}
+
+
+def stack_shapes_from_json(data: dict[str, Any]) -> StackShapes:
+    """:func:`stack_shapes_to_json`'s form read back (KeyError/TypeError/ValueError when malformed)."""
+    return ({_unit_of(u): UnitShape(_block_of(f), _block_of(b), int(fl), int(by))
+             for u, f, b, fl, by in data["shapes"]},
+            {str(mode): ([_piece_of(p) for p in fwd], [_piece_of(p) for p in bwd], int(traced))
+             for mode, (fwd, bwd, traced) in data["group_pieces"].items()})
 
 
 def model_from_dict(data: dict[str, Any]) -> UnitModel:
     """:func:`model_to_dict`'s form read back (KeyError/TypeError/ValueError when malformed)."""
+    shapes, pieces = stack_shapes_from_json(data)
     return UnitModel(
         config=ModelConfig.from_dict(data["config"]), device=str(data["device"]), engine=str(data["engine"]),
         setup_fixed=int(data["setup_fixed"]), setup_per_layer=int(data["setup_per_layer"]),
@@ -546,46 +529,7 @@ def model_from_dict(data: dict[str, Any]) -> UnitModel:
         hidden_bytes=int(data["hidden_bytes"]), layer_forward_flops=int(data["layer_forward_flops"]),
         layer_backward_flops=int(data["layer_backward_flops"]),
         contractions=tuple(int(k) for k in data["contractions"]), tp=int(data["tp"]), sp=bool(data["sp"]),
-        shapes={_unit_of(u): UnitShape(_block_of(f), _block_of(b), int(fl), int(by))
-                for u, f, b, fl, by in data["shapes"]},
-        group_pieces={str(mode): ([_piece_of(p) for p in fwd], [_piece_of(p) for p in bwd], int(traced))
-                      for mode, (fwd, bwd, traced) in data["group_pieces"].items()},
-        build_seconds=float(data["build_seconds"]))
-
-
-class _ContractionCollector(TorchDispatchMode):
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.inside, self.sizes = 0, set()
-        layer.register_forward_pre_hook(lambda m, a: setattr(self, "inside", self.inside + 1))
-        layer.register_forward_hook(lambda m, a, o: setattr(self, "inside", self.inside - 1))
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        k = contraction(func, args)
-        if k is not None and self.inside:
-            self.sizes.add(k)
-        return func(*args, **(kwargs or {}))
-
-
-def watch_one_layer(config: ModelConfig, tp: int, sp: bool,
-                    watcher: Callable[[nn.Module], TorchDispatchMode]) -> TorchDispatchMode:
-    """Run a fake forward of a one-layer model (one tensor-parallel rank) under ``watcher(model.layers[0])`` and
-    return the watcher: how the plan space reads a layer's operators without running anything."""
-    cfg = config.replace(num_layers=1)
-    tokens, labels = sample_batch(cfg)
-    with FakeTensorMode(allow_non_fake_inputs=False) as fake:
-        model = rank_model_factory(cfg, tp, sp)()
-        mode = watcher(model.layers[0])
-        with mode:
-            model(fake.from_tensor(tokens), fake.from_tensor(labels))
-    return mode
-
-
-def layer_contractions(config: ModelConfig, tp: int = 1, sp: bool = False) -> tuple[int, ...]:
-    """The contraction sizes K of the matrix multiplies in one layer's forward (of one tensor-parallel rank),
-    ascending (a fake forward)."""
-    return tuple(sorted(watch_one_layer(config, tp, sp, _ContractionCollector).sizes))
+        shapes=shapes, group_pieces=pieces, build_seconds=float(data["build_seconds"]))
 
 
 def setup_end_of(tl: Timeline) -> int:

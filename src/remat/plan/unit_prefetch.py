@@ -1,9 +1,11 @@
-"""Build a unit model in a forked process while this one does other work (:func:`prefetch_unit_model`): a job
-plan's unit model traces then run on one core while its exact stage predictions trace on the other."""
+"""Build a unit model in forked processes while this one does other work (:func:`prefetch_unit_model`): a job
+plan's unit model traces (its layer stack and its group stack, one process each) then run beside its exact stage
+predictions, on every core."""
 
 from __future__ import annotations
 
 import multiprocessing
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -18,23 +20,29 @@ from remat.plan.unit_model import (
     PENDING,
     UNIT_MODELS,
     UnitModel,
+    base_unit_model,
+    finish_unit_model,
+    group_stack,
     model_from_dict,
     model_to_dict,
-    unit_model,
+    stack_shapes,
+    stack_shapes_from_json,
+    stack_shapes_to_json,
     unit_model_disk_key,
     unit_model_key,
 )
 from remat.policy import ENGINES
 
 # the processes prefetch_unit_model started, by key, each with the end it sends its answer to
-_STARTED: dict[tuple[Any, ...], tuple[BaseProcess, Connection]] = {}
+_STARTED: dict[tuple[Any, ...], list[tuple[BaseProcess, Connection]]] = {}
 
 
 def prefetch_unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
                         sp: bool = False) -> bool:
-    """Start building :func:`~remat.plan.unit_model.unit_model`'s answer for these arguments in a forked process;
-    the next ``unit_model`` call with them waits for it and takes it (the same model: built by the same code and
-    sent back in the disk cache's exact JSON form; if the process fails or sends nothing within
+    """Start building :func:`~remat.plan.unit_model.unit_model`'s answer for these arguments in two forked
+    processes (the model without its groups, :func:`~remat.plan.unit_model.base_unit_model`, and the group shapes);
+    the next ``unit_model`` call with them waits for both and takes the model they make (the same model: built by
+    the same code and sent back in the disk cache's exact JSON form; if a process fails or sends nothing within
     :func:`~remat.memory.trace_pool.worker_timeout` seconds, ``unit_model`` builds it itself and raises what
     fails). Nothing is started when the model is made or stored already, for arguments ``unit_model`` refuses, or
     with one core or no ``fork``. Returns whether a process was started."""
@@ -45,9 +53,12 @@ def prefetch_unit_model(config: ModelConfig, *, device: str = "cpu", engine: str
         return False
     if disk_cache.load("unit_model", unit_model_disk_key(key)) is not None:
         return False  # read from disk when asked: nothing to overlap
-    process, receive = _fork(lambda: model_to_dict(unit_model(config, device=device, engine=engine, tp=tp, sp=sp)))
-    PENDING[key] = lambda: _take(key, process, receive)
-    _STARTED[key] = process, receive
+    started = time.perf_counter()
+    forks = [_fork(lambda: model_to_dict(base_unit_model(config, device=device, engine=engine, tp=tp, sp=sp))),
+             _fork(lambda: stack_shapes_to_json(stack_shapes(config, group_stack(config, engine), device=device,
+                                                             engine=engine, tp=tp, sp=sp)))]
+    PENDING[key] = lambda: _take(key, forks, started)
+    _STARTED[key] = forks
     return True
 
 
@@ -56,11 +67,11 @@ def prefetch_pending(config: ModelConfig, *, device: str = "cpu", engine: str = 
     """Whether :func:`prefetch_unit_model`'s process for these arguments is still building the model (it has sent
     nothing yet): a caller may do other work meanwhile instead of waiting in ``unit_model``."""
     key = unit_model_key(config, device, engine, tp, sp)
-    started = _STARTED.get(key)
-    if key not in PENDING or started is None:
+    forks = _STARTED.get(key)
+    if key not in PENDING or forks is None:
         return False
     try:
-        return not started[1].poll(0)
+        return not all(receive.poll(0) for _, receive in forks)
     except (EOFError, OSError):  # closed: taken or failed, nothing to wait for
         return False
 
@@ -68,18 +79,22 @@ def prefetch_pending(config: ModelConfig, *, device: str = "cpu", engine: str = 
 def cancel_prefetches() -> None:
     """Stop the unit models still being built by :func:`prefetch_unit_model` (their answer is not wanted: e.g.
     every stage fits without recomputing anything); a later ``unit_model`` call builds its own."""
-    for key, (process, _) in list(_STARTED.items()):
-        if PENDING.pop(key, None) is not None and process.is_alive():
-            process.terminate()
-        process.join()
+    for key, forks in list(_STARTED.items()):
+        wanted = PENDING.pop(key, None) is not None
+        for process, _ in forks:
+            if wanted and process.is_alive():
+                process.terminate()
+            process.join()
     _STARTED.clear()
 
 
-def _take(key: tuple[Any, ...], process: BaseProcess, receive: Connection) -> UnitModel | None:
+def _take(key: tuple[Any, ...], forks: list[tuple[BaseProcess, Connection]], started: float) -> UnitModel | None:
     _STARTED.pop(key, None)
-    data = _received(process, receive)  # None: unit_model builds the model itself
+    base, groups = [_received(process, receive) for process, receive in forks]
+    if base is None or groups is None:  # unit_model builds the model itself
+        return None
     try:
-        return None if data is None else model_from_dict(data)
+        return finish_unit_model(model_from_dict(base), stack_shapes_from_json(groups), time.perf_counter() - started)
     except (KeyError, TypeError, ValueError):
         return None
 
