@@ -18,9 +18,8 @@ Decisions (facts from NVIDIA/Megatron-LM at d98e8a6, August 2026; files cited wh
   padded size the rank holds, so a Job does not require TP to divide it. The vocabulary comes from the tokenizer,
   which remat cannot read: give ``--vocab-size`` (or ``--padded-vocab-size``); without either remat assumes GPT-2's
   50257 tokens and warns.
-* Megatron picks the attention kernel with ``--attention-backend`` (default ``auto``: Transformer Engine's
-  flash/fused kernels keep only softmax statistics, remat's ``sdpa``); ``unfused``/``local`` or ``--transformer-impl
-  local`` store the s x s scores (remat's ``math``). ``--use-flash-attn`` has no effect on Megatron-core models.
+* ``--attention-backend`` (default ``auto``: TE's flash/fused kernels keep softmax statistics, remat's ``sdpa``;
+  ``unfused``: the s x s scores, ``math``; ``local``, ``--transformer-impl local``: refused, job_flags.LOCAL_LAYERS).
 * ``--world-size`` and ``--data-parallel-size`` are remat's own flags (Megatron reads the world size from the
   launcher); without either, dp = 1. Tokens up to the script (``torchrun ... pretrain_gpt.py``) are the launcher's.
 * MoE and MLA flags (``--num-experts``, ``--moe-*``, ``--multi-latent-attention``, ...) and the expert layout
@@ -44,6 +43,7 @@ from remat.config import DTYPES, ConfigError, ModelConfig
 from remat.job_experts import check_expert_layout, check_recompute_modules, model_with_ep, moe_mla_args, moe_mla_fields
 from remat.job_flags import (
     DEFAULT_ONLY_FLAGS,
+    LOCAL_LAYERS,
     RECOMPUTE_FLAGS,
     JobError,
     check_value_count,
@@ -530,10 +530,10 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
     if maxpos < s or (maxpos > s and pe == "learned_absolute"):
         raise JobError(f"--max-position-embeddings {maxpos} with --seq-length {s}: Megatron requires >= and its "
                        f"learned position table has that many rows (remat's: {s}); use --max-position-embeddings {s}")
-    unfused = got.get("--attention-backend") in ("unfused", "local") or got.get("--transformer-impl") == "local"
-    if got.get("--use-flash-attn") and unfused:
-        raise JobError("--use-flash-attn contradicts --attention-backend unfused/local (or --transformer-impl "
-                       "local): keep one")
+    if "local" in (got.get("--attention-backend"), got.get("--transformer-impl")):
+        raise JobError(LOCAL_LAYERS)
+    if (unfused := got.get("--attention-backend") == "unfused") and got.get("--use-flash-attn"):
+        raise JobError("--use-flash-attn contradicts --attention-backend unfused: keep one")
     for name in ("--attention-softmax-in-fp32", "--apply-query-key-layer-scaling"):
         if got.get(name) and unfused:
             raise JobError(f"{name} keeps unfused attention's softmax in fp32, which remat (probabilities in the "

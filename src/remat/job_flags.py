@@ -72,6 +72,15 @@ REFUSED_PREFIXES: dict[str, str] = {
     "--mla-": REFUSED_FLAGS["--spec"], "--mamba-": REFUSED_FLAGS["--spec"], "--dsa-": REFUSED_FLAGS["--spec"],
     "--mhc-": REFUSED_FLAGS["--spec"], "--megatron-fsdp-": REFUSED_FLAGS["--use-megatron-fsdp"],
 }
+# Megatron's local layers (--transformer-impl local, and --attention-backend local, which needs them) keep a
+# persistent buffer, megatron.core.utils.GlobalMemoryBuffer's "mpu" tensor, as large as the largest request: the
+# local attention's score buffer (b x heads/tp x s x s, DotProductAttention) and, under sequence parallelism, the
+# column-parallel linears' gathered input (s x b x h). Every rank holds it for the whole run; remat does not model it.
+LOCAL_LAYERS = ("--transformer-impl local / --attention-backend local: Megatron's local layers keep a global memory "
+                "buffer ('mpu': the attention scores, micro-batch x heads/TP x s x s, and under --sequence-parallel "
+                "the gathered linear inputs, s x micro-batch x hidden) for the whole run, which remat does not model "
+                "(its prediction would be short by it): predict the TransformerEngine layers (drop the flag; "
+                "--attention-backend unfused for TE's unfused attention)")
 # Accepted (and reported as ignored) only with Megatron's default value.
 DEFAULT_ONLY_FLAGS: dict[str, str] = {"--cp-comm-type": "p2p", "--softmax-type": "vanilla", "--cuda-graph-impl": "none",
                                       "--num-distributed-optimizer-instances": "1", "--mlp-chunks-for-training": "1"}

@@ -74,10 +74,15 @@ def test_swiglu_default_ffn_is_megatrons_rounding_down():
 @pytest.mark.parametrize("extra, attention", [
     ("", "sdpa"), ("--use-flash-attn", "sdpa"), ("--attention-backend flash", "sdpa"),
     ("--attention-backend auto", "sdpa"), ("--attention-backend unfused", "math"),
-    ("--attention-backend local", "math"), ("--transformer-impl local", "math"),
     ("--transformer-impl transformer_engine", "sdpa")])
 def test_attention_backend(extra, attention):
     assert parse(extra).model.attention == attention
+
+
+@pytest.mark.parametrize("extra", ["--attention-backend local", "--transformer-impl local"])
+def test_megatrons_local_layers_are_refused_for_their_global_buffer(extra):
+    with pytest.raises(JobError, match=r"global memory buffer \('mpu'.*drop the flag"):
+        parse(extra)
 
 
 @pytest.mark.parametrize("extra, vocab", [

@@ -188,7 +188,7 @@ def check_job(job: Job) -> None:
                        "tp > 1 (--tensor-model-parallel-size) with --sequence-parallel")
     if job.cp > 1 and job.model.attention == "math":
         raise JobError(f"cp={job.cp} (--context-parallel-size): Megatron's context parallelism runs Transformer "
-                       "Engine's fused/flash ring attention; unfused attention (--attention-backend unfused/local, "
+                       "Engine's fused/flash ring attention; unfused attention (--attention-backend unfused, "
                        "remat's 'math') cannot run with it: use --attention-backend auto/flash/fused or cp=1")
     check_schedule(job.schedule, job.pp, job.num_microbatches, job.vpp or 1, "megatron")
 
