@@ -15,7 +15,15 @@ from remat.memory.trace_pool import available_workers
 from remat.plan import pipeline
 from remat.plan.costs import CostModel, candidate_units
 from remat.plan.solver import Solution, min_peak, solve
-from remat.plan.unit_model import PENDING, UNIT_MODELS, model_to_dict, unit_model
+from remat.plan.unit_model import (
+    PENDING,
+    UNIT_MODELS,
+    group_stack,
+    layer_stack,
+    model_to_dict,
+    stack_shapes,
+    unit_model,
+)
 from remat.plan.unit_prefetch import cancel_prefetches, prefetch_unit_model
 from remat.recompute.plan_format import KEEP
 
@@ -119,3 +127,14 @@ def test_a_prefetched_unit_model_is_the_built_one(model) -> None:
     cancel_prefetches()  # not wanted: stopped; unit_model would build its own
     assert not PENDING
     UNIT_MODELS.clear()
+
+
+@pytest.mark.parametrize("engine", ["reentrant", "non-reentrant"])
+def test_a_units_shape_is_the_same_in_either_profile_stack(engine) -> None:
+    """NOTE [the unit model]: the two profile stacks (traced side by side) give every unit the shape that one stack
+    of all the units gives it, and the same group pieces."""
+    model = unit_model(CFG, engine=engine)
+    layers, groups = layer_stack(CFG, model.contractions), group_stack(CFG, engine)
+    shapes, pieces = stack_shapes(CFG, layers + groups[1:], device="cpu", engine=engine, tp=1, sp=False)
+    assert len(shapes) == len(layers) + len(groups) - 2 and pieces.keys() == model.group_pieces.keys()
+    assert shapes == {u: model.shapes[u] for u in shapes} and pieces == model.group_pieces

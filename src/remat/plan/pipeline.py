@@ -256,9 +256,10 @@ def search_stage(model: UnitModel, num_layers: int, budget: int, in_flight: int,
     each: the least cost over a grid of caps T on the stored bytes of ``solve(budget - (in_flight - 1) T,
     stored_cap=T)``, refined around the best cap (of equal costs, the first cap's plan).
 
-    Caps that cannot give a cheaper plan are not solved: once a plan costs nothing, and where a lower bound on the
-    cost at a cap (:func:`~remat.plan.solver.cost_lower_bound`) reaches the best so far; when keeping every layer
-    fits and every other unit costs something, keeping every layer is the answer (no other plan costs 0)."""
+    Caps are solved from the highest down; a cap that cannot give a plan replacing the best so far is not solved
+    (a lower bound on the cost at the cap, :func:`~remat.plan.solver.cost_lower_bound`, over the best's cost, or
+    equal to it at a cap the tie would not go to), nor is the refinement once a plan costs nothing; when keeping every
+    layer fits and every other unit costs something, keeping every layer is the answer (no other plan costs 0)."""
     with reuse_tables():  # the solves below share the tables of (model, depth, units, prices)
         return _search(model, num_layers, budget, in_flight, cost, units, max_stored)
 

@@ -39,13 +39,13 @@ _STARTED: dict[tuple[Any, ...], list[tuple[BaseProcess, Connection]]] = {}
 
 def prefetch_unit_model(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
                         sp: bool = False) -> bool:
-    """Start building :func:`~remat.plan.unit_model.unit_model`'s answer for these arguments in two forked
-    processes (the model without its groups, :func:`~remat.plan.unit_model.base_unit_model`, and the group shapes);
-    the next ``unit_model`` call with them waits for both and takes the model they make (the same model: built by
-    the same code and sent back in the disk cache's exact JSON form; if a process fails or sends nothing within
-    :func:`~remat.memory.trace_pool.worker_timeout` seconds, ``unit_model`` builds it itself and raises what
-    fails). Nothing is started when the model is made or stored already, for arguments ``unit_model`` refuses, or
-    with one core or no ``fork``. Returns whether a process was started."""
+    """Start building :func:`~remat.plan.unit_model.unit_model`'s answer for these arguments in two forked processes
+    (the model with the units of its layer stack, :func:`~remat.plan.unit_model.base_unit_model`, and the shapes of its
+    group stack's units); the next ``unit_model`` call with them waits for both and takes the model they make (the same
+    model: built by the same code and sent back in the disk cache's exact JSON form; if a process fails or sends nothing
+    within :func:`~remat.memory.trace_pool.worker_timeout` seconds, ``unit_model`` builds it itself and raises what
+    fails). Nothing is started when the model is made or stored already, for arguments ``unit_model`` refuses, or with
+    one core or no ``fork``. Returns whether the processes were started."""
     key = unit_model_key(config, device, engine, tp, sp)
     if key in UNIT_MODELS or key in PENDING or device not in ("cpu", "cuda") or engine not in ENGINES:
         return False
@@ -64,8 +64,8 @@ def prefetch_unit_model(config: ModelConfig, *, device: str = "cpu", engine: str
 
 def prefetch_pending(config: ModelConfig, *, device: str = "cpu", engine: str = "reentrant", tp: int = 1,
                      sp: bool = False) -> bool:
-    """Whether :func:`prefetch_unit_model`'s process for these arguments is still building the model (it has sent
-    nothing yet): a caller may do other work meanwhile instead of waiting in ``unit_model``."""
+    """Whether :func:`prefetch_unit_model`'s processes for these arguments are still building the model (one has
+    sent nothing yet): a caller may do other work meanwhile instead of waiting in ``unit_model``."""
     key = unit_model_key(config, device, engine, tp, sp)
     forks = _STARTED.get(key)
     if key not in PENDING or forks is None:
