@@ -1,5 +1,5 @@
 """Tests for remat.memory.trace_pool and the shared shallow traces of a sweep (predict_many): traces made side by
-side in forked workers are the traces made one by one, byte for byte."""
+side in forked workers are the traces made one by one, byte for byte, and each is handed to on_result once."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import pytest
 from tiny_models import LLAMA
 
 from remat.memory import predict as predict_module
-from remat.memory import trace_pool
 from remat.memory.predict import predict_many, prepare_shallow_traces
 from remat.memory.trace_pool import (
     TIMEOUT_ENV,
@@ -15,7 +14,6 @@ from remat.memory.trace_pool import (
     available_workers,
     idle_workers,
     run_forked,
-    run_traces,
     worker_timeout,
 )
 from remat.policy import Policy
@@ -50,7 +48,7 @@ def test_a_failing_task_raises_its_own_error(monkeypatch: pytest.MonkeyPatch) ->
         raise ValueError("the task's own message")
 
     with pytest.raises(ValueError, match="the task's own message"):
-        run_traces([boom, boom])
+        run_forked([boom, boom])
 
 
 def test_the_worker_count_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,8 +75,7 @@ def test_a_worker_that_sends_nothing_in_time_is_ended_and_its_trace_made_here(mo
 
     monkeypatch.setenv(WORKERS_ENV, "2")
     monkeypatch.setenv(TIMEOUT_ENV, "3")
-    monkeypatch.setattr(trace_pool.Timeline, "from_dict", staticmethod(lambda data: data))
-    assert run_traces([stuck, stuck]) == ["traced here", "traced here"] and made_here == [1, 1]
+    assert run_forked([stuck, stuck]) == ["traced here", "traced here"] and made_here == [1, 1]
     monkeypatch.setenv(TIMEOUT_ENV, "soon")
     with pytest.raises(ValueError, match="REMAT_TRACE_TIMEOUT='soon'"):
         worker_timeout()
@@ -102,3 +99,11 @@ def test_forked_tasks_answer_in_order_and_a_failure_is_raised_here(monkeypatch: 
     assert idle_workers() == 1
     monkeypatch.delenv(WORKERS_ENV)
     assert 1 <= idle_workers() <= available_workers()
+
+
+@pytest.mark.parametrize("workers", ["2", "1"])
+def test_each_answer_is_handed_over_once_as_it_comes(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(WORKERS_ENV, workers)
+    seen: list[tuple[int, int]] = []
+    answers = run_forked([lambda i=i: i * i for i in range(6)], on_result=lambda i, a: seen.append((i, a)))
+    assert answers == [i * i for i in range(6)] and sorted(seen) == [(i, i * i) for i in range(6)]

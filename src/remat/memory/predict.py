@@ -32,7 +32,7 @@ from remat.memory.compose import (
 from remat.memory.disk_cache import cached_timeline
 from remat.memory.kernels import kernel_trace, prepare_model, resolve_kernels, use_kernels
 from remat.memory.measure import Batch, MeasureError, check_step, record_step
-from remat.memory.trace_pool import run_traces
+from remat.memory.trace_pool import run_forked
 from remat.models.gpt import build_model, sample_batch
 from remat.models.tensor_parallel import SimulatedGroup, build_tp_model, check_tensor_parallel
 from remat.policy import Policy
@@ -343,7 +343,7 @@ def prepare_shallow_traces(config: ModelConfig, policies: Iterable[Policy], *, d
             composed = _composed(config, policies[i], kinds, lambda: made[index], device, tp, sp)
             deliver(i, composed, time.perf_counter() - start)
 
-    traced = run_traces([functools.partial(trace_rank, k[0], k[1], device, tp, sp) for k in todo],
+    traced = run_forked([functools.partial(trace_rank, k[0], k[1], device, tp, sp) for k in todo],
                         on_result=compose_waiting if waiting else None)
     for index, (key, timeline) in enumerate(zip(todo, traced)):
         disk_cache.store("shallow_trace", _disk_key(key), timeline.to_dict())

@@ -1,13 +1,13 @@
-"""Independent fake traces made side by side in forked worker processes, one per core (:func:`run_traces`).
+"""Independent tasks run side by side in forked worker processes, one per core (:func:`run_forked`): fake traces
+and a job plan's stage searches.
 
 A sweep's shallow traces (:func:`remat.memory.predict.prepare_shallow_traces`) do not depend on each other; each is
 pure Python under ``FakeTensorMode``, so on a machine with two cores two of them take the time of one. Workers
-are forked from this process after everything is imported (no second start-up), run one trace at a time and send
-back the timeline's JSON form; the result is the same timeline, byte for byte, as tracing here.
-``REMAT_TRACE_WORKERS`` sets the number of workers (``1``: trace in this process). A worker that sends nothing for
-``REMAT_TRACE_TIMEOUT`` seconds (default 600: a worker killed by the system, or stuck) ends the pool, and what it
-had not sent is traced here: a sweep never waits forever on a worker. :func:`run_forked` runs any tasks so (a job
-plan's stage searches), their answers pickled back; :func:`idle_workers` says how many are worth forking now.
+are forked from this process after everything is imported (no second start-up), run one task at a time and send
+back its answer pickled; a timeline comes back the same, byte for byte, as traced here. ``REMAT_TRACE_WORKERS``
+sets the number of workers (``1``: run in this process). A worker that sends nothing for ``REMAT_TRACE_TIMEOUT``
+seconds (default 600: a worker killed by the system, or stuck) is ended, and what it had not sent is run here: a
+sweep never waits forever on a worker. :func:`idle_workers` says how many workers are worth forking now.
 """
 
 from __future__ import annotations
@@ -20,11 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from remat.timeline import Timeline
-
 WORKERS_ENV = "REMAT_TRACE_WORKERS"
 TIMEOUT_ENV = "REMAT_TRACE_TIMEOUT"
-_TASKS: list[Callable[[], Timeline]] = []  # what the forked workers run (inherited, never pickled)
 
 
 def available_workers() -> int:
@@ -89,62 +86,31 @@ def worker_timeout() -> float:
     return seconds
 
 
-def _run(index: int) -> tuple[int, Any, str | None]:
-    try:
-        return index, _TASKS[index]().to_dict(), None
-    except Exception as err:  # reported to the parent, which traces it itself (and raises it there)
-        return index, None, f"{type(err).__name__}: {err}"
-
-
 def _worker_start() -> None:
     import torch
 
     torch.set_num_threads(1)  # fake tensors compute nothing; never touch an OpenMP pool made before the fork
 
 
-def run_traces(tasks: Sequence[Callable[[], Timeline]], workers: int | None = None,
-               on_result: Callable[[int, Timeline], None] | None = None) -> list[Timeline]:
-    """Run ``tasks`` (each makes one timeline) and return their timelines in order: in forked workers when there
-    are several tasks and several workers (:func:`available_workers`), else here. A task that fails in a worker is
-    run again here, so its error is raised as it would be without workers. ``on_result(index, timeline)`` is
-    called here with each timeline as soon as it is made (while the workers go on with the others), each once."""
+def _made(index: int, answer: Any, on_result: Callable[[int, Any], None] | None) -> Any:
+    if on_result is not None:
+        on_result(index, answer)
+    return answer
+
+
+def run_forked(tasks: Sequence[Callable[[], Any]], workers: int | None = None,
+               on_result: Callable[[int, Any], None] | None = None) -> list[Any]:
+    """Run ``tasks`` (each returns a picklable answer, e.g. a :class:`~remat.timeline.Timeline`) and return their
+    answers in order: side by side in forked worker processes when there are several tasks and several workers
+    (:func:`available_workers`), else here, one after the other. Each worker takes the next task when it has sent
+    its last answer (the longest tasks listed first end soonest). A task that fails in a worker, or that a worker
+    silent for :func:`worker_timeout` seconds had not answered, is run again here, so its error is raised as it
+    would be without workers. ``on_result(index, answer)`` is called here with each answer as soon as it is made
+    (while the workers go on with the others), each once. The workers are not daemons: a task may fork processes of
+    its own (remat.plan.unit_prefetch)."""
     workers = min(len(tasks), available_workers() if workers is None else workers)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         return [_made(i, task(), on_result) for i, task in enumerate(tasks)]
-    _warm_up()
-    _TASKS[:] = tasks
-    out: list[Timeline | None] = [None] * len(tasks)
-    try:
-        timeout = worker_timeout()
-        with multiprocessing.get_context("fork").Pool(workers, initializer=_worker_start) as pool:
-            answers = pool.imap_unordered(_run, range(len(tasks)))
-            for _ in range(len(tasks)):
-                try:
-                    index, data, error = answers.next(timeout)
-                except multiprocessing.TimeoutError:  # the pool is ended on leaving; the rest is traced here
-                    break
-                out[index] = None if error is not None else _made(index, Timeline.from_dict(data), on_result)
-    finally:
-        _TASKS.clear()
-    return [tl if tl is not None else _made(i, tasks[i](), on_result) for i, tl in enumerate(out)]
-
-
-def _made(index: int, timeline: Timeline, on_result: Callable[[int, Timeline], None] | None) -> Timeline:
-    if on_result is not None:
-        on_result(index, timeline)
-    return timeline
-
-
-def run_forked(tasks: Sequence[Callable[[], Any]], workers: int | None = None) -> list[Any]:
-    """Run ``tasks`` (each returns a picklable answer) and return their answers in order: side by side in forked
-    worker processes when there are several tasks and several workers (:func:`available_workers`), else here, one
-    after the other. Each worker takes the next task when it has sent its last answer (the longest tasks listed
-    first end soonest). A task that fails in a worker, or that a worker silent for :func:`worker_timeout` seconds
-    had not answered, is run again here, so its error is raised as it would be without workers. The workers are
-    not daemons: a task may fork processes of its own (:func:`run_traces`, remat.plan.unit_prefetch)."""
-    workers = min(len(tasks), available_workers() if workers is None else workers)
-    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return [task() for task in tasks]
     _warm_up()
     ctx = multiprocessing.get_context("fork")
     todo, answers = ctx.SimpleQueue(), ctx.Queue()
@@ -168,7 +134,7 @@ def run_forked(tasks: Sequence[Callable[[], Any]], workers: int | None = None) -
                     break
                 continue
             waited, received = 0.0, received + 1
-            out[index] = (data is not None, None if data is None else pickle.loads(data))
+            out[index] = (data is not None, None if data is None else _made(index, pickle.loads(data), on_result))
     finally:
         for proc in procs:
             proc.join(0.5)
@@ -176,7 +142,7 @@ def run_forked(tasks: Sequence[Callable[[], Any]], workers: int | None = None) -
                 proc.terminate()
                 proc.join()
         answers.close()
-    return [answer if ok else tasks[i]() for i, (ok, answer) in enumerate(out)]
+    return [answer if ok else _made(i, tasks[i](), on_result) for i, (ok, answer) in enumerate(out)]
 
 
 def _serve(tasks: Sequence[Callable[[], Any]], todo: Any, answers: Any) -> None:
