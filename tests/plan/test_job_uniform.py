@@ -96,7 +96,7 @@ def test_each_settings_lower_bound_is_under_its_exact_peak(brute) -> None:
         for stage, peak in zip((1, 0), peaks):
             m, held = modelled(stage, Policy.parse(name))
             assert m + offset[stage] - held <= peak, (name, stage)
-            slack = depth[stage] * model.grad_per_layer + sum(model.side.values())
+            slack = model.held_beyond_rank(depth[stage])
             tighter += held < slack
             checked += 1
     assert checked > len(rows) and tighter > len(rows) // 2

@@ -28,7 +28,7 @@ STAGE = 1
 
 def _whole_stack_slack(model: UnitModel, units: list) -> int:
     """The screen's bound before it read each peak's own bytes beyond the rank: every layer's .grad, side inputs."""
-    return sum(u.size for u in units) * model.grad_per_layer + sum(model.side.values())
+    return model.held_beyond_rank(sum(u.size for u in units))
 
 
 @pytest.mark.parametrize("bound", ["per_setting", "whole_stack"])

@@ -57,10 +57,14 @@ def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
         raise ValueError("--adam with --tp/--sp: Adam states are traced on one unsharded process only; drop one")
     early: dict[int, tuple[Timeline | None, float]] = {}  # composed while the other shallow traces were made
 
-    def composed_early(i: int, timeline: Timeline, seconds: float) -> None:
+    def predicted(i: int, timeline: Timeline, seconds: float) -> tuple[Timeline | None, float]:
+        """Policy ``i``'s entry of the result, its timeline handed to ``on_predicted`` first."""
         if on_predicted is not None:
             on_predicted(i, timeline, seconds)
-        early[i] = (timeline if keep is None or keep(i) else None, seconds)
+        return timeline if keep is None or keep(i) else None, seconds
+
+    def composed_early(i: int, timeline: Timeline, seconds: float) -> None:
+        early[i] = predicted(i, timeline, seconds)
 
     if not adam:  # every shallow trace the compositions below need, made together (side by side on the cores)
         prepare_shallow_traces(config, policies, device=device, **parallel, on_composed=composed_early)
@@ -76,10 +80,7 @@ def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
             timeline = predict(config, policy, optimizer=adam_steady_state, device=device)
         else:
             timeline = predict_config(config, policy, device=device, **parallel)
-        seconds = time.perf_counter() - start
-        if on_predicted is not None:
-            on_predicted(i, timeline, seconds)
-        out.append((timeline if keep is None or keep(i) else None, seconds))
+        out.append(predicted(i, timeline, time.perf_counter() - start))
     if progress is not None:
         progress(len(policies), len(policies), "")
     return out

@@ -368,7 +368,7 @@ def _screen_rows(sm: _StageModel, engine: str, config: Any) -> tuple[int, list[t
         rows.append((sm.plan_cost(plan), sum(m.shape(u).recompute_bytes for u in units), sm.modelled(units), policy,
                      plan, m.beyond_rank(units)))
     rows.sort(key=lambda r: r[:3])
-    return L * m.grad_per_layer + sum(m.side.values()), rows
+    return m.held_beyond_rank(L), rows
 
 
 def _screen_ahead(sm: _StageModel, budget: int, engine: str, config: Any, known: Callable[[Plan], bool],
@@ -393,8 +393,8 @@ def _megatron_stage(st: JobStagePlan, sm: _StageModel, exact: Callable[[int, Pla
                     engine: str, config: Any = None) -> None:
     """The cheapest Megatron setting of the stage that fits, predicted exactly (NOTE [the job search])."""
     L = sm.num_layers
-    # the unit model may hold a layer stack's .grad bytes and the side inputs beyond the rank (NOTE [the Megatron
-    # screen of a stage] in remat.plan.megatron_screen): its estimate less those is a lower bound of the exact peak
+    # each candidate's estimate less the bytes its modelled peak holds beyond the rank is a lower bound of its exact
+    # peak (NOTE [the Megatron screen of a stage] in remat.plan.megatron_screen); the whole slack when that breaks
     slack, rows = _screen_rows(sm, engine, config)
 
     def predict(i: int) -> int:

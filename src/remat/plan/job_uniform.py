@@ -118,7 +118,7 @@ def _screen(result: JobPlan, stage_models: Sequence[StageEstimate | None], exact
     none = Policy(engine=engine)
     calibration = {s: exact(s, none).peak_bytes - sm.modelled(sm.policy_plan(none).units()) for s, sm in
                    models.items()}
-    slack = {s: sm.num_layers * sm.model.grad_per_layer + sum(sm.model.side.values()) for s, sm in models.items()}
+    slack = {s: sm.model.held_beyond_rank(sm.num_layers) for s, sm in models.items()}
     rows = _rows(result, models, calibration, engine)
     # no setting cheaper than a stage's own cheapest fit fits it (unless the time cap cut that stage's screen)
     least = max((_own_cost(st) for st in stages if not st.megatron_search_cut), default=0)

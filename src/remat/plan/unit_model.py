@@ -199,10 +199,16 @@ class UnitModel:
         return self.walk(units)[0]
 
     def beyond_rank(self, units: Sequence[Unit]) -> int:
-        """The most bytes the modelled peak of ``units`` holds that a Megatron rank does not: the .grad of every
-        layer whose backward has begun by then (the rank's DDP hook moves it to the main-gradient buffer) and the
-        side inputs (NOTE [the Megatron screen of a stage] in remat.plan.megatron_screen)."""
-        return self.walk(units)[2] * self.grad_per_layer + sum(self.side.values())
+        """The most bytes the modelled peak of ``units`` holds that a Megatron rank does not:
+        :meth:`held_beyond_rank` of the layers whose backward has begun by then (NOTE [the Megatron screen of a
+        stage] in remat.plan.megatron_screen)."""
+        return self.held_beyond_rank(self.walk(units)[2])
+
+    def held_beyond_rank(self, layers: int) -> int:
+        """The most bytes the model holds that a Megatron rank does not once ``layers`` layers' backwards have begun:
+        their .grad (the rank's DDP hook moves it to the main-gradient buffer) and the side inputs; with every layer
+        of a stack, the most at any point of its step (a screen's whole slack)."""
+        return layers * self.grad_per_layer + sum(self.side.values())
 
     def walk(self, units: Sequence[Unit]) -> tuple[int, str, int]:
         """``(peak, where, begun)``: the modelled peak, the block it is in and how many layers' backwards have
