@@ -18,35 +18,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spin-waiting OpenMP threa
 import argparse
 import gc
 import json
-import random
 import statistics
 import sys
-from typing import Any
 
 import torch
 
-import remat
 from remat import ModelConfig, build_model, sample_batch
 from remat.recompute.plan_format import Plan
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compile_peers import CompileSearch, counting_backend, profiler_peak, step, time_steps  # noqa: E402
+from compile_peers import CompileSearch, compile_plan, profiler_peak, time_steps  # noqa: E402
+from step_timing import bootstrap_ci  # noqa: E402
 
 MIB = 1 << 20
-
-
-def compiled_plan(config: ModelConfig, text: str, batch: Any) -> Any:
-    model = build_model(config, seed=0)
-    remat.apply(model, Plan.parse(text))
-    compiled = torch.compile(model, backend=counting_backend({}))
-    step(compiled, batch)
-    return compiled
-
-
-def bootstrap(values: list[float], draws: int = 2000) -> tuple[float, float]:
-    rng = random.Random(1)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
-    return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
 def main() -> None:
@@ -85,8 +69,11 @@ def main() -> None:
         variants = {"eager": eager, "base": base, "compile": found.module}
         peaks = {}
         for label, rc in mine:
-            variants[label] = base if rc["plan"] == "keep all" else compiled_plan(config, rc["plan"], batch)
-            peaks[label] = profiler_peak(variants[label], batch)
+            if rc["plan"] == "keep all":
+                variants[label], peaks[label] = base, profiler_peak(base, batch)
+            else:
+                made = compile_plan(config, Plan.parse(rc["plan"]), batch, row["budget"], label)
+                variants[label], peaks[label] = made.module, made.peak
         times = {name: t["times"] for name, t in time_steps(variants, batch, args.rounds, {}).items()}
 
         def ratio(a: str, b: str, times: dict[str, list[float]] = times) -> list[float]:
@@ -94,7 +81,7 @@ def main() -> None:
 
         for label, rc in mine:
             paired = ratio(label, "compile")
-            lo, hi = bootstrap(paired)
+            lo, hi = bootstrap_ci(paired, seed=1)
             p = statistics.median(paired)
             verdict = "remat" if hi < 1.0 else ("torch.compile" if lo > 1.0 else ("remat?" if p < 1.0 else
                                                                                "torch.compile?"))
