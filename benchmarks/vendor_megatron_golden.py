@@ -2,10 +2,10 @@
 
 Reads a local git copy of NVIDIA/Megatron-LM (no network) at one commit and writes
 ``benchmarks/data/megatron_golden_h100_dev.json``: for each case of ``--cases`` (one ``<family>/<case>`` a line),
-its ``model_config.yaml`` (MODEL_ARGS, ENV_VARS, TEST_TYPE), the recipe's world size
-(``tests/test_utils/recipes/h100/<family>.yaml``: nodes x gpus) and, per iteration, ``mem-max-allocated-bytes`` and
-``mem-allocated-bytes`` of ``golden_values_dev_dgx_h100.json``, each with its source path. Only these dev cases are
-vendored: the rest of the corpus and the other GPUs' values are a held-out check.
+its ``model_config.yaml`` (MODEL_ARGS, ENV_VARS, TEST_TYPE), the world size (the case's own ``MODEL_ENV_VARS``
+GPUS_PER_NODE, else ``tests/test_utils/recipes/h100/<family>.yaml``'s nodes x gpus) and, per iteration,
+``mem-max-allocated-bytes`` and ``mem-allocated-bytes`` of ``golden_values_dev_dgx_h100.json``, each with its
+source path. Only these dev cases are vendored: the rest of the corpus and the other GPUs' values are a held-out check.
 
     python benchmarks/vendor_megatron_golden.py --repo /path/to/Megatron-LM/.git \
         --commit d98e8a64ddf34856e74b24714e3bedb2f5a39553 --cases ../shared/golden/megatron_h100_dev_cases.txt
@@ -42,12 +42,15 @@ def vendor_case(repo: str, commit: str, name: str, sizes: dict[str, int]) -> dic
     if family not in sizes:
         sizes[family] = world_size(repo, commit, family)
     values = {m: {it: int(v) for it, v in golden[m]["values"].items() if v == v} for m in METRICS if m in golden}
+    # run_ci_test.sh: a checkpoint-consistency test runs each MODEL_ARGS* key on MODEL_ENV_VARS.<key>.GPUS_PER_NODE
+    # GPUs of one node; MODEL_ARGS is the first run's
+    gpus = ((config.get("MODEL_ENV_VARS") or {}).get("MODEL_ARGS") or {}).get("GPUS_PER_NODE")
     return {
         "case": name,
         "model_config": f"{base}/model_config.yaml",
         "golden_values": f"{base}/golden_values_dev_dgx_h100.json",
         "recipe": f"tests/test_utils/recipes/h100/{family}.yaml",
-        "world_size": sizes[family],
+        "world_size": int(gpus) if gpus is not None else sizes[family],
         "test_type": config.get("TEST_TYPE", "regular"),
         "env": {k: str(v) for k, v in (config.get("ENV_VARS") or {}).items()},
         "model_args": {k: v for k, v in config["MODEL_ARGS"].items()},

@@ -20,6 +20,7 @@ NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 ATTENTIONS = ("math", "sdpa")
 ROUTER_SCORES = ("softmax", "sigmoid")
+CROSS_ENTROPY = ("torch", "megatron", "megatron_fused", "te")  # remat.models.cross_entropy
 
 
 class ConfigError(ValueError):
@@ -51,6 +52,10 @@ class ModelConfig:
     names): queries through a ``q_lora_rank`` down-projection (None: one projection), keys and values through a
     ``kv_lora_rank`` one, ``qk_head_dim`` + ``qk_pos_emb_head_dim`` (rotary) per query/key head, ``v_head_dim``
     per value head.
+
+    ``cross_entropy`` is the loss's implementation (:mod:`remat.models.cross_entropy`): ``torch``'s
+    ``F.cross_entropy`` (a tensor-parallel rank, which cannot run it, runs ``megatron``'s), or what Megatron-LM runs:
+    ``megatron``, ``megatron_fused`` (``--cross-entropy-loss-fusion``) or ``te`` (TransformerEngine's fused kernel).
     """
 
     num_layers: int = 8
@@ -82,6 +87,10 @@ class ModelConfig:
     moe_expert_capacity_factor: float | None = None
     moe_aux_loss_coeff: float = 0.0
     moe_routing_assumption: str | None = None
+    # Megatron's --moe-token-dispatcher-type (remat.models.allgather_dispatch) and --moe-router-dtype (None: the
+    # model's dtype; 'fp32'/'fp64': the router's logits and probabilities in that dtype)
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_router_dtype: str | None = None
     expert_model_parallel_size: int = 1
     # multi-latent attention
     multi_latent_attention: bool = False
@@ -90,6 +99,8 @@ class ModelConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # the loss
+    cross_entropy: str = "torch"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -103,6 +114,7 @@ class ModelConfig:
         _check_choice("position", self.position, POSITIONS)
         _check_choice("attention", self.attention, ATTENTIONS)
         _check_choice("dtype", self.dtype, tuple(DTYPES))
+        _check_choice("cross_entropy", self.cross_entropy, CROSS_ENTROPY)
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
@@ -229,10 +241,16 @@ def check_moe_fields(config: ModelConfig) -> None:
     if not config.is_moe:
         for name, default in (("moe_ffn_hidden_size", None), ("moe_shared_expert_intermediate_size", None),
                               ("moe_grouped_gemm", False), ("moe_expert_capacity_factor", None),
-                              ("moe_routing_assumption", None), ("expert_model_parallel_size", 1)):
+                              ("moe_routing_assumption", None), ("expert_model_parallel_size", 1),
+                              ("moe_token_dispatcher_type", "alltoall"), ("moe_router_dtype", None)):
             if getattr(config, name) != default:
                 raise ConfigError(f"{name}={getattr(config, name)!r} needs experts: set num_moe_experts, or drop it")
         return
+    if config.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+        raise ConfigError(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: remat models 'alltoall' "
+                          "and 'allgather'")
+    if config.moe_router_dtype not in (None, "fp32", "fp64"):
+        raise ConfigError(f"moe_router_dtype={config.moe_router_dtype!r}: write None, 'fp32' or 'fp64'")
     if config.moe_router_topk > config.num_moe_experts:
         raise ConfigError(f"moe_router_topk={config.moe_router_topk} exceeds num_moe_experts="
                           f"{config.num_moe_experts}: route each token to at most every expert")

@@ -15,15 +15,12 @@ Decisions (facts from NVIDIA/Megatron-LM at d98e8a6, August 2026; files cited wh
   ``--grad-reduce-in-bf16``), off for fp16, and always on for fp32 (fp32 parameters have fp32 gradients).
 * Megatron pads the vocabulary to a multiple of ``--make-vocab-size-divisible-by`` (128) x TP
   (``megatron/core/tokenizers/utils/build_tokenizer.py::vocab_size_with_padding``); ``model.vocab_size`` is the
-  padded size the rank holds, so a Job does not require TP to divide it. The vocabulary comes from the tokenizer,
-  which remat cannot read: give ``--vocab-size`` (or ``--padded-vocab-size``); without either remat assumes GPT-2's
-  50257 tokens and warns.
-* ``--attention-backend`` (default ``auto``: TE's flash/fused kernels keep softmax statistics, remat's ``sdpa``;
-  ``unfused``: the s x s scores, ``math``; ``local``, ``--transformer-impl local``: refused, job_flags.LOCAL_LAYERS).
+  padded size the rank holds, so a Job does not require TP to divide it. The model flags (vocabulary, attention
+  backend, loss, MoE and MLA) are read by :mod:`remat.job_model`.
 * ``--world-size`` and ``--data-parallel-size`` are remat's own flags (Megatron reads the world size from the
   launcher); without either, dp = 1. Tokens up to the script (``torchrun ... pretrain_gpt.py``) are the launcher's.
 * MoE and MLA flags (``--num-experts``, ``--moe-*``, ``--multi-latent-attention``, ...) and the expert layout
-  (``--expert-model-parallel-size``): :mod:`remat.job_experts`.
+  (``--expert-model-parallel-size``): :mod:`remat.job_experts`; the loss (Megatron's at every tp): remat.job_loss.
 * Every other flag is modelled, ignored (known not to change memory: :data:`remat.job_flags.IGNORED_FLAGS`), or
   refused by name (changes memory in a way remat cannot model yet: ``REFUSED_FLAGS``); an unlisted flag is refused.
 """
@@ -32,18 +29,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from remat import job_pipeline
-from remat.config import DTYPES, ConfigError, ModelConfig
-from remat.job_experts import check_expert_layout, check_recompute_modules, model_with_ep, moe_mla_args, moe_mla_fields
+from remat import job_loss, job_pipeline
+from remat.config import DTYPES, ModelConfig
+from remat.job_experts import check_expert_layout, check_recompute_modules, model_with_ep, moe_mla_args
 from remat.job_flags import (
     DEFAULT_ONLY_FLAGS,
-    LOCAL_LAYERS,
     RECOMPUTE_FLAGS,
     JobError,
     check_value_count,
@@ -51,13 +46,14 @@ from remat.job_flags import (
     flag_groups,
     flag_tokens,
     flag_value,
+    without_idle_recompute_flags,
 )
+from remat.job_model import model_from_flags
 from remat.policy import Policy, PolicyError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "sgd", "none")
-DEFAULT_VOCAB_SIZE = 50257  # GPT-2 BPE, the tokenizer of Megatron's GPT examples
 _FLAG_OF = {
     "tp": "--tensor-model-parallel-size", "sp": "--sequence-parallel", "pp": "--pipeline-model-parallel-size",
     "vpp": "--num-virtual-stages-per-pipeline-rank", "cp": "--context-parallel-size",
@@ -111,6 +107,8 @@ class Job:
     """Microbatches per step per pipeline: global batch = num_microbatches * micro_batch_size * dp."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe (not in Megatron), 1f1b, or interleaved (exactly when vpp is set)."""
+    microbatch_group_size: int | None = None
+    """``--microbatch-group-size-per-virtual-pipeline-stage`` (interleaved only); None: Megatron's default, pp."""
     precision: str = "fp32"
     """fp32, or Megatron mixed precision bf16/fp16 (``--bf16``/``--fp16``): 2-byte params, fp32 master params."""
     accumulate_grads_in_fp32: bool | None = None
@@ -161,7 +159,7 @@ class Job:
             canon["num_query_groups"] = None
         if m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size == m.ffn_size:
             canon["moe_ffn_hidden_size"] = None
-        if canon:
+        if canon := canon | job_loss.megatron_loss(m):  # and Megatron's cross-entropy, at every tp
             set_(self, "model", m := m.replace(**canon))
 
         acc, mom = self.accumulate_grads_in_fp32, self.sgd_momentum
@@ -206,10 +204,7 @@ class Job:
         _require(vpp is None or pp > 1, f"vpp={vpp} needs pp > 1 (Megatron's interleaved schedule pipelines chunks "
                  "over ranks): set pp (--pipeline-model-parallel-size) > 1, or vpp=None")
         job_pipeline.check_pipeline_split(self)  # even, uneven first/last, embedding/loss counted, or a layout
-        # megatron/core/pipeline_parallel/schedules.py::forward_backward_pipelining_with_interleaving: microbatch
-        # groups of microbatch_group_size_per_vp_stage (default pp) must fit, with no remainder below pp.
-        _require(vpp is None or self.num_microbatches % pp == 0, f"{_f('num_microbatches')}={self.num_microbatches}"
-                 f": Megatron's interleaved schedule needs a multiple of pp={pp}; change --global-batch-size")
+        job_pipeline.check_microbatch_groups(self)  # the interleaved schedule's groups of microbatches must fit
         pol = self.policy
         check_recompute_modules(m, pol.modules)
         _require(not pol.distribute_saved_activations or (tp > 1 and not self.sp), "--distribute-saved-activations "
@@ -448,7 +443,7 @@ class Job:
             self.overlap_grad_reduce) + ["--ddp-pad-buckets-for-high-nccl-busbw"] * self.pad_buckets_for_high_nccl_busbw
         if self.ddp_bucket_size is not None:
             args += ["--ddp-bucket-size", str(self.ddp_bucket_size)]
-        return args + recompute
+        return args + job_loss.loss_args(m) + recompute
 
 
 def parse_megatron_args(argv: Sequence[str] | str) -> tuple[Job, list[str]]:
@@ -512,57 +507,7 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
                            "--accumulate-allreduce-grads-in-fp32: add --bf16 / drop one of them")
         acc = False
 
-    swiglu, gqa = bool(got.get("--swiglu")), bool(got.get("--group-query-attention"))
-    if "--num-query-groups" in got and not gqa:
-        raise JobError("--num-query-groups without --group-query-attention: Megatron ignores it (one K/V group per "
-                       "head); add --group-query-attention or drop it")
-    ffn = got.get("--ffn-hidden-size")
-    if ffn is None:  # megatron/training/arguments.py::validate_args: swiglu -> int(8h/3 / 64) * 64, else 4h
-        ffn = int((4 * h * 2 / 3) / 64) * 64 if swiglu else 4 * h
-        if ffn < 1:
-            raise JobError(f"Megatron's default --ffn-hidden-size for --swiglu with --hidden-size {h} is 0: "
-                           "give --ffn-hidden-size")
-    kv = got.get("--kv-channels")
-    kv = None if kv is not None and h % a == 0 and kv == h // a else kv  # the default head dimension
-    pe = "rope" if got.get("--use-rotary-position-embeddings") else got.get("--position-embedding-type",
-                                                                            "learned_absolute")
-    maxpos = got.get("--max-position-embeddings", s)
-    if maxpos < s or (maxpos > s and pe == "learned_absolute"):
-        raise JobError(f"--max-position-embeddings {maxpos} with --seq-length {s}: Megatron requires >= and its "
-                       f"learned position table has that many rows (remat's: {s}); use --max-position-embeddings {s}")
-    if "local" in (got.get("--attention-backend"), got.get("--transformer-impl")):
-        raise JobError(LOCAL_LAYERS)
-    if (unfused := got.get("--attention-backend") == "unfused") and got.get("--use-flash-attn"):
-        raise JobError("--use-flash-attn contradicts --attention-backend unfused: keep one")
-    for name in ("--attention-softmax-in-fp32", "--apply-query-key-layer-scaling"):
-        if got.get(name) and unfused:
-            raise JobError(f"{name} keeps unfused attention's softmax in fp32, which remat (probabilities in the "
-                           "model dtype) does not model: drop it")
-        if got.get(name):
-            ignored.append(name)
-    if "--padded-vocab-size" in got:
-        vocab = got["--padded-vocab-size"]
-    else:
-        vocab = got.get("--vocab-size")
-        if vocab is None:
-            warnings.warn(f"no --vocab-size (Megatron reads it from the tokenizer, which remat cannot): assuming "
-                          f"GPT-2's {DEFAULT_VOCAB_SIZE} tokens; give --vocab-size or --padded-vocab-size",
-                          stacklevel=3)
-            vocab = DEFAULT_VOCAB_SIZE
-        if not (got.get("--no-pad-vocab-size") or got.get("--disable-pad-vocab-size")):
-            multiple = got.get("--make-vocab-size-divisible-by", 128) * tp  # build_tokenizer.vocab_size_with_padding
-            vocab = -(-vocab // multiple) * multiple
-    try:
-        model = ModelConfig(
-            num_layers=L, hidden_size=h, num_attention_heads=a, num_query_groups=got.get("--num-query-groups", 1)
-            if gqa else None, ffn_hidden_size=ffn, vocab_size=vocab, seq_length=s, micro_batch_size=mbs,
-            activation="swiglu" if swiglu else "gelu", normalization=got.get("--normalization", "LayerNorm").lower(),
-            position="rope" if pe == "rope" else "learned", attention="math" if unfused else "sdpa",
-            hidden_dropout=got.get("--hidden-dropout", 0.1), attention_dropout=got.get("--attention-dropout", 0.1),
-            dtype=precision, tie_embeddings=not got.get("--untie-embeddings-and-output-weights"),
-            add_bias_linear=not got.get("--disable-bias-linear"), kv_channels=kv, **moe_mla_fields(got, tp=tp))
-    except ConfigError as err:
-        raise JobError(f"the model flags describe an invalid model: {err}") from None
+    model = model_from_flags(got, ignored, precision)
 
     vpp, split = job_pipeline.pipeline_split_fields(got, L, pp)  # Megatron: a virtual pipeline size of 1 is None
     if vpp is not None and "--no-overlap-p2p-communication" in ignored and pp <= 2:
@@ -586,12 +531,16 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
     elif "--sgd-momentum" in got:
         ignored.append("--sgd-momentum")
     try:
-        policy = Policy.from_megatron_args(recompute)
+        policy = Policy.from_megatron_args(without_idle_recompute_flags(recompute, ignored))
     except PolicyError as err:
         raise JobError(str(err)) from None
-    ep = got.get("--expert-model-parallel-size", 1)
-    return Job(model=model_with_ep(model, ep), tp=tp, sp=bool(got.get("--sequence-parallel")), pp=pp, vpp=vpp, cp=cp,
-               dp=dp, ep=ep, etp=got.get("--expert-tensor-parallel-size"),
+    ep, sp = got.get("--expert-model-parallel-size", 1), bool(got.get("--sequence-parallel")) and tp > 1
+    ignored += ["--sequence-parallel"] * (bool(got.get("--sequence-parallel")) and tp == 1)  # arguments.py: turned off
+    etp = got.get("--expert-tensor-parallel-size")
+    etp = etp if model.is_moe or etp == tp else None  # a dense model has no expert to split: the size is idle
+    ignored += ["--expert-tensor-parallel-size"] * ("--expert-tensor-parallel-size" in got and etp is None)
+    return Job(model=model_with_ep(model, ep), tp=tp, sp=sp, pp=pp, vpp=vpp, cp=cp,
+               dp=dp, ep=ep, etp=etp,
                num_microbatches=gb // (mbs * dp), schedule="interleaved" if vpp else "1f1b", precision=precision,
                accumulate_grads_in_fp32=acc, optimizer=optimizer, sgd_momentum=momentum,
                distributed_optimizer=bool(got.get("--use-distributed-optimizer")),

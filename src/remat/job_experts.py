@@ -7,11 +7,9 @@ Decisions (Megatron-LM's ``pretrain_gpt.py`` flags, megatron-core 0.16 layer spe
 * ``--num-experts`` makes the model MoE; every other ``--moe-*`` flag below needs it. Defaults are Megatron's:
   top-2 softmax routing, experts of ``--ffn-hidden-size``, MoE in every layer, no shared expert, no capacity
   factor, aux-loss coefficient 0.
-* The token dispatcher: remat's reference MoE is Megatron's all-to-all dispatcher
-  (``--moe-token-dispatcher-type alltoall``). Megatron's default is ``allgather``, which on one expert-parallel
-  and tensor-parallel rank permutes the tokens the same way, so it is accepted there; with ep or tp > 1 it
-  gathers every rank's tokens, which remat does not model, so it is refused (give alltoall). Written back as
-  alltoall.
+* The token dispatcher (``moe_token_dispatcher_type``): ``alltoall``, or Megatron's default ``allgather``
+  (:mod:`remat.models.allgather_dispatch`: every tp x ep rank's tokens gathered; on one rank it permutes as the
+  all-to-all one). ``--moe-router-dtype`` fp32/fp64 sets ``moe_router_dtype`` (fp32 logits and probabilities).
 * ``--multi-latent-attention`` needs ``--qk-layernorm``: remat's MLA has DeepSeek's q/kv norms, which Megatron's
   MLA layer spec builds only with it (``q_layernorm=qk_norm if qk_layernorm else IdentityOp``); ``--qk-layernorm``
   without MLA is refused (remat's standard attention has no q/k norms). ``--kv-lora-rank`` must be given with MLA
@@ -31,7 +29,8 @@ from remat.job_flags import JobError
 
 _MOE_FLAGS = ("--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
               "--moe-grouped-gemm", "--moe-layer-freq", "--moe-router-score-function",
-              "--moe-expert-capacity-factor", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type")
+              "--moe-expert-capacity-factor", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type",
+              "--moe-router-dtype")
 _MLA_FLAGS = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
 
 
@@ -48,15 +47,9 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
         if stray:
             raise JobError(f"{stray[0]} needs MoE layers: add --num-experts N, or drop {stray[0]}")
     else:
-        dispatcher = got.get("--moe-token-dispatcher-type")
-        ep = got.get("--expert-model-parallel-size", 1)
-        if dispatcher != "alltoall" and (ep > 1 or tp > 1):
-            given = f"--moe-token-dispatcher-type {dispatcher}" if dispatcher else (
-                "no --moe-token-dispatcher-type (Megatron's default is allgather)")
-            raise JobError(f"{given} with expert or tensor parallelism: the allgather dispatcher gathers every "
-                           "rank's tokens, which remat does not model; add --moe-token-dispatcher-type alltoall "
-                           "(remat's reference MoE)")
-        out.update(num_moe_experts=experts, moe_router_topk=got.get("--moe-router-topk", 2),
+        out.update(moe_token_dispatcher_type=got.get("--moe-token-dispatcher-type", "allgather"),
+                   moe_router_dtype=got.get("--moe-router-dtype"),
+                   num_moe_experts=experts, moe_router_topk=got.get("--moe-router-topk", 2),
                    moe_ffn_hidden_size=got.get("--moe-ffn-hidden-size"),
                    moe_shared_expert_intermediate_size=got.get("--moe-shared-expert-intermediate-size"),
                    moe_grouped_gemm=bool(got.get("--moe-grouped-gemm")),
@@ -108,7 +101,10 @@ def moe_mla_args(model: ModelConfig) -> list[str]:
     m = model
     if m.is_moe:
         args += ["--num-experts", str(m.num_moe_experts), "--moe-router-topk", str(m.moe_router_topk),
-                 "--moe-ffn-hidden-size", str(m.moe_ffn_size), "--moe-token-dispatcher-type", "alltoall"]
+                 "--moe-ffn-hidden-size", str(m.moe_ffn_size), "--moe-token-dispatcher-type",
+                 m.moe_token_dispatcher_type]
+        if m.moe_router_dtype is not None:
+            args += ["--moe-router-dtype", m.moe_router_dtype]
         if m.moe_shared_expert_intermediate_size is not None:
             args += ["--moe-shared-expert-intermediate-size", str(m.moe_shared_expert_intermediate_size)]
         args += ["--moe-grouped-gemm"] * m.moe_grouped_gemm

@@ -22,8 +22,8 @@ def _table(groups: dict[str, str]) -> dict[str, str]:
 
 # Flags that change a rank's memory in a way remat cannot model yet: refused by name, with the reason.
 REFUSED_FLAGS: dict[str, str] = _table({
-    "changes the MoE layers in a way remat's reference MoE (Megatron's all-to-all dispatcher, dropless or capacity "
-    "routing, probabilities applied in the experts' activation) does not model":
+    "changes the MoE layers in a way remat's reference MoE (Megatron's all-to-all or allgather dispatcher, dropless "
+    "or capacity routing, probabilities applied in the experts' activation) does not model":
         "--moe-pad-expert-input-to-capacity --moe-extended-tp --moe-apply-probs-on-input --moe-enable-deepep "
         "--moe-router-dtype --moe-input-jitter-eps --moe-z-loss-coeff --moe-router-pre-softmax "
         "--moe-router-enable-expert-bias --moe-router-padding-for-quantization --moe-use-legacy-grouped-gemm",
@@ -42,15 +42,18 @@ REFUSED_FLAGS: dict[str, str] = _table({
     "changes the optimizer's state layout": "--num-distributed-optimizer-instances --use-precision-aware-optimizer "
         "--main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype "
         "--ddp-reduce-scatter-with-fp32-accumulation",
-    "changes how many microbatches the interleaved schedule keeps in flight (remat models Megatron's default "
-    "groups of pp)": "--microbatch-group-size-per-virtual-pipeline-stage",
     "keeps static CUDA-graph buffers": "--cuda-graph-impl --enable-cuda-graph --external-cuda-graph "
-        "--cuda-graph-scope --cuda-graph-modules --optimizer-cuda-graph",
+        "--cuda-graph-scope --cuda-graph-modules --optimizer-cuda-graph --cuda-graph-warmup-steps",
+    # megatron/core/pipeline_parallel/combined_1f1b.py: the forward of one microbatch overlaps the backward of another
+    "overlaps one microbatch's expert all-to-all with another's compute (the combined 1F1B schedule keeps both "
+    "microbatches' MoE activations at once)": "--overlap-moe-expert-parallel-comm",
+    # megatron/core/transformer/moe/experts.py (TEGroupedMLP via te.pytorch.ops.Sequential): other saved tensors
+    "runs the MLP through TransformerEngine's operation fuser, whose fused operations keep other tensors for "
+    "backward than the layers remat models": "--use-transformer-engine-op-fuser",
     "allocates Transformer Engine userbuffers for TP overlap": "--tp-comm-overlap --tp-comm-overlap-cfg",
     "keeps weight-gradient inputs longer (deferred wgrad)":
         "--defer-embedding-wgrad-compute --wgrad-deferral-limit --delay-wgrad-compute",
-    "changes the logits/cross-entropy working set": "--cross-entropy-loss-fusion --cross-entropy-fusion-impl "
-        "--fp16-lm-cross-entropy --output-logit-dtype",
+    "changes the logits/cross-entropy working set": "--fp16-lm-cross-entropy --output-logit-dtype",
     "changes context-parallel attention (remat models the p2p ring)": "--cp-comm-type "
         "--hierarchical-context-parallel-sizes --hybrid-context-parallel --max-seqlen-per-dp-cp-rank",
     "describes layers remat's reference GPT does not have":
@@ -118,7 +121,8 @@ IGNORED_FLAGS: dict[str, str] = _table({
     "checkpointing, evaluation (no grad), logging and profiling": "--save --load --save-interval "
         "--persistent-save-interval --save-retain-interval --finetune --pretrained-checkpoint --ckpt-step "
         "--no-load-optim --no-load-rng --no-save-optim --no-save-rng --exit-on-missing-checkpoint --async-save "
-        "--async-strategy --use-persistent-ckpt-worker --use-dist-ckpt --auto-detect-ckpt-format "
+        "--async-strategy --use-persistent-ckpt-worker --use-dist-ckpt --auto-detect-ckpt-format --verify-integrity "
+        "--no-ckpt-fully-parallel-save --no-ckpt-fully-parallel-load --async-ckpt-use-cpu-shm "
         "--override-ckpt-iteration --eval-iters --eval-interval --start-eval-at-iter --eval-global-batch-size "
         "--eval-micro-batch-size --full-validation --multiple-validation-sets --validation-set-names "
         "--timing-log-level --timing-log-option --logging-level --no-barrier-with-level-1-timing --profile "
@@ -139,6 +143,10 @@ IGNORED_FLAGS: dict[str, str] = _table({
         "--check-for-large-grads --check-for-spiky-loss --rerun-mode --error-injection-rate --error-injection-type "
         "--adlr-autoresume --adlr-autoresume-interval --enable-ft-package --calc-ft-timeouts --ft-num-warmup-iters "
         "--enable-msc --disable-msc",
+    # megatron/core/transformer/attention.py: test_mode runs run_realtime_tests (parameter consistency checks)
+    "self-tests that keep no tensors": "--test-mode",
+    # megatron/core/tensor_parallel/random.py: TE's tracker keeps each RNG state as a few 16-byte CUDA tensors
+    "the RNG tracker's implementation (a few bytes of generator state either way)": "--te-rng-tracker",
 })
 IGNORED_PREFIXES: dict[str, str] = {
     **dict.fromkeys(("--log-", "--tensorboard-", "--wandb-", "--one-logger-", "--otel-", "--straggler-",
@@ -154,7 +162,8 @@ _POSITIVE_INT = ("--num-layers --hidden-size --num-attention-heads --num-query-g
                  "--pipeline-model-parallel-size --num-layers-per-virtual-pipeline-stage "
                  "--num-virtual-stages-per-pipeline-rank --context-parallel-size --expert-model-parallel-size "
                  "--expert-tensor-parallel-size --world-size --data-parallel-size --ddp-bucket-size "
-                 "--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers")
+                 "--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers "
+                 "--microbatch-group-size-per-virtual-pipeline-stage")
 _SWITCHES = ("--group-query-attention --swiglu --untie-embeddings-and-output-weights --disable-bias-linear "
              "--use-flash-attn --use-rotary-position-embeddings --no-pad-vocab-size --disable-pad-vocab-size "
              "--sequence-parallel --bf16 --fp16 --accumulate-allreduce-grads-in-fp32 --grad-reduce-in-bf16 "
@@ -173,6 +182,8 @@ MODELLED_FLAGS: dict[str, Any] = {
     "--normalization": ("LayerNorm", "RMSNorm"), "--position-embedding-type": ("learned_absolute", "rope"),
     "--attention-backend": ("auto", "flash", "fused", "unfused", "local"),
     "--transformer-impl": ("transformer_engine", "local"), "--optimizer": ("adam", "sgd"),
+    # the loss's implementation (remat.models.cross_entropy)
+    "--cross-entropy-loss-fusion": bool, "--cross-entropy-fusion-impl": ("native", "te"),
 }
 # Recompute flags go to Policy.from_megatron_args (value counts checked here; other --recompute-* there).
 RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
@@ -307,3 +318,32 @@ def flag_value(name: str, vals: list[str]) -> Any:
     if out is None or (spec is int and out < 1):
         raise JobError(f"{name} needs {'a positive integer' if spec is int else 'a number'}, got {v!r}")
     return out
+
+
+# megatron/core/transformer/transformer_config.py::__post_init__ checks --recompute-method and
+# --recompute-num-layers only inside ``if self.recompute_granularity is not None``: without a granularity they are
+# accepted and do nothing (Megatron-LM's own gpt3_mcore_reruns_resume_check_grads test passes
+# --recompute-num-layers 1 alone).
+_GRANULARITY_FLAGS = ("--recompute-granularity", "--recompute-activations", "--checkpoint-activations")
+
+
+def without_idle_recompute_flags(recompute: list[str], ignored: list[str]) -> list[str]:
+    """``recompute`` (flags and values) less the method and layer count when no granularity is given, which
+    Megatron ignores; those go to ``ignored``.
+
+    Example:
+        >>> ignored = []
+        >>> without_idle_recompute_flags(["--recompute-num-layers", "1"], ignored), ignored
+        ([], ['--recompute-num-layers'])
+    """
+    if any(flag in recompute for flag in _GRANULARITY_FLAGS):
+        return recompute
+    kept: list[str] = []
+    tokens = iter(recompute)
+    for token in tokens:
+        if token in ("--recompute-method", "--recompute-num-layers"):
+            ignored.append(token)
+            next(tokens, None)
+        else:
+            kept.append(token)
+    return kept

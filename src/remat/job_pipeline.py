@@ -37,6 +37,7 @@ LAST_FLAG = "--decoder-last-pipeline-num-layers"
 EMBEDDING_FLAG = "--account-for-embedding-in-pipeline-split"
 LOSS_FLAG = "--account-for-loss-in-pipeline-split"
 LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 LAYOUT_CHARS = {"E": "embedding", "t": "decoder layer", "m": "MTP layer", "L": "loss"}
 
 
@@ -257,10 +258,36 @@ def job_chunk_layers(job: Any) -> tuple[int, ...]:
 
 
 def pipeline_split_args(job: Any) -> list[str]:
-    """The Megatron flags of a Job's pipeline split (none for an even one)."""
+    """The Megatron flags of a Job's pipeline split (none for an even one) and of its microbatch groups."""
+    group = [GROUP_FLAG, str(job.microbatch_group_size)] if job.microbatch_group_size is not None else []
     return layout_args(job.decoder_first_pipeline_num_layers, job.decoder_last_pipeline_num_layers,
                        job.account_for_embedding_in_pipeline_split, job.account_for_loss_in_pipeline_split,
-                       job.pipeline_model_parallel_layout)
+                       job.pipeline_model_parallel_layout) + group
+
+
+def check_microbatch_groups(job: Any) -> None:
+    """Megatron's checks of the interleaved schedule's microbatch groups (megatron/core/pipeline_parallel/
+    schedules.py:1160-1180 at d98e8a64): ``microbatch_group_size_per_vp_stage`` (default pp) lies in [pp, m], and a
+    last group of fewer than pp microbatches is refused (with the default: m must be a multiple of pp)."""
+    g, m, pp = job.microbatch_group_size, job.num_microbatches, job.pp
+    if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+        raise JobError(f"microbatch_group_size ({GROUP_FLAG})={g!r}: must be a positive integer or None")
+    if job.vpp is None:
+        if g is not None:
+            raise JobError(f"microbatch_group_size ({GROUP_FLAG})={g} is for the interleaved schedule: set vpp, or "
+                           "use None")
+        return
+    if g is None:
+        if m % pp:
+            raise JobError(f"num_microbatches (--global-batch-size)={m}: Megatron's interleaved schedule needs a "
+                           f"multiple of pp={pp} (or {GROUP_FLAG}); change --global-batch-size")
+        return
+    if not pp <= g <= m:
+        raise JobError(f"microbatch_group_size ({GROUP_FLAG})={g}: Megatron needs pp={pp} <= it <= "
+                       f"num_microbatches={m}; use a size in that range (or change --global-batch-size)")
+    if 0 < m % g < pp:
+        raise JobError(f"num_microbatches (--global-batch-size)={m} leave a last group of {m % g} < pp={pp} "
+                       f"microbatches ({GROUP_FLAG} {g}), which Megatron refuses; change either")
 
 
 def pipeline_split_fields(got: dict[str, Any], num_layers: int, pp: int) -> tuple[int | None, dict[str, Any]]:
@@ -297,7 +324,10 @@ def pipeline_split_fields(got: dict[str, Any], num_layers: int, pp: int) -> tupl
         vpp = total // pp // lpvs
     if vpp is None and fields["pipeline_model_parallel_layout"] is not None:
         vpp = layout_vpp(fields["pipeline_model_parallel_layout"], pp)
-    return (None if vpp == 1 else vpp), fields
+    vpp = None if vpp == 1 else vpp
+    # only the interleaved schedule reads the group size (schedules.py:1231); Megatron ignores it otherwise
+    fields["microbatch_group_size"] = got.get(GROUP_FLAG) if vpp is not None else None
+    return vpp, fields
 
 
 FLAG_OF = {"decoder_first_pipeline_num_layers": FIRST_FLAG, "decoder_last_pipeline_num_layers": LAST_FLAG,

@@ -94,9 +94,22 @@ def test_flash_attention_removes_the_scores_and_keeps_its_statistics() -> None:
 
 
 def test_transformer_engine_attention_is_the_flash_identity() -> None:
-    # te: Megatron's TEDotProductAttention replaces the unfused attention of the same model
-    got = traced(kernels="te")
-    assert got == 34 * SBH + norm_statistics() + FLASH_LOGSUMEXP + FLASH_RNG_STATE
+    # te, auto backend: TE's FusedAttention keeps fp32 Stats [b, a, s, 1] (the logsumexp's bytes) and an int64
+    # rng_state [2] (TE 2.17.1 cpp_extensions/fused_attn.py, csrc/extensions/attention.cpp)
+    got = traced(kernels="te", config=MEGATRON_GPT.replace(attention="sdpa"))
+    assert got == 34 * SBH + norm_statistics() + FLASH_LOGSUMEXP + 2 * 8
+
+
+@pytest.mark.parametrize("t, sp", [(1, False), (2, False), (2, True), (4, False)])
+def test_transformer_engine_unfused_attention_is_the_paper(t: int, sp: bool) -> None:
+    # te, --attention-backend unfused: ScaledMaskedSoftmax's fp16 output, dropout's bool mask and the dropped-out
+    # probabilities are the paper's 5as²b/t; no mask is kept. With one head per rank (t=4, b*heads = 2) TE's fused
+    # softmax cannot run: its torch softmax keeps fp32 probabilities (+2as²b/t) and masked_fill_'s bool mask (s²)
+    fallback = {"fp32 softmax": 2 * AS2B // t, "masked_fill_ mask": S * S} if A // t * B % 4 else {}
+    terms = {"LayerNorm fp32 mean/rstd": norm_statistics(t, sp), **fallback}
+    got = traced("none", t, sp, kernels="te")
+    show(f"te unfused t={t} sp={sp}", paper(t, sp), terms, got)
+    assert got == paper(t, sp) + sum(terms.values())
 
 
 def test_memory_efficient_attention_keeps_the_additive_mask() -> None:

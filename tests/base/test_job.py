@@ -8,8 +8,9 @@ from fractions import Fraction
 import pytest
 
 from remat.config import ModelConfig
-from remat.job import DEFAULT_VOCAB_SIZE, Job, JobError, parse_megatron_args
+from remat.job import Job, JobError, parse_megatron_args
 from remat.job_flags import IGNORED_FLAGS, REFUSED_FLAGS, classify_megatron_flag, load_megatron_args
+from remat.job_model import DEFAULT_VOCAB_SIZE
 from remat.policy import Policy
 
 BASE = ("--num-layers 8 --hidden-size 256 --num-attention-heads 8 --seq-length 512 --micro-batch-size 2 "
@@ -42,7 +43,8 @@ def test_megatron_defaults():
     assert job.model == ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=512,
                                     micro_batch_size=2, vocab_size=1024, activation="gelu", normalization="layernorm",
                                     position="learned", attention="sdpa", hidden_dropout=0.1, attention_dropout=0.1,
-                                    dtype="fp32", tie_embeddings=True, add_bias_linear=True)
+                                    dtype="fp32", tie_embeddings=True, add_bias_linear=True,
+                                    cross_entropy="megatron")  # Megatron's loss at every tp (remat.job_loss)
     assert (job.tp, job.sp, job.pp, job.vpp, job.cp, job.dp, job.ep, job.etp) == (1, False, 1, None, 1, 1, 1, None)
     assert (job.num_microbatches, job.schedule, job.precision, job.accumulate_grads_in_fp32) == (1, "1f1b", "fp32",
                                                                                                  True)
@@ -61,7 +63,7 @@ def test_llama_style_model_flags():
                                     ffn_hidden_size=14336, vocab_size=128256, seq_length=8192, micro_batch_size=1,
                                     activation="swiglu", normalization="rmsnorm", position="rope", attention="sdpa",
                                     hidden_dropout=0.0, attention_dropout=0.0, dtype="bf16", tie_embeddings=False,
-                                    add_bias_linear=False)
+                                    add_bias_linear=False, cross_entropy="megatron")
 
 
 def test_swiglu_default_ffn_is_megatrons_rounding_down():
@@ -77,6 +79,13 @@ def test_swiglu_default_ffn_is_megatrons_rounding_down():
     ("--transformer-impl transformer_engine", "sdpa")])
 def test_attention_backend(extra, attention):
     assert parse(extra).model.attention == attention
+
+
+@pytest.mark.parametrize("extra", ["--attention-softmax-in-fp32", "--apply-query-key-layer-scaling --bf16"])
+def test_flags_te_attention_never_reads_are_ignored_with_unfused(extra):
+    # TEDotProductAttention passes neither to TE (NVTE_APPLY_QK_LAYER_SCALING only rescales fp16 scores)
+    job, ignored = parse_megatron_args(f"{BASE} --attention-backend unfused {extra}")
+    assert job.model.attention == "math" and extra.split()[0] in ignored
 
 
 @pytest.mark.parametrize("extra", ["--attention-backend local", "--transformer-impl local"])
@@ -217,7 +226,18 @@ ROUND_TRIP = [
                     multi_latent_attention=True, position="rope", q_lora_rank=64, kv_lora_rank=32, qk_head_dim=32,
                     qk_pos_emb_head_dim=16, v_head_dim=32), precision="bf16", ep=8, dp=8, pp=2, num_microbatches=4,
               policy=Policy.parse("selective/moe_act+mla_up_proj")),
+    # Megatron's groups of 4 microbatches per model chunk: m = 7 = 4 + a last group of 3 >= pp
+    Job.build(model(), precision="bf16", pp=2, vpp=2, num_microbatches=7, microbatch_group_size=4),
 ]
+
+
+def test_microbatch_group_size_only_with_vpp():
+    assert parse("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 10 "
+                 "--microbatch-group-size-per-virtual-pipeline-stage 5").microbatch_group_size == 5
+    # Megatron reads it only in the interleaved schedule
+    assert parse("--microbatch-group-size-per-virtual-pipeline-stage 5").microbatch_group_size is None
+    with pytest.raises(JobError, match="for the interleaved schedule"):
+        Job.build(model(), microbatch_group_size=2)
 
 
 @pytest.mark.parametrize("job", ROUND_TRIP, ids=range(len(ROUND_TRIP)))
@@ -247,21 +267,21 @@ def test_to_megatron_args_refuses_what_megatron_cannot_run(job, fragment):
     ("--num-experts 8 --moe-input-jitter-eps 0.1", ["--moe-input-jitter-eps", "remove it"]),
     ("--cpu-offloading-num-layers 2", ["--cpu-offloading-num-layers", "host memory"]),
     ("--use-torch-fsdp2", ["--use-torch-fsdp2", "FSDP"]),
-    ("--cross-entropy-loss-fusion", ["--cross-entropy-loss-fusion", "cross-entropy"]),
+    ("--fp16-lm-cross-entropy", ["--fp16-lm-cross-entropy", "cross-entropy"]),
+    ("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te", ["--cross-entropy-fusion-impl te", "stability"]),
     ("--cp-comm-type a2a", ["--cp-comm-type", "--cp-comm-type p2p"]),
-    ("--microbatch-group-size-per-virtual-pipeline-stage 4", ["--microbatch-group-size-per-virtual", "in flight"]),
     ("--use-checkpoint-args", ["--use-checkpoint-args", "give the flags themselves"]),
     ("--optimizer muon", ["--optimizer muon", "adam, sgd"]),
     ("--position-embedding-type yarn", ["--position-embedding-type yarn", "learned_absolute, rope"]),
     ("--expert-model-parallel-size 2", ["ep (--expert-model-parallel-size)=2", "no experts", "use ep=1"]),
-    ("--expert-tensor-parallel-size 2", ["etp (--expert-tensor-parallel-size)=2", "no experts"]),
     ("--bf16 --fp16", ["--bf16 and --fp16", "keep one"]),
     ("--grad-reduce-in-bf16", ["--grad-reduce-in-bf16", "--bf16"]),
     ("--num-query-groups 2", ["--num-query-groups", "--group-query-attention"]),
     ("--max-position-embeddings 256", ["--max-position-embeddings 256", "--max-position-embeddings 512"]),
     ("--max-position-embeddings 1024", ["learned position table", "--max-position-embeddings 512"]),
     ("--attention-backend unfused --use-flash-attn", ["--use-flash-attn", "keep one"]),
-    ("--attention-backend unfused --attention-softmax-in-fp32", ["--attention-softmax-in-fp32", "drop it"]),
+    ("--attention-backend unfused --apply-query-key-layer-scaling --fp16",
+     ["--apply-query-key-layer-scaling", "fp16", "drop it"]),
     ("--tensor-model-parallel-size", ["--tensor-model-parallel-size needs one value"]),
     ("--tensor-model-parallel-size 2 4", ["--tensor-model-parallel-size needs one value", "got 2"]),
     ("--tensor-model-parallel-size two", ["--tensor-model-parallel-size needs a positive integer", "'two'"]),
@@ -302,7 +322,6 @@ def test_stray_value_refused():
     ("--tensor-model-parallel-size 4 --group-query-attention --num-query-groups 2",
      ["tp (--tensor-model-parallel-size)=4 does not divide num_query_groups=2", "replicating"]),
     ("--tensor-model-parallel-size 2 --ffn-hidden-size 1001", ["does not divide the FFN size=1001"]),
-    ("--sequence-parallel", ["sp=True (--sequence-parallel) needs tp > 1"]),
     ("--context-parallel-size 3", ["cp (--context-parallel-size)=3", "2*cp=6", "--seq-length"]),
     ("--context-parallel-size 512", ["2*cp=1024"]),
     ("--tensor-model-parallel-size 8 --sequence-parallel --context-parallel-size 128", ["s/cp=4", "tp=8"]),
@@ -312,6 +331,12 @@ def test_stray_value_refused():
     ("--pipeline-model-parallel-size 3", ["num_layers=8 (--num-layers) is not divisible by pp=3"]),
     ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 6",
      ["num_microbatches (--global-batch-size)=3", "multiple of pp=2"]),
+    # schedules.py:1160-1180: the group size lies in [pp, m]; a last group of fewer than pp microbatches is refused
+    ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 6 "
+     "--microbatch-group-size-per-virtual-pipeline-stage 4",
+     ["microbatch_group_size (--microbatch-group-size-per-virtual-pipeline-stage)=4", "num_microbatches=3"]),
+    ("--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 16 "
+     "--microbatch-group-size-per-virtual-pipeline-stage 5", ["last group of 3 < pp=4"]),
     ("--world-size 12 --tensor-model-parallel-size 8", ["--world-size 12", "8", "multiple of 8"]),
     ("--world-size 16 --data-parallel-size 4 --tensor-model-parallel-size 2", ["--world-size 16",
                                                                               "--data-parallel-size 4"]),
@@ -381,7 +406,8 @@ def test_derived_properties():
 def test_model_is_stored_canonically():
     m = model(ffn_hidden_size=1024, num_query_groups=8)
     job = Job(model=m)
-    assert job.model == model() and job.model.ffn_size == m.ffn_size and job.model.query_groups == 8
+    assert job.model == model(cross_entropy="megatron") and job.model.ffn_size == m.ffn_size
+    assert job.model.query_groups == 8  # and the loss is Megatron's (remat.job_loss)
 
 
 def test_replace_follows_derived_fields():
@@ -497,8 +523,6 @@ def test_moe_and_mla_flags_set_the_model_fields():
      ["ep (--expert-model-parallel-size)=4", "num_moe_experts=6", "use ep from 1, 2, 3, 6"]),
     ("--num-experts 8 --expert-model-parallel-size 4 --world-size 2 --moe-token-dispatcher-type alltoall",
      ["ep (--expert-model-parallel-size)=4", "raise dp", "multiple of 4"]),
-    ("--num-experts 8 --expert-model-parallel-size 2 --world-size 2",
-     ["Megatron's default is allgather", "--moe-token-dispatcher-type alltoall"]),
     ("--num-experts 8 --moe-token-dispatcher-type flex", ["--moe-token-dispatcher-type flex", "alltoall"]),
     ("--position-embedding-type rope --multi-latent-attention --kv-lora-rank 32",
      ["--multi-latent-attention without --qk-layernorm", "add --qk-layernorm"]),
@@ -510,3 +534,36 @@ def test_moe_and_mla_flags_set_the_model_fields():
 ])
 def test_moe_and_mla_refusals_name_the_flag_and_the_fix(extra, fragments):
     refused(extra, *fragments)
+
+
+# --------------------------------------------------------------------------- what Megatron itself accepts
+@pytest.mark.parametrize("extra, ignored, check", [
+    # arguments.py::validate_args turns sequence parallelism off at tp = 1 (with a warning)
+    ("--sequence-parallel", ["--sequence-parallel"], lambda job: not job.sp and job.tp == 1),
+    # transformer_config.py checks --recompute-method / --recompute-num-layers only under a granularity
+    ("--recompute-num-layers 1", ["--recompute-num-layers"], lambda job: str(job.policy) == "none"),
+    ("--recompute-method uniform --recompute-num-layers 2", ["--recompute-method", "--recompute-num-layers"],
+     lambda job: str(job.policy) == "none"),
+    # a dense model has no expert to split: the expert groups exist but hold nothing
+    ("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 4 --world-size 8", ["--expert-tensor-parallel-size"],
+     lambda job: job.etp is None and job.tp == 2),
+    # checkpointing, self-tests and the RNG tracker's implementation keep no tensors in a training step
+    ("--verify-integrity --no-ckpt-fully-parallel-save --async-ckpt-use-cpu-shm --test-mode --te-rng-tracker",
+     ["--verify-integrity", "--no-ckpt-fully-parallel-save", "--async-ckpt-use-cpu-shm", "--test-mode",
+      "--te-rng-tracker"], lambda job: str(job.policy) == "none"),
+])
+def test_flags_megatron_accepts_without_effect_are_listed_as_ignored(extra, ignored, check):
+    job, listed = parse_megatron_args(f"{BASE} {extra}")
+    assert check(job)
+    assert set(ignored) <= set(listed)
+    assert "--recompute-num-layers" not in parse_megatron_args(
+        f"{BASE} --recompute-granularity full --recompute-method uniform --recompute-num-layers 2")[1]
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ("--overlap-moe-expert-parallel-comm", "combined 1F1B"),
+    ("--use-transformer-engine-op-fuser", "operation fuser"),
+    ("--cuda-graph-warmup-steps 3", "CUDA-graph"),
+])
+def test_flags_that_change_memory_unmodelled_are_refused_by_name(extra, fragment):
+    refused(extra, extra.split()[0], fragment, "remove it")

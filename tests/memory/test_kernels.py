@@ -157,3 +157,92 @@ def test_a_recorder_above_the_profile_observes_for_it_and_gives_it_back() -> Non
                                "kernel keeps is unknown) is priced as the fake trace made it: 48 bytes of outputs "
                                "in 2 call(s)"]
     assert len([w for w in caught if issubclass(w.category, KernelWarning)]) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TransformerEngine 2.17.1's attention (Megatron-LM d98e8a6's pin), bytes kept per layer from the sources
+# ---------------------------------------------------------------------------------------------------------
+def kept_by_attention(b: int, a: int, s: int, d: int = 64, dtype: torch.dtype = torch.bfloat16, groups: int = 0,
+                      kind: str = "unfused") -> dict[str, int]:
+    """Bytes of each tensor TE's attention keeps for backward beyond q, k, v (views of the QKV GEMM's output, which
+    the layer keeps anyway), by the autograd node that keeps it; q, k, v [b, heads, s, d] as the layer makes them."""
+    from remat.memory.kernels import te_attention, te_unfused_attention
+
+    g = groups or a
+    with FakeTensorMode(), kernel_trace("te"):
+        qkv = torch.empty(b, s, (a + 2 * g) * d, dtype=dtype, requires_grad=True)
+        q, k, v = qkv.split([a * d, g * d, g * d], dim=-1)
+        q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
+        mask = torch.ones(1, 1, s, s, dtype=torch.bool)
+        if kind == "unfused":
+            out = te_unfused_attention(q, k, v, mask, 0.1, d ** -0.5)
+        else:
+            out = te_attention(q, k, v, dropout_p=0.1, is_causal=True, enable_gqa=True)
+        kept, seen, stack, storages = {}, set(), [out.grad_fn], {id(qkv.untyped_storage())}
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            tensors = list(node.saved_tensors) if type(node).__name__.startswith("_Te") else list(saved(node).values())
+            for t in tensors:
+                if t is not None and id(t.untyped_storage()) not in storages:
+                    storages.add(id(t.untyped_storage()))
+                    kept[node.name()] = kept.get(node.name(), 0) + t.untyped_storage().nbytes()
+            stack.extend(f for f, _ in node.next_functions)
+        out.sum().backward()  # the backward runs
+        assert qkv.grad.shape == qkv.shape
+    return kept
+
+
+def test_te_unfused_attention_keeps_the_fused_softmax_output_the_dropout_mask_and_the_dropped_probabilities() -> None:
+    # Megatron's --attention-backend unfused, bf16, b=4, 8 heads, s=1024, head dim 64: the fused softmax kernel runs
+    # (softmax.py is_kernel_available: 16 < s < 16384, s % 8 == 0, s % 4 == 0, b*heads % 4 == 0, s % 4 == 0 with
+    # batch_per_block(1024) = 4): ScaledMaskedSoftmax keeps its bf16 output, native_dropout its bool mask, bmm the
+    # dropped-out bf16 probabilities; baddbmm keeps q and k, bmm v (views); scores and the full mask are not kept
+    b, a, s = 4, 8, 1024
+    assert kept_by_attention(b, a, s) == {"_TeMaskedSoftmaxBackward": 2 * b * a * s * s,
+                                          "NativeDropoutBackward0": 1 * b * a * s * s,
+                                          "_TeContextBackward": 2 * b * a * s * s}
+    assert sum(kept_by_attention(b, a, s).values()) == 167_772_160  # 5 b a s², 160 MiB per layer
+
+
+@pytest.mark.parametrize("dtype, softmax", [(torch.bfloat16, 4), (torch.float32, 4)])
+def test_te_unfused_attention_without_the_fused_kernel_keeps_an_fp32_softmax_and_the_mask(dtype, softmax) -> None:
+    # b*heads = 2 (not a multiple of 4), or fp32: forward_torch_softmax upcasts to fp32 (TE's softmax_in_fp32=True),
+    # masked_fill_ keeps the [1, 1, s, s] bool mask (or'ed with the causal one), softmax its fp32 output; the
+    # dropped-out probabilities are in the model dtype
+    b, a, s, size = 1, 2, 32, dtype.itemsize
+    assert kept_by_attention(b, a, s, dtype=dtype) == {"_TeContextBackward": size * b * a * s * s,
+                                                       "NativeDropoutBackward0": b * a * s * s,
+                                                       "SoftmaxBackward0": softmax * b * a * s * s,
+                                                       "MaskedFillBackward0": s * s}
+
+
+def test_te_unfused_attention_keeps_repeated_keys_and_values_under_gqa() -> None:
+    b, a, s, d = 2, 4, 32, 16
+    kept = kept_by_attention(b, a, s, d, groups=2)
+    assert kept["_TeScoresBackward"] == kept["_TeContextBackward"] - 2 * b * a * s * s == 2 * b * a * s * d
+
+
+def test_te_fused_attention_keeps_fp32_stats_and_the_rng_state() -> None:
+    # auto on H100 (deterministic, bf16, causal, dropout 0.1, head dim 64): FusedAttention's cuDNN
+    # F16_arbitrary_seqlen: q, k, v (un-repeated), out, Stats fp32 [b, h, s, 1], rng_state int64 [2]
+    b, a, s = 4, 8, 1024
+    out_bytes = 2 * b * s * a * 64
+    assert kept_by_attention(b, a, s, kind="auto") == {"_TeFusedAttentionBackward": out_bytes + 4 * b * a * s + 16}
+    assert kept_by_attention(2, 4, 32, groups=2, kind="auto") == {"_TeFusedAttentionBackward": 2 * 2 * 32 * 4 * 64
+                                                                  + 4 * 2 * 4 * 32 + 16}
+
+
+def test_te_softmax_kernel_availability_follows_is_kernel_available() -> None:
+    from remat.memory.kernels import te_softmax_fusable
+
+    assert te_softmax_fusable(torch.bfloat16, 4, 8, 1024, 1024)
+    assert te_softmax_fusable(torch.float16, 2, 4, 32, 32)          # batch_per_block(32) = 8
+    assert not te_softmax_fusable(torch.float32, 4, 8, 1024, 1024)  # 16-bit inputs only
+    assert not te_softmax_fusable(torch.bfloat16, 1, 2, 32, 32)     # b * heads % 4
+    assert not te_softmax_fusable(torch.bfloat16, 4, 8, 1020, 1020)  # s % 8
+    assert not te_softmax_fusable(torch.bfloat16, 4, 8, 16, 16)      # 16 < s
+    assert not te_softmax_fusable(torch.bfloat16, 4, 8, 16384, 16384)
+    assert not te_softmax_fusable(torch.bfloat16, 4, 8, 8, 16)      # causal needs sq == sk

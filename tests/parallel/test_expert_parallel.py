@@ -212,13 +212,15 @@ def test_what_megatron_refuses_for_moe_under_tp_is_refused_with_the_fix(fields, 
         assert word in str(info.value)
 
 
-def test_megatron_flags_of_a_moe_job_round_trip_and_the_allgather_dispatcher_is_refused_with_ep():
+def test_megatron_flags_of_a_moe_job_round_trip_with_either_dispatcher():
     base = ("--num-layers 2 --hidden-size 24 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
             "--padded-vocab-size 64 --bf16 --num-experts 4 --moe-ffn-hidden-size 16 --moe-layer-freq ([0]*1+[1]*1) "
             "--world-size 2 --expert-model-parallel-size 2")
-    with pytest.raises(JobError, match="allgather.*--moe-token-dispatcher-type alltoall"):
-        parse_megatron_args(base)
+    default = parse_megatron_args(base)[0]  # Megatron's default dispatcher
+    assert default.model.moe_token_dispatcher_type == "allgather"
+    assert parse_megatron_args(default.to_megatron_args())[0] == default
     job, ignored = parse_megatron_args(base + " --moe-token-dispatcher-type alltoall --moe-router-force-load-balancing")
+    assert job.model.moe_token_dispatcher_type == "alltoall"
     assert (job.ep, job.model.expert_model_parallel_size, job.model.moe_layer_freq) == (2, 2, (0, 1))
     assert ignored == ["--moe-router-force-load-balancing"]
     assert parse_megatron_args(job.to_megatron_args())[0] == job

@@ -8,12 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from remat.job import Job
-from remat.parallel.job_predict import NOT_COUNTED, PARTS, JobPrediction, RankPrediction
+from remat.parallel.job_predict import NOT_COUNTED, PART_LABELS, PARTS, JobPrediction, RankPrediction
 from remat.plan.job_result import JobPlan, StageChoice, format_state, smallest_dp
 from remat.units import DEFAULT_RESERVE, GPU_PRESETS, format_bytes, format_seconds, parse_reserve
 
-_SHORT = {"parameters": "params", "gradients": "grads", "master_parameters": "master", "optimizer_state": "optim",
-          "activations": "acts", "communication": "comm"}
+_SHORT = PART_LABELS
 
 
 def describe_job(job: Job) -> str:

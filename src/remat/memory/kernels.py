@@ -7,9 +7,10 @@ the functions whose kernels differ to the CUDA kernels' meta implementations whi
 
 * ``cpu``: nothing is routed; exactly the CPU kernels.
 * ``cuda``: what PyTorch eager runs on CUDA (:data:`CUDA_ROUTES`, :mod:`remat.memory.cuda_sdpa`).
-* ``te``: ``cuda`` plus TransformerEngine's fused layers as Megatron-LM runs them (:data:`TE_VERSION`):
-  fused attention for the reference model's core attention and any ``scaled_dot_product_attention``, and the
-  fused SwiGLU of ``LayerNormMLP``.
+* ``te``: ``cuda`` plus TransformerEngine's layers as Megatron-LM runs them (:data:`TE_VERSION`,
+  :data:`TE_ATTENTION_VERSION`): TE's unfused attention for the reference model's 'math' core attention
+  (``--attention-backend unfused``) and for fp32, its fused attention for 'sdpa' and any 16-bit
+  ``scaled_dot_product_attention``, and the fused SwiGLU of ``LayerNormMLP``.
 
 ``docs/kernels.md`` lists every substitution with the source it follows. Operators a profile cannot express
 (another library's ops, CPU-only kernels, attention made of separate operators under ``te``) are priced as traced
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -39,7 +41,10 @@ from remat.models.gpt import CoreAttention, SwiGLU
 KERNELS = ("cpu", "cuda", "te")
 # the functions a profile replaces, as torch defines them (the replacements call these, never the patched names)
 _dropout, _layer_norm = F.dropout, F.layer_norm
-TE_VERSION = "TransformerEngine 1.x (layernorm_linear.py / layernorm_mlp.py / attention.py as of 2024, v1.5-1.7)"
+TE_VERSION = "TransformerEngine 1.x (layernorm_linear.py / layernorm_mlp.py as of 2024, v1.5-1.7)"
+# attention: TE 2.17.1, NVIDIA/TransformerEngine@4329ff84 (Megatron-LM d98e8a6's pin: pyproject.toml, uv.lock),
+# transformer_engine/pytorch/attention/dot_product_attention/{backends,softmax,utils}.py
+TE_ATTENTION_VERSION = "TransformerEngine 2.17.1 (4329ff84): dot_product_attention/backends.py, softmax.py, utils.py"
 aten = torch.ops.aten
 _DEVICE_QUERY = torch.ops.prim.device.default
 
@@ -174,31 +179,169 @@ CUDA_ROUTES: dict[tuple[Any, str], Callable[..., Any]] = {
 
 
 # ---------------------------------------------------------------------------------------------------------
-# TransformerEngine's fused layers
+# TransformerEngine's attention (TE_ATTENTION_VERSION): DotProductAttention's backends as Megatron's
+# TEDotProductAttention runs them (causal mask type, sbhd q/k/v that are views of the QKV GEMM's output)
 # ---------------------------------------------------------------------------------------------------------
+def _heads_like(x: torch.Tensor, d: int | None = None) -> torch.Tensor:
+    """A new [b, heads, s, d] tensor laid out token-major, as a gradient or output TE writes for sbhd q/k/v (remat's
+    layers are bshd): the caller's transpose / reshape back to the QKV GEMM's layout is then a view, as in TE."""
+    b, h, s, dx = x.shape
+    d = dx if d is None else d
+    return x.new_empty_strided((b, h, s, d), (s * h * d, d, h * d, 1))
+
+
+class _TeFusedAttention(torch.autograd.Function):
+    """``FusedAttnFunc`` (backends.py:1292) with cuDNN's F16_arbitrary_seqlen sub-backend, what
+    ``get_attention_backend`` (utils.py:327) picks for ``auto`` on sm90, 16-bit causal attention with dropout,
+    deterministic or not (utils.py:1542: FusedAttention over FlashAttention on Hopper+; FA3/FA4 refuse dropout,
+    utils.py:1009). ``ctx.save_for_backward`` keeps q, k, v (un-repeated under GQA), the output and
+    ``aux_ctx_tensors`` = softmax Stats fp32 [b, h, sq, 1] + rng_state int64 [2] (cpp_extensions/fused_attn.py:245,
+    csrc/extensions/attention.cpp:235). cuDNN's workspaces are not modelled."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, h, sq, _ = q.shape
+        out = _heads_like(q, v.shape[-1])
+        stats = q.new_empty((b, h, sq, 1), dtype=torch.float32)
+        rng_state = q.new_empty((2,), dtype=torch.int64)
+        ctx.save_for_backward(q, k, v, out, stats, rng_state)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v, *_ = ctx.saved_tensors
+        return _heads_like(q), _heads_like(k), _heads_like(v)
+
+
+def _te_full_mask(sq: int, sk: int, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``dpa_utils.get_full_mask`` for 'causal' (utils.py:1632), window (-1, 0) -> (sk, 0): int32 [1, 1, sq, sk]
+    position differences and the two window bounds (12 bytes per score, transient), their bool comparisons, or'ed
+    with the mask the caller passed (Megatron passes its dataloader's [b, 1, s, s]). Alive until the attention
+    returns, never saved."""
+    diff = (torch.arange(sq, dtype=torch.int32, device=device).view(1, 1, sq, 1)
+            - torch.arange(sk, dtype=torch.int32, device=device).view(1, 1, 1, sk))
+    swa_left, swa_right = diff - sk, diff + 0
+    swa_mask = torch.logical_not((swa_left <= 0) & ~(swa_right < 0))
+    return swa_mask if mask is None else torch.logical_or(swa_mask, mask)
+
+
+class _TeScores(torch.autograd.Function):
+    """``torch.baddbmm(matmul_result, q, kᵀ, beta=0.0, alpha=scale)`` (backends.py:498, 567) into a preallocated
+    [b*h, sq, sk] ``torch.empty``: a new output (the buffer is freed when rebound), ``BaddbmmBackward0`` keeps q and
+    k only. A real bmm of remat's bshd views would copy them to [b*h, s, d]; TE's sbhd views reshape for free."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+        b, h, sq, _ = q.shape
+        buffer = q.new_empty((b * h, sq, k.shape[-2]))
+        scores = q.new_empty((b, h, sq, k.shape[-2]))  # not a view: fp32's masked_fill_ writes it in place
+        del buffer
+        ctx.save_for_backward(q, k)
+        ctx.scale = scale
+        return scores
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k = ctx.saved_tensors
+        # derivatives.yaml baddbmm: maybe_multiply(grad.bmm(batch2ᵀ), alpha): a bmm output, then its alpha multiple
+        return _heads_like(q) * ctx.scale, _heads_like(k) * ctx.scale, None
+
+
+class _TeMaskedSoftmax(torch.autograd.Function):
+    """``ScaledMaskedSoftmax`` (softmax.py:93): ``tex.scaled_masked_softmax_forward`` makes the probabilities in the
+    input dtype and keeps them (and a host-side scale, no GPU memory); its backward overwrites the incoming gradient
+    (csrc/extensions/softmax.cpp: "Produce gradients in place")."""
+
+    @staticmethod
+    def forward(ctx: Any, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        probs = torch.empty_like(scores, memory_format=torch.contiguous_format)
+        ctx.save_for_backward(probs)
+        return probs
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return grad.contiguous(), None
+
+
+class _TeContext(torch.autograd.Function):
+    """``torch.bmm(attention_probs, v)`` (backends.py:684): ``BmmBackward0`` keeps the (dropped-out) probabilities
+    and v (a view); the context [b*h, sq, d] is new."""
+
+    @staticmethod
+    def forward(ctx: Any, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(probs, v)
+        b, h, sq, _ = probs.shape
+        return probs.new_empty((b, h, sq, v.shape[-1]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, v = ctx.saved_tensors
+        return torch.empty_like(probs), _heads_like(v)
+
+
+def te_softmax_fusable(dtype: torch.dtype, b: int, h: int, sq: int, sk: int) -> bool:
+    """``FusedScaleMaskSoftmax.is_kernel_available`` (softmax.py:190) for the causal mask type and
+    NVTE_MASKED_SOFTMAX_FUSION=1 (TE's default; Megatron's --no-masked-softmax-fusion does not reach TE)."""
+    if dtype not in HALF or not 16 < sk < 16384 or sk % 8 or sq == 1 or sq != sk:
+        return False
+    pow2 = 1 << (sk - 1).bit_length()  # get_batch_per_block
+    batch_per_block = (128 // min(pow2, 32)) * (2 if pow2 <= 128 else 1)
+    return sq % 4 == 0 and (b * h) % 4 == 0 and sq % batch_per_block == 0
+
+
+def _te_torch_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``FusedScaleMaskSoftmax.forward_torch_softmax`` (softmax.py:248) for 'causal': fp32 for 16-bit inputs
+    (``softmax_in_fp32`` is TE's default True; UnfusedDotProductAttention never changes it), the cached causal
+    mask or'ed in, ``masked_fill_`` in place (keeps the or'ed bool mask), softmax (keeps its fp32 output), cast
+    back. TE caches the [sq, sk] causal mask for the process; here it is made per call (s² bytes)."""
+    x = scores.float() if scores.dtype in HALF else scores
+    causal = torch.triu(torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device), diagonal=1)
+    probs = torch.softmax(x.masked_fill_(torch.logical_or(mask, causal), -10000.0), dim=-1)
+    return probs.to(scores.dtype)
+
+
+def te_unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float,
+                         scale: float) -> torch.Tensor:
+    """``UnfusedDotProductAttention.forward`` (backends.py:320), causal, no bias, q/k/v [b, heads, s, d]: keeps q and
+    k (baddbmm), the softmax output (bf16/fp16 from TE's fused kernel, else fp32), dropout's bool mask, the
+    dropped-out probabilities and v (bmm); K and V repeated under GQA. The scores and the full mask stay alive
+    until it returns (``matmul_result``, ``attention_mask`` locals)."""
+    b, h, sq, _ = q.shape
+    full_mask = _te_full_mask(sq, k.shape[-2], mask, q.device)
+    if k.shape[1] != h:  # GQA: repeat_interleave, the copies kept by the GEMMs
+        k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
+    scores = _TeScores.apply(q, k, scale)
+    if te_softmax_fusable(scores.dtype, b, h, sq, k.shape[-2]):
+        probs = _TeMaskedSoftmax.apply(scores, full_mask)  # 'causal' with a mask -> ScaledMaskedSoftmax
+    else:
+        probs = _te_torch_softmax(scores, full_mask)
+    return _TeContext.apply(cuda_dropout(probs, p), v)  # torch.nn.Dropout (backends.py:660) -> native_dropout
+
+
 def te_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                  enable_gqa: bool = False) -> torch.Tensor:
-    """TE ``DotProductAttention`` with its fused backend (flash-attn / cuDNN FusedAttention) for 16-bit inputs:
-    keeps q, k, v (un-repeated under GQA), the output, an fp32 softmax statistic [b, a, s] and the RNG state;
-    a mask is TE's mask type (causal), never a tensor. fp32 inputs take TE's unfused path (the CUDA composite).
-    """
+    """``F.scaled_dot_product_attention`` as TE's ``DotProductAttention`` with the ``auto`` backend: FusedAttention
+    for 16-bit inputs (a mask is TE's causal mask type, never a tensor), UnfusedDotProductAttention for fp32 (the
+    fused backends need fp16/bf16: utils.py "Filter: Data type")."""
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     if query.dtype not in HALF:
-        return cuda_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    causal = is_causal or attn_mask is not None
-    return aten._scaled_dot_product_flash_attention.default(query, key, value, dropout_p, causal, False,
-                                                           scale=scale)[0]
+        return te_unfused_attention(query, key, value, attn_mask, dropout_p, scale)
+    return _TeFusedAttention.apply(query, key, value)
 
 
 def _te_core_attention(module: CoreAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        attention_mask: torch.Tensor) -> torch.Tensor:
-    """The reference model's core attention as Megatron's ``TEDotProductAttention`` (causal mask type)."""
-    if q.dtype not in HALF:
-        return type(module).forward(module, q, k, v, attention_mask)
+    """The reference model's core attention as Megatron's ``TEDotProductAttention`` (causal mask type): 'math'
+    (``--attention-backend unfused``) and any fp32 model run TE's unfused attention, 'sdpa' (auto, flash, fused)
+    the fused one."""
     p = module.dropout if module.training else 0.0
-    return aten._scaled_dot_product_flash_attention.default(q, k, v, p, True, False, scale=module.scale)[0]
+    if module.kind == "math" or q.dtype not in HALF:
+        return te_unfused_attention(q, k, v, attention_mask, p, module.scale)
+    return _TeFusedAttention.apply(q, k, v)
 
 
+# TransformerEngine's fused SwiGLU (TE_VERSION)
 class _TeSwiGLU(torch.autograd.Function):
     """``tex.swiglu`` in ``LayerNormMLP``: keeps the fc1 output [.., 2f] only; output [.., f]."""
 
@@ -224,9 +367,10 @@ TE_ROUTES: dict[tuple[Any, str], Callable[..., Any]] = {
 def prepare_model(model: nn.Module, kernels: str) -> int:
     """Give the reference model's modules the forward their ``kernels`` profile runs; returns how many changed.
 
-    Under ``te`` every :class:`~remat.models.gpt.CoreAttention` becomes TE's fused attention and every
-    :class:`~remat.models.gpt.SwiGLU` TE's fused SwiGLU (instance attributes: recompute regions installed later
-    wrap them). Other profiles change nothing. Call it on the fake model, before :func:`remat.apply`.
+    Under ``te`` every :class:`~remat.models.gpt.CoreAttention` becomes TE's attention (unfused for 'math' and
+    fp32, fused for 'sdpa') and every :class:`~remat.models.gpt.SwiGLU` TE's fused SwiGLU (instance attributes:
+    recompute regions installed later wrap them). Other profiles change nothing. Call it on the fake model,
+    before :func:`remat.apply`.
     """
     if check_kernels(kernels) != "te":
         return 0

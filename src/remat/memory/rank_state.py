@@ -98,6 +98,7 @@ class RankState:
     layouts: tuple[BufferLayout, ...] = field(default=())
     ep_rank: int = 0  # the priced rank's expert-parallel rank, and its expert data-parallel shard
     expert_dp_rank: int = 0
+    param_buffer: bool = False  # the parameters live in DDP's param_data buffers (the distributed optimizer)
 
     @property
     def total(self) -> int:
@@ -109,6 +110,22 @@ class RankState:
         """``{"parameters", "gradients", "master_parameters", "optimizer_state"}`` (padding with parameters)."""
         return {"parameters": self.parameters + self.parameter_padding, "gradients": self.gradients,
                 "master_parameters": self.master_parameters, "optimizer_state": self.optimizer_state}
+
+    def parameter_tensor_bytes(self, block: int = 1) -> int:
+        """The parameters' bytes as separate tensors, each rounded up to the allocator's ``block`` bytes (what a
+        chunk trace records for them: the CUDA caching allocator rounds every tensor to 512 bytes)."""
+        size = self.parameters // self.num_parameters if self.num_parameters else 0
+        return sum(_pad((end - start) * size, block) for lay in self.layouts for start, end in lay.params)
+
+    def allocated_parameter_bytes(self, block: int = 1) -> int:
+        """The parameters' bytes as the rank allocates them, in ``block``-byte allocator blocks: one tensor per
+        parameter, or with the distributed optimizer one param_data buffer per layout (padding included, the
+        parameters views of it: NOTE [Megatron's gradient buffer layout]); ``parameters + parameter_padding`` when
+        ``block`` is 1."""
+        if not self.param_buffer:
+            return self.parameter_tensor_bytes(block)
+        size = self.parameters // self.num_parameters if self.num_parameters else 0
+        return sum(_pad(lay.numel * size, block) for lay in self.layouts)
 
 
 def _pad(n: int, divisor: int) -> int:
@@ -261,7 +278,7 @@ def rank_state(job: Job, chunks: Sequence[Sequence[ParamInfo]], *, pipeline_rank
     return RankState(num_parameters=n, parameters=n * p_size, parameter_padding=(padded - n) * p_size if dist else 0,
                      gradients=padded * size[job.main_grad_dtype], master_parameters=master * elements,
                      optimizer_state=state * elements, dp_rank=best_rank, shard_elements=elements,
-                     layouts=tuple(layouts), ep_rank=best_ep, expert_dp_rank=best_edp)
+                     layouts=tuple(layouts), ep_rank=best_ep, expert_dp_rank=best_edp, param_buffer=dist)
 
 
 def module_parameters(module: nn.Module, shared: Sequence[Any] = ()) -> list[ParamInfo]:

@@ -53,3 +53,16 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        gated = config.activation == "swiglu"
+        fc1_out = config.ffn_size * (2 if gated else 1)
+        self.linear_fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
+        self.activation = SwiGLU() if gated else nn.GELU()
+        self.linear_fc2 = nn.Linear(config.ffn_size, config.hidden_size, bias=config.add_bias_linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.activation(self.linear_fc1(x)))

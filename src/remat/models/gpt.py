@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.config import ModelConfig
-from remat.models.blocks import CoreAttention, SwiGLU, apply_rotary, norm_layer
+from remat.models.blocks import MLP, CoreAttention, SwiGLU, apply_rotary, norm_layer
+from remat.models.cross_entropy import language_model_loss
 from remat.models.mla import MLASelfAttention
 from remat.models.moe import MoELayer
 
@@ -48,19 +49,6 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         context = self.core_attention(q, k, v, attention_mask)
         return context.transpose(1, 2).reshape(b, s, self.heads * d)
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        gated = config.activation == "swiglu"
-        fc1_out = config.ffn_size * (2 if gated else 1)
-        self.linear_fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear)
-        self.activation = SwiGLU() if gated else nn.GELU()
-        self.linear_fc2 = nn.Linear(config.ffn_size, config.hidden_size, bias=config.add_bias_linear)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.activation(self.linear_fc1(x)))
 
 
 # NOTE [the reference layer]
@@ -104,17 +92,17 @@ class Embedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Final norm, output layer and the loss: what lives outside the layer stack."""
+    """Final norm, output layer and the loss (``config.cross_entropy``): what lives outside the layer stack."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.final_layernorm = norm_layer(config)
         self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.cross_entropy = config.cross_entropy
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.output_layer(self.final_layernorm(hidden))
-        # Megatron computes the cross-entropy in fp32 whatever the model's dtype.
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return language_model_loss(logits, labels, self.cross_entropy)
 
 
 class GPT(nn.Module):

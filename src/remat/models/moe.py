@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.config import ModelConfig, RoutingAssumption
 from remat.models.blocks import SwiGLU
-from remat.models.expert_parallel import expert_group_for, host_values, run_experts_parallel
+from remat.models.expert_parallel import SimulatedExpertGroup, expert_group_for, host_values, run_experts_parallel
 
 
 def expert_activation(config: ModelConfig) -> nn.Module:
@@ -39,6 +39,29 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         return grad_output, torch.ones_like(aux_loss)
 
 
+class RouterGatingLinear(torch.autograd.Function):
+    """Megatron's ``RouterGatingLinearFunction`` (moe_utils.py:1357-1440) for ``--moe-router-dtype`` fp32/fp64:
+    logits [T, E] in the router's dtype from the model-dtype input and weight, which are what it saves. Backward
+    (TE's GEMM path) makes the input gradient in the router's dtype and casts it back, after the weight gradient,
+    whose GEMM reads an upcast copy of the input (``inp.to(router_dtype)``): two [T, h] temporaries in that dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.dtype = dtype
+        out = x.new_empty(x.shape[0], weight.shape[0], dtype=dtype)
+        if not isinstance(x, FakeTensor):  # te_general_gemm writes the router dtype directly
+            out.copy_(F.linear(x, weight))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight = ctx.saved_tensors
+        grad_input = grad.mm(weight.to(ctx.dtype))
+        grad_weight = grad.t().mm(x.to(ctx.dtype)).to(weight.dtype)
+        return grad_input.to(x.dtype), grad_weight, None
+
+
 # NOTE [routing under fake tensors]
 # How many tokens each expert receives depends on the router's scores, which fake tensors do not have. So the
 # router decides in two steps: the scores and the top-k choice are computed as usual, then the token counts and
@@ -60,6 +83,7 @@ class Router(nn.Module):
         self.capacity_factor = config.moe_expert_capacity_factor
         self.aux_loss_coeff = config.moe_aux_loss_coeff
         self.moe_index = moe_index
+        self.router_dtype = {None: None, "fp32": torch.float32, "fp64": torch.float64}[config.moe_router_dtype]
         self.assumption = (RoutingAssumption.parse(config.moe_routing_assumption)
                            if config.moe_routing_assumption is not None else None)
         self.last_counts: list[int] = []
@@ -68,7 +92,8 @@ class Router(nn.Module):
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Route ``tokens`` ([T, h]); return the probability of each routed copy ([T * topk]), the copies in
         expert order (indices into the T * topk copies) and the tokens each expert receives."""
-        logits = F.linear(tokens, self.weight)
+        logits = (F.linear(tokens, self.weight) if self.router_dtype is None
+                  else RouterGatingLinear.apply(tokens, self.weight, self.router_dtype))
         chooser = logits if self.score_function == "softmax" else logits.sigmoid()
         choice = chooser.topk(self.topk, dim=-1).indices
         chosen = logits.gather(1, choice)
@@ -129,7 +154,10 @@ class ActivationWithProbs(nn.Module):
         self.activation = expert_activation(config)
 
     def forward(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        return self.activation(x) * probs.unsqueeze(-1)
+        act = self.activation(x)
+        # Megatron's bias_act_func (experts.py): the product is cast back, so fp32 router probs (--moe-router-dtype)
+        # make an fp32 [copies, ffn] temporary, not fp32 activations
+        return (act * probs.unsqueeze(-1)).to(act.dtype)
 
 
 class ExpertMLP(nn.Module):
@@ -265,11 +293,25 @@ class MoELayer(nn.Module):
         self.shared_experts = (SharedExpertMLP(config) if config.moe_shared_expert_intermediate_size is not None
                                else None)
         self.last_received: list[int] = []
+        self.allgather = None  # Megatron's allgather dispatcher over ep ranks (remat.models.allgather_dispatch)
+        if config.moe_token_dispatcher_type == "allgather" and self.ep_group is not None:
+            from remat.models.allgather_dispatch import tp_ep_group  # imports this module's neighbours
+            if not isinstance(self.ep_group, SimulatedExpertGroup):
+                tp_ep_group(self.ep_group, 1, 0)  # refuses a real group, naming the dispatcher
+            self.allgather = tp_ep_group(None, self.ep_group.size, self.ep_group.rank)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
         probs, order, counts = self.router(tokens)
+        if self.allgather is not None:
+            from remat.models.allgather_dispatch import run_experts_allgather
+            output, self.last_received = run_experts_allgather(
+                self.experts, self.allgather, tokens, probs, counts, self.topk, self.allgather.rank,
+                len(counts) // self.allgather.size)
+            if self.shared_experts is not None:
+                output = output + self.shared_experts(tokens)
+            return output.view(shape)
         token_of = order.div(self.topk, rounding_mode="floor")
         if self.ep_group is None:
             permuted = tokens.index_select(0, token_of)                              # dispatch

@@ -6,13 +6,12 @@ on a rank in :mod:`remat.models.tp_moe`, multi-latent attention in :mod:`remat.m
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from remat.config import ConfigError, ModelConfig
+from remat.models.cross_entropy import language_model_loss
 from remat.models.gpt import GPT, CoreAttention, SelfAttention, building, norm_layer
 from remat.models.tp_layers import (
     TPMLP,
@@ -30,35 +29,6 @@ from remat.models.tp_moe import TPMoELayer, check_tp_moe
 __all__ = ["ColumnParallelLinear", "DistributedGroup", "RowParallelLinear", "SimulatedGroup", "TPGPT", "TPMLP",
            "TPEmbedding", "TPHead", "TPSelfAttention", "TPTransformerLayer", "TensorParallelGroup",
            "build_tp_model", "check_tensor_parallel"]
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy over logits split by vocabulary; keeps one softmax-sized tensor, as Megatron's does."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
-        vocab_local = logits.shape[-1]
-        start = group.rank * vocab_local
-        logits_max = group.all_reduce_(logits.max(dim=-1)[0], op="max")
-        shifted = logits - logits_max.unsqueeze(-1)
-        outside = (labels < start) | (labels >= start + vocab_local)
-        local_labels = (labels - start).masked_fill(outside, 0)
-        predicted = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        group.all_reduce_(predicted)
-        exp_logits = shifted.exp_()
-        sum_exp = group.all_reduce_(exp_logits.sum(dim=-1))
-        loss = (sum_exp.log() - predicted).mean()
-        exp_logits.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(exp_logits, local_labels, outside)
-        return loss
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        softmax, local_labels, outside = ctx.saved_tensors
-        grad_logits = softmax.clone()
-        grad_logits.scatter_add_(-1, local_labels.unsqueeze(-1), (outside.to(softmax.dtype) - 1.0).unsqueeze(-1))
-        grad_logits.mul_(grad / local_labels.numel())
-        return grad_logits, None, None
 
 
 class TPSelfAttention(SelfAttention):
@@ -139,10 +109,12 @@ class TPHead(nn.Module):
         self.final_layernorm = norm_layer(config)
         self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, False, group, sp)
         self.shape = (config.micro_batch_size, config.seq_length)
+        # the vocabulary is split: 'torch' (F.cross_entropy over all of it) becomes Megatron's vocab-parallel loss
+        self.cross_entropy = "megatron" if config.cross_entropy == "torch" else config.cross_entropy
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.output_layer(self.final_layernorm(hidden)).view(*self.shape, -1)
-        return _VocabParallelCrossEntropy.apply(logits.float(), labels, self.group)
+        return language_model_loss(logits, labels, self.cross_entropy, self.group)
 
 
 class TPGPT(nn.Module):

@@ -13,8 +13,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.config import ModelConfig
+from remat.models.blocks import MLP, SwiGLU
 from remat.models.collectives import released, run_collective, run_in_place_collective
-from remat.models.gpt import MLP, SwiGLU
 
 
 class TensorParallelGroup:
@@ -132,7 +132,14 @@ class DistributedGroup(TensorParallelGroup):
 
     def _reduce_scatter_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
         with released(out, x):
-            self.dist.reduce_scatter_single(out, x, group=self.group)
+            if self.dist.get_backend(self.group) == "gloo":
+                # gloo's reduce_scatter_single reduces into a copy of x that its split hands back (an input-sized
+                # storage a measurement sees and NCCL never makes); its list form reduces in its own buffers
+                chunks = list(x.chunk(self.size))
+                self.dist.reduce_scatter(out, chunks, group=self.group)
+                del chunks
+            else:
+                self.dist.reduce_scatter_single(out, x, group=self.group)
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else self.dist.get_global_rank(self.group, rank)

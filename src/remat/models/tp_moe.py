@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from remat.config import ConfigError, ModelConfig
+from remat.models.allgather_dispatch import run_experts_allgather, tp_ep_group
 from remat.models.expert_parallel import (
     AllToAll,
     ExpertParallelGroup,
@@ -133,11 +134,22 @@ class TPMoELayer(MoELayer):
         self.shared_experts = (TPMLP(config, group, sp, config.moe_shared_expert_intermediate_size)
                                if config.moe_shared_expert_intermediate_size is not None else None)
         self.last_received: list[int] = []
+        self.allgather = None  # Megatron's allgather dispatcher over the etp x ep ranks (ep-major, as counts)
+        if config.moe_token_dispatcher_type == "allgather" and counts is not None:
+            self.allgather = tp_ep_group(None if isinstance(etp, SimulatedGroup) else etp, counts.size, counts.rank)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])  # this rank's token shard under sequence parallelism
         probs, order, counts = self.router(tokens)
+        if self.allgather is not None:
+            ep_rank = 0 if self.ep_group is None else self.ep_group.rank
+            output, self.last_received = run_experts_allgather(
+                self.experts, self.allgather, tokens, probs, counts, self.topk, ep_rank,
+                len(counts) // (self.allgather.size // self.etp_group.size))
+            if self.shared_experts is not None:
+                output = output + self.shared_experts(tokens)
+            return output.view(shape)
         token_of = order.div(self.topk, rounding_mode="floor")
         if self.counts_group is None:  # etp = ep = 1: the experts are all here, whole
             permuted = tokens.index_select(0, token_of)                              # dispatch

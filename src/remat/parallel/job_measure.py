@@ -17,6 +17,7 @@ from remat.models.expert_parallel import DistributedExpertGroup, expert_parallel
 from remat.models.tensor_parallel import DistributedGroup
 from remat.models.tp_stage import build_tp_stage_module
 from remat.parallel.job_predict import (
+    PART_LABELS,
     PARTS,
     JobPrediction,
     RankPrediction,
@@ -271,8 +272,7 @@ def compare_job(job: Job, *, timeout: float = DEFAULT_TIMEOUT, seed: int = 0) ->
 
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
     """A per-rank table: rank, stage, tp position, predicted and measured bytes, error %, then the parts."""
-    short = {"parameters": "params", "gradients": "grads", "master_parameters": "master",
-             "optimizer_state": "optim", "activations": "acts", "communication": "comm"}
+    short = PART_LABELS
     head = f"{'rank':>4} {'stage':>5} {'tp':>3} {'dp':>3} {'predicted':>11} {'measured':>11} {'error':>8}  parts"
     lines = [head]
     for r in rows:

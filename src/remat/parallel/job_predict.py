@@ -18,6 +18,7 @@ separate expert buffers (:mod:`remat.memory.rank_state`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from remat.config import ModelConfig, RoutingAssumption
 from remat.job import Job, JobError
 from remat.memory.kernels import resolve_kernels
 from remat.memory.rank_state import RankState, rank_parameters, rank_state
+from remat.memory.workspaces import MODULE_ALLGATHER, MODULE_TE, MODULE_TORCH, stage_workspaces
 from remat.models.expert_parallel import received_per_rank
 from remat.models.tp_moe import simulated_expert_groups
 from remat.parallel.chunk_trace import trace_chunk
@@ -48,8 +50,13 @@ from remat.units import CUDA_BLOCK
 # What a rank also holds that no prediction here counts; --reserve keeps room for it.
 NOT_COUNTED = ("not counted: the CUDA context and kernels, NCCL's communicator buffers and the caching allocator's "
                "fragmentation")
-PARTS = ("parameters", "gradients", "master_parameters", "optimizer_state", "activations", "communication")
+PARTS = ("parameters", "gradients", "master_parameters", "optimizer_state", "activations", "communication",
+         "workspaces")
+RESIDENT_PARTS = ("parameters", "gradients", "master_parameters", "optimizer_state", "workspaces")
+PART_LABELS = {"parameters": "params", "gradients": "grads", "master_parameters": "master", "optimizer_state": "optim",
+               "activations": "acts", "communication": "comm", "workspaces": "gemm ws"}  # short table headings
 MASTER_MODULE = "optimizer.master_parameters"
+OPTIMIZER_STATE_MODULE = "optimizer.state"
 RING_MODULE = "cp.ring_attention.kv_exchange"
 
 
@@ -85,6 +92,19 @@ class RankPrediction:
         """Bytes alive at the peak by part (:data:`PARTS`); they add up to :attr:`peak_bytes`."""
         return parts_at(self.timeline, self.timeline.peak_event)
 
+    @property
+    def first_step_peak_bytes(self) -> int:
+        """The peak of the job's *first* training step: Adam's moments (``optimizer_state``) are created by the first
+        optimizer step (TransformerEngine's and apex's FusedAdam initialise their state in ``step()``), after that
+        step's forward and backward, so the first step peaks at the larger of its forward/backward without them and
+        the state held once the step is done. Megatron-LM's H100 tests confirm it: their first iteration's
+        ``mem-max-allocated-bytes`` is below the second's by the moments' bytes. Every later step peaks at
+        :attr:`peak_bytes`, which is never lower."""
+        tl = self.timeline
+        moments = sum(n for n, m in zip(tl.nbytes, tl.module) if m == OPTIMIZER_STATE_MODULE)
+        resident = sum(parts_at(tl, tl.num_events - 1)[part] for part in RESIDENT_PARTS)
+        return max(self.peak_bytes - moments, resident)
+
 
 @dataclass
 class JobPrediction:
@@ -115,6 +135,8 @@ def parts_at(timeline: Timeline, event: int) -> dict[str, int]:
             parts["master_parameters"] += nbytes
         elif module == RING_MODULE:
             parts["communication"] += nbytes
+        elif module in (MODULE_TORCH, MODULE_TE, MODULE_ALLGATHER):  # kept from setup or the first step on
+            parts["workspaces"] += nbytes
         elif category in ("parameters", "gradients", "optimizer_state"):
             parts[category] += nbytes
         else:
@@ -145,7 +167,8 @@ def job_kernels(kernels: str | None = None) -> str:
     return resolve_kernels(kernels, "cuda")
 
 
-def predict_job(job: Job, *, device: str = "cpu", kernels: str | None = None) -> JobPrediction:
+def predict_job(job: Job, *, device: str = "cpu", kernels: str | None = None, env: Mapping[str, str] | None = None,
+                gpu: str | None = None) -> JobPrediction:
     """Predict the whole training step of every distinct rank of ``job``.
 
     Args:
@@ -153,6 +176,10 @@ def predict_job(job: Job, *, device: str = "cpu", kernels: str | None = None) ->
         device: 'cpu' (exact bytes) or 'cuda' (activations rounded to 512-byte blocks).
         kernels: whose kernels' saved tensors the ranks keep: 'cpu', 'cuda' or 'te'; None: :func:`job_kernels`
             (default 'cuda', a GPU job).
+        env: the training processes' environment variables (``CUBLAS_WORKSPACE_CONFIG`` sizes cuBLAS's
+            workspaces, :mod:`remat.memory.workspaces`); None: none set.
+        gpu: the GPU the job runs on (a :data:`remat.units.GPU_PRESETS` name; sizes the GEMM workspaces); None:
+            Hopper.
 
     Returns:
         A :class:`JobPrediction`, worst rank first; each timeline's ``meta['job']`` says what is in it and
@@ -166,7 +193,7 @@ def predict_job(job: Job, *, device: str = "cpu", kernels: str | None = None) ->
         0
     """
     kernels = job_kernels(kernels)
-    out = [predict_stage(job, stage, device=device, kernels=kernels) for stage in range(job.pp)]
+    out = [predict_stage(job, stage, device=device, kernels=kernels, env=env, gpu=gpu) for stage in range(job.pp)]
     out.sort(key=lambda r: (-r.peak_bytes, r.stage))
     return JobPrediction(job, out)
 
@@ -190,7 +217,8 @@ def check_job(job: Job) -> None:
         raise JobError(f"cp={job.cp} (--context-parallel-size): Megatron's context parallelism runs Transformer "
                        "Engine's fused/flash ring attention; unfused attention (--attention-backend unfused, "
                        "remat's 'math') cannot run with it: use --attention-backend auto/flash/fused or cp=1")
-    check_schedule(job.schedule, job.pp, job.num_microbatches, job.vpp or 1, "megatron")
+    check_schedule(job.schedule, job.pp, job.num_microbatches, job.vpp or 1, "megatron",
+                   group=job.microbatch_group_size)
 
 
 def stage_state(job: Job, stage: int, ep_rank: int | None = None) -> RankState:
@@ -240,7 +268,8 @@ def chunk_config(config: ModelConfig, spec: ChunkSpec) -> ModelConfig:
 
 
 def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | None = None,
-                  ep_rank: int | None = None, kernels: str | None = None) -> RankPrediction:
+                  ep_rank: int | None = None, kernels: str | None = None, env: Mapping[str, str] | None = None,
+                  gpu: str | None = None) -> RankPrediction:
     """Predict the whole training step of a rank of pipeline stage ``stage`` (one of :func:`predict_job`'s ranks).
 
     Args:
@@ -253,6 +282,7 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
             (NOTE [expert parallelism in a job]).
         kernels: whose kernels' saved tensors the rank keeps: 'cpu', 'cuda' or 'te'; None: :func:`job_kernels`
             (default 'cuda', a GPU job). ``timeline.meta['kernels']`` says which.
+        env, gpu: as for :func:`predict_job` (the GEMM workspaces, counted only for a CUDA prediction).
 
     Returns:
         The stage's :class:`RankPrediction`: its timeline holds the model state and the activations of the
@@ -271,10 +301,11 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     config = model.replace(seq_length=model.seq_length // cp)  # each rank holds s/cp tokens of every sequence
     if pp * vpp > 1 and config.tie_embeddings:
         config = config.replace(tie_embeddings=False)  # the last stage keeps its own copy of the tied embedding
-    schedule = check_schedule(job.schedule, pp, job.num_microbatches, vpp, "megatron")
+    group = job.microbatch_group_size  # Megatron's microbatch groups of the interleaved schedule (None: pp)
+    schedule = check_schedule(job.schedule, pp, job.num_microbatches, vpp, "megatron", group=group)
     chunks = rank_chunks(partition(config, pp, vpp, job.chunk_layers, empty_ends=True), pp, stage)
-    actions = schedule_actions(schedule, pp, job.num_microbatches, vpp, stage, runtime="megatron")
-    window = warmup_forwards(schedule, pp, job.num_microbatches, vpp, stage, "megatron") + 1
+    actions = schedule_actions(schedule, pp, job.num_microbatches, vpp, stage, runtime="megatron", group=group)
+    window = warmup_forwards(schedule, pp, job.num_microbatches, vpp, stage, "megatron", group=group) + 1
     recompute = job.policy if layout is None else layout
     if ep_rank is None:
         ep_rank = busiest_expert_rank(config)
@@ -289,10 +320,12 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
                   for s in chunks}
     plan = ShardedStagePlan(config, pp, job.num_microbatches, vpp, stage, schedule, "megatron", chunks, actions,
                             checkpointed_forwards(actions, None, window), traces,
-                            block=CUDA_BLOCK if device == "cuda" else 1, activation_shards=tp if sp else 1)
+                            block=CUDA_BLOCK if device == "cuda" else 1, group=group,
+                            activation_shards=tp if sp else 1)
     timeline = compose_stage(plan, recompute)
     state = stage_state(job, stage, ep_rank if job.ep > 1 else None)
-    add_model_state(timeline, state, ring_exchange_bytes(job))
+    workspaces = stage_workspaces(job, stage, env=env, gpu=gpu) if device == "cuda" or kernels != "cpu" else []
+    add_model_state(timeline, state, ring_exchange_bytes(job), workspaces, block=plan.block)
     timeline.meta["job"] = {"stage": stage, "tp": tp, "sp": sp, "cp": cp, "dp": job.dp, "pp": pp, "vpp": job.vpp,
                             "ep": job.ep, "ep_rank": state.ep_rank, "expert_dp_rank": state.expert_dp_rank,
                             "precision": job.precision, "optimizer": job.optimizer,
@@ -304,29 +337,44 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     return RankPrediction(stage, rank, tp * cp * job.dp, state, timeline)
 
 
-def add_model_state(timeline: Timeline, state: RankState, ring_bytes: int = 0) -> None:
+def add_model_state(timeline: Timeline, state: RankState, ring_bytes: int = 0,
+                    workspaces: Sequence[tuple[str, int]] = (), *, block: int = 1) -> None:
     """Put a rank's model state into its stage timeline (in place).
 
     The chunks are traced with Megatron's DDP hook (``trace_chunk(drop_grads=True)``: each ``param.grad`` is
-    dropped once autograd has accumulated it, so it dies where a Megatron rank's does); a gradient a trace still
-    keeps becomes a transient (with gradient-accumulation fusion it never exists), and the buffers that
-    live all step are added at the first event: the main-gradient buffer, the parameter buffer's padding, the
-    master parameters and the optimizer state, and context parallelism's ring buffers.
+    dropped once autograd has accumulated it, so it dies where a Megatron rank's does: each bf16 weight gradient is
+    a transient from its GEMM to the hook, as with --no-gradient-accumulation-fusion; the fused default, whose GEMM
+    writes into the main grad and returns TE's persistent dummy wgrad of the weight's shape, is not modelled); a
+    gradient a trace still keeps becomes a transient, and the buffers that
+    live all step are added at the first event: the main-gradient buffer, the parameter buffer (its padding), the
+    master parameters and the optimizer state, context parallelism's ring buffers and the CUDA libraries' GEMM
+    workspaces (``workspaces``: ``(module, bytes)``, NOTE [GEMM workspaces]).
+
+    The trace rounds each parameter to the allocator's ``block`` bytes, as a separate tensor is on CUDA; with the
+    distributed optimizer Megatron moves the parameters into its param_data buffer (they become views of it), so
+    their traced rows are emptied and the buffer, rounded once, holds them.
     """
-    traced = sum(n for n, c in zip(timeline.nbytes, timeline.category) if c == "parameters")
-    missing = state.parameters - traced  # learned positions under CP: the table keeps all s rows, the trace s/cp
-    if missing < 0:
-        raise JobError(f"internal: the traced chunk holds {traced} parameter bytes, more than the {state.parameters} "
-                       "counted for the rank; please report this job")
+    param_rows = [row for row, c in enumerate(timeline.category) if c == "parameters"]
+    traced = sum(timeline.nbytes[row] for row in param_rows)
+    # compare like with like: both per tensor in the trace's blocks (a 384-element bf16 bias takes 1024 bytes)
+    if traced > state.parameter_tensor_bytes(block):
+        raise JobError(f"internal: the traced chunk holds {traced} parameter bytes, more than the "
+                       f"{state.parameter_tensor_bytes(block)} counted for the rank; please report this job")
+    if state.param_buffer:
+        for row in param_rows:
+            timeline.nbytes[row] = 0
+        traced = 0
+    # learned positions under CP: the table keeps all s rows, the trace s/cp
+    missing = state.allocated_parameter_bytes(block) - traced
     for row, category in enumerate(timeline.category):
         if category == "gradients" and timeline.free_at[row] == -1 and timeline.alloc_at[row] + 1 < \
                 timeline.num_events:
             timeline.free_at[row] = timeline.alloc_at[row] + 1
     rows = [(state.gradients, "ddp.grad_buffer", "gradients"),
-            (state.parameter_padding + missing, "ddp.param_buffer_padding", "parameters"),
+            (missing, "ddp.param_buffer" if state.param_buffer else "parameters.untraced", "parameters"),
             (state.master_parameters, MASTER_MODULE, "optimizer_state"),
-            (state.optimizer_state, "optimizer.state", "optimizer_state"),
-            (ring_bytes, RING_MODULE, "other")]
+            (state.optimizer_state, OPTIMIZER_STATE_MODULE, "optimizer_state"),
+            (ring_bytes, RING_MODULE, "other"), *((n, module, "other") for module, n in workspaces)]
     for nbytes, module, category in rows:
         if nbytes > 0:
             assert category in CATEGORIES

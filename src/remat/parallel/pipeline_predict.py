@@ -47,7 +47,8 @@ from remat.units import CUDA_BLOCK
 #   every forward, then every backward. 1F1B (non-interleaved) runs ``min(pp - r - 1, m)`` warm-up forwards on
 #   rank r, then alternates one forward and one backward, then drains the backwards (so stage r holds up to
 #   ``pp - r`` microbatches; torch's ``Schedule1F1B`` runs the same sequence). Interleaved 1F1B runs Megatron's
-#   ``(pp - r - 1) * 2 + (vpp - 1) * pp`` warm-up forwards over its model chunks (microbatch group size = pp).
+#   ``(pp - r - 1) * 2 + (vpp - 1) * group`` warm-up forwards over its model chunks (microbatch group size, default
+#   pp; NOTE [Megatron's interleaved warm-up] in :mod:`remat.parallel.schedule`), in get_schedule_table's order.
 # * **Chunk traces**: each distinct chunk (first / middle / last, its layer count, its policy) is traced once
 #   under ``FakeTensorMode`` with the same recorder as :func:`remat.memory.measure.measure`: two microbatches' forwards
 #   (outputs kept, as in a pipeline) and their backwards (given the output's gradient; the first backward
@@ -155,21 +156,22 @@ def compose_stage(plan: StagePlan, policy: Policy, partial: int | None = None) -
         "config": plan.config.to_dict(), "num_layers": sum(s.num_layers for s in plan.chunks),
     }
     meta["pipeline"] = pipeline_meta(plan.schedule, plan.pp, plan.microbatches, plan.vpp, plan.rank, plan.chunks,
-                                     plan.runtime, partial, plan.actions)
+                                     plan.runtime, partial, plan.actions, group=plan.group)
     tl = composer.finish(meta)
     describe_stage(tl)
     return tl
 
 
 def pipeline_meta(schedule: str, pp: int, microbatches: int, vpp: int, rank: int, chunks: Sequence[ChunkSpec],
-                  runtime: str, partial: int | None, actions: Sequence[Action]) -> dict[str, Any]:
+                  runtime: str, partial: int | None, actions: Sequence[Action], *,
+                  group: int | None = None) -> dict[str, Any]:
     """What ``meta['pipeline']`` records about a stage (shared by predicted and measured timelines)."""
     return {
         "stage": rank, "pp": pp, "vpp": vpp, "microbatches": microbatches, "schedule": schedule, "runtime": runtime,
         "chunks": [s.index for s in chunks],
         "layers": [[s.layer_offset, s.layer_offset + s.num_layers - 1] for s in chunks],
         "partial_checkpoint_microbatches": partial,
-        "warmup_forwards": warmup_forwards(schedule, pp, microbatches, vpp, rank, runtime),
+        "warmup_forwards": warmup_forwards(schedule, pp, microbatches, vpp, rank, runtime, group=group),
         "max_in_flight": max_in_flight(actions),
         "order": " ".join(str(a) for a in actions),
     }

@@ -236,6 +236,7 @@ class StagePlan:
                               self.block)
 
     block: int = 1
+    group: int | None = None  # Megatron's microbatch group size of the interleaved schedule (None: pp)
 
 
 def _storage_bytes(nbytes: int, block: int) -> int:

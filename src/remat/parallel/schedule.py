@@ -159,9 +159,10 @@ class Action:
 
 
 def check_schedule(schedule: str, pp: int, microbatches: int, vpp: int = 1, runtime: str = "torch",
-                   num_layers: int | None = None) -> str:
+                   num_layers: int | None = None, *, group: int | None = None) -> str:
     """Validate a schedule's settings; return the schedule name in lower case. Errors name the fix, and only
-    fixes that pass this check (and, given the model's ``num_layers``, its even partition) are suggested."""
+    fixes that pass this check (and, given the model's ``num_layers``, its even partition) are suggested.
+    ``group``: Megatron's ``--microbatch-group-size-per-virtual-pipeline-stage`` (None: pp), interleaved only."""
     if not isinstance(schedule, str) or schedule.strip().lower() not in SCHEDULES:
         raise PipelineError(f"unknown pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     schedule = schedule.strip().lower()
@@ -183,11 +184,16 @@ def check_schedule(schedule: str, pp: int, microbatches: int, vpp: int = 1, runt
         if pp < 2:
             raise PipelineError("the interleaved schedule needs pp >= 2 stages: with one stage use "
                                 "schedule='1f1b' and vpp=1 (--schedule 1f1b --vpp 1)")
-        if m % pp:
+        if group is not None:
+            _check_group(group, pp, m, runtime)
+        elif m % pp:
             lower, upper = max(pp, m - m % pp), m + pp - m % pp
             raise PipelineError(f"Megatron's interleaved schedule needs the microbatch count to be divisible by pp: "
                                 f"microbatches={m}, pp={pp}; use microbatches={lower} or {upper} (--microbatches "
                                 f"{lower})")
+    elif group is not None:
+        raise PipelineError(f"microbatch group size {group} (--microbatch-group-size-per-virtual-pipeline-stage) is "
+                            f"for the interleaved schedule only: drop it with {schedule}")
     if schedule == "1f1b" and runtime == "torch" and m < pp:
         raise PipelineError(f"torch.distributed.pipelining's Schedule1F1B needs microbatches >= pp: got "
                             f"microbatches={m} < pp={pp}; use microbatches >= {pp} (--microbatches {pp}), or "
@@ -196,33 +202,66 @@ def check_schedule(schedule: str, pp: int, microbatches: int, vpp: int = 1, runt
     return schedule
 
 
+def _check_group(group: Any, pp: int, m: int, runtime: str) -> None:
+    """Megatron's checks of ``microbatch_group_size_per_vp_stage`` (schedules.py:1160-1180 at d98e8a64)."""
+    flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+    if runtime != "megatron":
+        raise PipelineError(f"a microbatch group size ({flag}) is Megatron's: use runtime='megatron'")
+    g = _positive_int("group", group)
+    if not pp <= g <= m:
+        raise PipelineError(f"microbatch group size {g} ({flag}) must lie in [pp, microbatches] = [{pp}, {m}], as "
+                            f"Megatron checks: use {min(max(g, pp), m) if pp <= m else pp} (or microbatches >= {pp})")
+    if 0 < m % g < pp:
+        raise PipelineError(f"microbatches={m} leave a last group of {m % g} < pp={pp} microbatches (group size {g}, "
+                            f"{flag}), which Megatron refuses: use microbatches={m - m % g} or {m - m % g + g}")
+
+
+def schedule_table(microbatches: int, vpp: int, group: int) -> list[tuple[int, int]]:
+    """(microbatch, local chunk) of each virtual microbatch, in order: Megatron's ``get_schedule_table``
+    (schedules.py:989): groups of ``group`` microbatches run through every chunk before the next group; the last
+    group takes the microbatches left (``group`` to ``group + pp - 1`` of them)."""
+    out: list[tuple[int, int]] = []
+    for low in range(0, microbatches, group):
+        high = microbatches if low + group >= microbatches else low + group
+        out += [(mb, c) for c in range(vpp) for mb in range(low, high)]
+    return out
+
+
+# NOTE [Megatron's interleaved warm-up]
+# At d98e8a64, get_pp_rank_microbatches (megatron/core/pipeline_parallel/schedules.py:929-986) runs
+# (pp - r - 1) * 2 + (vpp - 1) * group warm-up forwards on rank r (group = microbatch_group_size_per_vp_stage,
+# default pp: megatron/core/model_parallel_config.py:567), capped at m * vpp, and nothing else: the old rule
+# "all m * vpp forwards first when m == pp" went with the tunable schedule (Megatron-LM 4295be1a6c). With it the
+# last rank of pp=4, vpp=3, m=4 ran all 12 forwards first and held the loss chunk's logits of all 4 microbatches;
+# Megatron runs 8 (chunks 3 and 7) and then alternates F/B on chunk 11, one microbatch's logits at a time. The last
+# stage's loss is never sent nor deallocated (schedules.py:1629, 1780, 1914 set it to None first): it stays in
+# output_tensors (:1372), its graph keeping the head's saved tensors, until its backward pops it (:1432).
 def warmup_forwards(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int = 0,
-                    runtime: str = "torch") -> int:
+                    runtime: str = "torch", *, group: int | None = None) -> int:
     """Forwards rank ``rank`` runs before its first backward, by Megatron's count: ``m`` (GPipe),
-    ``min(pp - r - 1, m)`` (1F1B), ``min((pp - r - 1) * 2 + (vpp - 1) * pp, m * vpp)`` (interleaved; Megatron runs
-    all ``m * vpp`` forwards first when ``m == pp``, torch does not)."""
-    schedule = check_schedule(schedule, pp, microbatches, vpp, runtime)
+    ``min(pp - r - 1, m)`` (1F1B), ``min((pp - r - 1) * 2 + (vpp - 1) * group, m * vpp)`` (interleaved;
+    ``group`` = Megatron's microbatch group size, default pp; see NOTE [Megatron's interleaved warm-up])."""
+    schedule = check_schedule(schedule, pp, microbatches, vpp, runtime, group=group)
     m = microbatches
     if schedule == "gpipe":
         return m
     if schedule == "1f1b":
         return min(pp - rank - 1, m)
-    total = m * vpp
-    if runtime == "megatron" and m == pp:
-        return total
-    return min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+    g = pp if group is None else group
+    return min((pp - rank - 1) * 2 + (vpp - 1) * g, m * vpp)
 
 
 def schedule_actions(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int = 0, *,
-                     runtime: str = "torch") -> list[Action]:
+                     runtime: str = "torch", group: int | None = None) -> list[Action]:
     """The forwards and backwards rank ``rank`` runs, in order (chunks are global chunk indices).
 
     1F1B: the warm-up forwards (:func:`warmup_forwards`), then one forward and one backward at a time, then the
-    remaining backwards. Interleaved: the same over ``m * vpp`` virtual microbatches; virtual microbatch k is
-    chunk ``(k // pp) % vpp`` (backward: ``vpp - 1 -`` that) of the rank, and microbatch
-    ``(k // (pp * vpp)) * pp + k % pp``.
+    remaining backwards. Interleaved: the same over ``m * vpp`` virtual microbatches; forward k runs entry k of
+    :func:`schedule_table` (groups of ``group`` microbatches, default pp), backward k the same microbatch on
+    chunk ``vpp - 1 -`` that (Megatron's get_model_chunk_id(k, forward=False), schedules.py:1244; each chunk's
+    backwards pop its inputs first in, first out, schedules.py:1432, i.e. in microbatch order).
     """
-    schedule = check_schedule(schedule, pp, microbatches, vpp, runtime)
+    schedule = check_schedule(schedule, pp, microbatches, vpp, runtime, group=group)
     if not isinstance(rank, numbers.Integral) or not 0 <= rank < pp:
         raise PipelineError(f"rank={rank!r}: must be in 0..{pp - 1}")
     m = microbatches
@@ -235,13 +274,14 @@ def schedule_actions(schedule: str, pp: int, microbatches: int, vpp: int = 1, ra
             acts += [Action("F", rank, w + i), Action("B", rank, i)]
         return acts + [Action("B", rank, i) for i in range(m - w, m)]
     total = m * vpp
-    w = warmup_forwards(schedule, pp, m, vpp, rank, runtime)
+    w = warmup_forwards(schedule, pp, m, vpp, rank, runtime, group=group)
+    table = schedule_table(m, vpp, pp if group is None else group)
 
     def virtual(k: int, forward: bool) -> Action:
-        local = (k // pp) % vpp
+        mb, local = table[k]
         if not forward:
             local = vpp - 1 - local
-        return Action("F" if forward else "B", local * pp + rank, (k // (pp * vpp)) * pp + k % pp)
+        return Action("F" if forward else "B", local * pp + rank, mb)
 
     acts = [virtual(k, True) for k in range(w)]
     for k in range(total - w):

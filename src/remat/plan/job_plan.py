@@ -340,7 +340,8 @@ def _stage_layout(job: Job, st: JobStagePlan) -> None:
     """The stage's chunks' layers, its deepest chunk's layers and the most microbatch-chunks it holds at once."""
     vpp = job.vpp or 1
     specs = stage_chunks(job, st.stage)
-    actions = schedule_actions(job.schedule, job.pp, job.num_microbatches, vpp, st.stage, runtime="megatron")
+    actions = schedule_actions(job.schedule, job.pp, job.num_microbatches, vpp, st.stage, runtime="megatron",
+                               group=job.microbatch_group_size)
     st.in_flight = max_in_flight(actions)
     deep = _deepest(job, st.stage)
     st.layers = (deep.layer_offset, deep.layer_offset + deep.num_layers - 1)

@@ -1,0 +1,128 @@
+"""The GEMM workspaces a Megatron rank's CUDA libraries allocate once and keep: cuBLAS's (PyTorch) and
+TransformerEngine's, both taken from PyTorch's caching allocator, so ``torch.cuda.memory_allocated`` counts them.
+
+NOTE [GEMM workspaces]
+* PyTorch (aten/src/ATen/cuda/CublasHandlePool.cpp, torch 2.13): every cuBLAS call sets a workspace for its
+  (cuBLAS handle, CUDA stream) pair, allocated on first use from the caching allocator and never freed
+  (``setWorkspaceForHandle``). Handles are per thread (``DeviceThreadHandlePool``), so the forward (the Python
+  thread) and the backward (autograd's device thread) of the same GEMMs on the same stream hold one workspace each.
+  Its size is the sum of ``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KIB:COUNT`` pairs, by default 32 MiB on sm90
+  (``4096 * 8 * 1024``) and ``4096 KiB * 2 + 16 KiB * 8`` elsewhere (``parseChosenWorkspaceSize``). cuBLASLt calls
+  (GEMMs with a fused bias) take a second, 1 MiB workspace per pair unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1``;
+  no torch GEMM of a Megatron GPT has a bias (the output layer, unfused attention's bmm), so none is counted.
+* Which torch GEMMs a rank runs: with TransformerEngine's layers every linear (and the MoE router:
+  megatron/core/transformer/moe/moe_utils.py ``RouterGatingLinearFunction`` calls ``te_general_gemm``) is TE's; the
+  output layer is megatron-core's own ``ColumnParallelLinear`` (``torch.matmul`` in
+  ``LinearWithGradAccumulationAndAsyncCommunication``) on the last pipeline stage; TE's unfused attention multiplies
+  with ``torch.baddbmm``/``torch.bmm``. So a stage holds two torch workspaces (forward thread, backward thread) when it
+  is the last or runs unfused attention, else none.
+* TransformerEngine (transformer_engine/pytorch/cpp_extensions/gemm.py, TE >= 2.9): ``get_cublas_workspace`` is an
+  ``lru_cache`` per (device, userbuffers, grouped GEMM): one ``torch.empty`` of ``get_cublas_workspace_size_bytes()``
+  (32 MiB + 1 KiB on sm90 and later, 4 MiB before) for ordinary GEMMs, and for grouped GEMMs (MoE experts with
+  ``--moe-grouped-gemm``) one per compute stream: ``nvte_get_num_compute_streams()`` = 4
+  (transformer_engine/common/util/multi_stream.cpp).
+Checked against Megatron-LM's H100 functional tests (benchmarks/bench_megatron_golden.py): with these three 32 MiB
+workspaces, remat's resident state of gpt3_mcore_te_tp1_pp1_frozen_resume_torch_dist_dist_optimizer equals
+``mem-allocated-bytes`` to 2,560 bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from remat.job import Job, JobError
+from remat.models.allgather_dispatch import global_buffer_bytes
+
+MODULE_TORCH = "cuda.cublas_workspace"
+MODULE_TE = "transformer_engine.cublas_workspace"
+MODULE_ALLGATHER = "megatron.global_memory_buffer"
+# Compute capability (major) of the GPU presets remat knows (remat.units.GPU_PRESETS): what sizes the workspaces.
+GPU_MAJOR = {"a100": 8, "h100": 9, "h200": 9, "gb200": 10, "b200": 10}
+TE_GROUPED_GEMM_STREAMS = 4
+_KIB = 1024
+
+
+def cublas_workspace_bytes(config: str | None, sm_major: int = 9) -> int:
+    """PyTorch's cuBLAS workspace size per (handle, stream): ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KIB:COUNT``
+    pairs, summed) or the default for the GPU (NOTE [GEMM workspaces]).
+
+    Example:
+        >>> cublas_workspace_bytes(":4096:8"), cublas_workspace_bytes(None, 8)
+        (33554432, 8519680)
+    """
+    if config is None:
+        return 4096 * 8 * _KIB if sm_major == 9 else 4096 * _KIB * 2 + 16 * _KIB * 8
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+    if not pairs:  # torch warns and falls back to the default
+        return cublas_workspace_bytes(None, sm_major)
+    return sum(int(size) * _KIB * int(count) for size, count in pairs)
+
+
+def te_workspace_bytes(sm_major: int = 9) -> int:
+    """TransformerEngine's cuBLAS workspace (``get_cublas_workspace_size_bytes``, TE >= 2.9).
+
+    Example:
+        >>> te_workspace_bytes(9), te_workspace_bytes(8)
+        (33555456, 4194304)
+    """
+    return 32 * 1024 * _KIB + 1024 if sm_major >= 9 else 4 * 1024 * _KIB
+
+
+def gpu_major(gpu: str | None) -> int:
+    """The compute capability's major number of a GPU name (``h100-80g``, ``a100``...); None: Hopper, whose
+    workspaces are the largest of the GPUs Megatron jobs run on today (never an under-count there)."""
+    if gpu is None:
+        return 9
+    for prefix, major in GPU_MAJOR.items():
+        if gpu.lower().startswith(prefix):
+            return major
+    raise JobError(f"gpu={gpu!r}: remat knows the GEMM workspaces of {', '.join(GPU_MAJOR)} GPUs; give one of them")
+
+
+def stage_workspaces(job: Job, stage: int, *, env: Mapping[str, str] | None = None,
+                     gpu: str | None = None) -> list[tuple[str, int]]:
+    """The GEMM workspaces a rank of pipeline stage ``stage`` keeps from its first step on, as ``(module, bytes)``.
+
+    Args:
+        job: the Megatron job (TransformerEngine layers, as remat models them).
+        stage: the pipeline stage.
+        env: the training processes' environment (``CUBLAS_WORKSPACE_CONFIG`` is read); None: none set.
+        gpu: the GPU (sizes depend on its architecture); None: Hopper.
+
+    Example:
+        >>> from remat.config import ModelConfig
+        >>> job = Job.build(ModelConfig(num_layers=2, attention="sdpa"), precision="bf16")
+        >>> [n for _, n in stage_workspaces(job, 0)]
+        [33554432, 33554432, 33555456]
+    """
+    major, env = gpu_major(gpu), env or {}
+    torch_gemm = stage == job.pp - 1 or job.model.attention == "math"
+    out = [(MODULE_TORCH, cublas_workspace_bytes(env.get("CUBLAS_WORKSPACE_CONFIG"), major))] * (2 * torch_gemm)
+    out.append((MODULE_TE, te_workspace_bytes(major)))
+    if job.model.is_moe and job.model.moe_grouped_gemm:
+        out += [(MODULE_TE, te_workspace_bytes(major))] * TE_GROUPED_GEMM_STREAMS
+    kept = allgather_kept_bytes(job, stage)
+    return out + [(MODULE_ALLGATHER, kept)] * (kept > 0)
+
+
+def allgather_kept_bytes(job: Job, stage: int) -> int:
+    """What the allgather token dispatcher keeps on a rank of ``stage`` from its first MoE forward on (Megatron's
+    global buffer of the gathered hidden states and each MoE layer's dispatcher attributes, NOTE [the allgather
+    dispatcher]), under balanced routing; 0 without it or without MoE layers on the stage."""
+    m = job.model
+    group = job.expert_tp * job.ep
+    if not m.is_moe or m.moe_token_dispatcher_type != "allgather" or group == 1:
+        return 0
+    pattern, start, moe_layers = m.moe_layer_pattern(), 0, 0
+    for chunk, count in enumerate(job.chunk_layers):
+        moe_layers += sum(pattern[start:start + count]) if chunk % job.pp == stage else 0
+        start += count
+    if not moe_layers:
+        return 0
+    tokens = m.micro_batch_size * m.seq_length // (job.tp * job.cp)
+    local = int(m.num_moe_experts or 1) // job.ep
+    copies = group * tokens * m.moe_router_topk // job.ep  # balanced: the local experts' share of G x T x topk
+    dtype_bytes = 4 if job.precision == "fp32" else 2
+    probs_bytes = {"fp32": 4, "fp64": 8}.get(m.moe_router_dtype or "", dtype_bytes)
+    return global_buffer_bytes(tokens, m.hidden_size, dtype_bytes, group, moe_layers, local, copies, probs_bytes)

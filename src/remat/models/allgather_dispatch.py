@@ -1,0 +1,130 @@
+"""Megatron-LM's allgather token dispatcher (``MoEAllGatherTokenDispatcher``, Megatron's default
+``--moe-token-dispatcher-type``) in the reference MoE layer, over a simulated tp x ep group.
+
+NOTE [the allgather dispatcher]
+megatron/core/transformer/moe/token_dispatcher.py:233-378 (d98e8a64), with moe_utils.py ``permute`` (344-495,
+unfused) and ``unpermute`` (497-626, unfused, ``probs=None``). G = etp x ep ranks (``tp_ep_group``), T tokens per
+rank, N = G x T gathered tokens, L local experts (``lo`` the first), n copies routed to them.
+
+* token_dispatch (only when tp or ep > 1): the [T, E] bool routing map all-gathered (no grad) to [N, E]; the
+  [T, E] probabilities all-gathered to [N, E] (``gather_from_sequence_parallel_region``: reduce-scatter backward);
+  the hidden states [T, h] all-gathered into Megatron's global memory buffer (``use_global_buffer=True``: one
+  [N, h] tensor allocated on first use and kept for the run, priced by :func:`global_buffer_bytes` as a
+  persistent allocation, so the trace allocates nothing for it).
+* dispatch_postprocess: ``local_map`` = routing map[:, lo:lo+L].contiguous() [N, L] bool; ``local_probs`` the same
+  slice of the probabilities; permute: ``local_map.T.contiguous()`` [L, N], its flat ``argsort`` (int64 [L*N]),
+  ``sorted_indices = flat_sorted[:n] % N`` (int64 [n], kept for backward and for the unpermute), the copies
+  ``index_select``-ed from the gathered rows [n, h]; the copies' probabilities
+  ``local_probs.T.contiguous().masked_select(local_map.T.contiguous())`` [n] (modelled as an ``index_select`` by
+  ``flat_sorted``: the same output, no data-dependent shape under fake tensors).
+* The experts run on the n copies.
+* combine_preprocess (unpermute): ``torch.zeros([N, h])`` and ``index_add_`` of the expert outputs (backward:
+  ``index_select`` of the gradient, [n, h]).
+* token_combine: ``.to(local_probs.dtype)`` ([N, h] in fp32 when the router's dtype is fp32), reduce-scatter over
+  the group to [T, h] (all-gather backward), ``.to`` back to the hidden dtype.
+
+Not modelled (each under 0.2 MiB per layer in Megatron's H100 tests): the dispatcher's attributes that keep
+``local_map``, ``sorted_indices`` and ``local_probs`` until the layer's next forward (priced with the global buffer
+by :func:`global_buffer_bytes`), the masked_select's saved [L, N] bool mask, and the second ``torch.zeros`` of the
+unpermute under deterministic algorithms (a transient of [N, h]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from remat.config import ConfigError
+from remat.models.expert_parallel import host_values
+from remat.models.tp_layers import GatherFromSequence, ReduceScatterToSequence, SimulatedGroup, TensorParallelGroup
+
+
+class GatherPermute(torch.autograd.Function):
+    """The hidden states' all-gather into Megatron's global buffer, then permute's ``index_select`` of the copies:
+    forward allocates only the copies [n, h] (the buffer is priced once, :func:`global_buffer_bytes`); backward is
+    ``index_select``'s (zeros [N, h] + ``index_add_``) and the gather's reduce-scatter to [T, h]."""
+
+    @staticmethod
+    def forward(ctx: Any, tokens: torch.Tensor, indices: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
+        ctx.save_for_backward(indices)
+        ctx.group, ctx.rows = group, tokens.shape[0] * group.size
+        # a simulated group's gathered rows are this rank's, repeated: row i is local row i % T
+        local = indices if isinstance(tokens, FakeTensor) else indices.remainder(tokens.shape[0])
+        return tokens.index_select(0, local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (indices,) = ctx.saved_tensors
+        gathered = grad.new_zeros(ctx.rows, grad.shape[1]).index_add_(0, indices, grad)
+        return ctx.group.reduce_scatter(gathered), None, None
+
+
+def tp_ep_group(group: Any, size: int, rank: int) -> TensorParallelGroup:
+    """The tp x ep group the dispatcher gathers over: simulated (a real run's allgather dispatcher is not
+    modelled: remat measures the all-to-all one)."""
+    if group is not None and not isinstance(group, SimulatedGroup):
+        raise ConfigError("the allgather token dispatcher is modelled on simulated groups only (prediction); "
+                          "measure a real run with moe_token_dispatcher_type='alltoall'")
+    return SimulatedGroup(size, rank)
+
+
+def run_experts_allgather(experts: nn.Module, group: TensorParallelGroup, tokens: torch.Tensor,
+                          probs: torch.Tensor, counts: list[int], topk: int, ep_rank: int,
+                          local: int) -> tuple[torch.Tensor, list[int]]:
+    """Megatron's allgather dispatcher (NOTE [the allgather dispatcher]) for one rank's ``tokens`` [T, h], their
+    routed copies' probabilities ``probs`` [T * topk] and ``counts[e]`` copies per expert (every rank of the
+    ``group`` routing alike). Returns the combined output [T, h] and the copies each local expert received."""
+    rows, hidden = tokens.shape
+    experts_n, size = len(counts), group.size
+    gathered_rows = size * rows
+    lo = ep_rank * local
+    received = [size * c for c in counts[lo:lo + local]]
+    copies = sum(received)
+    # the router's dense outputs (moe_utils.topk_routing_with_score_function): probs and routing map [T, E]
+    slot = host_values([i % experts_n for i in range(rows * topk)], torch.long, tokens).view(rows, topk)
+    dense = torch.zeros(rows, experts_n, dtype=probs.dtype, device=tokens.device).scatter(
+        1, slot, probs.view(rows, topk))
+    routing_map = torch.zeros(rows, experts_n, dtype=torch.bool, device=tokens.device).scatter_(1, slot, True)
+    del slot
+    with torch.no_grad():
+        gathered_map = group.all_gather(routing_map)                           # [N, E] bool
+    gathered_probs = GatherFromSequence.apply(dense, group, None)              # [N, E]
+    del dense
+    local_map = gathered_map[:, lo:lo + local].contiguous()
+    local_probs = gathered_probs[:, lo:lo + local].contiguous()
+    del gathered_map, gathered_probs  # dispatch_postprocess: self.routing_map = None, probs rebound
+    map_t = local_map.T.contiguous()
+    flat_sorted = map_t.reshape(-1).argsort(descending=True, stable=True)[:copies]
+    del map_t
+    sorted_indices = flat_sorted % gathered_rows
+    permuted = GatherPermute.apply(tokens, sorted_indices, group)
+    permuted_probs = local_probs.T.contiguous().reshape(-1).index_select(0, flat_sorted)
+    del flat_sorted, local_probs, local_map
+    output = experts(permuted, received, permuted_probs)
+    del permuted
+    unpermuted = torch.zeros(gathered_rows, hidden, dtype=output.dtype, device=output.device)
+    unpermuted.index_add_(0, sorted_indices, output)
+    del output
+    combined = ReduceScatterToSequence.apply(unpermuted.to(permuted_probs.dtype), group)
+    return combined.to(tokens.dtype), received
+
+
+def global_buffer_bytes(tokens: int, hidden: int, dtype_bytes: int, group_size: int, moe_layers: int,
+                        local_experts: int, copies_per_layer: int, probs_bytes: int) -> int:
+    """Bytes a rank keeps for the allgather dispatcher from its first MoE forward on: Megatron's global memory
+    buffer of the gathered hidden states ([G x T, h], megatron/core/utils.py ``GlobalMemoryBuffer``, one for all
+    layers), and each MoE layer's dispatcher attributes (``local_map`` [G x T, L] bool, ``reversed_local_input_
+    permutation_mapping`` int64 [n], ``local_probs`` [n]), kept until that layer's next forward.
+
+    Example:
+        >>> global_buffer_bytes(4096, 512, 2, 8, 12, 1, 8192, 4) / 2**20
+        33.5
+    """
+    if group_size == 1:
+        return 0
+    rows = group_size * tokens
+    per_layer = rows * local_experts + copies_per_layer * (8 + probs_bytes)
+    return rows * hidden * dtype_bytes + moe_layers * per_layer
