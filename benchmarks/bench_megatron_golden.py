@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from remat.job import Job
-from remat.parallel.job_predict import RESIDENT_PARTS, predict_stage
+from remat.parallel.job_predict import RESIDENT_PARTS, parts_at, predict_stage
 
 DATA = Path(__file__).parent / "data" / "megatron_golden_h100_dev.json"
 GIB, MIB = 2**30, 2**20
@@ -73,11 +73,13 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         row["refused"] = str(err).splitlines()[0]
         return row
     parts = rank.parts
+    # resident: what the step leaves (mem-allocated-bytes is logged after it), e.g. fp16's fp32 master grads
+    end = parts_at(rank.timeline, rank.timeline.num_events - 1)
     # a run that logs its first iteration only (--train-iters 1) peaks in that step, before Adam's moments exist
     first_step = set(case["golden"]["mem-max-allocated-bytes"]) == {"1"}
     row.update(stage=rank.stage, rank=rank.rank,
                predicted_peak=rank.first_step_peak_bytes if first_step else rank.peak_bytes,
-               predicted_resident=sum(parts[p] for p in RESIDENT_PARTS), peak_phase=rank.timeline.peak_phase.label,
+               predicted_resident=sum(end[p] for p in RESIDENT_PARTS), peak_phase=rank.timeline.peak_phase.label,
                parts=parts, seconds=round(time.perf_counter() - start, 3))
     if first_step:  # the only iteration logged
         at_end = rank.first_step_peak_bytes > rank.peak_bytes - parts["optimizer_state"]

@@ -21,6 +21,7 @@ POSITIONS = ("learned", "rope")
 ATTENTIONS = ("math", "sdpa")
 ROUTER_SCORES = ("softmax", "sigmoid")
 CROSS_ENTROPY = ("torch", "megatron", "megatron_fused", "te")  # remat.models.cross_entropy
+TRANSFORMER_IMPLS = ("transformer_engine", "local")  # Megatron's --transformer-impl (remat.memory.local_layers)
 
 
 class ConfigError(ValueError):
@@ -91,6 +92,12 @@ class ModelConfig:
     # model's dtype; 'fp32'/'fp64': the router's logits and probabilities in that dtype)
     moe_token_dispatcher_type: str = "alltoall"
     moe_router_dtype: str | None = None
+    # Megatron's --moe-router-pre-softmax (softmax over all experts before the top-k), --moe-router-enable-expert-bias
+    # (the fp32 expert_bias and local_tokens_per_expert buffers, bias added to sigmoid scores for the choice) and
+    # --moe-z-loss-coeff (the router z-loss): remat.models.moe.Router
+    moe_router_pre_softmax: bool = False
+    moe_router_enable_expert_bias: bool = False
+    moe_z_loss_coeff: float | None = None
     expert_model_parallel_size: int = 1
     # multi-latent attention
     multi_latent_attention: bool = False
@@ -101,6 +108,14 @@ class ModelConfig:
     v_head_dim: int = 128
     # the loss
     cross_entropy: str = "torch"
+    # Megatron's layer implementation (--transformer-impl) and its local attention's softmax flags (remat.memory.
+    # local_layers: --no-masked-softmax-fusion, --attention-softmax-in-fp32, --apply-query-key-layer-scaling)
+    transformer_impl: str = "transformer_engine"
+    masked_softmax_fusion: bool = True
+    attention_softmax_in_fp32: bool = False
+    apply_query_key_layer_scaling: bool = False
+    # q/k normalisation (Megatron's --qk-layernorm); None: the attention's own default (see has_qk_norms)
+    qk_layernorm: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -115,6 +130,10 @@ class ModelConfig:
         _check_choice("attention", self.attention, ATTENTIONS)
         _check_choice("dtype", self.dtype, tuple(DTYPES))
         _check_choice("cross_entropy", self.cross_entropy, CROSS_ENTROPY)
+        _check_choice("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
+        if self.qk_layernorm not in (None, True, False):
+            raise ConfigError(f"qk_layernorm={self.qk_layernorm!r}: must be True, False or None (the attention's "
+                              "default: MLA's q/kv norms, none for standard attention)")
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
@@ -127,11 +146,17 @@ class ModelConfig:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by num_query_groups="
                 f"{self.num_query_groups}: use a divisor of the head count (or None for one group per head)")
-        if self.position == "rope" and self.rotary_dim % 2:
+        if (self.position == "rope" or self.multi_latent_attention) and self.rotary_dim % 2:
             raise ConfigError(f"position='rope' needs an even rotary dimension, got {self.rotary_dim}: "
                               "change hidden_size or num_attention_heads (qk_pos_emb_head_dim with MLA)")
         check_moe_fields(self)
         check_mla_fields(self)
+
+    @property
+    def has_qk_norms(self) -> bool:
+        """Whether attention normalises queries and keys (``qk_layernorm``; None: MLA keeps DeepSeek's q/kv norms,
+        the standard attention has none)."""
+        return self.multi_latent_attention if self.qk_layernorm is None else self.qk_layernorm
 
     @property
     def head_dim(self) -> int:
@@ -234,7 +259,7 @@ def check_moe_fields(config: ModelConfig) -> None:
     for name in ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
         if getattr(config, name) is not None:
             _check_positive_int(name, getattr(config, name))
-    for name, low in (("moe_expert_capacity_factor", 0.0), ("moe_aux_loss_coeff", -1.0)):
+    for name, low in (("moe_expert_capacity_factor", 0.0), ("moe_aux_loss_coeff", -1.0), ("moe_z_loss_coeff", -1.0)):
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= low):
             raise ConfigError(f"{name}={value!r}: must be a number " + ("> 0" if low == 0.0 else ">= 0"))
@@ -242,7 +267,9 @@ def check_moe_fields(config: ModelConfig) -> None:
         for name, default in (("moe_ffn_hidden_size", None), ("moe_shared_expert_intermediate_size", None),
                               ("moe_grouped_gemm", False), ("moe_expert_capacity_factor", None),
                               ("moe_routing_assumption", None), ("expert_model_parallel_size", 1),
-                              ("moe_token_dispatcher_type", "alltoall"), ("moe_router_dtype", None)):
+                              ("moe_token_dispatcher_type", "alltoall"), ("moe_router_dtype", None),
+                              ("moe_router_pre_softmax", False), ("moe_router_enable_expert_bias", False),
+                              ("moe_z_loss_coeff", None)):
             if getattr(config, name) != default:
                 raise ConfigError(f"{name}={getattr(config, name)!r} needs experts: set num_moe_experts, or drop it")
         return
@@ -251,6 +278,11 @@ def check_moe_fields(config: ModelConfig) -> None:
                           "and 'allgather'")
     if config.moe_router_dtype not in (None, "fp32", "fp64"):
         raise ConfigError(f"moe_router_dtype={config.moe_router_dtype!r}: write None, 'fp32' or 'fp64'")
+    if config.moe_router_enable_expert_bias and config.moe_router_score_function != "sigmoid":
+        # transformer_config.py:2617-2625 (Megatron's 'sqrtsoftplus' is not among remat's score functions)
+        raise ConfigError("moe_router_enable_expert_bias needs moe_router_score_function='sigmoid' (Megatron raises "
+                          "'Expert bias for aux-loss-free routing only supports sigmoid and sqrtsoftplus'): add "
+                          "--moe-router-score-function sigmoid")
     if config.moe_router_topk > config.num_moe_experts:
         raise ConfigError(f"moe_router_topk={config.moe_router_topk} exceeds num_moe_experts="
                           f"{config.num_moe_experts}: route each token to at most every expert")
@@ -379,9 +411,6 @@ def check_mla_fields(config: ModelConfig) -> None:
         _check_positive_int(name, getattr(config, name))
     if config.q_lora_rank is not None:
         _check_positive_int("q_lora_rank", config.q_lora_rank)
-    if config.multi_latent_attention and config.position != "rope":
-        raise ConfigError("multi_latent_attention=True needs position='rope': MLA rotates its decoupled "
-                          "qk_pos_emb_head_dim dimensions")
     if config.multi_latent_attention and config.num_query_groups not in (None, config.num_attention_heads):
         raise ConfigError(f"num_query_groups={config.num_query_groups}: MLA has one key/value head per query head; "
                           "drop num_query_groups")

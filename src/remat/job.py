@@ -48,6 +48,7 @@ from remat.job_flags import (
     flag_value,
     without_idle_recompute_flags,
 )
+from remat.job_launch import launcher_world_size
 from remat.job_model import model_from_flags
 from remat.policy import Policy, PolicyError
 
@@ -58,11 +59,13 @@ _FLAG_OF = {
     "tp": "--tensor-model-parallel-size", "sp": "--sequence-parallel", "pp": "--pipeline-model-parallel-size",
     "vpp": "--num-virtual-stages-per-pipeline-rank", "cp": "--context-parallel-size",
     "dp": "--data-parallel-size/--world-size", "ep": "--expert-model-parallel-size",
+    "distributed_optimizer_instances": "--num-distributed-optimizer-instances",
     "etp": "--expert-tensor-parallel-size", "num_microbatches": "--global-batch-size",
     "schedule": "no flag: Megatron runs interleaved exactly when vpp is set", "precision": "--bf16/--fp16",
     "accumulate_grads_in_fp32": "--accumulate-allreduce-grads-in-fp32/--grad-reduce-in-bf16",
     "optimizer": "--optimizer", "sgd_momentum": "--sgd-momentum",
     "distributed_optimizer": "--use-distributed-optimizer", "overlap_grad_reduce": "--overlap-grad-reduce",
+    "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion",
     "ddp_bucket_size": "--ddp-bucket-size", "pad_buckets_for_high_nccl_busbw": "--ddp-pad-buckets-for-high-nccl-busbw",
 }
 
@@ -119,6 +122,12 @@ class Job:
     """SGD momentum (``--sgd-momentum``); > 0 adds one fp32 buffer per parameter. sgd only."""
     distributed_optimizer: bool = False
     """``--use-distributed-optimizer``: fp32 master params and optimizer state sharded over dp * cp ranks."""
+    distributed_optimizer_instances: int = 1
+    gradient_accumulation_fusion: bool = True
+    """Megatron's default (``--no-gradient-accumulation-fusion`` turns it off): on a GPU, TE's linears add their weight
+    gradients into the fp32 main grads, with cached dummy gradients instead (:mod:`remat.memory.wgrad_fusion`)."""
+    """``--num-distributed-optimizer-instances``: the dp * cp ranks hold that many copies of the sharded optimizer,
+    each sharded over dp * cp / instances ranks (megatron/core/parallel_state.py: intra_partial_data_parallel)."""
     overlap_grad_reduce: bool = False
     """``--overlap-grad-reduce``: the gradient buffer is split into buckets (each padded with the distributed
     optimizer) on the first pipeline stage's first model chunk; without it, one bucket per buffer."""
@@ -141,11 +150,13 @@ class Job:
         _require(isinstance(self.model, ModelConfig), f"model must be a ModelConfig, got {self.model!r}")
         _require(isinstance(self.policy, Policy), f"policy must be a Policy (e.g. Policy.parse('full/uniform/1')), "
                  f"got {self.policy!r}")
-        for name in ("tp", "pp", "cp", "dp", "ep", "num_microbatches", "vpp", "etp", "ddp_bucket_size"):
+        for name in ("tp", "pp", "cp", "dp", "ep", "num_microbatches", "vpp", "etp", "ddp_bucket_size",
+                     "distributed_optimizer_instances"):
             v, optional = getattr(self, name), name in ("vpp", "etp", "ddp_bucket_size")
             _require((v is None and optional) or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
                      f"{_f(name)}={v!r}: must be a positive integer" + " or None" * optional)
-        for name in ("sp", "distributed_optimizer", "overlap_grad_reduce", "pad_buckets_for_high_nccl_busbw"):
+        for name in ("sp", "distributed_optimizer", "overlap_grad_reduce", "pad_buckets_for_high_nccl_busbw",
+                     "gradient_accumulation_fusion"):
             v = getattr(self, name)
             _require(isinstance(v, bool), f"{_f(name)}={v!r}: must be True or False")
         for name, choices in (("schedule", SCHEDULES), ("precision", PRECISIONS), ("optimizer", OPTIMIZERS)):
@@ -193,6 +204,10 @@ class Job:
         _require(not self.sp or (s // cp) % tp == 0, f"sp=True (--sequence-parallel) splits the s/cp={s // cp} "
                  f"tokens over tp={tp} ranks, which does not divide them: change tp, cp or --seq-length")
         check_expert_layout(self.model, ep=self.ep, etp=self.expert_tp, tp=tp, cp=cp, dp=self.dp, sp=self.sp)
+        shards = self.distributed_optimizer_instances  # megatron/core/parallel_state.py asserts both divisions
+        _require(self.dp * cp % shards == 0 and self.expert_data_parallel % shards == 0,
+                 f"{_f('distributed_optimizer_instances')}={shards} must divide dp x cp = {self.dp * cp} and the "
+                 f"expert data-parallel size {self.expert_data_parallel}: use a divisor of both")
 
         vpp, pp = self.vpp, self.pp
         _require(vpp is None or vpp >= 2, "vpp=1 (--num-virtual-stages-per-pipeline-rank 1) is no virtual "
@@ -266,7 +281,7 @@ class Job:
         (``megatron/core/optimizer/__init__.py``: ``data_parallel_group=intra_dp_cp_group``); its estimator
         (``theoretical_memory_usage.py``) writes 12/DP, the same when cp = 1.
         """
-        return self.dp * self.cp if self.distributed_optimizer else 1
+        return self.dp * self.cp // self.distributed_optimizer_instances if self.distributed_optimizer else 1
 
     def state_bytes_per_param(self) -> dict[str, Fraction]:
         """Bytes per parameter of model state that a rank holds for the whole step, by kind.
@@ -439,7 +454,10 @@ class Job:
         args += ["--optimizer", self.optimizer]
         if self.optimizer == "sgd":
             args += ["--sgd-momentum", repr(float(self.sgd_momentum))]
-        args += ["--use-distributed-optimizer"] * self.distributed_optimizer + ["--overlap-grad-reduce"] * (
+        args += ["--use-distributed-optimizer"] * self.distributed_optimizer + [
+            "--num-distributed-optimizer-instances", str(self.distributed_optimizer_instances)] * (
+            self.distributed_optimizer_instances > 1) + ["--no-gradient-accumulation-fusion"] * (
+            not self.gradient_accumulation_fusion) + ["--overlap-grad-reduce"] * (
             self.overlap_grad_reduce) + ["--ddp-pad-buckets-for-high-nccl-busbw"] * self.pad_buckets_for_high_nccl_busbw
         if self.ddp_bucket_size is not None:
             args += ["--ddp-bucket-size", str(self.ddp_bucket_size)]
@@ -467,6 +485,7 @@ def parse_megatron_args(argv: Sequence[str] | str) -> tuple[Job, list[str]]:
     tokens, ignored = flag_tokens(argv)
     got: dict[str, Any] = {}
     recompute: list[str] = []
+    refusals: list[str] = []  # every flag that stops the prediction, reported together
     for name, vals in flag_groups(tokens):
         kind, reason = classify_megatron_flag(name)
         if kind == "recompute":
@@ -480,11 +499,17 @@ def parse_megatron_args(argv: Sequence[str] | str) -> tuple[Job, list[str]]:
         elif kind == "ignored" or (kind == "default-only" and vals == [DEFAULT_ONLY_FLAGS[name]]):
             ignored.append(name)
         elif kind == "unknown":
-            raise JobError(f"remat does not know whether {name} changes memory; remove it, or have it classified "
-                           "in remat.job_flags (IGNORED_FLAGS if it does not change memory, REFUSED_FLAGS if it does)")
+            refusals.append(f"remat does not know whether {name} changes memory; remove it, or have it classified "
+                            "in remat.job_flags (IGNORED_FLAGS if it does not change memory, REFUSED_FLAGS if it does)")
         else:
             default = f" (or give Megatron's default, {name} {DEFAULT_ONLY_FLAGS[name]})" if kind != "refused" else ""
-            raise JobError(f"{name} {reason}, which remat cannot model yet: remove it{default}")
+            refusals.append(f"{name} {reason}, which remat cannot model yet: remove it{default}")
+    if refusals:
+        raise JobError(refusals[0] if len(refusals) == 1 else f"{len(refusals)} flags stop the prediction: " +
+                       "; ".join(f"({i}) {r}" for i, r in enumerate(refusals, 1)))
+    world = launcher_world_size(ignored[0]) if ignored else None  # torchrun's --nnodes x --nproc-per-node, ...
+    if world is not None and "--world-size" not in got and "--data-parallel-size" not in got:
+        got["--world-size"] = world
     job = _job(got, recompute, ignored)  # may add conditionally ignored flags
     return job, list(dict.fromkeys(ignored))
 
@@ -544,6 +569,8 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
                num_microbatches=gb // (mbs * dp), schedule="interleaved" if vpp else "1f1b", precision=precision,
                accumulate_grads_in_fp32=acc, optimizer=optimizer, sgd_momentum=momentum,
                distributed_optimizer=bool(got.get("--use-distributed-optimizer")),
+               distributed_optimizer_instances=got.get("--num-distributed-optimizer-instances", 1),
+               gradient_accumulation_fusion=not got.get("--no-gradient-accumulation-fusion"),
                overlap_grad_reduce=bool(got.get("--overlap-grad-reduce")), ddp_bucket_size=got.get("--ddp-bucket-size"),
                pad_buckets_for_high_nccl_busbw=bool(got.get("--ddp-pad-buckets-for-high-nccl-busbw")), policy=policy,
                **split)

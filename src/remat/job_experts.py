@@ -10,9 +10,10 @@ Decisions (Megatron-LM's ``pretrain_gpt.py`` flags, megatron-core 0.16 layer spe
 * The token dispatcher (``moe_token_dispatcher_type``): ``alltoall``, or Megatron's default ``allgather``
   (:mod:`remat.models.allgather_dispatch`: every tp x ep rank's tokens gathered; on one rank it permutes as the
   all-to-all one). ``--moe-router-dtype`` fp32/fp64 sets ``moe_router_dtype`` (fp32 logits and probabilities).
-* ``--multi-latent-attention`` needs ``--qk-layernorm``: remat's MLA has DeepSeek's q/kv norms, which Megatron's
-  MLA layer spec builds only with it (``q_layernorm=qk_norm if qk_layernorm else IdentityOp``); ``--qk-layernorm``
-  without MLA is refused (remat's standard attention has no q/k norms). ``--kv-lora-rank`` must be given with MLA
+* ``--qk-layernorm`` sets ``qk_layernorm``: the standard attention's per-head q/k norms, or MLA's q/kv norms, which
+  Megatron's MLA layer spec builds only with it (``q_layernorm=qk_norm if qk_layernorm else IdentityOp``); stored
+  as None when it equals the attention's default (MLA: norms; standard: none), so the round trip is exact.
+  ``--kv-lora-rank`` must be given with MLA
   (remat does not assume a default); ``--qk-head-dim`` 128, ``--qk-pos-emb-head-dim`` 64 and ``--v-head-dim`` 128
   default to megatron-core's ``MLATransformerConfig`` values.
 * The routing assumption (``moe_routing_assumption``) is remat's prediction setting, not a training flag: it is
@@ -30,7 +31,7 @@ from remat.job_flags import JobError
 _MOE_FLAGS = ("--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
               "--moe-grouped-gemm", "--moe-layer-freq", "--moe-router-score-function",
               "--moe-expert-capacity-factor", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type",
-              "--moe-router-dtype")
+              "--moe-router-dtype", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias", "--moe-z-loss-coeff")
 _MLA_FLAGS = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
 
 
@@ -56,17 +57,18 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
                    moe_layer_freq=got.get("--moe-layer-freq", 1),
                    moe_router_score_function=got.get("--moe-router-score-function", "softmax"),
                    moe_expert_capacity_factor=got.get("--moe-expert-capacity-factor"),
-                   moe_aux_loss_coeff=got.get("--moe-aux-loss-coeff", 0.0))
+                   moe_aux_loss_coeff=got.get("--moe-aux-loss-coeff", 0.0),
+                   moe_router_pre_softmax=bool(got.get("--moe-router-pre-softmax")),
+                   moe_router_enable_expert_bias=bool(got.get("--moe-router-enable-expert-bias")),
+                   moe_z_loss_coeff=got.get("--moe-z-loss-coeff"))
     mla, qk_norm = bool(got.get("--multi-latent-attention")), bool(got.get("--qk-layernorm"))
+    if qk_norm != mla:  # None: the attention's own default (remat.config.ModelConfig.has_qk_norms)
+        out["qk_layernorm"] = qk_norm
     if not mla:
-        stray = [f for f in _MLA_FLAGS if f in got] + ["--qk-layernorm"] * qk_norm
+        stray = [f for f in _MLA_FLAGS if f in got]
         if stray:
-            why = " (remat's standard attention has no q/k norms)" if stray[0] == "--qk-layernorm" else ""
-            raise JobError(f"{stray[0]} needs --multi-latent-attention{why}: add it, or drop {stray[0]}")
+            raise JobError(f"{stray[0]} needs --multi-latent-attention: add it, or drop {stray[0]}")
         return out
-    if not qk_norm:
-        raise JobError("--multi-latent-attention without --qk-layernorm: remat's MLA has DeepSeek's q/kv norms, "
-                       "which Megatron builds only with --qk-layernorm; add --qk-layernorm")
     if "--kv-lora-rank" not in got:
         raise JobError("--multi-latent-attention needs --kv-lora-rank (the key/value compression rank, 512 for "
                        "DeepSeek-V3): add it")
@@ -116,8 +118,13 @@ def moe_mla_args(model: ModelConfig) -> list[str]:
             args += ["--moe-expert-capacity-factor", repr(float(m.moe_expert_capacity_factor))]
         if m.moe_aux_loss_coeff:
             args += ["--moe-aux-loss-coeff", repr(float(m.moe_aux_loss_coeff))]
+        args += ["--moe-router-pre-softmax"] * m.moe_router_pre_softmax
+        args += ["--moe-router-enable-expert-bias"] * m.moe_router_enable_expert_bias
+        if m.moe_z_loss_coeff is not None:
+            args += ["--moe-z-loss-coeff", repr(float(m.moe_z_loss_coeff))]
+    args += ["--qk-layernorm"] * m.has_qk_norms
     if m.multi_latent_attention:
-        args += ["--multi-latent-attention", "--qk-layernorm"]
+        args += ["--multi-latent-attention"]
         if m.q_lora_rank is not None:
             args += ["--q-lora-rank", str(m.q_lora_rank)]
         args += ["--kv-lora-rank", str(m.kv_lora_rank), "--qk-head-dim", str(m.qk_head_dim),

@@ -25,8 +25,7 @@ REFUSED_FLAGS: dict[str, str] = _table({
     "changes the MoE layers in a way remat's reference MoE (Megatron's all-to-all or allgather dispatcher, dropless "
     "or capacity routing, probabilities applied in the experts' activation) does not model":
         "--moe-pad-expert-input-to-capacity --moe-extended-tp --moe-apply-probs-on-input --moe-enable-deepep "
-        "--moe-router-dtype --moe-input-jitter-eps --moe-z-loss-coeff --moe-router-pre-softmax "
-        "--moe-router-enable-expert-bias --moe-router-padding-for-quantization --moe-use-legacy-grouped-gemm",
+        "--moe-input-jitter-eps --moe-router-padding-for-quantization --moe-use-legacy-grouped-gemm",
     "trains in FP8/FP4 (quantised copies of weights and activations)":
         "--fp8-format --fp8-recipe --fp8-param-gather --fp4-format --fp4-recipe --fp4-param-gather "
         "--first-last-layers-bf16 --reuse-grad-buf-for-mxfp8-param-ag --te-precision-config-file",
@@ -39,7 +38,7 @@ REFUSED_FLAGS: dict[str, str] = _table({
         "--fsdp-double-buffer --torch-fsdp2-no-reshard-after-forward --init-model-with-meta-device",
     "sets the gradient buckets from the parameter count (each bucket is padded; give --ddp-bucket-size)":
         "--ddp-num-buckets",
-    "changes the optimizer's state layout": "--num-distributed-optimizer-instances --use-precision-aware-optimizer "
+    "changes the optimizer's state layout": "--use-precision-aware-optimizer "
         "--main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype "
         "--ddp-reduce-scatter-with-fp32-accumulation",
     "keeps static CUDA-graph buffers": "--cuda-graph-impl --enable-cuda-graph --external-cuda-graph "
@@ -75,18 +74,9 @@ REFUSED_PREFIXES: dict[str, str] = {
     "--mla-": REFUSED_FLAGS["--spec"], "--mamba-": REFUSED_FLAGS["--spec"], "--dsa-": REFUSED_FLAGS["--spec"],
     "--mhc-": REFUSED_FLAGS["--spec"], "--megatron-fsdp-": REFUSED_FLAGS["--use-megatron-fsdp"],
 }
-# Megatron's local layers (--transformer-impl local, and --attention-backend local, which needs them) keep a
-# persistent buffer, megatron.core.utils.GlobalMemoryBuffer's "mpu" tensor, as large as the largest request: the
-# local attention's score buffer (b x heads/tp x s x s, DotProductAttention) and, under sequence parallelism, the
-# column-parallel linears' gathered input (s x b x h). Every rank holds it for the whole run; remat does not model it.
-LOCAL_LAYERS = ("--transformer-impl local / --attention-backend local: Megatron's local layers keep a global memory "
-                "buffer ('mpu': the attention scores, micro-batch x heads/TP x s x s, and under --sequence-parallel "
-                "the gathered linear inputs, s x micro-batch x hidden) for the whole run, which remat does not model "
-                "(its prediction would be short by it): predict the TransformerEngine layers (drop the flag; "
-                "--attention-backend unfused for TE's unfused attention)")
 # Accepted (and reported as ignored) only with Megatron's default value.
 DEFAULT_ONLY_FLAGS: dict[str, str] = {"--cp-comm-type": "p2p", "--softmax-type": "vanilla", "--cuda-graph-impl": "none",
-                                      "--num-distributed-optimizer-instances": "1", "--mlp-chunks-for-training": "1"}
+                                      "--mlp-chunks-for-training": "1"}
 # Flags known not to change what a rank holds during a training step: accepted and reported.
 IGNORED_FLAGS: dict[str, str] = _table({
     "run length, data and tokenizer": "--train-iters --train-samples --seed --data-path --split --train-data-path "
@@ -109,7 +99,7 @@ IGNORED_FLAGS: dict[str, str] = _table({
         "--use-mup --deterministic-mode --disable-bf16-reduced-precision-matmul --flash-attention-version",
     "fused kernels of the same operations (remat prices the reference operations)": "--no-masked-softmax-fusion "
         "--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion "
-        "--no-persist-layer-norm --no-gradient-accumulation-fusion --disable-jit-fuser --use-mcore-models",
+        "--no-persist-layer-norm --disable-jit-fuser --use-mcore-models",
     "communication scheduling (the buffers are allocated either way)":
         "--overlap-param-gather --overlap-param-gather-with-optimizer-step --no-align-grad-reduce "
         "--no-align-param-gather --ddp-average-in-collective "
@@ -163,13 +153,14 @@ _POSITIVE_INT = ("--num-layers --hidden-size --num-attention-heads --num-query-g
                  "--num-virtual-stages-per-pipeline-rank --context-parallel-size --expert-model-parallel-size "
                  "--expert-tensor-parallel-size --world-size --data-parallel-size --ddp-bucket-size "
                  "--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers "
-                 "--microbatch-group-size-per-virtual-pipeline-stage")
+                 "--microbatch-group-size-per-virtual-pipeline-stage --num-distributed-optimizer-instances")
 _SWITCHES = ("--group-query-attention --swiglu --untie-embeddings-and-output-weights --disable-bias-linear "
              "--use-flash-attn --use-rotary-position-embeddings --no-pad-vocab-size --disable-pad-vocab-size "
              "--sequence-parallel --bf16 --fp16 --accumulate-allreduce-grads-in-fp32 --grad-reduce-in-bf16 "
              "--use-distributed-optimizer --overlap-grad-reduce --ddp-pad-buckets-for-high-nccl-busbw "
              "--attention-softmax-in-fp32 --apply-query-key-layer-scaling --moe-grouped-gemm --multi-latent-attention "
-             "--qk-layernorm --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split")
+             "--qk-layernorm --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
+             "--no-gradient-accumulation-fusion")
 # MoE and MLA (remat.config's NOTE [MoE fields]; Megatron's names)
 _MOE_MLA_INT = ("--num-experts --moe-router-topk --moe-ffn-hidden-size --moe-shared-expert-intermediate-size "
                 "--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim")
@@ -178,6 +169,9 @@ MODELLED_FLAGS: dict[str, Any] = {
     **dict.fromkeys(_MOE_MLA_INT.split(), int), "--moe-layer-freq": str, "--pipeline-model-parallel-layout": str,
     **dict.fromkeys(("--moe-expert-capacity-factor", "--moe-aux-loss-coeff"), float),
     "--moe-router-score-function": ("softmax", "sigmoid"), "--moe-token-dispatcher-type": ("alltoall", "allgather"),
+    "--moe-router-dtype": ("fp32", "fp64"),  # remat.models.moe.RouterGatingLinear
+    # remat.models.moe.Router.top_k / z_loss
+    "--moe-router-pre-softmax": bool, "--moe-router-enable-expert-bias": bool, "--moe-z-loss-coeff": float,
     **dict.fromkeys(("--hidden-dropout", "--attention-dropout", "--sgd-momentum"), float),
     "--normalization": ("LayerNorm", "RMSNorm"), "--position-embedding-type": ("learned_absolute", "rope"),
     "--attention-backend": ("auto", "flash", "fused", "unfused", "local"),

@@ -5,7 +5,10 @@ Decisions (facts from NVIDIA/Megatron-LM at d98e8a6, files cited where they matt
 absent ``--ffn-hidden-size`` (swiglu: ``int(8h/3 / 64) * 64``, else 4h) and ``--kv-channels`` (h / heads); the
 vocabulary padded to ``--make-vocab-size-divisible-by`` x tp (GPT-2's 50257 tokens assumed, with a warning, when
 the command line names only a tokenizer file); ``--attention-backend unfused`` is TransformerEngine's unfused
-attention (remat's ``math``), every other backend its fused kernels (``sdpa``); the loss is Megatron's
+attention (remat's ``math``), every other backend its fused kernels (``sdpa``); ``--transformer-impl local`` (or
+``--attention-backend local``) is Megatron's local layers (``transformer_impl='local'``, traced with the ``local``
+kernel profile, :mod:`remat.memory.local_layers`), whose attention reads ``--no-masked-softmax-fusion``,
+``--attention-softmax-in-fp32`` and ``--apply-query-key-layer-scaling``; the loss is Megatron's
 (:mod:`remat.job_loss`); MoE and MLA flags are :mod:`remat.job_experts`'.
 """
 
@@ -17,7 +20,7 @@ from typing import Any
 from remat import job_loss
 from remat.config import ConfigError, ModelConfig
 from remat.job_experts import moe_mla_fields
-from remat.job_flags import LOCAL_LAYERS, JobError
+from remat.job_flags import JobError
 
 DEFAULT_VOCAB_SIZE = 50257  # GPT-2 BPE, the tokenizer of Megatron's GPT examples
 
@@ -52,15 +55,23 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
     if maxpos < s or (maxpos > s and pe == "learned_absolute"):
         raise JobError(f"--max-position-embeddings {maxpos} with --seq-length {s}: Megatron requires >= and its "
                        f"learned position table has that many rows (remat's: {s}); use --max-position-embeddings {s}")
-    if "local" in (got.get("--attention-backend"), got.get("--transformer-impl")):
-        raise JobError(LOCAL_LAYERS)
+    # --attention-backend local needs the local spec (megatron/training/arguments.py:436): either flag builds
+    # Megatron's local layers (remat.memory.local_layers), whose attention reads the softmax flags below
+    local = "local" in (got.get("--attention-backend"), got.get("--transformer-impl"))
+    local_fields = {"transformer_impl": "local", "masked_softmax_fusion": "--no-masked-softmax-fusion" not in ignored,
+                    "attention_softmax_in_fp32": bool(got.get("--attention-softmax-in-fp32")),
+                    "apply_query_key_layer_scaling": bool(got.get("--apply-query-key-layer-scaling"))} if local else {}
+    if local:
+        ignored[:] = [n for n in ignored if n != "--no-masked-softmax-fusion"]  # read by the local attention
     if (unfused := got.get("--attention-backend") == "unfused") and got.get("--use-flash-attn"):
         raise JobError("--use-flash-attn contradicts --attention-backend unfused: keep one")
-    if got.get("--apply-query-key-layer-scaling") and unfused and precision == "fp16":  # TE: fp16 scores only
+    te_fp16_scaling = unfused and precision == "fp16" and not local  # TE: rescales fp16 scores only
+    if got.get("--apply-query-key-layer-scaling") and te_fp16_scaling:
         raise JobError("--apply-query-key-layer-scaling rescales TE's unfused fp16 attention scores (an fp32 copy "
                        "when its fused softmax cannot run), which remat does not model: drop it")
     # TEDotProductAttention never passes attention_softmax_in_fp32 to TE (Megatron's local attention reads it)
-    ignored += [n for n in ("--attention-softmax-in-fp32", "--apply-query-key-layer-scaling") if got.get(n)]
+    ignored += [n for n in ("--attention-softmax-in-fp32", "--apply-query-key-layer-scaling") if got.get(n)
+                and not local]
     if "--padded-vocab-size" in got:
         vocab = got["--padded-vocab-size"]
     else:
@@ -81,7 +92,8 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
             position="rope" if pe == "rope" else "learned", attention="math" if unfused else "sdpa",
             hidden_dropout=got.get("--hidden-dropout", 0.1), attention_dropout=got.get("--attention-dropout", 0.1),
             dtype=precision, tie_embeddings=not got.get("--untie-embeddings-and-output-weights"),
-            add_bias_linear=not got.get("--disable-bias-linear"), kv_channels=kv, **moe_mla_fields(got, tp=tp))
+            add_bias_linear=not got.get("--disable-bias-linear"), kv_channels=kv, **local_fields,
+            **moe_mla_fields(got, tp=tp))
     except ConfigError as err:
         raise JobError(f"the model flags describe an invalid model: {err}") from None
     return model

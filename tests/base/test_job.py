@@ -89,9 +89,12 @@ def test_flags_te_attention_never_reads_are_ignored_with_unfused(extra):
 
 
 @pytest.mark.parametrize("extra", ["--attention-backend local", "--transformer-impl local"])
-def test_megatrons_local_layers_are_refused_for_their_global_buffer(extra):
-    with pytest.raises(JobError, match=r"global memory buffer \('mpu'.*drop the flag"):
-        parse(extra)
+def test_megatrons_local_layers_read_their_softmax_flags(extra):
+    # remat.memory.local_layers: DotProductAttention reads the flags TE's attention never sees
+    job, ignored = parse_megatron_args(f"{BASE} {extra} --apply-query-key-layer-scaling --no-masked-softmax-fusion")
+    m = job.model
+    assert m.transformer_impl == "local" and m.apply_query_key_layer_scaling and not m.masked_softmax_fusion
+    assert not m.attention_softmax_in_fp32 and "--no-masked-softmax-fusion" not in ignored
 
 
 @pytest.mark.parametrize("extra, vocab", [
@@ -524,10 +527,7 @@ def test_moe_and_mla_flags_set_the_model_fields():
     ("--num-experts 8 --expert-model-parallel-size 4 --world-size 2 --moe-token-dispatcher-type alltoall",
      ["ep (--expert-model-parallel-size)=4", "raise dp", "multiple of 4"]),
     ("--num-experts 8 --moe-token-dispatcher-type flex", ["--moe-token-dispatcher-type flex", "alltoall"]),
-    ("--position-embedding-type rope --multi-latent-attention --kv-lora-rank 32",
-     ["--multi-latent-attention without --qk-layernorm", "add --qk-layernorm"]),
     ("--position-embedding-type rope --multi-latent-attention --qk-layernorm", ["needs --kv-lora-rank"]),
-    ("--qk-layernorm", ["--qk-layernorm needs --multi-latent-attention", "no q/k norms"]),
     ("--kv-lora-rank 32", ["--kv-lora-rank needs --multi-latent-attention"]),
     ("--recompute-granularity selective --recompute-modules mla_up_proj",
      ["'mla_up_proj'", "multi-latent attention", "add --multi-latent-attention"]),
@@ -567,3 +567,52 @@ def test_flags_megatron_accepts_without_effect_are_listed_as_ignored(extra, igno
 ])
 def test_flags_that_change_memory_unmodelled_are_refused_by_name(extra, fragment):
     refused(extra, extra.split()[0], fragment, "remove it")
+
+
+def test_qk_layernorm_is_read_for_both_attentions_and_round_trips():
+    # standard attention: per-head q/k norms (Megatron's --qk-layernorm); MLA: its q/kv norms only with the flag
+    job, _ = parse_megatron_args(f"{BASE} --qk-layernorm")
+    assert job.model.qk_layernorm is True and job.model.has_qk_norms
+    assert parse_megatron_args(job.to_megatron_args())[0] == job
+    mla = ("--multi-latent-attention --kv-lora-rank 64 --q-lora-rank 96 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+           "--v-head-dim 16")
+    without, _ = parse_megatron_args(f"{BASE} {mla}")
+    with_norms, _ = parse_megatron_args(f"{BASE} {mla} --qk-layernorm")
+    assert without.model.qk_layernorm is False and not without.model.has_qk_norms
+    assert with_norms.model.qk_layernorm is None and with_norms.model.has_qk_norms  # MLA's default
+    for j in (without, with_norms):
+        assert parse_megatron_args(j.to_megatron_args())[0] == j
+    from remat.models.gpt import build_model
+
+    small = job.model.replace(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=8, vocab_size=128)
+    count = lambda m: sum(p.numel() for p in build_model(m).parameters())  # noqa: E731
+    # a LayerNorm (weight and bias) over head_dim = 16 for q and for k, per layer
+    assert count(small) - count(small.replace(qk_layernorm=None)) == 2 * 2 * 2 * 16
+
+
+@pytest.mark.parametrize("launcher, world", [
+    ("torchrun --nproc_per_node 8 --nnodes 2 pretrain_gpt.py", 16),
+    ("torchrun --nnodes=1:4 --nproc-per-node=8 pretrain_gpt.py", 32),  # elastic: the size the job reaches
+    ("python -m torch.distributed.run --nproc-per-node 4 pretrain_gpt.py", 4),
+    ("srun -N 2 --ntasks-per-node 8 python pretrain_gpt.py", 16),
+    ("srun --ntasks 24 python pretrain_gpt.py", 24),
+    ("mpirun -np 8 python pretrain_gpt.py", 8),
+    ("deepspeed --num_nodes 2 --num_gpus 4 pretrain_gpt.py", 8),
+])
+def test_a_pasted_launch_line_gives_the_world_size(launcher, world):
+    job, ignored = parse_megatron_args(f"{launcher} {BASE} --global-batch-size {2 * world}")
+    assert job.world_size == world and ignored[0] == launcher
+    # remat's own --world-size wins over the launcher's (scripts often take the node count from the scheduler)
+    assert parse_megatron_args(f"{launcher} {BASE} --world-size 2 --global-batch-size 4")[0].world_size == 2
+
+
+@pytest.mark.parametrize("launcher", ["torchrun --nproc_per_node $GPUS pretrain_gpt.py", "python pretrain_gpt.py",
+                                      "torchrun --nproc-per-node gpu pretrain_gpt.py"])
+def test_a_launch_line_that_does_not_say_leaves_one_data_rank(launcher):
+    assert parse_megatron_args(f"{launcher} {BASE}")[0].world_size == 1
+
+
+def test_every_refused_flag_is_named_at_once():
+    msg = refused("--fp8-format hybrid --mtp-num-layers 1 --no-such-flag 3", "3 flags stop the prediction",
+                  "(1) --fp8-format", "(2) --mtp-num-layers", "(3) remat does not know whether --no-such-flag")
+    assert "\n" not in msg

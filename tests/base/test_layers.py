@@ -17,7 +17,7 @@ LAYERS = {
     "remat.config": 0, "remat.policy": 0, "remat.offload_policy": 0, "remat.timeline": 0, "remat.units": 0,
     "remat.presets": 0,
     "remat.job": 0, "remat.job_flags": 0, "remat.job_experts": 0, "remat.version": 0, "remat.models": 0,
-    "remat.job_pipeline": 0, "remat.job_loss": 0, "remat.job_model": 0,
+    "remat.job_pipeline": 0, "remat.job_loss": 0, "remat.job_model": 0, "remat.job_launch": 0,
     "remat.recompute": 1,
     "remat.memory": 2,
     "remat.parallel": 3, "remat.megatron": 3,

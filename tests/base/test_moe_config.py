@@ -37,8 +37,25 @@ def test_moe_fields_are_checked_by_name() -> None:
         MOE.replace(moe_routing_assumption="counts:1,2")
     with pytest.raises(ConfigError, match="moe_routing_assumption='skewed': write 'balanced'"):
         MOE.replace(moe_routing_assumption="skewed")
-    with pytest.raises(ConfigError, match="multi_latent_attention=True needs position='rope'"):
-        ModelConfig(multi_latent_attention=True)
+    with pytest.raises(ConfigError, match="qk_layernorm='yes'"):
+        ModelConfig(qk_layernorm="yes")
+
+
+def test_mla_rotates_its_own_dimensions_beside_learned_positions() -> None:
+    # Megatron's MLA builds its own RotaryEmbedding; GPTModel adds the learned table for learned_absolute
+    from remat.models.gpt import build_model, rotary_tables
+
+    mla = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=2, kv_lora_rank=16, qk_head_dim=16,
+                      qk_pos_emb_head_dim=8, v_head_dim=16, multi_latent_attention=True, seq_length=16)
+    assert mla.position == "learned" and rotary_tables(mla, 16, "cpu")[0].shape == (16, 4)
+    assert rotary_tables(mla.replace(multi_latent_attention=False), 16, "cpu") is None
+    model = build_model(mla)
+    assert model.embedding.position_embeddings is not None
+    assert mla.has_qk_norms and not mla.replace(multi_latent_attention=False).has_qk_norms
+    plain = build_model(mla.replace(qk_layernorm=False))  # Megatron's MLA without --qk-layernorm: IdentityOp
+    names = {n for n, _ in model.named_parameters()} - {n for n, _ in plain.named_parameters()}
+    # q_lora_rank None: no q down-projection, so only the kv norm goes
+    assert names == {"layers.0.self_attention.kv_layernorm.weight", "layers.0.self_attention.kv_layernorm.bias"}
 
 
 def test_config_round_trips_through_a_mapping() -> None:

@@ -155,3 +155,20 @@ def test_deepseek_v3_per_rank_state_at_ep64():
     assert sum(p.numel for p in params if p.expert) == 4 * 4 * 3 * h * f
     state = rank_state(job, [params])
     assert 17 * 2 ** 30 < state.total < 17.5 * 2 ** 30  # 2 + 4 bytes per parameter, 12 per sharded element
+
+
+def test_distributed_optimizer_instances_shard_over_the_intra_instance_group():
+    # megatron/core/parallel_state.py: dp x cp ranks split into `instances` consecutive groups, each holding a whole
+    # sharded optimizer; buffers are laid out (and padded) over the intra-instance group
+    params = [ParamInfo("w", 1000), ParamInfo("b", 24)]
+    one = Job.build(ModelConfig(), precision="bf16", dp=4, distributed_optimizer=True)
+    two = one.replace(distributed_optimizer_instances=2)
+    assert (one.optimizer_shards, two.optimizer_shards) == (4, 2)
+    a, b = rank_state(one, [params]), rank_state(two, [params])
+    layout = buffer_layout(params, distributed_optimizer=True, dp_size=2)
+    assert b.gradients == layout.numel * 4 and b.shard_elements == max(shard_elements(layout, 2, r) for r in (0, 1))
+    assert b.master_parameters == 4 * b.shard_elements > a.master_parameters
+    assert two.to_megatron_args().count("--num-distributed-optimizer-instances") == 1
+    assert Job.from_megatron_args(two.to_megatron_args()) == two
+    with pytest.raises(ValueError, match="--num-distributed-optimizer-instances"):
+        one.replace(distributed_optimizer_instances=3)

@@ -47,6 +47,9 @@ def test_which_stages_run_torch_gemms():
     assert last == [(MODULE_TORCH, 32 * MIB)] * 2 + [(MODULE_TE, 32 * MIB + 1024)]
     unfused = Job.build(MODEL.replace(attention="math"), precision="bf16", pp=2, num_microbatches=2)
     assert stage_workspaces(unfused, 0) == last  # unfused attention's baddbmm/bmm
+    # PyTorch's own layers (the cuda profile) or Megatron's local ones: every linear is a torch GEMM, no TE GEMM
+    assert stage_workspaces(job, 0, kernels="cuda") == stage_workspaces(job, 1, kernels="cuda") == \
+        [(MODULE_TORCH, 32 * MIB)] * 2
     a100 = stage_workspaces(job, 1, env={"CUBLAS_WORKSPACE_CONFIG": ":16:8"}, gpu="a100")
     assert a100 == [(MODULE_TORCH, 128 * 1024)] * 2 + [(MODULE_TE, 4 * MIB)]
     moe = Job.build(MODEL.replace(num_moe_experts=4, moe_grouped_gemm=True, add_bias_linear=False), precision="bf16")
@@ -54,7 +57,8 @@ def test_which_stages_run_torch_gemms():
 
 
 def test_a_gpu_rank_keeps_them_all_step_and_a_cpu_rank_none():
-    job = Job.build(MODEL, precision="bf16", pp=2, num_microbatches=2)
+    # (gradient-accumulation fusion off: its dummy weight gradients are library buffers too, test_job_predict.py)
+    job = Job.build(MODEL, precision="bf16", pp=2, num_microbatches=2, gradient_accumulation_fusion=False)
     gpu = predict_stage(job, 1, kernels="te", device="cuda")
     assert gpu.parts["workspaces"] == sum(n for _, n in stage_workspaces(job, 1))
     rows = [i for i, m in enumerate(gpu.timeline.module) if m in (MODULE_TORCH, MODULE_TE)]

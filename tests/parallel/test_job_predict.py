@@ -10,7 +10,14 @@ from remat.job import Job, JobError
 from remat.memory.cuda_sdpa import select_backend
 from remat.memory.kernels import use_kernels
 from remat.memory.rank_state import rank_parameters, rank_state
-from remat.parallel.job_predict import NOT_COUNTED, PARTS, predict_job, predict_stage, ring_exchange_bytes
+from remat.parallel.job_predict import (
+    LIBRARY_BUFFERS,
+    NOT_COUNTED,
+    PARTS,
+    predict_job,
+    predict_stage,
+    ring_exchange_bytes,
+)
 from remat.parallel.pipeline_predict import predict_pipeline
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=128,
@@ -111,3 +118,38 @@ def test_the_first_step_peaks_before_adams_moments_exist():
     assert rank.first_step_peak_bytes < rank.peak_bytes
     plain = predict_job(Job.build(MODEL, precision="bf16", pp=2, num_microbatches=2, optimizer="none")).worst
     assert plain.first_step_peak_bytes == plain.peak_bytes
+
+
+def test_gradient_accumulation_fusion_makes_no_weight_gradient_and_keeps_te_dummies():
+    # NOTE [gradient-accumulation fusion]: TE's linears add weight gradients into main_grad (none is made) and return
+    # a cached dummy per distinct weight shape; the output layer, embeddings, norms and biases are unchanged
+    from remat.memory.wgrad_fusion import MODULE as DUMMY
+    from remat.memory.wgrad_fusion import dummy_wgrads, fused_weights
+    from remat.parallel.job_predict import stage_parameters
+
+    model = MODEL.replace(num_query_groups=None, activation="gelu", ffn_hidden_size=None)  # h=64, 4 heads, ffn 256
+    fused = Job.build(model, precision="bf16", pp=2, num_microbatches=3)
+    plain = fused.replace(gradient_accumulation_fusion=False)
+    params = [p for chunk in stage_parameters(fused, 1) for p in chunk]
+    weights = fused_weights(params)
+    assert {p.name.split(".", 2)[2] for p in weights} == {"self_attention.linear_qkv.weight",
+                                                           "self_attention.linear_proj.weight",
+                                                           "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
+    # qkv [192, 64], proj [64, 64], fc1 [256, 64], fc2 [64, 256]: four shapes for the stage's two layers, bf16
+    assert dummy_wgrads(params, 2) == [((192, 64), 192 * 64 * 2), ((64, 64), 64 * 64 * 2), ((256, 64), 256 * 64 * 2),
+                                       ((64, 256), 64 * 256 * 2)]
+    a, b = predict_stage(fused, 1, kernels="te"), predict_stage(plain, 1, kernels="te")  # exact bytes (device cpu)
+    dummies = [n for n, m in zip(a.timeline.nbytes, a.timeline.module) if m == DUMMY]
+    assert dummies == [n for _, n in dummy_wgrads(params, 2)] and not any(m == DUMMY for m in b.timeline.module)
+
+    def made(rank):  # bytes allocated in the step (model state and library buffers aside)
+        tl = rank.timeline
+        return sum(n for n, c, m in zip(tl.nbytes, tl.category, tl.module) if c not in (
+            "parameters", "gradients", "optimizer_state") and m not in LIBRARY_BUFFERS)
+
+    # every microbatch's backward made each weight gradient unfused; fused, none
+    assert made(b) - made(a) == 3 * sum(p.numel * 2 for p in weights)
+    assert fused.to_megatron_args().count("--no-gradient-accumulation-fusion") == 0
+    assert Job.from_megatron_args(plain.to_megatron_args()) == plain
+    # a CPU job (gloo) cannot fuse: the cpu kernel profile keeps the transients and makes no dummy
+    assert predict_stage(fused, 1, kernels="cpu").peak_bytes == predict_stage(plain, 1, kernels="cpu").peak_bytes

@@ -11,6 +11,8 @@ the functions whose kernels differ to the CUDA kernels' meta implementations whi
   :data:`TE_ATTENTION_VERSION`): TE's unfused attention for the reference model's 'math' core attention
   (``--attention-backend unfused``) and for fp32, its fused attention for 'sdpa' and any 16-bit
   ``scaled_dot_product_attention``, and the fused SwiGLU of ``LayerNormMLP``.
+* ``local``: ``cuda`` plus Megatron-LM's local layers (``--transformer-impl local``,
+  :mod:`remat.memory.local_layers`): its ``DotProductAttention`` for every core attention, the fused SwiGLU.
 
 ``docs/kernels.md`` lists every substitution with the source it follows. Operators a profile cannot express
 (another library's ops, CPU-only kernels, attention made of separate operators under ``te``) are priced as traced
@@ -35,10 +37,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from remat.config import ModelConfig
 from remat.memory.cuda_sdpa import HALF, cuda_sdpa
+from remat.memory.local_layers import local_attention
 from remat.models.gpt import CoreAttention, SwiGLU
 
-KERNELS = ("cpu", "cuda", "te")
+KERNELS = ("cpu", "cuda", "te", "local")
 # the functions a profile replaces, as torch defines them (the replacements call these, never the patched names)
 _dropout, _layer_norm = F.dropout, F.layer_norm
 TE_VERSION = "TransformerEngine 1.x (layernorm_linear.py / layernorm_mlp.py as of 2024, v1.5-1.7)"
@@ -59,8 +63,16 @@ _ACTIVE: ContextVar[str | None] = ContextVar("remat_kernels", default=None)
 def check_kernels(kernels: str) -> str:
     """``kernels`` if it names a profile, else a ValueError naming the field and the choices."""
     if kernels not in KERNELS:
-        raise ValueError(f"kernels={kernels!r}: must be one of {', '.join(KERNELS)} (--kernels cpu|cuda|te)")
+        raise ValueError(f"kernels={kernels!r}: must be one of {', '.join(KERNELS)} (--kernels cpu|cuda|te|local)")
     return kernels
+
+
+def model_kernels(kernels: str, config: ModelConfig) -> str:
+    """The profile a Megatron model's GPU kernels follow: ``'local'`` for ``cuda`` and ``te`` when the model is
+    built of Megatron's local layers (``config.transformer_impl``, ``--transformer-impl local``: no TE module runs,
+    its attention is ``DotProductAttention``), else ``kernels`` (``cpu`` stays the CPU's kernels)."""
+    local = config.transformer_impl == "local" and check_kernels(kernels) in ("cuda", "te")
+    return "local" if local else kernels
 
 
 @contextlib.contextmanager
@@ -364,19 +376,35 @@ TE_ROUTES: dict[tuple[Any, str], Callable[..., Any]] = {
     **CUDA_ROUTES, (F, "scaled_dot_product_attention"): te_attention}
 
 
+def _local_core_attention(module: CoreAttention, config: ModelConfig | None, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The reference model's core attention as Megatron's local ``DotProductAttention`` (both kinds)."""
+    p = module.dropout if module.training else 0.0
+    if config is None:
+        return local_attention(q, k, v, attention_mask, p, module.scale)
+    return local_attention(q, k, v, attention_mask, p, module.scale, fusion=config.masked_softmax_fusion,
+                           in_fp32=config.attention_softmax_in_fp32, scaled=config.apply_query_key_layer_scaling)
+
+
 def prepare_model(model: nn.Module, kernels: str) -> int:
     """Give the reference model's modules the forward their ``kernels`` profile runs; returns how many changed.
 
     Under ``te`` every :class:`~remat.models.gpt.CoreAttention` becomes TE's attention (unfused for 'math' and
-    fp32, fused for 'sdpa') and every :class:`~remat.models.gpt.SwiGLU` TE's fused SwiGLU (instance attributes:
+    fp32, fused for 'sdpa'), under ``local`` Megatron's ``DotProductAttention`` (:mod:`remat.memory.local_layers`),
+    and every :class:`~remat.models.gpt.SwiGLU` TE's fused SwiGLU (Megatron's ``bias_swiglu_impl`` keeps the same
+    fc1 output) (instance attributes:
     recompute regions installed later wrap them). Other profiles change nothing. Call it on the fake model,
     before :func:`remat.apply`.
     """
-    if check_kernels(kernels) != "te":
+    if check_kernels(kernels) not in ("te", "local"):
         return 0
     changed = 0
+    config = getattr(model, "config", None)  # the reference models keep theirs (local: the softmax flags)
     for module in model.modules():
-        if isinstance(module, CoreAttention):
+        if isinstance(module, CoreAttention) and kernels == "local":
+            module.__dict__["forward"] = functools.partial(
+                _local_core_attention, module, config if isinstance(config, ModelConfig) else None)
+        elif isinstance(module, CoreAttention):
             module.__dict__["forward"] = functools.partial(_te_core_attention, module)
         elif isinstance(module, SwiGLU):
             module.__dict__["forward"] = functools.partial(_te_swiglu, module)

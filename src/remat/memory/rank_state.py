@@ -70,6 +70,7 @@ class ParamInfo:
     numel: int
     shared_embedding: bool = False
     expert: bool = False  # a routed expert's weight under expert parallelism (NOTE [expert parameters])
+    shape: tuple[int, ...] = ()  # as built (TE's dummy weight gradients are keyed by it: memory.wgrad_fusion)
 
 
 @dataclass(frozen=True)
@@ -209,13 +210,26 @@ def chunk_layouts(job: Job, params: Sequence[ParamInfo], *, bucketed: bool) -> l
     """
     bucket_size = (job.ddp_bucket_size or max(40_000_000, 1_000_000 * job.dp)) if bucketed else None
     out = []
-    for expert, shards in ((False, job.dp * job.cp), (True, job.expert_data_parallel)):
+    for expert, shards in ((False, dense_shards(job)), (True, expert_shards(job))):
         group = [p for p in params if p.expert == expert]
         if group or not expert:
             lay = buffer_layout(group, distributed_optimizer=job.distributed_optimizer, dp_size=shards,
                                 bucket_size=bucket_size, pad_for_nccl_busbw=job.pad_buckets_for_high_nccl_busbw)
             out.append(dataclasses.replace(lay, expert=expert))
     return out
+
+
+def dense_shards(job: Job) -> int:
+    """The ranks a dense buffer is laid out (and, with the distributed optimizer, sharded) over: the intra-instance
+    data-parallel x cp group, dp x cp / ``--num-distributed-optimizer-instances`` (megatron/core/parallel_state.py
+    ``intra_partial_data_parallel_size``; distributed_data_parallel.py lays the buffers over ``intra_dp_cp_group``).
+    Consecutive data-parallel ranks form an instance, so data-parallel shard g holds slice g % dense_shards."""
+    return job.dp * job.cp // job.distributed_optimizer_instances
+
+
+def expert_shards(job: Job) -> int:
+    """As :func:`dense_shards` for the expert buffers: the intra-instance expert data-parallel group."""
+    return job.expert_data_parallel // job.distributed_optimizer_instances
 
 
 def expert_position(job: Job, stage_rank: int) -> tuple[int, int, int]:
@@ -233,8 +247,8 @@ def rank_shard_elements(job: Job, layouts: Sequence[BufferLayout], dense_shard: 
     size); all elements without the distributed optimizer."""
     if not job.distributed_optimizer:
         return sum(lay.numel_unpadded for lay in layouts)
-    return sum(shard_elements(lay, job.expert_data_parallel, expert_shard) if lay.expert else
-               shard_elements(lay, job.dp * job.cp, dense_shard) for lay in layouts)
+    return sum(shard_elements(lay, expert_shards(job), expert_shard % expert_shards(job)) if lay.expert else
+               shard_elements(lay, dense_shards(job), dense_shard % dense_shards(job)) for lay in layouts)
 
 
 def rank_state(job: Job, chunks: Sequence[Sequence[ParamInfo]], *, pipeline_rank: int = 0,
@@ -285,7 +299,8 @@ def module_parameters(module: nn.Module, shared: Sequence[Any] = ()) -> list[Par
     """``module``'s parameters (each once, in ``named_parameters`` order); those in ``shared`` are marked
     ``shared_embedding``."""
     shared_ids = {id(p) for p in shared}
-    return [ParamInfo(name, p.numel(), id(p) in shared_ids) for name, p in module.named_parameters()]
+    return [ParamInfo(name, p.numel(), id(p) in shared_ids, shape=tuple(p.shape))
+            for name, p in module.named_parameters()]
 
 
 class _Chunk(nn.Module):
@@ -349,12 +364,12 @@ def rank_parameters(config: ModelConfig, *, first: bool, last: bool, num_layers:
     params = _built_parameters(cfg, first, last, built, tp, sp, pipelined and tied, etp)
     expert_parallel = cfg.expert_model_parallel_size > 1
     by_kind = {pattern[i]: [ParamInfo(p.name.split(".", 2)[2], p.numel, p.shared_embedding,
-                                      expert_parallel and ".mlp.experts." in p.name)
+                                      expert_parallel and ".mlp.experts." in p.name, p.shape)
                             for p in params if p.name.startswith(f"layers.{k}.")]
                for k, i in enumerate(built)}
     before = [p for p in params if p.name.startswith("embedding.")]
     after = [p for p in params if not p.name.startswith(("embedding.", "layers."))]
-    layers = [ParamInfo(f"layers.{i - layer_offset}." + p.name, p.numel, p.shared_embedding, p.expert)
+    layers = [ParamInfo(f"layers.{i - layer_offset}." + p.name, p.numel, p.shared_embedding, p.expert, p.shape)
               for i in span for p in by_kind[pattern[i]]]
     return before + layers + after
 
@@ -374,7 +389,7 @@ def _built_parameters(cfg: ModelConfig, first: bool, last: bool, built: list[int
     (``last``) of one tensor-parallel rank, built under ``FakeTensorMode``; kept in this process and on disk
     (:mod:`remat.memory.disk_cache`): building the fake module is the slow part, and needs torch's fake mode."""
     key = {"config": cfg.to_dict(), "first": first, "last": last, "built": list(built), "tp": tp, "sp": sp,
-           "shares": shares, "etp": etp}
+           "shares": shares, "etp": etp, "format": 2}  # 2: with shapes
     text = repr(sorted(key.items()))
     if text in _BUILT:
         return list(_BUILT[text])
@@ -382,7 +397,8 @@ def _built_parameters(cfg: ModelConfig, first: bool, last: bool, built: list[int
     params: list[ParamInfo] | None = None
     if isinstance(stored, list):
         try:
-            params = [ParamInfo(str(n), int(k), bool(s), bool(e)) for n, k, s, e in stored]
+            params = [ParamInfo(str(n), int(k), bool(s), bool(e), tuple(int(d) for d in shape))
+                      for n, k, s, e, shape in stored]
         except (TypeError, ValueError):
             params = None
     if params is None:
@@ -399,6 +415,7 @@ def _built_parameters(cfg: ModelConfig, first: bool, last: bool, built: list[int
                 shared = [module.embedding.word_embeddings.weight] if first else []
                 shared += [module.head.output_layer.weight] if last else []
             params = module_parameters(module, shared)
-        disk_cache.store("rank_parameters", key, [[p.name, p.numel, p.shared_embedding, p.expert] for p in params])
+        disk_cache.store("rank_parameters", key,
+                         [[p.name, p.numel, p.shared_embedding, p.expert, list(p.shape)] for p in params])
     _BUILT[text] = params
     return list(params)

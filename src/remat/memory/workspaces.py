@@ -21,6 +21,10 @@ NOTE [GEMM workspaces]
   (32 MiB + 1 KiB on sm90 and later, 4 MiB before) for ordinary GEMMs, and for grouped GEMMs (MoE experts with
   ``--moe-grouped-gemm``) one per compute stream: ``nvte_get_num_compute_streams()`` = 4
   (transformer_engine/common/util/multi_stream.cpp).
+* Megatron's local layers (``--transformer-impl local``): every linear is megatron-core's (``torch.matmul``,
+  tensor_parallel/layers.py:459, then ``+ bias``: no cuBLASLt bias epilogue) and the local attention multiplies with
+  ``torch.baddbmm``/``torch.bmm`` (dot_product_attention.py:194, 239), so every stage holds the two torch
+  workspaces, and none of TE's (no TE GEMM runs: ``te_general_gemm`` only for a mixed-dtype output, layers.py:465).
 Checked against Megatron-LM's H100 functional tests (benchmarks/bench_megatron_golden.py): with these three 32 MiB
 workspaces, remat's resident state of gpt3_mcore_te_tp1_pp1_frozen_resume_torch_dist_dist_optimizer equals
 ``mem-allocated-bytes`` to 2,560 bytes.
@@ -32,6 +36,7 @@ import re
 from collections.abc import Mapping
 
 from remat.job import Job, JobError
+from remat.memory.local_layers import local_scores_bytes
 from remat.models.allgather_dispatch import global_buffer_bytes
 
 MODULE_TORCH = "cuda.cublas_workspace"
@@ -80,8 +85,8 @@ def gpu_major(gpu: str | None) -> int:
     raise JobError(f"gpu={gpu!r}: remat knows the GEMM workspaces of {', '.join(GPU_MAJOR)} GPUs; give one of them")
 
 
-def stage_workspaces(job: Job, stage: int, *, env: Mapping[str, str] | None = None,
-                     gpu: str | None = None) -> list[tuple[str, int]]:
+def stage_workspaces(job: Job, stage: int, *, env: Mapping[str, str] | None = None, gpu: str | None = None,
+                     kernels: str = "te") -> list[tuple[str, int]]:
     """The GEMM workspaces a rank of pipeline stage ``stage`` keeps from its first step on, as ``(module, bytes)``.
 
     Args:
@@ -89,6 +94,8 @@ def stage_workspaces(job: Job, stage: int, *, env: Mapping[str, str] | None = No
         stage: the pipeline stage.
         env: the training processes' environment (``CUBLAS_WORKSPACE_CONFIG`` is read); None: none set.
         gpu: the GPU (sizes depend on its architecture); None: Hopper.
+        kernels: the kernel profile the rank is predicted with: ``te`` (TransformerEngine's layers), or ``cuda`` /
+            ``local`` (every linear a torch GEMM: two torch workspaces on every stage, no TE workspace).
 
     Example:
         >>> from remat.config import ModelConfig
@@ -97,32 +104,82 @@ def stage_workspaces(job: Job, stage: int, *, env: Mapping[str, str] | None = No
         [33554432, 33554432, 33555456]
     """
     major, env = gpu_major(gpu), env or {}
-    torch_gemm = stage == job.pp - 1 or job.model.attention == "math"
+    local = job.model.transformer_impl == "local" or kernels != "te"  # no TE layer: torch's GEMMs only
+    torch_gemm = stage == job.pp - 1 or job.model.attention == "math" or local
     out = [(MODULE_TORCH, cublas_workspace_bytes(env.get("CUBLAS_WORKSPACE_CONFIG"), major))] * (2 * torch_gemm)
-    out.append((MODULE_TE, te_workspace_bytes(major)))
-    if job.model.is_moe and job.model.moe_grouped_gemm:
+    if not local:
+        out.append((MODULE_TE, te_workspace_bytes(major)))
+    if job.model.is_moe and job.model.moe_grouped_gemm and not local:
         out += [(MODULE_TE, te_workspace_bytes(major))] * TE_GROUPED_GEMM_STREAMS
-    kept = allgather_kept_bytes(job, stage)
+    gathered, attributes = _allgather_parts(job, stage)
+    requests = global_buffer_requests(job, stage) + [(("mpu", _dtype_bytes(job)), gathered)] * (gathered > 0)
+    kept = global_memory_buffer_bytes(requests) + attributes
     return out + [(MODULE_ALLGATHER, kept)] * (kept > 0)
+
+
+def _dtype_bytes(job: Job) -> int:
+    return 4 if job.precision == "fp32" else 2
+
+
+def global_memory_buffer_bytes(requests: list[tuple[tuple[str, int], int]]) -> int:
+    """What Megatron's process-wide ``GlobalMemoryBuffer`` (megatron/core/utils.py:727) holds after ``requests``
+    (``((name, dtype), bytes)``): one tensor per (name, dtype), re-allocated whenever a request is larger and never
+    freed, so the largest request of each key (the earlier, smaller tensor is freed when replaced: utils.py:746).
+
+    Example:
+        >>> global_memory_buffer_bytes([(("mpu", 2), 100), (("mpu", 2), 300), (("mpu", 4), 50)])
+        350
+    """
+    largest: dict[tuple[str, int], int] = {}
+    for key, nbytes in requests:
+        largest[key] = max(largest.get(key, 0), nbytes)
+    return sum(largest.values())
+
+
+def global_buffer_requests(job: Job, stage: int) -> list[tuple[tuple[str, int], int]]:
+    """The dense layers' requests of Megatron's global buffer on a rank of ``stage``, ``((name, dtype bytes),
+    bytes)``: the local attention's scores ``[b*np, s, s]`` (dot_product_attention.py:189) when the stage has local
+    layers, and under sequence parallelism each megatron-core column-parallel linear's gathered input ``[s, b, h]``
+    (tensor_parallel/layers.py:627, forward and backward): the local layers' QKV and fc1, and the output layer on the
+    last stage whatever the layers (gpt_model.py builds it as ``tensor_parallel.ColumnParallelLinear``). The MoE
+    allgather dispatcher's request is :func:`allgather_kept_bytes`'."""
+    m, dtype = job.model, _dtype_bytes(job)
+    local = m.transformer_impl == "local"
+    layers = sum(count for chunk, count in enumerate(job.chunk_layers) if chunk % job.pp == stage)
+    out: list[tuple[tuple[str, int], int]] = []
+    seq = m.seq_length // job.cp
+    if local and layers:
+        out.append((("mpu", dtype), local_scores_bytes(m.micro_batch_size, m.num_attention_heads // job.tp, seq,
+                                                       dtype)))
+    if job.sp and ((local and layers) or stage == job.pp - 1):
+        out.append((("mpu", dtype), seq * m.micro_batch_size * m.hidden_size * dtype))
+    return out
 
 
 def allgather_kept_bytes(job: Job, stage: int) -> int:
     """What the allgather token dispatcher keeps on a rank of ``stage`` from its first MoE forward on (Megatron's
     global buffer of the gathered hidden states and each MoE layer's dispatcher attributes, NOTE [the allgather
     dispatcher]), under balanced routing; 0 without it or without MoE layers on the stage."""
+    return sum(_allgather_parts(job, stage))
+
+
+def _allgather_parts(job: Job, stage: int) -> tuple[int, int]:
+    """:func:`allgather_kept_bytes` in two: the global buffer's gathered hidden states and the layers' attributes."""
     m = job.model
     group = job.expert_tp * job.ep
     if not m.is_moe or m.moe_token_dispatcher_type != "allgather" or group == 1:
-        return 0
+        return 0, 0
     pattern, start, moe_layers = m.moe_layer_pattern(), 0, 0
     for chunk, count in enumerate(job.chunk_layers):
         moe_layers += sum(pattern[start:start + count]) if chunk % job.pp == stage else 0
         start += count
     if not moe_layers:
-        return 0
+        return 0, 0
     tokens = m.micro_batch_size * m.seq_length // (job.tp * job.cp)
     local = int(m.num_moe_experts or 1) // job.ep
     copies = group * tokens * m.moe_router_topk // job.ep  # balanced: the local experts' share of G x T x topk
-    dtype_bytes = 4 if job.precision == "fp32" else 2
+    dtype_bytes = _dtype_bytes(job)
     probs_bytes = {"fp32": 4, "fp64": 8}.get(m.moe_router_dtype or "", dtype_bytes)
-    return global_buffer_bytes(tokens, m.hidden_size, dtype_bytes, group, moe_layers, local, copies, probs_bytes)
+    gathered = group * tokens * m.hidden_size * dtype_bytes  # global_buffer_bytes' first term
+    kept = global_buffer_bytes(tokens, m.hidden_size, dtype_bytes, group, moe_layers, local, copies, probs_bytes)
+    return gathered, kept - gathered

@@ -29,8 +29,17 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         qkv_size = (self.heads + 2 * self.groups) * self.head_dim
         self.linear_qkv = nn.Linear(config.hidden_size, qkv_size, bias=config.add_bias_linear)
+        self.add_qk_norms(config)
         self.core_attention = CoreAttention(config)
         self.linear_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)
+
+    def add_qk_norms(self, config: ModelConfig) -> None:
+        """``--qk-layernorm``: a norm over each query and key head's ``head_dim`` values, applied after the split
+        and before rotary (megatron/core/transformer/attention.py ``get_query_key_value_tensors``: ``q_layernorm`` /
+        ``k_layernorm`` on [s, b, heads, head_dim]; replicated on every tensor-parallel rank)."""
+        norms = config.has_qk_norms
+        self.q_layernorm = norm_layer(config, config.head_dim) if norms else None
+        self.k_layernorm = norm_layer(config, config.head_dim) if norms else None
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -42,8 +51,10 @@ class SelfAttention(nn.Module):
         """Split ``qkv`` ([b, s, ...]) into this module's heads, attend, and return [b, s, heads * head_dim]."""
         d = self.head_dim
         q, k, v = qkv.split([self.heads * d, self.groups * d, self.groups * d], dim=-1)
-        q = q.view(b, s, self.heads, d).transpose(1, 2)
-        k = k.view(b, s, self.groups, d).transpose(1, 2)
+        q, k = q.view(b, s, self.heads, d), k.view(b, s, self.groups, d)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, self.groups, d).transpose(1, 2)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
@@ -152,8 +163,10 @@ def layer_side_inputs(config: ModelConfig, tokens: torch.Tensor,
 def rotary_tables(config: ModelConfig, seq_length: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """cos and sin of the rotary angles, [seq_length, rotary_dim / 2] in the model's dtype (None without rope);
-    rotary_dim is the head dimension, or MLA's qk_pos_emb_head_dim."""
-    if config.position != "rope":
+    rotary_dim is the head dimension, or MLA's qk_pos_emb_head_dim. MLA always rotates its decoupled dimensions, with
+    learned absolute positions too (megatron/core/transformer/multi_latent_attention.py builds its own
+    RotaryEmbedding; GPTModel builds the learned table for position_embedding_type learned_absolute)."""
+    if config.position != "rope" and not config.multi_latent_attention:
         return None
     d = config.rotary_dim
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))

@@ -66,9 +66,10 @@ class MLASelfAttention(nn.Module):
         bias = config.add_bias_linear
         if config.q_lora_rank is not None:
             self.linear_q_down_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=bias)
-            self.q_layernorm = norm_layer(config, config.q_lora_rank)
+            # Megatron's MLA spec builds its q/kv norms only with --qk-layernorm (else IdentityOp)
+            self.q_layernorm = norm_layer(config, config.q_lora_rank) if config.has_qk_norms else nn.Identity()
         self.linear_kv_down_proj = nn.Linear(config.hidden_size, config.kv_lora_rank + self.pos_dim, bias=bias)
-        self.kv_layernorm = norm_layer(config, config.kv_lora_rank)
+        self.kv_layernorm = norm_layer(config, config.kv_lora_rank) if config.has_qk_norms else nn.Identity()
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -84,6 +84,12 @@ class Router(nn.Module):
         self.aux_loss_coeff = config.moe_aux_loss_coeff
         self.moe_index = moe_index
         self.router_dtype = {None: None, "fp32": torch.float32, "fp64": torch.float64}[config.moe_router_dtype]
+        self.pre_softmax, self.z_loss_coeff = config.moe_router_pre_softmax, config.moe_z_loss_coeff
+        # router.py:178-195, --moe-router-enable-expert-bias: two fp32 [E] buffers (no parameters)
+        bias = config.moe_router_enable_expert_bias
+        self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts, dtype=torch.float32) if bias else None)
+        self.register_buffer("local_tokens_per_expert", torch.zeros(config.num_moe_experts, dtype=torch.float32)
+                             if bias else None, persistent=False)
         self.assumption = (RoutingAssumption.parse(config.moe_routing_assumption)
                            if config.moe_routing_assumption is not None else None)
         self.last_counts: list[int] = []
@@ -94,19 +100,36 @@ class Router(nn.Module):
         expert order (indices into the T * topk copies) and the tokens each expert receives."""
         logits = (F.linear(tokens, self.weight) if self.router_dtype is None
                   else RouterGatingLinear.apply(tokens, self.weight, self.router_dtype))
-        chooser = logits if self.score_function == "softmax" else logits.sigmoid()
-        choice = chooser.topk(self.topk, dim=-1).indices
-        chosen = logits.gather(1, choice)
-        if self.score_function == "softmax":  # Megatron's default: softmax over the top-k logits
-            probs = chosen.softmax(dim=-1)
-        else:  # sigmoid scores, normalised over the top-k
-            probs = chosen.sigmoid()
-            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20) if self.topk > 1 else probs
+        if self.z_loss_coeff is not None:  # router.py:626-650 apply_z_loss, before the scores
+            logits = MoEAuxLossAutoScaler.apply(logits, self.z_loss(logits))
+        probs, choice = self.top_k(logits)
         counts, order = self.dispatch_order(choice, logits.shape[1])
         if self.aux_loss_coeff > 0:
             probs = MoEAuxLossAutoScaler.apply(probs, self.aux_loss(logits, counts))
         self.last_counts = counts
         return probs.flatten(), host_values(order, torch.long, tokens), counts
+
+    def top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the chosen experts' probabilities, their indices), each [T, topk]: Megatron's unfused
+        ``topk_routing_with_score_function`` (moe_utils.py:868-908)."""
+        if self.score_function == "softmax" and not self.pre_softmax:  # the default: softmax over the top-k logits
+            choice = logits.topk(self.topk, dim=-1).indices
+            return logits.gather(1, choice).softmax(dim=-1), choice
+        if self.score_function == "softmax":  # --moe-router-pre-softmax: fp32 softmax over every expert, saved
+            probs, choice = logits.softmax(dim=-1, dtype=torch.float32).topk(self.topk, dim=-1)
+            return probs.type_as(logits), choice
+        scores = logits.float().sigmoid()  # fp32 sigmoid scores over every expert, saved for the top-k's gradient
+        if self.expert_bias is not None:  # the biased scores choose, the plain ones weigh (moe_utils.py:896-899)
+            choice = (scores + self.expert_bias.float()).topk(self.topk, dim=-1).indices
+            chosen = scores.gather(1, choice)
+        else:
+            chosen, choice = scores.topk(self.topk, dim=-1)
+        probs = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20) if self.topk > 1 else chosen
+        return probs.type_as(logits), choice
+
+    def z_loss(self, logits: torch.Tensor) -> torch.Tensor:
+        """Megatron's ``z_loss_func`` (moe_utils.py:153-182): mean(logsumexp(logits)^2) x coefficient."""
+        return logits.logsumexp(dim=-1).square().mean() * float(self.z_loss_coeff or 0.0)
 
     def dispatch_order(self, choice: torch.Tensor, experts: int) -> tuple[list[int], Sequence[int]]:
         """(tokens per expert, the routed copies in expert order): real or assumed (NOTE [routing under fake

@@ -41,6 +41,7 @@ class TPSelfAttention(SelfAttention):
             config.head_dim
         qkv = (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv, config.add_bias_linear, group, sp)
+        self.add_qk_norms(config)
         self.core_attention = CoreAttention(config)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                              config.add_bias_linear, group, sp)

@@ -192,7 +192,7 @@ def run_experts_tensor_parallel(experts: nn.Module, ep_group: ExpertParallelGrou
     mine = [[every[e * etp + t][ep_rank * local:(ep_rank + 1) * local] for e in range(ep)] for t in range(etp)]
     output_splits = [sum(mine[tp_rank][e]) for e in range(ep)]  # from the ep ranks of this tp rank
     splits_tp = [sum(sum(row) for row in mine[t]) for t in range(etp)]  # what each etp rank received
-    tokens, probs = permuted, permuted_probs
+    tokens, probs, probs_dtype = permuted, permuted_probs, permuted_probs.dtype
     if ep > 1:
         tokens = AllToAll.apply(permuted, ep_group, output_splits, input_splits)
         probs = AllToAll.apply(permuted_probs, ep_group, output_splits, input_splits)
@@ -214,7 +214,9 @@ def run_experts_tensor_parallel(experts: nn.Module, ep_group: ExpertParallelGrou
         to_sources = [lx * sources + s for s in range(sources) for lx in range(local)]
         output = sort_chunks(output, by_expert, to_sources)
     if etp > 1:  # the fc2 shards' partial sums, summed; each etp rank keeps what it received
-        output = ReduceScatterToSequenceV.apply(output, etp_group, splits_tp)
+        # token_dispatcher.py:829-833 (combine_preprocess): summed in the probabilities' dtype, so an fp32 router
+        # (--moe-router-dtype) makes an fp32 copy, the fp32 reduce-scatter output (and fp32 gathered gradients)
+        output = ReduceScatterToSequenceV.apply(output.to(probs_dtype), etp_group, splits_tp).to(output.dtype)
     if ep > 1:
         output = AllToAll.apply(output, ep_group, input_splits, output_splits)
     return output, received

@@ -23,7 +23,8 @@ from remat.memory.compose import (
     shallow_stand_ins,
     shallow_stand_ins_of_kinds,
 )
-from remat.memory.kernels import check_kernels, kernel_trace, prepare_model
+from remat.memory.kernels import kernel_trace, model_kernels, prepare_model
+from remat.memory.wgrad_fusion import is_fused_weight
 from remat.models.expert_parallel import simulated_expert_rank
 from remat.models.gpt import sample_batch
 from remat.models.tensor_parallel import SimulatedGroup
@@ -99,7 +100,8 @@ def traced_whole() -> Iterator[None]:
 
 def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy | Plan | str, device: str = "cpu",
                 tp: int = 1, sp: bool = False, *, batch_in_forward: bool = False,
-                compose_layers: bool = True, kernels: str = "cpu", drop_grads: bool = False) -> ChunkTrace:
+                compose_layers: bool = True, kernels: str = "cpu", drop_grads: bool = False,
+                fused_wgrad: bool = False) -> ChunkTrace:
     """Trace (fake) a chunk of ``kind`` = (has the embedding, has the head, layers) under ``policy``: two
     forwards whose outputs are kept, then their two backwards (each given the output gradient); cached.
 
@@ -114,21 +116,24 @@ def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Polic
     ``kernels``: whose kernels' saved tensors the chunk keeps (:mod:`remat.memory.kernels`: ``'cpu'``, ``'cuda'``,
     ``'te'``); part of the cache key. ``drop_grads``: each parameter's ``.grad`` is dropped as soon as autograd has
     accumulated it (a post-accumulate-grad hook), as Megatron's DDP hook does once it has added it into the
-    main-gradient buffer, so the trace frees it where a Megatron rank does; else ``.grad`` is kept."""
-    check_kernels(kernels)
+    main-gradient buffer, so the trace frees it where a Megatron rank does; else ``.grad`` is kept.
+    ``fused_wgrad``: Megatron's gradient-accumulation fusion on a GPU: TransformerEngine's linears add their weight
+    gradients straight into the main grads, so none is made (NOTE [gradient-accumulation fusion] in
+    :mod:`remat.memory.wgrad_fusion`; the trace runs those weights without ``requires_grad``)."""
+    kernels = model_kernels(kernels, config)  # cuda/te of Megatron's local layers: their own kernels
     policy = Policy.parse(policy) if isinstance(policy, str) else policy
     batch_in_forward = batch_in_forward and (kind[0] or kind[1])  # a middle chunk has no batch
     compose_layers = compose_layers and _COMPOSE[0] and kind[2] > 0  # a chunk of no layers is traced as it is
     # tp/sp: one tp rank's chunk (models.tp_stage); the simulated expert-parallel rank its MoE layers play
     key = (config, kind, policy, device, tp, sp, batch_in_forward, simulated_expert_rank(), compose_layers, kernels,
-           drop_grads)
+           drop_grads, fused_wgrad)
     if key not in _TRACES:
         if len(_TRACES) >= _TRACES_CAPACITY:
             del _TRACES[next(iter(_TRACES))]
-        composed = (_composed_chunk(config, kind, policy, device, tp, sp, batch_in_forward, kernels, drop_grads)
-                    if compose_layers else None)
+        composed = (_composed_chunk(config, kind, policy, device, tp, sp, batch_in_forward, kernels, drop_grads,
+                                    fused_wgrad) if compose_layers else None)
         _TRACES[key] = composed or _trace_chunk(config, kind, policy, device, tp, sp, batch_in_forward, kernels,
-                                                drop_grads)
+                                                drop_grads, fused_wgrad)
     return _TRACES[key]
 
 
@@ -194,9 +199,9 @@ def keep_shallow_chunks(found: Sequence[tuple[tuple[Any, ...], ChunkTrace]]) -> 
 
 def _composed_chunk(config: ModelConfig, kind: tuple[bool, bool, int], layout: Policy | Plan, device: str, tp: int,
                     sp: bool, batch_in_forward: bool, kernels: str = "cpu", drop_grads: bool = False,
-                    ) -> ChunkTrace | None:
+                    fused_wgrad: bool = False) -> ChunkTrace | None:
     """The chunk trace laid out from a shallow chunk's (NOTE [composing a chunk trace]), or None."""
-    where = (device, tp, sp, batch_in_forward, simulated_expert_rank(), kernels, drop_grads)
+    where = (device, tp, sp, batch_in_forward, simulated_expert_rank(), kernels, drop_grads, fused_wgrad)
     traced = _traced_plan_stand_in(config, kind, layout, where)
     if traced is not None:  # a plan laid out from a shallow plan traced already, when that one can stand in
         trace = _laid_out(config, kind, layout, traced, where)
@@ -232,14 +237,14 @@ def _laid_out(config: ModelConfig, kind: tuple[bool, bool, int], layout: Policy 
     """The chunk trace laid out from the shallow chunk ``found`` (its layout, depth and MoE pattern), traced first
     when it is not kept yet; None when composition refuses it."""
     first, last, layers = kind
-    device, tp, sp, batch_in_forward, _, kernels, drop_grads = where
+    device, tp, sp, batch_in_forward, _, kernels, drop_grads, fused_wgrad = where
     small_layout, depth, pattern = found
     small_config = config.with_depth(depth, pattern)
     key = (small_config, (first, last, depth), small_layout, *where)
     try:
         if key not in _SHALLOW:
             _keep_shallow(key, _trace_chunk(small_config, (first, last, depth), small_layout, device, tp, sp,
-                                            batch_in_forward, kernels, drop_grads))
+                                            batch_in_forward, kernels, drop_grads, fused_wgrad))
         shallow, traces, steps = _SHALLOW[key]
         kinds = layer_kinds(config.with_depth(layers))
         sources: list[list[int]] = [[], []]
@@ -260,7 +265,7 @@ def _laid_out(config: ModelConfig, kind: tuple[bool, bool, int], layout: Policy 
 
 def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy | Plan, device: str, tp: int = 1,
                  sp: bool = False, batch_in_forward: bool = False, kernels: str = "cpu",
-                 drop_grads: bool = False) -> ChunkTrace:
+                 drop_grads: bool = False, fused_wgrad: bool = False) -> ChunkTrace:
     if device not in ("cpu", "cuda"):
         raise PipelineError(f"device={device!r}: predict models 'cpu' (exact bytes) or 'cuda' (512-byte blocks)")
     first, last, layers = kind
@@ -277,6 +282,10 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
         prepare_model(module, kernels)  # te: TE's fused attention / SwiGLU forwards, before the policy wraps them
         if layers:
             apply(module, policy)
+        if fused_wgrad:  # the weight gradient goes into main_grad inside TE's GEMM: autograd makes none
+            for name, p in module.named_parameters():
+                if is_fused_weight(name):
+                    p.requires_grad_(False)
         if drop_grads:  # Megatron's DDP hook (see trace_chunk); recomputation's inner backward runs it alike
             for p in module.parameters():
                 if p.requires_grad:

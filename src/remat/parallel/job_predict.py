@@ -22,10 +22,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from remat.config import ModelConfig, RoutingAssumption
+from remat.config import DTYPES, ModelConfig, RoutingAssumption
 from remat.job import Job, JobError
-from remat.memory.kernels import resolve_kernels
-from remat.memory.rank_state import RankState, rank_parameters, rank_state
+from remat.memory.kernels import model_kernels, resolve_kernels
+from remat.memory.rank_state import ParamInfo, RankState, rank_parameters, rank_state
+from remat.memory.wgrad_fusion import MODULE as WGRAD_MODULE
+from remat.memory.wgrad_fusion import dummy_wgrads
 from remat.memory.workspaces import MODULE_ALLGATHER, MODULE_TE, MODULE_TORCH, stage_workspaces
 from remat.models.expert_parallel import received_per_rank
 from remat.models.tp_moe import simulated_expert_groups
@@ -57,7 +59,10 @@ PART_LABELS = {"parameters": "params", "gradients": "grads", "master_parameters"
                "activations": "acts", "communication": "comm", "workspaces": "gemm ws"}  # short table headings
 MASTER_MODULE = "optimizer.master_parameters"
 OPTIMIZER_STATE_MODULE = "optimizer.state"
+# what the CUDA libraries and Megatron keep for the whole run: the "workspaces" part
+LIBRARY_BUFFERS = (MODULE_TORCH, MODULE_TE, MODULE_ALLGATHER, WGRAD_MODULE)
 RING_MODULE = "cp.ring_attention.kv_exchange"
+MAIN_GRAD_COPY_MODULE = "optimizer.main_param_grads"
 
 
 @dataclass
@@ -135,7 +140,7 @@ def parts_at(timeline: Timeline, event: int) -> dict[str, int]:
             parts["master_parameters"] += nbytes
         elif module == RING_MODULE:
             parts["communication"] += nbytes
-        elif module in (MODULE_TORCH, MODULE_TE, MODULE_ALLGATHER):  # kept from setup or the first step on
+        elif module in LIBRARY_BUFFERS:  # kept from setup or the first step on
             parts["workspaces"] += nbytes
         elif category in ("parameters", "gradients", "optimizer_state"):
             parts[category] += nbytes
@@ -217,6 +222,9 @@ def check_job(job: Job) -> None:
         raise JobError(f"cp={job.cp} (--context-parallel-size): Megatron's context parallelism runs Transformer "
                        "Engine's fused/flash ring attention; unfused attention (--attention-backend unfused, "
                        "remat's 'math') cannot run with it: use --attention-backend auto/flash/fused or cp=1")
+    if job.cp > 1 and m.transformer_impl == "local":  # megatron/core/transformer/dot_product_attention.py:57
+        raise JobError(f"cp={job.cp} (--context-parallel-size) with --transformer-impl local: Megatron's local "
+                       "DotProductAttention asserts context_parallel_size == 1; use cp=1 or TransformerEngine layers")
     check_schedule(job.schedule, job.pp, job.num_microbatches, job.vpp or 1, "megatron",
                    group=job.microbatch_group_size)
 
@@ -233,14 +241,18 @@ def stage_state(job: Job, stage: int, ep_rank: int | None = None) -> RankState:
     """
     if not 0 <= stage < job.pp:
         raise JobError(f"stage={stage}: the job has pipeline stages 0..{job.pp - 1}")
+    return rank_state(job, stage_parameters(job, stage), pipeline_rank=stage, ep_rank=ep_rank)
+
+
+def stage_parameters(job: Job, stage: int) -> list[list[ParamInfo]]:
+    """The parameters of each model chunk a rank of pipeline stage ``stage`` holds (:func:`rank_parameters`)."""
     vpp = job.vpp or 1
     pipelined = job.pp * vpp > 1
     split = job.model.replace(tie_embeddings=False) if pipelined else job.model  # tied: a copy on each end stage
     chunks = rank_chunks(partition(split, job.pp, vpp, job.chunk_layers, empty_ends=True), job.pp, stage)
-    params = [rank_parameters(job.model, first=s.is_first, last=s.is_last, num_layers=s.num_layers, tp=job.tp,
-                              sp=job.sp, pipelined=pipelined, layer_offset=s.layer_offset, etp=job.expert_tp)
-              for s in chunks]
-    return rank_state(job, params, pipeline_rank=stage, ep_rank=ep_rank)
+    return [rank_parameters(job.model, first=s.is_first, last=s.is_last, num_layers=s.num_layers, tp=job.tp,
+                            sp=job.sp, pipelined=pipelined, layer_offset=s.layer_offset, etp=job.expert_tp)
+            for s in chunks]
 
 
 # NOTE [expert parallelism in a job]
@@ -295,7 +307,7 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
         1
     """
     check_job(job)
-    kernels = job_kernels(kernels)
+    kernels = model_kernels(job_kernels(kernels), job.model)  # Megatron's local layers: the 'local' profile
     model, tp, sp, pp, cp = job.model, job.tp, job.sp, job.pp, job.cp
     vpp = job.vpp or 1
     config = model.replace(seq_length=model.seq_length // cp)  # each rank holds s/cp tokens of every sequence
@@ -307,6 +319,9 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     actions = schedule_actions(schedule, pp, job.num_microbatches, vpp, stage, runtime="megatron", group=group)
     window = warmup_forwards(schedule, pp, job.num_microbatches, vpp, stage, "megatron", group=group) + 1
     recompute = job.policy if layout is None else layout
+    # TE's fused weight-gradient GEMMs (megatron-core's own linears fuse too, with a transient dummy as large as the
+    # unfused gradient: no change there)
+    fused = job.gradient_accumulation_fusion and kernels == "te"
     if ep_rank is None:
         ep_rank = busiest_expert_rank(config)
     elif not 0 <= ep_rank < job.ep:
@@ -316,7 +331,8 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
         traces = {(s.index, True): trace_chunk(chunk_config(config, s), s.kind,
                                                chunk_policy(recompute, chunk_config(config, s), s.num_layers),
                                                device, tp, sp,
-                                               batch_in_forward=True, kernels=kernels, drop_grads=True)
+                                               batch_in_forward=True, kernels=kernels, drop_grads=True,
+                                               fused_wgrad=fused)
                   for s in chunks}
     plan = ShardedStagePlan(config, pp, job.num_microbatches, vpp, stage, schedule, "megatron", chunks, actions,
                             checkpointed_forwards(actions, None, window), traces,
@@ -324,8 +340,14 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
                             activation_shards=tp if sp else 1)
     timeline = compose_stage(plan, recompute)
     state = stage_state(job, stage, ep_rank if job.ep > 1 else None)
-    workspaces = stage_workspaces(job, stage, env=env, gpu=gpu) if device == "cuda" or kernels != "cpu" else []
-    add_model_state(timeline, state, ring_exchange_bytes(job), workspaces, block=plan.block)
+    workspaces = (stage_workspaces(job, stage, env=env, gpu=gpu, kernels=kernels)
+                  if device == "cuda" or kernels != "cpu" else [])
+    if fused:  # TE's cached dummy weight gradients, one per distinct weight shape (NOTE [gradient-accumulation fusion])
+        itemsize = DTYPES[job.param_dtype].itemsize
+        workspaces += [(WGRAD_MODULE, nbytes) for _, nbytes in
+                       dummy_wgrads([p for chunk in stage_parameters(job, stage) for p in chunk], itemsize)]
+    add_model_state(timeline, state, ring_exchange_bytes(job), workspaces, block=plan.block,
+                    main_grad_copies=main_grad_copy_bytes(job, state))
     timeline.meta["job"] = {"stage": stage, "tp": tp, "sp": sp, "cp": cp, "dp": job.dp, "pp": pp, "vpp": job.vpp,
                             "ep": job.ep, "ep_rank": state.ep_rank, "expert_dp_rank": state.expert_dp_rank,
                             "precision": job.precision, "optimizer": job.optimizer,
@@ -337,8 +359,17 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     return RankPrediction(stage, rank, tp * cp * job.dp, state, timeline)
 
 
+def main_grad_copy_bytes(job: Job, state: RankState) -> int:
+    """The fp32 gradients of the master parameters the optimizer step leaves behind when the main grads are not
+    fp32 (fp16, or --grad-reduce-in-bf16): megatron/core/optimizer/optimizer.py:1097 ``main_param.grad =
+    model_param.main_grad.float()`` (distrib_optimizer.py likewise per shard) is a copy, alive until the next step's
+    ``zero_grad(set_to_none=True)`` (optimizer.py:1048), so counted in the resident state after the step (fp32
+    main grads: ``.float()`` returns the buffer's own view, no copy)."""
+    return state.master_parameters if job.main_grad_dtype != "fp32" else 0
+
+
 def add_model_state(timeline: Timeline, state: RankState, ring_bytes: int = 0,
-                    workspaces: Sequence[tuple[str, int]] = (), *, block: int = 1) -> None:
+                    workspaces: Sequence[tuple[str, int]] = (), *, block: int = 1, main_grad_copies: int = 0) -> None:
     """Put a rank's model state into its stage timeline (in place).
 
     The chunks are traced with Megatron's DDP hook (``trace_chunk(drop_grads=True)``: each ``param.grad`` is
@@ -360,6 +391,8 @@ def add_model_state(timeline: Timeline, state: RankState, ring_bytes: int = 0,
     if traced > state.parameter_tensor_bytes(block):
         raise JobError(f"internal: the traced chunk holds {traced} parameter bytes, more than the "
                        f"{state.parameter_tensor_bytes(block)} counted for the rank; please report this job")
+    if main_grad_copies > 0:  # main_grad_copy_bytes: made by the optimizer step, the step's last event
+        _append_row(timeline, main_grad_copies, MAIN_GRAD_COPY_MODULE, "gradients", timeline.num_events - 1)
     if state.param_buffer:
         for row in param_rows:
             timeline.nbytes[row] = 0
@@ -377,11 +410,16 @@ def add_model_state(timeline: Timeline, state: RankState, ring_bytes: int = 0,
             (ring_bytes, RING_MODULE, "other"), *((n, module, "other") for module, n in workspaces)]
     for nbytes, module, category in rows:
         if nbytes > 0:
-            assert category in CATEGORIES
-            timeline.nbytes.append(nbytes)
-            timeline.alloc_at.append(0)
-            timeline.free_at.append(-1)
-            timeline.phase_index.append(0)
-            timeline.module.append(module)
-            timeline.category.append(category)
+            _append_row(timeline, nbytes, module, category, 0)
     timeline.validate()
+
+
+def _append_row(timeline: Timeline, nbytes: int, module: str, category: str, event: int) -> None:
+    """An allocation of ``nbytes`` made at ``event`` and alive to the end of the step."""
+    assert category in CATEGORIES
+    timeline.nbytes.append(nbytes)
+    timeline.alloc_at.append(event)
+    timeline.free_at.append(-1)
+    timeline.phase_index.append(timeline.phases.index(timeline.phase_at(event)) if event else 0)
+    timeline.module.append(module)
+    timeline.category.append(category)
