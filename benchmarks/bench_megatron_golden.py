@@ -34,6 +34,19 @@ from remat.job import Job
 from remat.parallel.job_predict import RESIDENT_PARTS, parts_at, predict_stage
 
 DATA = Path(__file__).parent / "data" / "megatron_golden_h100_dev.json"
+# What is known of a case the prediction does not match within 2%: a finding to print beside its row, never a
+# correction (the predictions are the model's, unchanged by these notes)
+NOTES = {
+    "gpt/gpt3_mcore_te_tp4_pp1_resume_torch_dist_qk_layernorm_test_mode":
+        "about 24 MiB of activations at the forward-head peak not found; the same job without q/k norms "
+        "(..._dist_optimizer_overlap_grad_reduce) is -1.6%",
+    "moe/gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer":
+        "no missing tensor found; balanced routing is assumed and --moe-aux-loss-coeff is 0 (nothing balances the "
+        "experts): routing 60% of the copies to this rank's experts predicts -0.3%",
+    "moe/gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed":
+        "not found: 1.2 GiB of activations and 182 MiB of resident state (the only predicted case with MTP; "
+        "gradient-accumulation fusion on)",
+}
 GIB, MIB = 2**30, 2**20
 
 
@@ -101,7 +114,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         else:
             lines.append(f"{name:78s} {r['stage']:5d} {r['measured_peak'] / GIB:8.3f} {r['predicted_peak'] / GIB:8.3f} "
                          f"{r['peak_error']:+8.1%} {r['measured_resident'] / MIB:12.1f} "
-                         f"{r['predicted_resident'] / MIB:12.1f} {r['resident_error']:+8.1%}  {r['peak_phase']}")
+                         f"{r['predicted_resident'] / MIB:12.1f} {r['resident_error']:+8.1%}  {r['peak_phase']}"
+                         + (f"  [note: {NOTES[name]}]" if name in NOTES else ""))
     return "\n".join(lines)
 
 
@@ -121,6 +135,8 @@ def summary(rows: list[dict[str, Any]]) -> str:
         f"({within[0.05] / len(done):.0%}), within 10%: {within[0.10]}/{len(done)} ({within[0.10] / len(done):.0%})",
         f"worst over: {over['peak_error']:+.1%} {over['case']}",
         f"worst under: {under['peak_error']:+.1%} {under['case']}",
+        f"under by more than 2%: {sum(e < -0.02 for e in errors)} ("
+        f"{sum(r['peak_error'] < -0.02 and r['case'] in NOTES for r in done)} with a note on what is known)",
         f"resident state within 2% or 64 MiB: {resident_ok}/{len(done)}; median error "
         f"{statistics.median(r['resident_error'] for r in done):+.2%}, range "
         f"{min(r['resident_error_bytes'] for r in done) / MIB:+.1f} to "

@@ -108,6 +108,9 @@ class ModelConfig:
     v_head_dim: int = 128
     # the loss
     cross_entropy: str = "torch"
+    # multi-token prediction (Megatron's --mtp-num-layers; 0: none): that many MTP depths after the last layer, on
+    # the chunk holding the loss (remat.models.gpt.MTPLayer)
+    mtp_num_layers: int = 0
     # Megatron's layer implementation (--transformer-impl) and its local attention's softmax flags (remat.memory.
     # local_layers: --no-masked-softmax-fusion, --attention-softmax-in-fp32, --apply-query-key-layer-scaling)
     transformer_impl: str = "transformer_engine"
@@ -149,6 +152,9 @@ class ModelConfig:
         if (self.position == "rope" or self.multi_latent_attention) and self.rotary_dim % 2:
             raise ConfigError(f"position='rope' needs an even rotary dimension, got {self.rotary_dim}: "
                               "change hidden_size or num_attention_heads (qk_pos_emb_head_dim with MLA)")
+        if isinstance(self.mtp_num_layers, bool) or not isinstance(self.mtp_num_layers, int) or self.mtp_num_layers < 0:
+            raise ConfigError(f"mtp_num_layers={self.mtp_num_layers!r}: must be an integer >= 0 (0: no multi-token "
+                              "prediction)")
         check_moe_fields(self)
         check_mla_fields(self)
 

@@ -48,13 +48,15 @@ from remat.job_flags import (
     flag_value,
     without_idle_recompute_flags,
 )
+from remat.job_fsdp import FsdpConfig, check_fsdp, fsdp_args, fsdp_from_flags
 from remat.job_launch import launcher_world_size
 from remat.job_model import model_from_flags
+from remat.job_optimizer import check_muon
 from remat.policy import Policy, PolicyError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adam", "sgd", "none")
+OPTIMIZERS = ("adam", "sgd", "muon", "none")
 _FLAG_OF = {
     "tp": "--tensor-model-parallel-size", "sp": "--sequence-parallel", "pp": "--pipeline-model-parallel-size",
     "vpp": "--num-virtual-stages-per-pipeline-rank", "cp": "--context-parallel-size",
@@ -117,7 +119,8 @@ class Job:
     accumulate_grads_in_fp32: bool | None = None
     """fp32 main-gradient buffer (``--accumulate-allreduce-grads-in-fp32``); None: Megatron's default (resolved)."""
     optimizer: str = "adam"
-    """adam (Adam/AdamW: two fp32 moments), sgd (one fp32 buffer when momentum > 0) or none (no state)."""
+    """adam (Adam/AdamW: two fp32 moments), sgd (one fp32 buffer when momentum > 0), muon (Muon's fp32 momentum on
+    matrices, Adam on the rest: :mod:`remat.memory.muon`; 'dist_muon' reads as muon + distributed_optimizer) or none."""
     sgd_momentum: float = 0.0
     """SGD momentum (``--sgd-momentum``); > 0 adds one fp32 buffer per parameter. sgd only."""
     distributed_optimizer: bool = False
@@ -135,11 +138,15 @@ class Job:
     """``--ddp-bucket-size`` in elements (with overlap_grad_reduce); None: Megatron's max(40M, 1M x dp)."""
     pad_buckets_for_high_nccl_busbw: bool = False
     """``--ddp-pad-buckets-for-high-nccl-busbw``: with the distributed optimizer, bucket ends pad to 2^16 too."""
+    fsdp: FsdpConfig | None = None
+    """``--use-megatron-fsdp`` and its sharding flags (:mod:`remat.job_fsdp`); None: Megatron's DDP."""
     # Uneven pipeline splits, as Megatron's flags of these names (remat.job_pipeline); all unset: an even split.
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    embedding_wgrad_deferral: int | None = None
+    """``--defer-embedding-wgrad-compute`` with ``--wgrad-deferral-limit N`` (0: all microbatches); None: off."""
     pipeline_model_parallel_layout: str | None = None
     """A layout string, e.g. ``'Et|(tt|)*3L'`` (implies vpp); :attr:`chunk_layers` has every chunk's layers."""
     policy: Policy = field(default_factory=lambda: Policy.parse("none"))
@@ -148,6 +155,8 @@ class Job:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         _require(isinstance(self.model, ModelConfig), f"model must be a ModelConfig, got {self.model!r}")
+        check_fsdp(self.fsdp, precision=self.precision, pp=self.pp, vpp=self.vpp, cp=self.cp,
+                   instances=self.distributed_optimizer_instances, moe=self.model.is_moe)
         _require(isinstance(self.policy, Policy), f"policy must be a Policy (e.g. Policy.parse('full/uniform/1')), "
                  f"got {self.policy!r}")
         for name in ("tp", "pp", "cp", "dp", "ep", "num_microbatches", "vpp", "etp", "ddp_bucket_size",
@@ -159,6 +168,10 @@ class Job:
                      "gradient_accumulation_fusion"):
             v = getattr(self, name)
             _require(isinstance(v, bool), f"{_f(name)}={v!r}: must be True or False")
+        if self.optimizer in ("muon", "dist_muon"):  # dist_muon: muon + the distributed optimizer (job_optimizer)
+            set_(self, "distributed_optimizer", check_muon(self.model, self.optimizer, self.precision,
+                 self.distributed_optimizer, self.distributed_optimizer_instances, self.ep, self.fsdp is not None))
+            set_(self, "optimizer", "muon")
         for name, choices in (("schedule", SCHEDULES), ("precision", PRECISIONS), ("optimizer", OPTIMIZERS)):
             _require(getattr(self, name) in choices,
                      f"{_f(name)}={getattr(self, name)!r}: must be one of {', '.join(choices)}")
@@ -204,6 +217,7 @@ class Job:
         _require(not self.sp or (s // cp) % tp == 0, f"sp=True (--sequence-parallel) splits the s/cp={s // cp} "
                  f"tokens over tp={tp} ranks, which does not divide them: change tp, cp or --seq-length")
         check_expert_layout(self.model, ep=self.ep, etp=self.expert_tp, tp=tp, cp=cp, dp=self.dp, sp=self.sp)
+        job_loss.check_multi_token_prediction(m, self.pipeline_model_parallel_layout, not self.policy.is_none)
         shards = self.distributed_optimizer_instances  # megatron/core/parallel_state.py asserts both divisions
         _require(self.dp * cp % shards == 0 and self.expert_data_parallel % shards == 0,
                  f"{_f('distributed_optimizer_instances')}={shards} must divide dp x cp = {self.dp * cp} and the "
@@ -289,8 +303,9 @@ class Job:
         Returns:
             ``{"parameters", "gradients", "master_parameters", "optimizer_state"}`` as exact Fractions: parameters
             in the precision, main grads per :attr:`main_grad_dtype`, fp32 master copies (mixed precision with an
-            optimizer only) and optimizer state (Adam 8, SGD with momentum 4), the last two divided by
-            :attr:`optimizer_shards`. Padding of buffers and shards is not included.
+            optimizer only) and optimizer state (Adam 8, SGD with momentum 4, Muon 4 on the matrices it owns: its
+            embeddings, norms and biases take Adam's 8, counted by remat.memory.rank_state), the last two divided
+            by :attr:`optimizer_shards`. Padding of buffers and shards is not included.
 
         Example:
             >>> job = Job.build(ModelConfig(), precision="bf16", dp=8, distributed_optimizer=True)
@@ -300,7 +315,7 @@ class Job:
         size = {name: DTYPES[name].itemsize for name in PRECISIONS}
         shards = self.optimizer_shards
         master = 4 if self.precision != "fp32" and self.optimizer != "none" else 0
-        state = {"adam": 8, "sgd": 4 if self.sgd_momentum > 0 else 0, "none": 0}[self.optimizer]
+        state = {"adam": 8, "sgd": 4 if self.sgd_momentum > 0 else 0, "muon": 4, "none": 0}[self.optimizer]
         return {"parameters": Fraction(size[self.param_dtype]), "gradients": Fraction(size[self.main_grad_dtype]),
                 "master_parameters": Fraction(master, shards), "optimizer_state": Fraction(state, shards)}
 
@@ -461,7 +476,7 @@ class Job:
             self.overlap_grad_reduce) + ["--ddp-pad-buckets-for-high-nccl-busbw"] * self.pad_buckets_for_high_nccl_busbw
         if self.ddp_bucket_size is not None:
             args += ["--ddp-bucket-size", str(self.ddp_bucket_size)]
-        return args + job_loss.loss_args(m) + recompute
+        return args + fsdp_args(self.fsdp) + job_loss.loss_args(m) + recompute
 
 
 def parse_megatron_args(argv: Sequence[str] | str) -> tuple[Job, list[str]]:
@@ -568,9 +583,10 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
                dp=dp, ep=ep, etp=etp,
                num_microbatches=gb // (mbs * dp), schedule="interleaved" if vpp else "1f1b", precision=precision,
                accumulate_grads_in_fp32=acc, optimizer=optimizer, sgd_momentum=momentum,
-               distributed_optimizer=bool(got.get("--use-distributed-optimizer")),
+               distributed_optimizer=bool(got.get("--use-distributed-optimizer") or got.get("--use-megatron-fsdp")),
                distributed_optimizer_instances=got.get("--num-distributed-optimizer-instances", 1),
                gradient_accumulation_fusion=not got.get("--no-gradient-accumulation-fusion"),
                overlap_grad_reduce=bool(got.get("--overlap-grad-reduce")), ddp_bucket_size=got.get("--ddp-bucket-size"),
                pad_buckets_for_high_nccl_busbw=bool(got.get("--ddp-pad-buckets-for-high-nccl-busbw")), policy=policy,
+               fsdp=fsdp_from_flags(got),
                **split)

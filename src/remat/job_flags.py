@@ -33,14 +33,22 @@ REFUSED_FLAGS: dict[str, str] = _table({
         "--cpu-offloading --cpu-offloading-num-layers --cpu-offloading-retain-pinned-cpu-buffers "
         "--activation-offload-fraction --delta-offload-bytes-across-pp-ranks --optimizer-cpu-offload "
         "--optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d",
-    "shards parameters and gradients too (FSDP)":
-        "--use-megatron-fsdp --use-torch-fsdp2 --data-parallel-sharding-strategy --outer-dp-sharding-strategy "
+    # remat.job_fsdp models Megatron-FSDP (--use-megatron-fsdp and its strategy/dtype flags); not these:
+    "shards parameters and gradients with torch FSDP2, or Megatron-FSDP's hybrid (outer data-parallel) sharding, "
+    "double buffers (param_and_grad_buffer.py:2530 FixedPoolAllocator: two persistent pools sized for the FSDP "
+    "units) or meta-device initialisation":
+        "--use-torch-fsdp2 --outer-dp-sharding-strategy "
         "--fsdp-double-buffer --torch-fsdp2-no-reshard-after-forward --init-model-with-meta-device",
     "sets the gradient buckets from the parameter count (each bucket is padded; give --ddp-bucket-size)":
         "--ddp-num-buckets",
     "changes the optimizer's state layout": "--use-precision-aware-optimizer "
         "--main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype "
         "--ddp-reduce-scatter-with-fp32-accumulation",
+    # megatron/core/optimizer/__init__.py:806-813: Muon's non-matrix parameters go to this optimizer (Lion keeps one
+    # moment, not Adam's two); training/arguments.py:3161-3169: the legacy layer-wise path keeps every parameter in
+    # one unpadded buffer and gathers them with flatten/unflatten copies
+    "changes the Muon optimizer's state or buffers (remat models Adam as its scalar optimizer and the layer-wise "
+    "parameter layout)": "--muon-scalar-optimizer --no-use-layer-wise-param-layout",
     "keeps static CUDA-graph buffers": "--cuda-graph-impl --enable-cuda-graph --external-cuda-graph "
         "--cuda-graph-scope --cuda-graph-modules --optimizer-cuda-graph --cuda-graph-warmup-steps",
     # megatron/core/pipeline_parallel/combined_1f1b.py: the forward of one microbatch overlaps the backward of another
@@ -50,8 +58,7 @@ REFUSED_FLAGS: dict[str, str] = _table({
     "runs the MLP through TransformerEngine's operation fuser, whose fused operations keep other tensors for "
     "backward than the layers remat models": "--use-transformer-engine-op-fuser",
     "allocates Transformer Engine userbuffers for TP overlap": "--tp-comm-overlap --tp-comm-overlap-cfg",
-    "keeps weight-gradient inputs longer (deferred wgrad)":
-        "--defer-embedding-wgrad-compute --wgrad-deferral-limit --delay-wgrad-compute",
+    "keeps weight-gradient inputs longer (deferred wgrad)": "--delay-wgrad-compute",
     "changes the logits/cross-entropy working set": "--fp16-lm-cross-entropy --output-logit-dtype",
     "changes context-parallel attention (remat models the p2p ring)": "--cp-comm-type "
         "--hierarchical-context-parallel-sizes --hybrid-context-parallel --max-seqlen-per-dp-cp-rank",
@@ -70,13 +77,16 @@ REFUSED_FLAGS: dict[str, str] = _table({
 })
 REFUSED_PREFIXES: dict[str, str] = {
     "--moe-": REFUSED_FLAGS["--moe-extended-tp"], "--fp8-": REFUSED_FLAGS["--fp8-format"],
-    "--fp4-": REFUSED_FLAGS["--fp8-format"], "--mtp-": "adds multi-token-prediction layers",
+    # --mtp-num-layers is modelled; the other --mtp- flags change the MTP block (repeated layer, detached heads,
+    # hidden-state mixing) in ways remat does not model
+    "--fp4-": REFUSED_FLAGS["--fp8-format"], "--mtp-": "changes the multi-token-prediction block",
     "--mla-": REFUSED_FLAGS["--spec"], "--mamba-": REFUSED_FLAGS["--spec"], "--dsa-": REFUSED_FLAGS["--spec"],
-    "--mhc-": REFUSED_FLAGS["--spec"], "--megatron-fsdp-": REFUSED_FLAGS["--use-megatron-fsdp"],
+    "--mhc-": REFUSED_FLAGS["--spec"], "--megatron-fsdp-": REFUSED_FLAGS["--use-torch-fsdp2"],
 }
 # Accepted (and reported as ignored) only with Megatron's default value.
 DEFAULT_ONLY_FLAGS: dict[str, str] = {"--cp-comm-type": "p2p", "--softmax-type": "vanilla", "--cuda-graph-impl": "none",
-                                      "--mlp-chunks-for-training": "1"}
+                                      "--mlp-chunks-for-training": "1", "--outer-dp-sharding-strategy": "no_shard",
+                                      "--muon-scalar-optimizer": "adam"}
 # Flags known not to change what a rank holds during a training step: accepted and reported.
 IGNORED_FLAGS: dict[str, str] = _table({
     "run length, data and tokenizer": "--train-iters --train-samples --seed --data-path --split --train-data-path "
@@ -96,7 +106,8 @@ IGNORED_FLAGS: dict[str, str] = _table({
         "--init-method-xavier-uniform --use-cpu-initialization --data-parallel-random-init --no-initialization "
         "--norm-epsilon --apply-layernorm-1p --rotary-base --rotary-percent --rotary-interleaved "
         "--rotary-seq-len-interpolation-factor --use-rope-scaling --rope-scaling-factor --calculate-per-token-loss "
-        "--use-mup --deterministic-mode --disable-bf16-reduced-precision-matmul --flash-attention-version",
+        "--use-mup --deterministic-mode --disable-bf16-reduced-precision-matmul --flash-attention-version "
+        "--mtp-loss-scaling-factor",
     "fused kernels of the same operations (remat prices the reference operations)": "--no-masked-softmax-fusion "
         "--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion "
         "--no-persist-layer-norm --disable-jit-fuser --use-mcore-models",
@@ -170,14 +181,22 @@ MODELLED_FLAGS: dict[str, Any] = {
     **dict.fromkeys(("--moe-expert-capacity-factor", "--moe-aux-loss-coeff"), float),
     "--moe-router-score-function": ("softmax", "sigmoid"), "--moe-token-dispatcher-type": ("alltoall", "allgather"),
     "--moe-router-dtype": ("fp32", "fp64"),  # remat.models.moe.RouterGatingLinear
+    # the last stage's deferred output-layer weight gradients (remat.job_pipeline.check_wgrad_deferral)
+    "--defer-embedding-wgrad-compute": bool, "--wgrad-deferral-limit": lambda v: int(v) if int(v) >= 0 else None,
     # remat.models.moe.Router.top_k / z_loss
     "--moe-router-pre-softmax": bool, "--moe-router-enable-expert-bias": bool, "--moe-z-loss-coeff": float,
     **dict.fromkeys(("--hidden-dropout", "--attention-dropout", "--sgd-momentum"), float),
     "--normalization": ("LayerNorm", "RMSNorm"), "--position-embedding-type": ("learned_absolute", "rope"),
     "--attention-backend": ("auto", "flash", "fused", "unfused", "local"),
-    "--transformer-impl": ("transformer_engine", "local"), "--optimizer": ("adam", "sgd"),
+    "--transformer-impl": ("transformer_engine", "local"), "--optimizer": ("adam", "sgd", "muon", "dist_muon"),
     # the loss's implementation (remat.models.cross_entropy)
     "--cross-entropy-loss-fusion": bool, "--cross-entropy-fusion-impl": ("native", "te"),
+    "--mtp-num-layers": int,  # remat.models.gpt NOTE [multi-token prediction]
+    # Megatron-FSDP (remat.job_fsdp); no_shard and low-precision main weights are refused by the choices
+    "--use-megatron-fsdp": bool, "--data-parallel-sharding-strategy": ("optim", "optim_grads", "optim_grads_params"),
+    "--megatron-fsdp-main-params-dtype": ("fp32",),
+    **dict.fromkeys(("--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype"),
+                    ("fp32", "bf16", "fp16", "auto")),
 }
 # Recompute flags go to Policy.from_megatron_args (value counts checked here; other --recompute-* there).
 RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,

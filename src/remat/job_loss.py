@@ -1,5 +1,6 @@
 """The loss part of a Megatron-LM job's flags: ``--cross-entropy-loss-fusion`` and ``--cross-entropy-fusion-impl``
-read into :attr:`~remat.config.ModelConfig.cross_entropy` (:func:`loss_fields`) and written back
+read into :attr:`~remat.config.ModelConfig.cross_entropy`, ``--mtp-num-layers`` (the multi-token-prediction losses,
+NOTE [multi-token prediction] in :mod:`remat.models.gpt`) into ``mtp_num_layers`` (:func:`loss_fields`) and written back
 (:func:`loss_args`), so that :func:`remat.job.parse_megatron_args` and :meth:`remat.job.Job.to_megatron_args`
 round-trip it. The implementations themselves: :mod:`remat.models.cross_entropy`.
 
@@ -40,7 +41,8 @@ def loss_fields(got: dict[str, Any], ignored: list[str]) -> dict[str, Any]:
         raise JobError(TE_REFUSED)
     if impl is not None and not fusion:
         ignored.append("--cross-entropy-fusion-impl")  # language_module.py reads it only with the fusion
-    return {"cross_entropy": "megatron_fused" if fusion else "megatron"}
+    return {"cross_entropy": "megatron_fused" if fusion else "megatron",
+            "mtp_num_layers": got.get("--mtp-num-layers", 0)}
 
 
 def loss_args(model: ModelConfig) -> list[str]:
@@ -52,7 +54,28 @@ def loss_args(model: ModelConfig) -> list[str]:
     """
     if model.cross_entropy == "te":
         raise JobError(f"cross_entropy='te' has no Megatron-LM command line: {TE_REFUSED}")
-    return ["--cross-entropy-loss-fusion"] * (model.cross_entropy == "megatron_fused")
+    return ["--cross-entropy-loss-fusion"] * (model.cross_entropy == "megatron_fused") + [
+        "--mtp-num-layers", str(model.mtp_num_layers)] * (model.mtp_num_layers > 0)
+
+
+def check_multi_token_prediction(model: ModelConfig, layout: str | None, recompute: bool) -> None:
+    """Refuse what Megatron refuses with ``--mtp-num-layers``, and what remat does not model with it yet.
+
+    Megatron: rope (or no) positions only (megatron/training/arguments.py:882-886); a layout must place the MTP
+    layers with ``m`` (pipeline_parallel_layer_layout.py:112), which remat's layouts refuse. remat: recompute and
+    offloading act on the MTP layer too in Megatron (multi_token_prediction.py:1492 ``_checkpointed_forward``; its
+    transformer layer's selective modules), which remat does not apply there yet."""
+    if not model.mtp_num_layers:
+        return
+    if model.position != "rope":
+        raise JobError("--mtp-num-layers with learned absolute positions: Megatron supports multi-token prediction "
+                       "only with --position-embedding-type rope (or none); use rope")
+    if layout is not None:
+        raise JobError("--mtp-num-layers with --pipeline-model-parallel-layout: Megatron then needs the MTP layers in "
+                       "the layout (m), which remat does not model; drop the layout")
+    if recompute:
+        raise JobError("--mtp-num-layers with activation recompute or offloading: Megatron recomputes (offloads) the "
+                       "MTP layer too, which remat does not model yet; drop the --recompute-* / offloading flags")
 
 
 def megatron_loss(model: ModelConfig) -> dict[str, str]:

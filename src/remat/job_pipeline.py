@@ -38,6 +38,7 @@ EMBEDDING_FLAG = "--account-for-embedding-in-pipeline-split"
 LOSS_FLAG = "--account-for-loss-in-pipeline-split"
 LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+DEFER_FLAG, LIMIT_FLAG = "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit"
 LAYOUT_CHARS = {"E": "embedding", "t": "decoder layer", "m": "MTP layer", "L": "loss"}
 
 
@@ -214,6 +215,7 @@ def layout_args(first: int | None, last: int | None, account_for_embedding: bool
 def check_pipeline_split(job: Any) -> str:
     """Validate a Job's pipeline split (its fields named as Megatron's flags); return its kind:
     ``'even'``, ``'uneven'`` (first/last counts), ``'account'`` (embedding/loss counted) or ``'layout'``."""
+    check_wgrad_deferral(job)
     for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
         v = getattr(job, name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -248,6 +250,26 @@ def check_pipeline_split(job: Any) -> str:
     return kind
 
 
+def check_wgrad_deferral(job: Any) -> None:
+    """Megatron's checks of ``--defer-embedding-wgrad-compute`` (model_parallel_config.py:545-557): pipeline
+    parallelism, gradient-accumulation fusion and a limit >= 0; what it keeps: remat.parallel.deferred_wgrad."""
+    n = job.embedding_wgrad_deferral
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise JobError(f"embedding_wgrad_deferral ({LIMIT_FLAG})={n!r}: must be an integer >= 0 (0: every "
+                       "microbatch) or None (no deferral)")
+    if job.pp == 1:
+        raise JobError(f"{DEFER_FLAG} needs pipeline parallelism (Megatron refuses it with "
+                       "--pipeline-model-parallel-size 1): drop it, or set pp > 1")
+    if not job.gradient_accumulation_fusion:
+        raise JobError(f"{DEFER_FLAG} needs gradient-accumulation fusion (Megatron refuses it with "
+                       "--no-gradient-accumulation-fusion): drop one of them")
+    if job.model.mtp_num_layers:  # gpt_model.py: the MTP depths call the output layer too, each filling the buffer
+        raise JobError(f"{DEFER_FLAG} with multi-token prediction (--mtp-num-layers): the MTP depths' logits go "
+                       "through the same output layer, which remat's deferral does not model yet; drop one of them")
+
+
 def job_chunk_layers(job: Any) -> tuple[int, ...]:
     """:func:`chunk_layer_counts` of a Job."""
     return chunk_layer_counts(job.model.num_layers, job.pp, job.vpp, first=job.decoder_first_pipeline_num_layers,
@@ -258,8 +280,11 @@ def job_chunk_layers(job: Any) -> tuple[int, ...]:
 
 
 def pipeline_split_args(job: Any) -> list[str]:
-    """The Megatron flags of a Job's pipeline split (none for an even one) and of its microbatch groups."""
+    """The Megatron flags of a Job's pipeline split (none for an even one), of its microbatch groups and of its
+    deferred output-layer weight gradients."""
     group = [GROUP_FLAG, str(job.microbatch_group_size)] if job.microbatch_group_size is not None else []
+    if job.embedding_wgrad_deferral is not None:
+        group += [DEFER_FLAG, LIMIT_FLAG, str(job.embedding_wgrad_deferral)]
     return layout_args(job.decoder_first_pipeline_num_layers, job.decoder_last_pipeline_num_layers,
                        job.account_for_embedding_in_pipeline_split, job.account_for_loss_in_pipeline_split,
                        job.pipeline_model_parallel_layout) + group
@@ -327,6 +352,8 @@ def pipeline_split_fields(got: dict[str, Any], num_layers: int, pp: int) -> tupl
     vpp = None if vpp == 1 else vpp
     # only the interleaved schedule reads the group size (schedules.py:1231); Megatron ignores it otherwise
     fields["microbatch_group_size"] = got.get(GROUP_FLAG) if vpp is not None else None
+    # the limit is read only with the deferral (model_parallel_config.py:415, default 0: every microbatch)
+    fields["embedding_wgrad_deferral"] = got.get(LIMIT_FLAG, 0) if got.get(DEFER_FLAG) else None
     return vpp, fields
 
 

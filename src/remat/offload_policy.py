@@ -91,9 +91,15 @@ def check_offload_combination(offload_modules: Sequence[str], granularity: str, 
                                  f"keeps what it saves itself, so offloading would offload nothing: {fix}drop "
                                  "non_matmul")
     if "core_attn" in offload_modules and "mla_up_proj" in modules:
+        # Megatron accepts it: forward frees the query/key/value once (offload's forced release, then the checkpoint's
+        # discard); backward holds both the recomputed ones (tensor_parallel/random.py:928-983 shares the recomputed
+        # storage into them, kept to the up-projection's backward) and the reloaded copies the attention backward
+        # reads (fine_grained_activation_offload.py:937-955). remat's trace of the two together does not follow
+        # this yet (+90% on Megatron's H100 test moe/..._no_mtp_no_a2a_ovlp_fine_grained_offloading).
         raise OffloadPolicyError("offload module core_attn with recompute module mla_up_proj: both would take the "
                                  "attention core's query, key and value (offloaded, and also discarded to be "
-                                 "recomputed); keep one: drop core_attn from the offload modules, or mla_up_proj")
+                                 "recomputed), which remat does not model yet; keep one: drop core_attn from the "
+                                 "offload modules, or mla_up_proj")
     overlap = [m for m, r in (("attn_norm", "layernorm"), ("mlp_norm", "layernorm"), ("core_attn", "core_attn"))
                if m in offload_modules and r in modules]
     if overlap and engine == "non-reentrant":

@@ -274,7 +274,7 @@ def test_to_megatron_args_refuses_what_megatron_cannot_run(job, fragment):
     ("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te", ["--cross-entropy-fusion-impl te", "stability"]),
     ("--cp-comm-type a2a", ["--cp-comm-type", "--cp-comm-type p2p"]),
     ("--use-checkpoint-args", ["--use-checkpoint-args", "give the flags themselves"]),
-    ("--optimizer muon", ["--optimizer muon", "adam, sgd"]),
+    ("--optimizer lion", ["--optimizer lion", "adam, sgd, muon"]),
     ("--position-embedding-type yarn", ["--position-embedding-type yarn", "learned_absolute, rope"]),
     ("--expert-model-parallel-size 2", ["ep (--expert-model-parallel-size)=2", "no experts", "use ep=1"]),
     ("--bf16 --fp16", ["--bf16 and --fp16", "keep one"]),
@@ -613,6 +613,6 @@ def test_a_launch_line_that_does_not_say_leaves_one_data_rank(launcher):
 
 
 def test_every_refused_flag_is_named_at_once():
-    msg = refused("--fp8-format hybrid --mtp-num-layers 1 --no-such-flag 3", "3 flags stop the prediction",
-                  "(1) --fp8-format", "(2) --mtp-num-layers", "(3) remat does not know whether --no-such-flag")
+    msg = refused("--fp8-format hybrid --tp-comm-overlap --no-such-flag 3", "3 flags stop the prediction",
+                  "(1) --fp8-format", "(2) --tp-comm-overlap", "(3) remat does not know whether --no-such-flag")
     assert "\n" not in msg

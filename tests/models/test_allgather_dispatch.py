@@ -4,35 +4,15 @@
 from __future__ import annotations
 
 import torch
+from moe_fixtures import MOE, Allocations
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from remat.config import ModelConfig
 from remat.job import Job
 from remat.memory.workspaces import MODULE_ALLGATHER, allgather_kept_bytes, stage_workspaces
 from remat.models.allgather_dispatch import GatherPermute, global_buffer_bytes, run_experts_allgather
 from remat.models.expert_parallel import SimulatedExpertGroup, expert_parallel_group
 from remat.models.moe import GroupedMLP, MoELayer
 from remat.models.tp_layers import SimulatedGroup
-
-MOE = ModelConfig(num_layers=2, hidden_size=24, num_attention_heads=2, vocab_size=64, seq_length=16,
-                  micro_batch_size=2, num_moe_experts=4, moe_ffn_hidden_size=16, moe_layer_freq=(0, 1),
-                  attention="sdpa", moe_routing_assumption="balanced", moe_token_dispatcher_type="allgather")
-
-
-class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
-    """The shapes and dtypes of every tensor an operator returns (what a run allocates, views included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.made: list[tuple[tuple[int, ...], torch.dtype]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t._base is None and func not in (
-                    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default):
-                self.made.append((tuple(t.shape), t.dtype))
-        return out
 
 
 def test_the_dispatcher_makes_megatrons_gathered_and_permuted_tensors():
@@ -41,7 +21,7 @@ def test_the_dispatcher_makes_megatrons_gathered_and_permuted_tensors():
     experts = GroupedMLP(MOE.replace(moe_grouped_gemm=True), 2)
     tokens = torch.randn(8, 24, requires_grad=True)
     probs = torch.rand(16, requires_grad=True)
-    with _Allocations() as seen:
+    with Allocations() as seen:
         out, received = run_experts_allgather(experts, SimulatedGroup(4, 1), tokens, probs, [4, 4, 4, 4], 2, 1, 2)
     assert received == [16, 16] and out.shape == (8, 24)
     made = seen.made
@@ -91,7 +71,7 @@ def test_the_kept_bytes_follow_the_global_buffer_and_the_dispatcher_attributes()
 def test_an_fp32_router_makes_fp32_logits_and_casts_the_activation_back():
     layer = MoELayer(MOE.replace(moe_router_dtype="fp32", moe_token_dispatcher_type="alltoall"), 0).to(torch.bfloat16)
     x = torch.randn(2, 16, 24, dtype=torch.bfloat16, requires_grad=True)
-    with _Allocations() as seen:
+    with Allocations() as seen:
         out = layer(x)
     assert ((32, 4), torch.float32) in seen.made and out.dtype == torch.bfloat16
     out.sum().backward()

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_fixtures import MOE, Allocations
 
 from remat.config import ConfigError, ModelConfig
 from remat.job import JobError, parse_megatron_args
 from remat.models.moe import MoELayer
 from remat.models.tp_layers import SimulatedGroup
 from remat.models.tp_moe import TPMoELayer
-from tests.models.test_allgather_dispatch import MOE, _Allocations
 
 BASE = ("--num-layers 2 --hidden-size 24 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
         "--padded-vocab-size 64 --bf16 --num-experts 4 --moe-ffn-hidden-size 16 --disable-bias-linear "
@@ -26,12 +26,12 @@ def test_an_fp32_router_sums_the_expert_shards_in_fp32():
     # combine_preprocess casts the fc2 partial sums to fp32 [64, 24] and reduce-scatters them to fp32 [32, 24]
     layer = TPMoELayer(ALLTOALL.replace(moe_router_dtype="fp32"), 0, SimulatedGroup(2), True).to(torch.bfloat16)
     x = torch.randn(8, 2, 24, dtype=torch.bfloat16, requires_grad=True)
-    with _Allocations() as seen:
+    with Allocations() as seen:
         out = layer(x)
     fp32_rows = {((64, 24), torch.float32), ((32, 24), torch.float32)}
     assert fp32_rows <= set(seen.made)
     assert out.dtype == torch.bfloat16
-    with _Allocations() as plain:
+    with Allocations() as plain:
         TPMoELayer(ALLTOALL, 0, SimulatedGroup(2), True).to(torch.bfloat16)(x)
     assert not fp32_rows & set(plain.made)  # a model-dtype router sums in bf16
     out.sum().backward()

@@ -67,7 +67,9 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-optimizer", action="store_true", default=None,
                    help="Megatron's --use-distributed-optimizer: master params and optimizer state sharded over dp")
     g.add_argument("--optimizer", choices=OPTIMIZERS,
-                   help="adam (two fp32 moments; default), sgd (no momentum) or none (no optimizer state)")
+                   help="adam (two fp32 moments; default), sgd (no momentum), muon (one fp32 momentum on matrices, "
+                        "Adam on embeddings and norms; layer-wise sharded with --distributed-optimizer) or none "
+                        "(no optimizer state)")
     g.add_argument("--precision", choices=PRECISIONS,
                    help="fp32, or Megatron's bf16/fp16 mixed precision: 2-byte parameters, fp32 main grads and "
                         "master parameters (default: the model's dtype)")

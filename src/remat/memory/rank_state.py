@@ -22,8 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat.config import DTYPES, ModelConfig
 from remat.job import Job
-from remat.memory import disk_cache
-from remat.models.gpt import Embedding, LMHead, TransformerLayer, building
+from remat.memory import disk_cache, muon
+from remat.models.gpt import Embedding, LMHead, MTPLayer, TransformerLayer, building
 from remat.models.tensor_parallel import SimulatedGroup
 from remat.models.tp_moe import simulated_expert_groups
 from remat.models.tp_stage import build_tp_stage_module
@@ -82,6 +82,7 @@ class BufferLayout:
     buckets: tuple[tuple[int, int], ...]  # [start, end) of each bucket, padded
     params: tuple[tuple[int, int], ...]  # [start, end) of each parameter, in buffer order
     expert: bool = False  # the expert-parallel buffer, sharded over the expert data-parallel ranks
+    muon_numel: int = 0  # elements of Muon's matrices in it (remat.memory.muon; the rest: its scalar Adam's)
 
 
 @dataclass(frozen=True)
@@ -212,10 +213,20 @@ def chunk_layouts(job: Job, params: Sequence[ParamInfo], *, bucketed: bool) -> l
     out = []
     for expert, shards in ((False, dense_shards(job)), (True, expert_shards(job))):
         group = [p for p in params if p.expert == expert]
+        mats = [p for p in group if job.optimizer == "muon" and muon.is_muon_matrix(p.name, p.shape)]
+        layer_wise = bool(mats) and job.distributed_optimizer  # Muon's matrices: a buffer of their own after the rest
+        if layer_wise:
+            group = [p for p in group if not muon.is_muon_matrix(p.name, p.shape)]
         if group or not expert:
             lay = buffer_layout(group, distributed_optimizer=job.distributed_optimizer, dp_size=shards,
                                 bucket_size=bucket_size, pad_for_nccl_busbw=job.pad_buckets_for_high_nccl_busbw)
-            out.append(dataclasses.replace(lay, expert=expert))
+            muon_numel = 0 if layer_wise else sum(p.numel for p in mats)
+            out.append(dataclasses.replace(lay, expert=expert, muon_numel=muon_numel))
+        if layer_wise:  # remat.memory.muon: whole matrices in each of the shards
+            sizes = [m for p in mats for m in muon.matrices(p.name, p.shape)]
+            buckets, ranges = muon.layer_wise_layout(sizes, shards, bucket_size, job.pad_buckets_for_high_nccl_busbw)
+            n = sum(numel for numel, _ in sizes)
+            out.append(BufferLayout(buckets[-1][1], n, tuple(buckets), tuple(ranges), expert=expert, muon_numel=n))
     return out
 
 
@@ -251,6 +262,14 @@ def rank_shard_elements(job: Job, layouts: Sequence[BufferLayout], dense_shard: 
                shard_elements(lay, dense_shards(job), dense_shard % dense_shards(job)) for lay in layouts)
 
 
+def muon_shard_elements(job: Job, layouts: Sequence[BufferLayout], dense_shard: int, expert_shard: int) -> int:
+    """Elements of Muon's matrices among a rank's optimizer elements (:func:`rank_shard_elements`): all of them
+    without the distributed optimizer, else its shards of the layer-wise buffers (each holds Muon's only)."""
+    if not job.distributed_optimizer:
+        return sum(lay.muon_numel for lay in layouts)
+    return rank_shard_elements(job, [lay for lay in layouts if lay.muon_numel], dense_shard, expert_shard)
+
+
 def rank_state(job: Job, chunks: Sequence[Sequence[ParamInfo]], *, pipeline_rank: int = 0,
                ep_rank: int | None = None) -> RankState:
     """The model state of one rank of ``job`` that holds the model chunks ``chunks`` (one list per chunk).
@@ -284,14 +303,17 @@ def rank_state(job: Job, chunks: Sequence[Sequence[ParamInfo]], *, pipeline_rank
     candidates = [c for c in candidates if ep_rank is None or c[1] == ep_rank]
     if not dist:
         candidates = candidates[:1]
-    elements, (best_rank, best_ep, best_edp) = max(
-        ((rank_shard_elements(job, layouts, c[0], c[2]), c) for c in candidates), key=lambda item: item[0])
     master = 4 if job.precision != "fp32" and job.optimizer != "none" else 0
-    state = {"adam": 8, "sgd": 4 if job.sgd_momentum > 0 else 0, "none": 0}[job.optimizer]
+    state = {"adam": 8, "sgd": 4 if job.sgd_momentum > 0 else 0, "muon": 8, "none": 0}[job.optimizer]
+    # Muon keeps 4 bytes (its momentum) where the scalar Adam keeps 8: price the rank with the most state bytes
+    held = [(rank_shard_elements(job, layouts, c[0], c[2]), muon_shard_elements(job, layouts, c[0], c[2]), c)
+            for c in candidates]
+    elements, muon_elements, (best_rank, best_ep, best_edp) = max(
+        held, key=lambda item: ((master + state) * item[0] - 4 * item[1], item[0]))
     p_size = size[job.param_dtype]
     return RankState(num_parameters=n, parameters=n * p_size, parameter_padding=(padded - n) * p_size if dist else 0,
                      gradients=padded * size[job.main_grad_dtype], master_parameters=master * elements,
-                     optimizer_state=state * elements, dp_rank=best_rank, shard_elements=elements,
+                     optimizer_state=state * elements - 4 * muon_elements, dp_rank=best_rank, shard_elements=elements,
                      layouts=tuple(layouts), ep_rank=best_ep, expert_dp_rank=best_edp, param_buffer=dist)
 
 
@@ -313,6 +335,9 @@ class _Chunk(nn.Module):
         self.head = LMHead(config) if last else None
         if config.tie_embeddings and first and last:
             self.head.output_layer.weight = self.embedding.word_embeddings.weight
+        mtp = last and config.mtp_num_layers > 0  # NOTE [multi-token prediction] in remat.models.gpt
+        self.mtp = nn.ModuleList(MTPLayer(config) for _ in range(config.mtp_num_layers)) if mtp else None
+        self.mtp_embedding = Embedding(config) if mtp and not first else None
 
 
 @dataclass(frozen=True)
@@ -367,8 +392,11 @@ def rank_parameters(config: ModelConfig, *, first: bool, last: bool, num_layers:
                                       expert_parallel and ".mlp.experts." in p.name, p.shape)
                             for p in params if p.name.startswith(f"layers.{k}.")]
                for k, i in enumerate(built)}
-    before = [p for p in params if p.name.startswith("embedding.")]
-    after = [p for p in params if not p.name.startswith(("embedding.", "layers."))]
+    # the MTP stage's own word embedding is registered first, as GPTModel does (gpt_model.py:173); an MTP layer's
+    # routed experts are expert-parallel like the decoder's
+    before = [p for p in params if p.name.startswith(("embedding.", "mtp_embedding."))]
+    after = [dataclasses.replace(p, expert=expert_parallel and ".mlp.experts." in p.name) for p in params
+             if not p.name.startswith(("embedding.", "mtp_embedding.", "layers."))]
     layers = [ParamInfo(f"layers.{i - layer_offset}." + p.name, p.numel, p.shared_embedding, p.expert, p.shape)
               for i in span for p in by_kind[pattern[i]]]
     return before + layers + after
@@ -414,6 +442,8 @@ def _built_parameters(cfg: ModelConfig, first: bool, last: bool, built: list[int
             if shares:
                 shared = [module.embedding.word_embeddings.weight] if first else []
                 shared += [module.head.output_layer.weight] if last else []
+            if module.mtp_embedding is not None:  # language_module.py:278-290: a shared copy, tied or not
+                shared.append(module.mtp_embedding.word_embeddings.weight)
             params = module_parameters(module, shared)
         disk_cache.store("rank_parameters", key,
                          [[p.name, p.numel, p.shared_embedding, p.expert, list(p.shape)] for p in params])

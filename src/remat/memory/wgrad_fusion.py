@@ -11,9 +11,14 @@ NOTE [gradient-accumulation fusion]
   gradient from a process-wide cache (transformer_engine/pytorch/module/base.py ``get_dummy_wgrad``, TE 2.17.1): one
   ``torch.empty`` per distinct (shape, dtype), made at its first backward and kept for the whole run. A grouped GEMM's
   weights share one per shape.
-* Megatron's own output layer (``ColumnParallelLinear``, megatron/core/tensor_parallel/layers.py) fuses too but
-  returns a fresh ``torch.empty(main_grad.shape, dtype=input.dtype)`` each backward: the same transient as the
-  unfused gradient, so nothing changes there; embeddings, norms, biases and the router are not fused.
+* TE still saves each linear's input for its weight-gradient GEMM (transformer_engine/pytorch/module/linear.py:300
+  ``backward_needs_input = is_grad_enabled and weight.requires_grad``: Megatron's weights require grad, fused or
+  not). The trace runs the fused weights without ``requires_grad`` (so autograd makes no gradient), and
+  :func:`keep_fused_inputs` saves each fused linear's input itself, until that linear's backward, as TE does.
+* Megatron's own output layer (``ColumnParallelLinear``) fuses too and, with TE installed, returns TE's cached dummy
+  of the weight's shape as well (megatron/core/tensor_parallel/layers.py:738-754 ``get_dummy_wgrad``; without TE a
+  fresh ``torch.empty``): :func:`output_layer_dummy` adds it to the cached dummies; embeddings, norms, biases and
+  the router are not fused.
 CPU runs (gloo) cannot fuse (the fused kernels are CUDA's), so a job predicted with the ``cpu`` kernel profile keeps
 the unfused transients.
 """
@@ -22,10 +27,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
 
 from remat.memory.rank_state import ParamInfo
 
 _FUSED = re.compile(r"(^|\.)linear_[a-z0-9_]+\.weight$")
+OUTPUT_LAYER = re.compile(r"(^|\.)output_layer\.weight$")
 MODULE = "transformer_engine.dummy_wgrad"
 
 
@@ -67,3 +77,57 @@ def dummy_wgrads(params: Sequence[ParamInfo], itemsize: int) -> list[tuple[tuple
             numel *= d
         out.append((shape, numel * itemsize))
     return out
+
+
+def output_layer_dummy(params: Sequence[ParamInfo], itemsize: int) -> list[tuple[tuple[int, ...], int]]:
+    """TE's cached dummy weight gradient of Megatron's output layer (``ColumnParallelLinear`` with the fusion and TE
+    installed, layers.py:738-754), ``(shape, bytes)``, when the rank holds it; [] otherwise or when a fused TE
+    linear's dummy has the same shape and dtype (one cached tensor per (shape, dtype): base.py ``get_dummy_wgrad``).
+
+    Example:
+        >>> output_layer_dummy([ParamInfo("head.output_layer.weight", 8, shape=(4, 2))], 2)
+        [((4, 2), 16)]
+    """
+    taken = {shape for shape, _ in dummy_wgrads(params, itemsize)}
+    out = {p.shape: p.numel * itemsize for p in params if OUTPUT_LAYER.search(p.name) and p.shape not in taken}
+    return list(out.items())
+
+
+class _SaveInput(torch.autograd.Function):
+    """Identity that saves its input for backward: TE's linear keeps its input for the weight-gradient GEMM, which the
+    fused trace runs without ``requires_grad`` on the weight (so autograd itself would not save it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def traced_without_grad(name: str) -> bool:
+    """Whether a fused trace runs the parameter ``name`` without ``requires_grad``: the fused TE linears' weights
+    and the output layer's own weight (its GEMM adds into ``main_grad`` too; a weight tied to the embedding is
+    listed under the embedding's name and keeps its gradient)."""
+    return is_fused_weight(name) or OUTPUT_LAYER.search(name) is not None
+
+
+def keep_fused_inputs(module: nn.Module) -> None:
+    """Run ``module``'s fused weights without ``requires_grad`` (:func:`traced_without_grad`: autograd makes no weight
+    gradient) and have each module owning one save its first tensor input until its backward, as TE's linears and
+    Megatron's output layer do whatever the fusion (see NOTE [gradient-accumulation fusion])."""
+    fused = {id(p) for name, p in module.named_parameters() if traced_without_grad(name)}
+    for sub in module.modules():
+        if any(id(p) in fused for p in sub.parameters(recurse=False)):
+            sub.register_forward_pre_hook(_save_first_input)
+    for p in module.parameters():
+        if id(p) in fused:
+            p.requires_grad_(False)
+
+
+def _save_first_input(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad and torch.is_grad_enabled():
+        return (_SaveInput.apply(args[0]), *args[1:])
+    return None

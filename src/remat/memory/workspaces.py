@@ -153,6 +153,11 @@ def global_buffer_requests(job: Job, stage: int) -> list[tuple[tuple[str, int], 
                                                        dtype)))
     if job.sp and ((local and layers) or stage == job.pp - 1):
         out.append((("mpu", dtype), seq * m.micro_batch_size * m.hidden_size * dtype))
+    deferred = job.embedding_wgrad_deferral
+    if job.sp and deferred is not None and stage == job.pp - 1:
+        # the drain's gathered inputs, double-buffered (utils.py:1303, 1336); mpu_1 once two or more are deferred
+        n = job.num_microbatches if deferred == 0 else min(deferred, job.num_microbatches)
+        out += [((name, dtype), seq * m.micro_batch_size * m.hidden_size * dtype) for name in ("mpu_0", "mpu_1")[:n]]
     return out
 
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from remat.models.tp_layers import TensorParallelGroup
 
 __all__ = ["CROSS_ENTROPY", "FusedVocabParallelCrossEntropy", "TECrossEntropy", "VocabParallelCrossEntropy",
-           "language_model_loss"]
+           "language_model_loss", "token_losses"]
 TE_IGNORE_INDEX = -100  # megatron/core/extensions/transformer_engine.py::te_parallel_cross_entropy passes it
 
 
@@ -58,11 +58,22 @@ def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, kind: str,
             raise ValueError("cross_entropy='torch' needs the whole vocabulary on one rank (tp = 1)")
         # Megatron computes the cross-entropy in fp32 whatever the model's dtype.
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+    return token_losses(logits, labels, kind, group).mean()
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor, kind: str,
+                 group: TensorParallelGroup | None = None) -> torch.Tensor:
+    """The per-token cross-entropy (fp32, shaped as ``labels``) of ``logits`` computed by ``kind``, as
+    Megatron's ``compute_language_model_loss`` returns it (``torch``: ``F.cross_entropy`` without reduction)."""
+    if kind == "torch":
+        if group is not None and group.size > 1:
+            raise ValueError("cross_entropy='torch' needs the whole vocabulary on one rank (tp = 1)")
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
     function = {"megatron": VocabParallelCrossEntropy, "megatron_fused": FusedVocabParallelCrossEntropy,
                 "te": TECrossEntropy}.get(kind)
     if function is None:
         raise ValueError(f"cross_entropy={kind!r}: must be one of {', '.join(CROSS_ENTROPY)}")
-    return function.apply(logits, labels, group).mean()
+    return function.apply(logits, labels, group)
 
 
 def _rank(group: TensorParallelGroup | None) -> tuple[int, int]:

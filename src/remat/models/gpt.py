@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,13 +13,13 @@ from torch import nn
 
 from remat.config import ModelConfig
 from remat.models.blocks import MLP, CoreAttention, SwiGLU, apply_rotary, norm_layer
-from remat.models.cross_entropy import language_model_loss
+from remat.models.cross_entropy import language_model_loss, token_losses
 from remat.models.mla import MLASelfAttention
 from remat.models.moe import MoELayer
 
-__all__ = ["GPT", "MLP", "CoreAttention", "Embedding", "LMHead", "SelfAttention", "SwiGLU", "TransformerLayer",
-           "apply_rotary", "build_model", "building", "layer_side_inputs", "norm_layer", "rotary_tables",
-           "routing_report", "sample_batch"]
+__all__ = ["GPT", "MLP", "CoreAttention", "Embedding", "LMHead", "MTPLayer", "MTPLossAutoScaler", "SelfAttention",
+           "SwiGLU", "TransformerLayer", "apply_rotary", "build_model", "building", "layer_side_inputs",
+           "multi_token_loss", "norm_layer", "roll_left", "rotary_tables", "routing_report", "sample_batch"]
 
 
 class SelfAttention(nn.Module):
@@ -112,8 +113,100 @@ class LMHead(nn.Module):
         self.cross_entropy = config.cross_entropy
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.output_layer(self.final_layernorm(hidden))
-        return language_model_loss(logits, labels, self.cross_entropy)
+        return self.loss(self.final_layernorm(hidden), labels)
+
+    def loss(self, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean loss of the final norm's output ``normed``."""
+        return language_model_loss(self.logits(normed), labels, self.cross_entropy)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.output_layer(normed)
+
+    def token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The per-token loss [b, s] of ``logits`` (an MTP depth's)."""
+        return token_losses(logits, labels, self.cross_entropy)
+
+
+# NOTE [multi-token prediction]
+# Megatron's --mtp-num-layers D (megatron/core/transformer/multi_token_prediction.py at d98e8a6, DeepSeek-V3's MTP)
+# runs D depths after the decoder's final norm, on the chunk holding the loss (mtp_on_this_rank: the last
+# (virtual) pipeline stage without a layout). Depth k (MultiTokenPredictionLayer.forward, :1655): roll the token
+# ids left (roll_tensor :213, last position zeroed), embed them with the stage's own word embedding (gpt_model.py
+# :173 builds a LanguageModelEmbedding wherever mtp_process, tied or not), enorm(embedding) and hnorm(hidden)
+# concatenated [.., 2h] -> eh_proj (a column-parallel linear 2h -> h, no bias, gather_output=False, then
+# gather_from_tensor_model_parallel_region and, under SP, scatter_to_sequence_parallel_region: :1331-1359) -> one
+# transformer layer built from the spec of the decoder's last layer (gpt_builders.py: decoder_layer_specs[-1],
+# so MoE when the last layer is) -> final_layernorm. The block concatenates [main, depth 1, ..., depth D] along
+# the sequence (:2139) and process_mtp_loss (:932) chunks it back: each depth's logits come from the shared output
+# layer, its labels and loss mask are rolled once more per depth, its per-token loss is masked and scaled by
+# mtp_loss_scaling_factor / D / tokens, and MTPLossAutoScaler (:886) hangs it on the main hidden states (saving
+# it for backward) before the main logits are computed.
+MTP_LOSS_SCALE = 0.1  # Megatron's default --mtp-loss-scaling-factor: a value, not memory
+
+
+class MTPLossAutoScaler(torch.autograd.Function):
+    """Megatron's MTPLossAutoScaler: identity on ``output``; keeps ``mtp_loss`` and gives it the gradient
+    ``ones * main_loss_backward_scale`` (1 here) when ``output``'s gradient arrives."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, mtp_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(mtp_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (mtp_loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(mtp_loss) * 1.0
+
+
+def roll_left(tensor: torch.Tensor) -> torch.Tensor:
+    """Megatron's ``roll_tensor(shifts=-1, dims=-1)`` without context parallelism: a new tensor, last position 0."""
+    rolled = torch.roll(tensor, shifts=-1, dims=-1)
+    rolled.select(-1, -1).fill_(0)
+    return rolled
+
+
+class MTPLayer(nn.Module):
+    """One MTP depth (NOTE [multi-token prediction]); its transformer layer is built as the config's last layer."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.enorm, self.hnorm = norm_layer(config), norm_layer(config)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.mtp_model_layer = TransformerLayer(config, config.num_layers - 1)
+        self.final_layernorm = norm_layer(config)
+
+    def forward(self, hidden: torch.Tensor, decoder_input: torch.Tensor, attention_mask: torch.Tensor,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = self.eh_proj(torch.cat((self.enorm(decoder_input), self.hnorm(hidden)), -1))
+        return self.final_layernorm(self.mtp_model_layer(x, attention_mask, rotary))
+
+
+def multi_token_loss(head: nn.Module, depths: nn.ModuleList, embedding: nn.Module, hidden: torch.Tensor,
+                     labels: torch.Tensor, attention_mask: torch.Tensor,
+                     rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The main loss of the last layer's ``hidden`` with the MTP ``depths`` run after the final norm and their
+    losses hung on it (NOTE [multi-token prediction]); ``head`` has ``final_layernorm``, ``loss`` and
+    ``token_loss`` (:class:`LMHead` or its tensor-parallel version), ``embedding`` takes token ids."""
+    normed = head.final_layernorm(hidden)  # the decoder's final norm (TransformerBlock), before the MTP block
+    outputs, h = [normed], normed
+    ids = labels.clone()  # roll_tensor(input_ids): token i+1 at position i, which is label i (the last zeroed)
+    ids.select(-1, -1).fill_(0)
+    for k, layer in enumerate(depths):
+        ids = ids if k == 0 else roll_left(ids)
+        h = layer(h, embedding(ids), attention_mask, rotary)
+        outputs.append(h)
+    parts = torch.cat(outputs, 0).chunk(1 + len(depths), 0)
+    main, mtp_labels = parts[0], labels.clone()
+    loss_mask = torch.ones(labels.shape, device=labels.device)  # the batch's loss mask (fp32)
+    for k in range(len(depths)):
+        logits = head.logits(parts[k + 1])  # process_mtp_loss's order: logits, then the rolls, then the loss
+        mtp_labels, loss_mask = roll_left(mtp_labels), roll_left(loss_mask)
+        num_tokens = loss_mask.sum()
+        mtp_loss = loss_mask * head.token_loss(logits, mtp_labels)
+        del logits
+        main = MTPLossAutoScaler.apply(main, MTP_LOSS_SCALE / len(depths) * mtp_loss / num_tokens.clamp(min=1))
+    return head.loss(main, labels)
 
 
 class GPT(nn.Module):
@@ -123,6 +216,7 @@ class GPT(nn.Module):
         self.embedding = Embedding(config)
         self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
         self.head = LMHead(config)
+        self.mtp = nn.ModuleList(MTPLayer(config) for _ in range(config.mtp_num_layers)) or None
         if config.tie_embeddings:
             self.head.output_layer.weight = self.embedding.word_embeddings.weight
 
@@ -134,6 +228,8 @@ class GPT(nn.Module):
         hidden = self.embedding(tokens)
         for layer in self.layers:
             hidden = layer(hidden, causal_mask, rotary)
+        if self.mtp is not None:
+            return multi_token_loss(self.head, self.mtp, self.embedding, hidden, labels, causal_mask, rotary)
         return self.head(hidden, labels)
 
     def routing_report(self) -> dict[str, object] | None:

@@ -11,15 +11,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.config import ConfigError, ModelConfig
-from remat.models.cross_entropy import language_model_loss
-from remat.models.gpt import GPT, CoreAttention, SelfAttention, building, norm_layer
+from remat.models.cross_entropy import language_model_loss, token_losses
+from remat.models.gpt import GPT, CoreAttention, MTPLayer, SelfAttention, building, norm_layer
 from remat.models.tp_layers import (
     TPMLP,
     ColumnParallelLinear,
     DistributedGroup,
+    GatherFromTensorRegion,
     ReduceFromRegion,
     ReduceScatterToSequence,
     RowParallelLinear,
+    ScatterToSequence,
     SimulatedGroup,
     TensorParallelGroup,
 )
@@ -27,7 +29,7 @@ from remat.models.tp_mla import TPMLASelfAttention
 from remat.models.tp_moe import TPMoELayer, check_tp_moe
 
 __all__ = ["ColumnParallelLinear", "DistributedGroup", "RowParallelLinear", "SimulatedGroup", "TPGPT", "TPMLP",
-           "TPEmbedding", "TPHead", "TPSelfAttention", "TPTransformerLayer", "TensorParallelGroup",
+           "TPEmbedding", "TPHead", "TPMTPLayer", "TPSelfAttention", "TPTransformerLayer", "TensorParallelGroup",
            "build_tp_model", "check_tensor_parallel"]
 
 
@@ -114,8 +116,39 @@ class TPHead(nn.Module):
         self.cross_entropy = "megatron" if config.cross_entropy == "torch" else config.cross_entropy
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.output_layer(self.final_layernorm(hidden)).view(*self.shape, -1)
-        return language_model_loss(logits, labels, self.cross_entropy, self.group)
+        return self.loss(self.final_layernorm(hidden), labels)
+
+    def loss(self, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return language_model_loss(self.logits(normed), labels, self.cross_entropy, self.group)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.output_layer(normed).view(*self.shape, -1)
+
+    def token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The per-token loss [b, s] of ``logits`` (an MTP depth's: remat.models.gpt.multi_token_loss)."""
+        return token_losses(logits, labels, self.cross_entropy, self.group)
+
+
+class TPMTPLayer(MTPLayer):
+    """One rank's share of an MTP depth (NOTE [multi-token prediction] in remat.models.gpt): eh_proj column-parallel
+    (TE's, gather_output=False), its output gathered along the hidden dimension and, under SP, scattered back to
+    this rank's tokens (multi_token_prediction.py:1347-1358)."""
+
+    def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool):
+        nn.Module.__init__(self)  # not MTPLayer.__init__: its full-size linears are replaced, not built
+        self.group, self.sp = group, sp
+        self.enorm, self.hnorm = norm_layer(config), norm_layer(config)
+        self.eh_proj = ColumnParallelLinear(2 * config.hidden_size, config.hidden_size, False, group, sp)
+        self.mtp_model_layer = TPTransformerLayer(config, group, sp, config.num_layers - 1)
+        self.final_layernorm = norm_layer(config)
+
+    def forward(self, hidden: torch.Tensor, decoder_input: torch.Tensor, attention_mask: torch.Tensor,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = self.eh_proj(torch.cat((self.enorm(decoder_input), self.hnorm(hidden)), -1))
+        x = GatherFromTensorRegion.apply(x.reshape(-1, x.shape[-1]), self.group).view(*x.shape[:-1], -1)
+        if self.sp:
+            x = ScatterToSequence.apply(x, self.group)
+        return self.final_layernorm(self.mtp_model_layer(x, attention_mask, rotary))
 
 
 class TPGPT(nn.Module):
@@ -128,6 +161,7 @@ class TPGPT(nn.Module):
         self.embedding = TPEmbedding(config, group, sp)
         self.layers = nn.ModuleList(TPTransformerLayer(config, group, sp, i) for i in range(config.num_layers))
         self.head = TPHead(config, group, sp)
+        self.mtp = nn.ModuleList(TPMTPLayer(config, group, sp) for _ in range(config.mtp_num_layers)) or None
         if config.tie_embeddings:
             self.head.output_layer.weight = self.embedding.word_embeddings.weight
 

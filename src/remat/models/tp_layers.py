@@ -231,6 +231,38 @@ class ReduceScatterToSequenceV(torch.autograd.Function):
         return ctx.group.all_gather_v(grad, ctx.splits), None, None
 
 
+class GatherFromTensorRegion(torch.autograd.Function):
+    """Megatron's ``gather_from_tensor_model_parallel_region`` (mappings.py ``_gather_along_last_dim``): the ranks'
+    last-dimension shards all-gathered along dim 0 into a new buffer, then concatenated along the last dimension
+    (a second new tensor; the buffer goes on return); backward keeps this rank's slice of the gradient (a copy)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
+        ctx.group = group
+        gathered = group.all_gather(x)
+        return torch.cat(gathered.chunk(group.size, 0), dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.chunk(ctx.group.size, -1)[ctx.group.rank].contiguous(), None
+
+
+class ScatterToSequence(torch.autograd.Function):
+    """Megatron's ``scatter_to_sequence_parallel_region`` (``_split_along_first_dim``): this rank's rows, a view of
+    the whole input (``.contiguous()`` of a dim-0 slice copies nothing, so the input lives as long as the view);
+    backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
+        ctx.group = group
+        rows = x.shape[0] // group.size
+        return x[group.rank * rows:(group.rank + 1) * rows]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.group.all_gather(grad), None
+
+
 class GatheredLinear(torch.autograd.Function):
     """Column-parallel linear on a sequence-parallel input: gather the tokens, multiply, keep only the shard.
 

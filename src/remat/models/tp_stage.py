@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from remat.config import ModelConfig
-from remat.models.gpt import building, rotary_tables
+from remat.models.gpt import building, multi_token_loss, rotary_tables
 from remat.models.tensor_parallel import (
     TensorParallelGroup,
     TPEmbedding,
     TPHead,
+    TPMTPLayer,
     TPTransformerLayer,
     check_tensor_parallel,
 )
@@ -46,6 +47,10 @@ class TPStageModule(nn.Module):
         self.head = TPHead(config, group, sp) if spec.is_last else None
         if config.tie_embeddings and self.embedding is not None and self.head is not None:
             self.head.output_layer.weight = self.embedding.word_embeddings.weight
+        mtp = spec.is_last and config.mtp_num_layers > 0  # Megatron: on the last (virtual) stage, no layout
+        self.mtp = nn.ModuleList(TPMTPLayer(config, group, sp) for _ in range(config.mtp_num_layers)) if mtp else None
+        # the MTP stage builds its own word embedding, tied or not (gpt_model.py:173 'pre_process or mtp_process')
+        self.mtp_embedding = TPEmbedding(config, group, sp) if mtp and self.embedding is None else None
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         # under SP a middle chunk's input is [b*s/tp, h]: its shape does not give s
@@ -72,6 +77,10 @@ def chunk_forward(chunk: nn.Module, x: torch.Tensor, labels: torch.Tensor | None
         return hidden
     if labels is None:
         raise error(f"chunk {getattr(chunk.spec, 'index', '?')} computes the loss and needs labels=")
+    mtp = getattr(chunk, "mtp", None)
+    if mtp is not None:  # NOTE [multi-token prediction] in remat.models.gpt
+        embedding = chunk.embedding if chunk.embedding is not None else chunk.mtp_embedding
+        return multi_token_loss(chunk.head, mtp, embedding, hidden, labels, causal_mask, rotary)
     return chunk.head(hidden, labels)
 
 

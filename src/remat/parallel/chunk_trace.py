@@ -24,7 +24,7 @@ from remat.memory.compose import (
     shallow_stand_ins_of_kinds,
 )
 from remat.memory.kernels import kernel_trace, model_kernels, prepare_model
-from remat.memory.wgrad_fusion import is_fused_weight
+from remat.memory.wgrad_fusion import keep_fused_inputs
 from remat.models.expert_parallel import simulated_expert_rank
 from remat.models.gpt import sample_batch
 from remat.models.tensor_parallel import SimulatedGroup
@@ -124,6 +124,8 @@ def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Polic
     policy = Policy.parse(policy) if isinstance(policy, str) else policy
     batch_in_forward = batch_in_forward and (kind[0] or kind[1])  # a middle chunk has no batch
     compose_layers = compose_layers and _COMPOSE[0] and kind[2] > 0  # a chunk of no layers is traced as it is
+    # the MTP layers after the loss chunk's layers are built as its last layer: a shallow stand-in's may differ
+    compose_layers = compose_layers and not (config.mtp_num_layers and kind[1])
     # tp/sp: one tp rank's chunk (models.tp_stage); the simulated expert-parallel rank its MoE layers play
     key = (config, kind, policy, device, tp, sp, batch_in_forward, simulated_expert_rank(), compose_layers, kernels,
            drop_grads, fused_wgrad)
@@ -282,10 +284,8 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
         prepare_model(module, kernels)  # te: TE's fused attention / SwiGLU forwards, before the policy wraps them
         if layers:
             apply(module, policy)
-        if fused_wgrad:  # the weight gradient goes into main_grad inside TE's GEMM: autograd makes none
-            for name, p in module.named_parameters():
-                if is_fused_weight(name):
-                    p.requires_grad_(False)
+        if fused_wgrad:  # the weight gradient goes into main_grad inside the GEMM: autograd makes none
+            keep_fused_inputs(module)  # the linears still save their inputs (NOTE [gradient-accumulation fusion])
         if drop_grads:  # Megatron's DDP hook (see trace_chunk); recomputation's inner backward runs it alike
             for p in module.parameters():
                 if p.requires_grad:

@@ -24,14 +24,16 @@ from typing import Any
 
 from remat.config import DTYPES, ModelConfig, RoutingAssumption
 from remat.job import Job, JobError
+from remat.memory.fsdp_state import add_fsdp_transients, fsdp_rank_state, fsdp_summary
 from remat.memory.kernels import model_kernels, resolve_kernels
 from remat.memory.rank_state import ParamInfo, RankState, rank_parameters, rank_state
 from remat.memory.wgrad_fusion import MODULE as WGRAD_MODULE
-from remat.memory.wgrad_fusion import dummy_wgrads
+from remat.memory.wgrad_fusion import dummy_wgrads, output_layer_dummy
 from remat.memory.workspaces import MODULE_ALLGATHER, MODULE_TE, MODULE_TORCH, stage_workspaces
 from remat.models.expert_parallel import received_per_rank
 from remat.models.tp_moe import simulated_expert_groups
 from remat.parallel.chunk_trace import trace_chunk
+from remat.parallel.deferred_wgrad import defer_output_layer_wgrad
 from remat.parallel.pipeline_predict import compose_stage
 from remat.parallel.pipeline_report import describe_stage
 from remat.parallel.pipeline_runtime import StagePlan
@@ -241,6 +243,8 @@ def stage_state(job: Job, stage: int, ep_rank: int | None = None) -> RankState:
     """
     if not 0 <= stage < job.pp:
         raise JobError(f"stage={stage}: the job has pipeline stages 0..{job.pp - 1}")
+    if job.fsdp is not None:  # Megatron-FSDP's buffers (remat.memory.fsdp_state; one chunk: job_fsdp.check_fsdp)
+        return fsdp_rank_state(job, stage_parameters(job, stage)[0])[0]
     return rank_state(job, stage_parameters(job, stage), pipeline_rank=stage, ep_rank=ep_rank)
 
 
@@ -339,15 +343,23 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
                             block=CUDA_BLOCK if device == "cuda" else 1, group=group,
                             activation_shards=tp if sp else 1)
     timeline = compose_stage(plan, recompute)
+    if job.embedding_wgrad_deferral is not None:  # the last stage's deferred output-layer wgrad (NOTE there)
+        defer_output_layer_wgrad(timeline, plan, job.embedding_wgrad_deferral, tp)
     state = stage_state(job, stage, ep_rank if job.ep > 1 else None)
     workspaces = (stage_workspaces(job, stage, env=env, gpu=gpu, kernels=kernels)
                   if device == "cuda" or kernels != "cpu" else [])
     if fused:  # TE's cached dummy weight gradients, one per distinct weight shape (NOTE [gradient-accumulation fusion])
         itemsize = DTYPES[job.param_dtype].itemsize
+        params = [p for chunk in stage_parameters(job, stage) for p in chunk]
         workspaces += [(WGRAD_MODULE, nbytes) for _, nbytes in
-                       dummy_wgrads([p for chunk in stage_parameters(job, stage) for p in chunk], itemsize)]
+                       dummy_wgrads(params, itemsize) + output_layer_dummy(params, itemsize)]
     add_model_state(timeline, state, ring_exchange_bytes(job), workspaces, block=plan.block,
                     main_grad_copies=main_grad_copy_bytes(job, state))
+    if job.fsdp is not None:  # its unsharded weight and gradient buckets, by phase
+        params = stage_parameters(job, stage)[0]
+        groups = fsdp_rank_state(job, params)[1]
+        add_fsdp_transients(timeline, job, groups, params, block=plan.block)
+        timeline.meta["fsdp"] = fsdp_summary(groups)
     timeline.meta["job"] = {"stage": stage, "tp": tp, "sp": sp, "cp": cp, "dp": job.dp, "pp": pp, "vpp": job.vpp,
                             "ep": job.ep, "ep_rank": state.ep_rank, "expert_dp_rank": state.expert_dp_rank,
                             "precision": job.precision, "optimizer": job.optimizer,
@@ -365,6 +377,8 @@ def main_grad_copy_bytes(job: Job, state: RankState) -> int:
     model_param.main_grad.float()`` (distrib_optimizer.py likewise per shard) is a copy, alive until the next step's
     ``zero_grad(set_to_none=True)`` (optimizer.py:1048), so counted in the resident state after the step (fp32
     main grads: ``.float()`` returns the buffer's own view, no copy)."""
+    if job.fsdp is not None:  # fsdp param_and_grad_buffer.py:3376 ``optimizer_grad.to(param.dtype)``, per shard
+        return 4 * state.shard_elements if job.fsdp.grads_dtype(job.precision) != "fp32" else 0
     return state.master_parameters if job.main_grad_dtype != "fp32" else 0
 
 
@@ -386,7 +400,10 @@ def add_model_state(timeline: Timeline, state: RankState, ring_bytes: int = 0,
     their traced rows are emptied and the buffer, rounded once, holds them.
     """
     param_rows = [row for row, c in enumerate(timeline.category) if c == "parameters"]
-    traced = sum(timeline.nbytes[row] for row in param_rows)
+    # the trace records module buffers with the parameters (the router's fp32 expert_bias and
+    # local_tokens_per_expert, remat.models.moe): check the counted tensors against as many of the largest traced
+    counted_tensors = sum(len(lay.params) for lay in state.layouts)
+    traced = sum(sorted((timeline.nbytes[row] for row in param_rows), reverse=True)[:counted_tensors])
     # compare like with like: both per tensor in the trace's blocks (a 384-element bf16 bias takes 1024 bytes)
     if traced > state.parameter_tensor_bytes(block):
         raise JobError(f"internal: the traced chunk holds {traced} parameter bytes, more than the "

@@ -13,7 +13,7 @@ from torch import nn
 
 from remat.config import ModelConfig
 from remat.memory.measure import StepRecorder
-from remat.models.gpt import GPT, Embedding, LMHead, TransformerLayer, build_model, building, rotary_tables
+from remat.models.gpt import GPT, Embedding, LMHead, MTPLayer, TransformerLayer, build_model, building, rotary_tables
 from remat.models.tp_stage import chunk_forward
 from remat.parallel.schedule import ChunkSpec, PipelineError
 from remat.policy import MOE_MODULES, Policy
@@ -40,12 +40,17 @@ class StageModule(nn.Module):
             self.embedding = source.embedding if spec.is_first else None
             self.layers = nn.ModuleList(source.layers[i] for i in span)
             self.head = source.head if spec.is_last else None
+            self.mtp = source.mtp if spec.is_last else None
+            self.mtp_embedding = source.embedding if self.mtp is not None and not spec.is_first else None
         else:
             self.embedding = Embedding(config) if spec.is_first else None
             self.layers = nn.ModuleList(TransformerLayer(config, i) for i in span)
             self.head = LMHead(config) if spec.is_last else None
             if config.tie_embeddings and self.embedding is not None and self.head is not None:
                 self.head.output_layer.weight = self.embedding.word_embeddings.weight
+            mtp = spec.is_last and config.mtp_num_layers > 0  # NOTE [multi-token prediction] in remat.models.gpt
+            self.mtp = nn.ModuleList(MTPLayer(config) for _ in range(config.mtp_num_layers)) if mtp else None
+            self.mtp_embedding = Embedding(config) if mtp and self.embedding is None else None
 
     def rotary_tables(self, seq_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         return rotary_tables(self.config, seq_length, device)

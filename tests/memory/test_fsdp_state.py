@@ -1,0 +1,90 @@
+"""Megatron-FSDP (remat.job_fsdp, remat.memory.fsdp_state): flags, buffer arithmetic, the H100 dev case."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from remat.job import Job, JobError, parse_megatron_args
+from remat.job_fsdp import FsdpConfig
+from remat.memory.fsdp_state import GATHER_MODULE, GRAD_BUCKET_MODULE, buffer_items, fsdp_groups, fsdp_rank_state
+from remat.memory.rank_state import ParamInfo
+from remat.parallel.job_predict import RESIDENT_PARTS, parts_at, predict_stage, stage_parameters
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+DENSE = "gpt/gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor"
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --micro-batch-size 2 "
+        "--vocab-size 1000 --bf16 --world-size 4 --global-batch-size 16 ")
+
+
+def _case(name: str) -> dict:
+    data = json.loads((BENCH / "data" / "megatron_golden_h100_dev.json").read_text())
+    return next(c for c in data["cases"] if c["case"] == name)
+
+
+def test_buffer_items_pairs_remainders_and_fills_gaps() -> None:
+    # param_and_grad_buffer.py:258: a (10 = 2 x 4 + 2) takes 3 chunks, b's remainder (2) shares a's last chunk,
+    # the fragment c (1 < 4) is appended after the regular items (no gap left)
+    used, items = buffer_items([ParamInfo("a", 10, shape=(5, 2)), ParamInfo("b", 6, shape=(3, 2)),
+                                ParamInfo("c", 1, shape=(1,))], 4)
+    assert items == [(0, 10), (10, 16), (16, 17)] and used == 17
+    used, items = buffer_items([ParamInfo("a", 5, shape=(5,)), ParamInfo("c", 2, shape=(2,))], 4)
+    assert items == [(0, 5), (5, 7)] and used == 8  # c fills the gap after a's remainder
+
+
+def test_flags_round_trip_and_refusals() -> None:
+    job, _ = parse_megatron_args(BASE + "--use-megatron-fsdp --megatron-fsdp-main-grads-dtype fp32")
+    assert job.fsdp == FsdpConfig(main_grads_dtype="fp32") and job.distributed_optimizer  # arguments.py:1128
+    assert Job.from_megatron_args(job.to_megatron_args()) == job
+    assert parse_megatron_args(BASE + "--use-megatron-fsdp --outer-dp-sharding-strategy no_shard")[0].fsdp
+    for extra in ("--fsdp-double-buffer", "--outer-dp-sharding-strategy optim",
+                  "--data-parallel-sharding-strategy no_shard", "--megatron-fsdp-main-params-dtype bf16",
+                  "--megatron-fsdp-max-pool-double-buffer", "--num-experts 4"):
+        with pytest.raises(JobError):
+            parse_megatron_args(BASE + "--use-megatron-fsdp " + extra)
+    with pytest.raises(JobError, match="without --use-megatron-fsdp"):
+        parse_megatron_args(BASE + "--data-parallel-sharding-strategy optim")
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+def test_rank_state_per_strategy(strategy: str) -> None:
+    job = parse_megatron_args(BASE + f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}")[0]
+    params = stage_parameters(job, 0)[0]
+    state, groups = fsdp_rank_state(job, params)
+    full = sum(g.size for g in groups)
+    shard = sum(g.size // 4 for g in groups)
+    assert all(g.size % 4 == 0 for g in groups)
+    # param_and_grad_buffer.py:2330: weights sharded only by optim_grads_params, grads by optim_grads(_params),
+    # fp32 main weights always; bf16 main grads ('auto': the parameters' dtype)
+    assert state.parameters + state.parameter_padding == 2 * (shard if strategy == "optim_grads_params" else full)
+    assert state.gradients == 2 * (full if strategy == "optim" else shard)
+    assert state.master_parameters == 4 * shard
+    assert state.optimizer_state == 8 * state.shard_elements <= 8 * shard
+    assert sum(g.numel for g in groups) == sum(p.numel for p in params)
+
+
+def test_dense_dev_case_buffers() -> None:
+    sys.path.insert(0, str(BENCH))
+    from bench_megatron_golden import measured, megatron_argv
+
+    case = _case(DENSE)
+    job = Job.from_megatron_args(megatron_argv(case))
+    params = stage_parameters(job, 0)[0]
+    groups = fsdp_groups(job, params)
+    non_unit = [g for g in groups if g.unit is None]
+    # one non-unit group: word embeddings [50432/2, 512], positions [1024, 512], final norm 2 x [512]; chunk factor
+    # 512, padded to dp x 512 (param_and_grad_buffer.py:285)
+    assert [(g.numel, g.size) for g in non_unit] == [((25216 + 1024 + 2) * 512, 6561 * 2048)]
+    assert len(groups) == 13 and {g.unit for g in groups} == {None, *range(12)}
+    rank = predict_stage(job, 0, device="cuda", kernels="te", env=case["env"], gpu="h100")
+    peak, resident = measured(case)
+    tl = rank.timeline
+    end = parts_at(tl, tl.num_events - 1)
+    assert 0 <= rank.peak_bytes / peak - 1 < 0.05  # an upper bound, never under
+    assert abs(sum(end[p] for p in RESIDENT_PARTS) / resident - 1) < 0.02
+    alive = [tl.module[i] for i in tl.alive_at(tl.peak_event)]
+    assert GRAD_BUCKET_MODULE in alive  # the embedding's fp32 grad bucket, made by the tied output layer
+    assert GATHER_MODULE in set(tl.module)
