@@ -307,12 +307,26 @@ def check_microbatch_groups(job: Any) -> None:
             raise JobError(f"num_microbatches (--global-batch-size)={m}: Megatron's interleaved schedule needs a "
                            f"multiple of pp={pp} (or {GROUP_FLAG}); change --global-batch-size")
         return
+    problem = microbatch_group_problem(g, pp, m)
+    if problem:
+        raise JobError(problem)
+
+
+def microbatch_group_problem(g: int, pp: int, m: int) -> str | None:
+    """What Megatron refuses in a microbatch group size ``g`` with ``pp`` stages and ``m`` microbatches
+    (schedules.py:1160-1180 at d98e8a64: pp <= g <= m, and no last group of fewer than pp), or None.
+
+    Example:
+        >>> microbatch_group_problem(5, 4, 10) is None, microbatch_group_problem(5, 4, 11)[:32]
+        (True, 'microbatches=11 (--global-batch-')
+    """
     if not pp <= g <= m:
-        raise JobError(f"microbatch_group_size ({GROUP_FLAG})={g}: Megatron needs pp={pp} <= it <= "
-                       f"num_microbatches={m}; use a size in that range (or change --global-batch-size)")
+        return (f"microbatch group size {g} ({GROUP_FLAG}) must lie in [pp, microbatches] = [{pp}, {m}], as Megatron "
+                f"checks: use {min(max(g, pp), m) if pp <= m else pp} (or microbatches >= {pp}: --global-batch-size)")
     if 0 < m % g < pp:
-        raise JobError(f"num_microbatches (--global-batch-size)={m} leave a last group of {m % g} < pp={pp} "
-                       f"microbatches ({GROUP_FLAG} {g}), which Megatron refuses; change either")
+        return (f"microbatches={m} (--global-batch-size) leave a last group of {m % g} < pp={pp} microbatches (group "
+                f"size {g}, {GROUP_FLAG}), which Megatron refuses: use microbatches={m - m % g} or {m - m % g + g}")
+    return None
 
 
 def pipeline_split_fields(got: dict[str, Any], num_layers: int, pp: int) -> tuple[int | None, dict[str, Any]]:

@@ -337,7 +337,8 @@ def test_stray_value_refused():
     # schedules.py:1160-1180: the group size lies in [pp, m]; a last group of fewer than pp microbatches is refused
     ("--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 6 "
      "--microbatch-group-size-per-virtual-pipeline-stage 4",
-     ["microbatch_group_size (--microbatch-group-size-per-virtual-pipeline-stage)=4", "num_microbatches=3"]),
+     ["microbatch group size 4 (--microbatch-group-size-per-virtual-pipeline-stage)", "[pp, microbatches] = [2, 3]",
+      "use 3"]),
     ("--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 16 "
      "--microbatch-group-size-per-virtual-pipeline-stage 5", ["last group of 3 < pp=4"]),
     ("--world-size 12 --tensor-model-parallel-size 8", ["--world-size 12", "8", "multiple of 8"]),

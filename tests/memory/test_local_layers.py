@@ -31,7 +31,7 @@ LOCAL_CASES = ("gpt/gpt3_mcore_tp1_pp2", "gpt/gpt3_mcore_tp1_pp4", "gpt/gpt3_mco
 
 
 def saved(node) -> list[torch.Tensor]:
-    if type(node).__name__.startswith("_Local") or type(node).__name__.startswith("_Upper"):
+    if isinstance(node, torch.autograd.function.BackwardCFunction):  # remat's autograd Functions
         return list(node.saved_tensors)
     return [getattr(node, n) for n in dir(node) if n.startswith("_saved_") and isinstance(getattr(node, n),
                                                                                         torch.Tensor)]
@@ -72,7 +72,7 @@ def test_local_attention_with_the_fused_causal_softmax_keeps_five_bytes_per_scor
     b, a, s = 4, 8, 1024
     assert kept_by_local_attention(b, a, s) == {"_UpperTriangSoftmaxBackward": 2 * b * a * s * s,
                                                 "NativeDropoutBackward0": b * a * s * s,
-                                                "_LocalContextBackward": 2 * b * a * s * s}
+                                                "AttentionContextBackward": 2 * b * a * s * s}
     assert sum(kept_by_local_attention(b, a, s).values()) == 160 * MIB  # 5 b a s² per layer at b=4, a=8, s=1024
     # fp16, tp=4 (2 heads): b*np = 8 is a multiple of batch_per_block(1024) = 4, the fused kernel runs
     assert sum(kept_by_local_attention(4, 2, 1024, dtype=torch.float16).values()) == 5 * 4 * 2 * 1024 * 1024
@@ -85,7 +85,7 @@ def test_local_attention_without_the_fused_kernel_keeps_the_torch_softmax(flags,
     b, a, s = 1, 2, 32
     assert kept_by_local_attention(b, a, s, **flags) == {"SoftmaxBackward0": softmax * b * a * s * s,
                                                          "NativeDropoutBackward0": b * a * s * s,
-                                                         "_LocalContextBackward": 2 * b * a * s * s}
+                                                         "AttentionContextBackward": 2 * b * a * s * s}
     fused_off = kept_by_local_attention(4, 8, 64, fusion=False)  # --no-masked-softmax-fusion
     assert fused_off["SoftmaxBackward0"] == 2 * 4 * 8 * 64 * 64
 

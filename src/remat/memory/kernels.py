@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten
 
 from remat.config import ModelConfig
 from remat.memory.cuda_sdpa import HALF, cuda_sdpa
-from remat.memory.local_layers import local_attention
+from remat.memory.local_layers import AttentionContext, heads_like, local_attention
 from remat.models.gpt import CoreAttention, SwiGLU
 
 KERNELS = ("cpu", "cuda", "te", "local")
@@ -194,14 +194,6 @@ CUDA_ROUTES: dict[tuple[Any, str], Callable[..., Any]] = {
 # TransformerEngine's attention (TE_ATTENTION_VERSION): DotProductAttention's backends as Megatron's
 # TEDotProductAttention runs them (causal mask type, sbhd q/k/v that are views of the QKV GEMM's output)
 # ---------------------------------------------------------------------------------------------------------
-def _heads_like(x: torch.Tensor, d: int | None = None) -> torch.Tensor:
-    """A new [b, heads, s, d] tensor laid out token-major, as a gradient or output TE writes for sbhd q/k/v (remat's
-    layers are bshd): the caller's transpose / reshape back to the QKV GEMM's layout is then a view, as in TE."""
-    b, h, s, dx = x.shape
-    d = dx if d is None else d
-    return x.new_empty_strided((b, h, s, d), (s * h * d, d, h * d, 1))
-
-
 class _TeFusedAttention(torch.autograd.Function):
     """``FusedAttnFunc`` (backends.py:1292) with cuDNN's F16_arbitrary_seqlen sub-backend, what
     ``get_attention_backend`` (utils.py:327) picks for ``auto`` on sm90, 16-bit causal attention with dropout,
@@ -213,7 +205,7 @@ class _TeFusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, h, sq, _ = q.shape
-        out = _heads_like(q, v.shape[-1])
+        out = heads_like(q, v.shape[-1])
         stats = q.new_empty((b, h, sq, 1), dtype=torch.float32)
         rng_state = q.new_empty((2,), dtype=torch.int64)
         ctx.save_for_backward(q, k, v, out, stats, rng_state)
@@ -222,7 +214,7 @@ class _TeFusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q, k, v, *_ = ctx.saved_tensors
-        return _heads_like(q), _heads_like(k), _heads_like(v)
+        return heads_like(q), heads_like(k), heads_like(v)
 
 
 def _te_full_mask(sq: int, sk: int, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -256,7 +248,7 @@ class _TeScores(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k = ctx.saved_tensors
         # derivatives.yaml baddbmm: maybe_multiply(grad.bmm(batch2ᵀ), alpha): a bmm output, then its alpha multiple
-        return _heads_like(q) * ctx.scale, _heads_like(k) * ctx.scale, None
+        return heads_like(q) * ctx.scale, heads_like(k) * ctx.scale, None
 
 
 class _TeMaskedSoftmax(torch.autograd.Function):
@@ -273,22 +265,6 @@ class _TeMaskedSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return grad.contiguous(), None
-
-
-class _TeContext(torch.autograd.Function):
-    """``torch.bmm(attention_probs, v)`` (backends.py:684): ``BmmBackward0`` keeps the (dropped-out) probabilities
-    and v (a view); the context [b*h, sq, d] is new."""
-
-    @staticmethod
-    def forward(ctx: Any, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(probs, v)
-        b, h, sq, _ = probs.shape
-        return probs.new_empty((b, h, sq, v.shape[-1]))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs, v = ctx.saved_tensors
-        return torch.empty_like(probs), _heads_like(v)
 
 
 def te_softmax_fusable(dtype: torch.dtype, b: int, h: int, sq: int, sk: int) -> bool:
@@ -327,7 +303,7 @@ def te_unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
         probs = _TeMaskedSoftmax.apply(scores, full_mask)  # 'causal' with a mask -> ScaledMaskedSoftmax
     else:
         probs = _te_torch_softmax(scores, full_mask)
-    return _TeContext.apply(cuda_dropout(probs, p), v)  # torch.nn.Dropout (backends.py:660) -> native_dropout
+    return AttentionContext.apply(cuda_dropout(probs, p), v)  # torch.nn.Dropout (backends.py:660) -> native_dropout
 
 
 def te_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,

@@ -30,9 +30,10 @@ aten = torch.ops.aten
 MASK_FILL = -10000.0  # megatron/core/transformer/utils.py attention_mask_func
 
 
-def _heads_like(x: torch.Tensor, d: int | None = None) -> torch.Tensor:
-    """A new [b, heads, s, d] tensor laid out token-major (Megatron's [s, b, heads, d]): a gradient for q/k/v views
-    of the QKV GEMM output, whose reshape back is then a view, as in Megatron."""
+def heads_like(x: torch.Tensor, d: int | None = None) -> torch.Tensor:
+    """A new [b, heads, s, d] tensor laid out token-major (Megatron's and TE's sbhd [s, b, heads, d]; remat's layers
+    are bshd): a gradient or output for q/k/v views of the QKV GEMM output, whose reshape back is then a view, as in
+    Megatron and TE."""
     b, h, s, dx = x.shape
     d = dx if d is None else d
     return x.new_empty_strided((b, h, s, d), (s * h * d, d, h * d, 1))
@@ -55,7 +56,7 @@ class _LocalScores(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k = ctx.saved_tensors
         # derivatives.yaml baddbmm: maybe_multiply(grad.bmm(batch2ᵀ), alpha)
-        return _heads_like(q) * ctx.scale, _heads_like(k) * ctx.scale, None
+        return heads_like(q) * ctx.scale, heads_like(k) * ctx.scale, None
 
 
 class _UpperTriangSoftmax(torch.autograd.Function):
@@ -74,9 +75,10 @@ class _UpperTriangSoftmax(torch.autograd.Function):
         return grad.contiguous()
 
 
-class _LocalContext(torch.autograd.Function):
-    """``torch.bmm(attention_probs, value.transpose(0, 1))`` (dot_product_attention.py:239): ``BmmBackward0`` keeps
-    the (dropped-out) probabilities and v (a view); the context is new."""
+class AttentionContext(torch.autograd.Function):
+    """The probabilities times the values, ``torch.bmm`` in Megatron's local attention
+    (dot_product_attention.py:239) and in TE's unfused one (backends.py:684): ``BmmBackward0`` keeps the
+    (dropped-out) probabilities and v (a view); the context [b, heads, sq, d] is new."""
 
     @staticmethod
     def forward(ctx: Any, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -87,7 +89,7 @@ class _LocalContext(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs, v = ctx.saved_tensors
-        return torch.empty_like(probs), _heads_like(v)
+        return torch.empty_like(probs), heads_like(v)
 
 
 def batch_per_block(sk: int) -> int:
@@ -143,7 +145,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     del scores
     if 0.0 < p < 1.0 and probs.numel():
         probs = aten.native_dropout.default(probs, p, True)[0]
-    return _LocalContext.apply(probs, v)
+    return AttentionContext.apply(probs, v)
 
 
 def local_scores_bytes(micro_batch: int, heads: int, seq: int, dtype_bytes: int) -> int:

@@ -4,6 +4,7 @@ attention core and SwiGLU."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,3 +67,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.activation(self.linear_fc1(x)))
+
+
+class LossAutoScaler(torch.autograd.Function):
+    """Megatron's ``MoEAuxLossAutoScaler`` (moe/moe_utils.py) and ``MTPLossAutoScaler`` (multi_token_prediction.py):
+    identity on ``output``; keeps ``loss`` and, when ``output``'s gradient arrives, gives it
+    ``torch.ones_like(loss) * backward_scale`` (1 here), so the loss need not be added to the model's."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(loss) * 1.0

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from remat.config import ModelConfig
-from remat.models.blocks import MLP, CoreAttention, SwiGLU, apply_rotary, norm_layer
+from remat.models.blocks import MLP, CoreAttention, LossAutoScaler, SwiGLU, apply_rotary, norm_layer
 from remat.models.cross_entropy import language_model_loss, token_losses
 from remat.models.mla import MLASelfAttention
 from remat.models.moe import MoELayer
 
-__all__ = ["GPT", "MLP", "CoreAttention", "Embedding", "LMHead", "MTPLayer", "MTPLossAutoScaler", "SelfAttention",
+__all__ = ["GPT", "MLP", "CoreAttention", "Embedding", "LMHead", "MTPLayer", "SelfAttention",
            "SwiGLU", "TransformerLayer", "apply_rotary", "build_model", "building", "layer_side_inputs",
            "multi_token_loss", "norm_layer", "roll_left", "rotary_tables", "routing_report", "sample_batch"]
 
@@ -144,21 +143,6 @@ class LMHead(nn.Module):
 MTP_LOSS_SCALE = 0.1  # Megatron's default --mtp-loss-scaling-factor: a value, not memory
 
 
-class MTPLossAutoScaler(torch.autograd.Function):
-    """Megatron's MTPLossAutoScaler: identity on ``output``; keeps ``mtp_loss`` and gives it the gradient
-    ``ones * main_loss_backward_scale`` (1 here) when ``output``'s gradient arrives."""
-
-    @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, mtp_loss: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(mtp_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        (mtp_loss,) = ctx.saved_tensors
-        return grad_output, torch.ones_like(mtp_loss) * 1.0
-
-
 def roll_left(tensor: torch.Tensor) -> torch.Tensor:
     """Megatron's ``roll_tensor(shifts=-1, dims=-1)`` without context parallelism: a new tensor, last position 0."""
     rolled = torch.roll(tensor, shifts=-1, dims=-1)
@@ -205,7 +189,7 @@ def multi_token_loss(head: nn.Module, depths: nn.ModuleList, embedding: nn.Modul
         num_tokens = loss_mask.sum()
         mtp_loss = loss_mask * head.token_loss(logits, mtp_labels)
         del logits
-        main = MTPLossAutoScaler.apply(main, MTP_LOSS_SCALE / len(depths) * mtp_loss / num_tokens.clamp(min=1))
+        main = LossAutoScaler.apply(main, MTP_LOSS_SCALE / len(depths) * mtp_loss / num_tokens.clamp(min=1))
     return head.loss(main, labels)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.config import ModelConfig, RoutingAssumption
-from remat.models.blocks import SwiGLU
+from remat.models.blocks import LossAutoScaler, SwiGLU
 from remat.models.expert_parallel import SimulatedExpertGroup, expert_group_for, host_values, run_experts_parallel
 
 
@@ -22,21 +22,6 @@ def expert_activation(config: ModelConfig) -> nn.Module:
     if config.activation == "swiglu":
         return SwiGLU()
     return nn.GELU()
-
-
-class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Megatron's trick for the load-balancing loss: the forward passes ``output`` through unchanged, the
-    backward also sends a gradient of 1 into ``aux_loss`` (so the loss need not be added to the model's)."""
-
-    @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.ones_like(aux_loss)
 
 
 class RouterGatingLinear(torch.autograd.Function):
@@ -101,11 +86,11 @@ class Router(nn.Module):
         logits = (F.linear(tokens, self.weight) if self.router_dtype is None
                   else RouterGatingLinear.apply(tokens, self.weight, self.router_dtype))
         if self.z_loss_coeff is not None:  # router.py:626-650 apply_z_loss, before the scores
-            logits = MoEAuxLossAutoScaler.apply(logits, self.z_loss(logits))
+            logits = LossAutoScaler.apply(logits, self.z_loss(logits))
         probs, choice = self.top_k(logits)
         counts, order = self.dispatch_order(choice, logits.shape[1])
         if self.aux_loss_coeff > 0:
-            probs = MoEAuxLossAutoScaler.apply(probs, self.aux_loss(logits, counts))
+            probs = LossAutoScaler.apply(probs, self.aux_loss(logits, counts))
         self.last_counts = counts
         return probs.flatten(), host_values(order, torch.long, tokens), counts
 

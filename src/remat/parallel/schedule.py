@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from remat.config import ModelConfig
+from remat.job_pipeline import GROUP_FLAG, microbatch_group_problem
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RUNTIMES = ("torch", "megatron")
@@ -204,16 +205,11 @@ def check_schedule(schedule: str, pp: int, microbatches: int, vpp: int = 1, runt
 
 def _check_group(group: Any, pp: int, m: int, runtime: str) -> None:
     """Megatron's checks of ``microbatch_group_size_per_vp_stage`` (schedules.py:1160-1180 at d98e8a64)."""
-    flag = "--microbatch-group-size-per-virtual-pipeline-stage"
     if runtime != "megatron":
-        raise PipelineError(f"a microbatch group size ({flag}) is Megatron's: use runtime='megatron'")
-    g = _positive_int("group", group)
-    if not pp <= g <= m:
-        raise PipelineError(f"microbatch group size {g} ({flag}) must lie in [pp, microbatches] = [{pp}, {m}], as "
-                            f"Megatron checks: use {min(max(g, pp), m) if pp <= m else pp} (or microbatches >= {pp})")
-    if 0 < m % g < pp:
-        raise PipelineError(f"microbatches={m} leave a last group of {m % g} < pp={pp} microbatches (group size {g}, "
-                            f"{flag}), which Megatron refuses: use microbatches={m - m % g} or {m - m % g + g}")
+        raise PipelineError(f"a microbatch group size ({GROUP_FLAG}) is Megatron's: use runtime='megatron'")
+    problem = microbatch_group_problem(_positive_int("group", group), pp, m)
+    if problem:
+        raise PipelineError(problem)
 
 
 def schedule_table(microbatches: int, vpp: int, group: int) -> list[tuple[int, int]]:
