@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from autograd_kept import kept_by_node
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -178,19 +179,7 @@ def kept_by_attention(b: int, a: int, s: int, d: int = 64, dtype: torch.dtype = 
             out = te_unfused_attention(q, k, v, mask, 0.1, d ** -0.5)
         else:
             out = te_attention(q, k, v, dropout_p=0.1, is_causal=True, enable_gqa=True)
-        kept, seen, stack, storages = {}, set(), [out.grad_fn], {id(qkv.untyped_storage())}
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            custom = isinstance(node, torch.autograd.function.BackwardCFunction)  # remat's autograd Functions
-            tensors = list(node.saved_tensors) if custom else list(saved(node).values())
-            for t in tensors:
-                if t is not None and id(t.untyped_storage()) not in storages:
-                    storages.add(id(t.untyped_storage()))
-                    kept[node.name()] = kept.get(node.name(), 0) + t.untyped_storage().nbytes()
-            stack.extend(f for f, _ in node.next_functions)
+        kept = kept_by_node(out, qkv)
         out.sum().backward()  # the backward runs
         assert qkv.grad.shape == qkv.shape
     return kept

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from autograd_kept import kept_by_node
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat.config import ModelConfig
@@ -30,13 +31,6 @@ LOCAL_CASES = ("gpt/gpt3_mcore_tp1_pp2", "gpt/gpt3_mcore_tp1_pp4", "gpt/gpt3_mco
                "gpt/gpt3_mcore_tp4_pp1_resume_torch_dist")
 
 
-def saved(node) -> list[torch.Tensor]:
-    if isinstance(node, torch.autograd.function.BackwardCFunction):  # remat's autograd Functions
-        return list(node.saved_tensors)
-    return [getattr(node, n) for n in dir(node) if n.startswith("_saved_") and isinstance(getattr(node, n),
-                                                                                        torch.Tensor)]
-
-
 def kept_by_local_attention(b: int, a: int, s: int, d: int = 64, dtype: torch.dtype = torch.bfloat16,
                             groups: int = 0, **flags: bool) -> dict[str, int]:
     """Bytes each autograd node of the local attention keeps beyond q, k, v (views of the QKV GEMM output) and the
@@ -48,18 +42,7 @@ def kept_by_local_attention(b: int, a: int, s: int, d: int = 64, dtype: torch.dt
         q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
         mask = torch.ones(1, 1, s, s, dtype=torch.bool)
         out = local_attention(q, k, v, mask, 0.1, d ** -0.5, **flags)
-        kept: dict[str, int] = {}
-        seen, stack, storages = set(), [out.grad_fn], {id(qkv.untyped_storage()), id(mask.untyped_storage())}
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            for t in saved(node):
-                if id(t.untyped_storage()) not in storages:
-                    storages.add(id(t.untyped_storage()))
-                    kept[node.name()] = kept.get(node.name(), 0) + t.untyped_storage().nbytes()
-            stack.extend(f for f, _ in node.next_functions)
+        kept = kept_by_node(out, qkv, mask)
         out.sum().backward()
         assert qkv.grad.shape == qkv.shape
     return kept
