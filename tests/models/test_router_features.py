@@ -10,10 +10,12 @@ import torch
 from moe_fixtures import MOE, Allocations
 
 from remat.config import ConfigError, ModelConfig
-from remat.job import JobError, parse_megatron_args
+from remat.job import Job, JobError, parse_megatron_args
 from remat.models.moe import MoELayer
 from remat.models.tp_layers import SimulatedGroup
 from remat.models.tp_moe import TPMoELayer
+from remat.parallel.job_predict import predict_stage
+from remat.parallel.stages import BUFFERS
 
 BASE = ("--num-layers 2 --hidden-size 24 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
         "--padded-vocab-size 64 --bf16 --num-experts 4 --moe-ffn-hidden-size 16 --disable-bias-linear "
@@ -90,3 +92,16 @@ def test_the_routing_flags_set_the_fields_and_round_trip():
         assert parse_megatron_args(j.to_megatron_args())[0] == j
     with pytest.raises(JobError, match="--moe-router-score-function sigmoid"):
         parse_megatron_args(f"{BASE} --moe-router-enable-expert-bias")
+
+
+def test_router_buffers_stay_resident_beside_the_parameters_megatron_buffers():
+    # the recorder names a module's buffers "<module> buffers": Megatron's DDP and distributed optimizer move the
+    # parameters into their param_data buffer, never the router's expert_bias / local_tokens_per_expert
+    config = ALLTOALL.replace(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                              dtype="bf16", add_bias_linear=False)
+    for dist in (False, True):
+        job = Job.build(config, precision="bf16", dp=2, distributed_optimizer=dist)
+        tl = predict_stage(job, 0, kernels="te", device="cuda").timeline
+        rows = [n for n, m, c in zip(tl.nbytes, tl.module, tl.category) if m.endswith(BUFFERS)]
+        moe_layers = sum(config.moe_layer_pattern())
+        assert rows == [512] * (2 * moe_layers)  # two fp32 [E] tensors per router, a 512-byte block each

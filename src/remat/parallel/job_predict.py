@@ -46,7 +46,7 @@ from remat.parallel.schedule import (
     schedule_actions,
     warmup_forwards,
 )
-from remat.parallel.stages import chunk_policy
+from remat.parallel.stages import BUFFERS, chunk_policy
 from remat.recompute.plan_format import Plan
 from remat.timeline import CATEGORIES, Timeline
 from remat.units import CUDA_BLOCK
@@ -399,11 +399,10 @@ def add_model_state(timeline: Timeline, state: RankState, ring_bytes: int = 0,
     distributed optimizer Megatron moves the parameters into its param_data buffer (they become views of it), so
     their traced rows are emptied and the buffer, rounded once, holds them.
     """
-    param_rows = [row for row, c in enumerate(timeline.category) if c == "parameters"]
-    # the trace records module buffers with the parameters (the router's fp32 expert_bias and
-    # local_tokens_per_expert, remat.models.moe): check the counted tensors against as many of the largest traced
-    counted_tensors = sum(len(lay.params) for lay in state.layouts)
-    traced = sum(sorted((timeline.nbytes[row] for row in param_rows), reverse=True)[:counted_tensors])
+    # module buffers (the router's fp32 expert_bias, local_tokens_per_expert) are no parameters: they stay as traced
+    param_rows = [row for row, (c, m) in enumerate(zip(timeline.category, timeline.module))
+                  if c == "parameters" and not m.endswith(BUFFERS)]
+    traced = sum(timeline.nbytes[row] for row in param_rows)
     # compare like with like: both per tensor in the trace's blocks (a 384-element bf16 bias takes 1024 bytes)
     if traced > state.parameter_tensor_bytes(block):
         raise JobError(f"internal: the traced chunk holds {traced} parameter bytes, more than the "

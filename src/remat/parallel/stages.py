@@ -123,6 +123,11 @@ def parse_phase_detail(detail: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
+# a module's buffers (the MoE router's expert_bias, ...) are recorded under "<module> buffers": parameters' rows
+# beside them, not parameters (Megatron's DDP buffers and optimizer hold parameters only)
+BUFFERS = " buffers"
+
+
 class PipelineRecorder(StepRecorder):
     """:class:`~remat.memory.measure.StepRecorder` for a rank's model chunks: layer phases name global layer indices,
     the head phase belongs to the last chunk only, and while :meth:`begin_op` has set a (microbatch, chunk)
@@ -186,13 +191,16 @@ class PipelineRecorder(StepRecorder):
         return spec.is_last and index == spec.layer_offset + spec.num_layers - 1
 
     def track_setup(self, named: Sequence[tuple[str, torch.Tensor | None]] = ()) -> None:
-        """Record what exists before the step: every parameter and buffer (named by its module), then
-        ``named`` tensors (batch, pipeline buffers), each under the given module name."""
+        """Record what exists before the step: every parameter (named by its module) and buffer (named by its
+        module + :data:`BUFFERS`), then ``named`` tensors (batch, pipeline buffers), each under the given module
+        name."""
         for name, module in self.model.named_modules():
-            self.module_stack.append(name)
-            for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
-                self.track(t)
-            self.module_stack.pop()
+            for owner, tensors in ((name, module.parameters(recurse=False)),
+                                   (name + BUFFERS, module.buffers(recurse=False))):
+                self.module_stack.append(owner)
+                for t in tensors:
+                    self.track(t)
+                self.module_stack.pop()
         for name, tensor in named:
             if tensor is not None:
                 self.module_stack.append(name)
