@@ -119,7 +119,8 @@ def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Polic
     main-gradient buffer, so the trace frees it where a Megatron rank does; else ``.grad`` is kept.
     ``fused_wgrad``: Megatron's gradient-accumulation fusion on a GPU: TransformerEngine's linears add their weight
     gradients straight into the main grads, so none is made (NOTE [gradient-accumulation fusion] in
-    :mod:`remat.memory.wgrad_fusion`; the trace runs those weights without ``requires_grad``)."""
+    :mod:`remat.memory.wgrad_fusion`: the trace runs those weights without ``requires_grad`` and keeps each fused
+    linear's input saved, as TE does)."""
     kernels = model_kernels(kernels, config)  # cuda/te of Megatron's local layers: their own kernels
     policy = Policy.parse(policy) if isinstance(policy, str) else policy
     batch_in_forward = batch_in_forward and (kind[0] or kind[1])  # a middle chunk has no batch
