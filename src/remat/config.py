@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from remat.limits import CEILINGS, ceiling_problem, shorten
+from remat.units import ascii_float, ascii_int
+
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACTIVATIONS = ("gelu", "swiglu")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
@@ -53,6 +56,9 @@ class ModelConfig:
     names): queries through a ``q_lora_rank`` down-projection (None: one projection), keys and values through a
     ``kv_lora_rank`` one, ``qk_head_dim`` + ``qk_pos_emb_head_dim`` (rotary) per query/key head, ``v_head_dim``
     per value head.
+
+    Every size is at most its ceiling in :data:`remat.limits.CEILINGS` (the largest real jobs plus a margin; a
+    larger one is refused before any work), as is ``micro_batch_size x seq_length``.
 
     ``cross_entropy`` is the loss's implementation (:mod:`remat.models.cross_entropy`): ``torch``'s
     ``F.cross_entropy`` (a tensor-parallel rank, which cannot run it, runs ``megatron``'s), or what Megatron-LM runs:
@@ -127,6 +133,7 @@ class ModelConfig:
         for name in ("num_query_groups", "ffn_hidden_size", "kv_channels"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        check_size_ceilings(self)
         _check_choice("activation", self.activation, ACTIVATIONS)
         _check_choice("normalization", self.normalization, NORMALIZATIONS)
         _check_choice("position", self.position, POSITIONS)
@@ -255,7 +262,7 @@ def check_moe_fields(config: ModelConfig) -> None:
     set_(config, "moe_layer_freq", freq)
     if isinstance(freq, tuple):
         if len(freq) != config.num_layers or any(isinstance(x, bool) or x not in (0, 1) for x in freq):
-            raise ConfigError(f"moe_layer_freq={freq!r}: a list needs one 0 (dense) or 1 (MoE) per layer, "
+            raise ConfigError(f"moe_layer_freq={shorten(freq)}: a list needs one 0 (dense) or 1 (MoE) per layer, "
                               f"{config.num_layers} in all, e.g. [0]*3+[1]*{max(config.num_layers - 3, 1)}")
     else:
         _check_positive_int("moe_layer_freq", freq)
@@ -265,10 +272,13 @@ def check_moe_fields(config: ModelConfig) -> None:
     for name in ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
         if getattr(config, name) is not None:
             _check_positive_int(name, getattr(config, name))
-    for name, low in (("moe_expert_capacity_factor", 0.0), ("moe_aux_loss_coeff", -1.0), ("moe_z_loss_coeff", -1.0)):
+    for name, positive in (("moe_expert_capacity_factor", True), ("moe_aux_loss_coeff", False),
+                           ("moe_z_loss_coeff", False)):
         value = getattr(config, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= low):
-            raise ConfigError(f"{name}={value!r}: must be a number " + ("> 0" if low == 0.0 else ">= 0"))
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0 or (positive and value == 0)):
+            raise ConfigError(f"{name}={value!r} (Megatron's --{name.replace('_', '-')}): must be a finite number "
+                              + ("> 0" if positive else ">= 0"))
     if not config.is_moe:
         for name, default in (("moe_ffn_hidden_size", None), ("moe_shared_expert_intermediate_size", None),
                               ("moe_grouped_gemm", False), ("moe_expert_capacity_factor", None),
@@ -299,8 +309,9 @@ def check_moe_fields(config: ModelConfig) -> None:
         routing = RoutingAssumption.parse(config.moe_routing_assumption)
         for layer_counts in routing.counts:
             if len(layer_counts) != config.num_moe_experts:
-                raise ConfigError(f"moe_routing_assumption={config.moe_routing_assumption!r}: {len(layer_counts)} "
-                                  f"counts for {config.num_moe_experts} experts: give one count per expert")
+                raise ConfigError(f"moe_routing_assumption={shorten(config.moe_routing_assumption)}: "
+                                  f"{len(layer_counts)} counts for {config.num_moe_experts} experts: give one count "
+                                  "per expert")
         object.__setattr__(config, "moe_routing_assumption", str(routing))
 
 
@@ -341,23 +352,24 @@ class RoutingAssumption:
     def parse(cls, text: str) -> RoutingAssumption:
         """``balanced``, ``capacity:<factor>`` or ``counts:<c0>,<c1>,...[;<next MoE layer>...]``."""
         if not isinstance(text, str):
-            raise ConfigError(f"moe_routing_assumption={text!r}: write {_ROUTING_FORMS}")
+            raise ConfigError(f"moe_routing_assumption={shorten(text)}: write {_ROUTING_FORMS}")
         kind, _, arg = text.strip().lower().partition(":")
         try:
-            if kind == "capacity":
-                factor = float(arg)
-                if not factor > 0 or factor == float("inf"):
+            if kind == "capacity":  # numbers in digits 0-9 (NOTE [ASCII digits] in remat.units)
+                factor = ascii_float(arg.strip())
+                if factor is None or not factor > 0 or factor == float("inf"):
                     raise ValueError
                 return cls("capacity", capacity_factor=factor)
             if kind == "counts":
-                counts = tuple(tuple(int(c) for c in layer.split(",")) for layer in arg.split(";"))
-                if any(c < 0 for layer in counts for c in layer):
+                read = [[ascii_int(c.strip(), signed=False) for c in layer.split(",")] for layer in arg.split(";")]
+                counts = tuple(tuple(c for c in layer if c is not None) for layer in read)
+                if [len(layer) for layer in counts] != [len(layer) for layer in read]:
                     raise ValueError
                 return cls("counts", counts=counts)
         except ValueError:
-            raise ConfigError(f"moe_routing_assumption={text!r}: write {_ROUTING_FORMS}") from None
+            raise ConfigError(f"moe_routing_assumption={shorten(text)}: write {_ROUTING_FORMS}") from None
         if arg or kind != "balanced":
-            raise ConfigError(f"moe_routing_assumption={text!r}: write {_ROUTING_FORMS}")
+            raise ConfigError(f"moe_routing_assumption={shorten(text)}: write {_ROUTING_FORMS}")
         return cls()
 
     def __str__(self) -> str:
@@ -381,16 +393,16 @@ class RoutingAssumption:
                                   f"{layer} has none: give one list per MoE layer, or one for all")
             counts = list(self.counts[min(layer, len(self.counts) - 1)])
             if len(counts) != experts:
-                raise ConfigError(f"moe_routing_assumption={self}: {len(counts)} counts, but the model has {experts} "
-                                  "experts: give one count per expert")
+                raise ConfigError(f"moe_routing_assumption={shorten(str(self))}: {len(counts)} counts, but the model "
+                                  f"has {experts} experts: give one count per expert")
         elif self.kind == "capacity":
             counts = [math.ceil(tokens * topk / experts * float(self.capacity_factor or 1.0))] * experts
         else:
             base, extra = divmod(tokens * topk, experts)
             counts = [base + (e < extra) for e in range(experts)]
         if any(c > tokens for c in counts):
-            raise ConfigError(f"moe_routing_assumption={self}: an expert would receive {max(counts)} tokens, more "
-                              f"than the {tokens} of the micro-batch; lower the factor or the counts")
+            raise ConfigError(f"moe_routing_assumption={shorten(str(self))}: an expert would receive {max(counts)} "
+                              f"tokens, more than the {tokens} of the micro-batch; lower the factor or the counts")
         return counts
 
 
@@ -398,17 +410,38 @@ def parse_layer_freq(text: str, num_layers: int) -> int | tuple[int, ...]:
     """Megatron's ``--moe-layer-freq`` text: an integer, or a list written ``([0]*3+[1]*58)`` or ``[0,1,1]``
     (read without evaluating anything)."""
     body = text.strip()
-    if re.fullmatch(r"[0-9]+", body):
+    if re.fullmatch(r"[0-9]{1,18}", body):
         return int(body)
     body = body.removeprefix("(").removesuffix(")").replace(" ", "")
-    out: list[int] = []
+    runs: list[tuple[list[int], int]] = []
+    length = 0  # counted before anything is repeated: ([1]*500000000) is refused without building it
     for term in body.split("+"):
         match = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*([0-9]+))?", term)
         if not match:
-            raise ConfigError(f"moe_layer_freq={text!r}: write an integer or a list such as ([0]*3+[1]*"
+            raise ConfigError(f"moe_layer_freq={shorten(text)}: write an integer or a list such as ([0]*3+[1]*"
                               f"{max(num_layers - 3, 1)})")
-        out += [int(x) for x in match.group(1).split(",")] * int(match.group(2) or 1)
-    return tuple(out)
+        items, times = [int(x) for x in match.group(1).split(",")], match.group(2) or "1"
+        runs.append((items, int(times) if len(times) <= 18 else num_layers + 1))
+        length += len(items) * runs[-1][1]
+        if length > num_layers:
+            raise ConfigError(f"moe_layer_freq={shorten(text)} lists more than num_layers={num_layers} layers: a list "
+                              f"needs one 0 (dense) or 1 (MoE) per layer, e.g. [0]*3+[1]*{max(num_layers - 3, 1)}")
+    return tuple(x for items, times in runs for x in items * times)
+
+
+def check_size_ceilings(config: ModelConfig) -> None:
+    """Refuse a size above remat's ceiling (:data:`remat.limits.CEILINGS`: the largest real jobs plus a margin), and
+    more tokens per micro-batch than its ceiling, before any work sized by them."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        problem = ceiling_problem(f.name, value) if f.name in CEILINGS else None
+        if problem:
+            raise ConfigError(f"{f.name}={shorten(value)} {problem}")
+    b, s = config.micro_batch_size, config.seq_length
+    problem = ceiling_problem("tokens_per_microbatch", b * s)
+    if problem:
+        raise ConfigError(f"micro_batch_size x seq_length = {b:,} x {s:,} = {b * s:,} tokens per micro-batch "
+                          f"{problem} tokens (a smaller micro_batch_size or seq_length)")
 
 
 def check_mla_fields(config: ModelConfig) -> None:
@@ -424,9 +457,9 @@ def check_mla_fields(config: ModelConfig) -> None:
 
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name}={value!r}: must be a positive integer")
+        raise ConfigError(f"{name}={shorten(value)}: must be a positive integer")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{name}={value!r}: must be one of {', '.join(choices)}")
+        raise ConfigError(f"{name}={shorten(value)}: must be one of {', '.join(choices)}")

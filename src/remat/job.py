@@ -36,7 +36,8 @@ from typing import Any
 
 from remat import job_loss, job_pipeline
 from remat.config import DTYPES, ModelConfig
-from remat.job_experts import check_expert_layout, check_recompute_modules, model_with_ep, moe_mla_args
+from remat.job_argv import megatron_argv
+from remat.job_experts import check_expert_layout, check_moe_overlap, check_recompute_modules, model_with_ep
 from remat.job_flags import (
     DEFAULT_ONLY_FLAGS,
     RECOMPUTE_FLAGS,
@@ -46,12 +47,15 @@ from remat.job_flags import (
     flag_groups,
     flag_tokens,
     flag_value,
+    unknown_flag_message,
     without_idle_recompute_flags,
 )
-from remat.job_fsdp import FsdpConfig, check_fsdp, fsdp_args, fsdp_from_flags
+from remat.job_fsdp import FsdpConfig, check_fsdp, fsdp_from_flags
 from remat.job_launch import launcher_world_size
 from remat.job_model import model_from_flags
 from remat.job_optimizer import check_muon
+from remat.limits import ceiling_problem
+from remat.offload_policy import check_job_offload
 from remat.policy import Policy, PolicyError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -65,7 +69,7 @@ _FLAG_OF = {
     "etp": "--expert-tensor-parallel-size", "num_microbatches": "--global-batch-size",
     "schedule": "no flag: Megatron runs interleaved exactly when vpp is set", "precision": "--bf16/--fp16",
     "accumulate_grads_in_fp32": "--accumulate-allreduce-grads-in-fp32/--grad-reduce-in-bf16",
-    "optimizer": "--optimizer", "sgd_momentum": "--sgd-momentum",
+    "optimizer": "--optimizer", "sgd_momentum": "--sgd-momentum", "world_size": "--world-size",
     "distributed_optimizer": "--use-distributed-optimizer", "overlap_grad_reduce": "--overlap-grad-reduce",
     "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion",
     "ddp_bucket_size": "--ddp-bucket-size", "pad_buckets_for_high_nccl_busbw": "--ddp-pad-buckets-for-high-nccl-busbw",
@@ -87,7 +91,8 @@ def _divisors(n: int) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Job:
-    """One Megatron-LM training job, as seen by one rank. Every size is validated in ``__post_init__``."""
+    """One Megatron-LM training job, as seen by one rank. Every size is validated in ``__post_init__`` (each at most
+    its ceiling in :data:`remat.limits.CEILINGS`, refused before any work)."""
 
     model: ModelConfig
     """The decoder (``micro_batch_size`` and ``seq_length`` included); its ``dtype`` must equal ``precision``."""
@@ -149,6 +154,8 @@ class Job:
     """``--defer-embedding-wgrad-compute`` with ``--wgrad-deferral-limit N`` (0: all microbatches); None: off."""
     pipeline_model_parallel_layout: str | None = None
     """A layout string, e.g. ``'Et|(tt|)*3L'`` (implies vpp); :attr:`chunk_layers` has every chunk's layers."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """``--overlap-moe-expert-parallel-comm``: the combined 1F1B schedule (NOTE [the combined 1F1B schedule])."""
     policy: Policy = field(default_factory=lambda: Policy.parse("none"))
     """Activation recompute policy (the ``--recompute-*`` flags)."""
 
@@ -164,6 +171,8 @@ class Job:
             v, optional = getattr(self, name), name in ("vpp", "etp", "ddp_bucket_size")
             _require((v is None and optional) or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
                      f"{_f(name)}={v!r}: must be a positive integer" + " or None" * optional)
+        for name in ("tp", "pp", "cp", "dp", "ep", "etp", "vpp", "num_microbatches", "world_size"):  # remat.limits
+            _require(not (bad := ceiling_problem(name, getattr(self, name))), f"{_f(name)}={getattr(self, name)} {bad}")
         for name in ("sp", "distributed_optimizer", "overlap_grad_reduce", "pad_buckets_for_high_nccl_busbw",
                      "gradient_accumulation_fusion"):
             v = getattr(self, name)
@@ -205,8 +214,9 @@ class Job:
                         ("the FFN size", m.ffn_size)):
             extra = (" (recent Megatron also accepts tp a multiple of num_query_groups by replicating K/V heads, "
                      "which remat does not model yet)" if what == "num_query_groups" else "")
-            _require(n % tp == 0, f"{_f('tp')}={tp} does not divide {what}={n}: Megatron splits it over the "
-                     f"tensor-parallel ranks; use a tp from {_divisors(n)}{extra}")
+            if n % tp:  # the divisors are listed only for the error: n may be large
+                raise JobError(f"{_f('tp')}={tp} does not divide {what}={n}: Megatron splits it over the "
+                               f"tensor-parallel ranks; use a tp from {_divisors(n)}{extra}")
         _require(not self.sp or tp > 1, "sp=True (--sequence-parallel) needs tp > 1 (Megatron silently turns it "
                  "off): drop it, or set tp (--tensor-model-parallel-size) > 1")
         # megatron/training/arguments.py::validate_args: "seq-length should be a multiple of 2 *
@@ -217,7 +227,9 @@ class Job:
         _require(not self.sp or (s // cp) % tp == 0, f"sp=True (--sequence-parallel) splits the s/cp={s // cp} "
                  f"tokens over tp={tp} ranks, which does not divide them: change tp, cp or --seq-length")
         check_expert_layout(self.model, ep=self.ep, etp=self.expert_tp, tp=tp, cp=cp, dp=self.dp, sp=self.sp)
-        job_loss.check_multi_token_prediction(m, self.pipeline_model_parallel_layout, not self.policy.is_none)
+        job_loss.check_multi_token_prediction(m, self.pipeline_model_parallel_layout, self.policy)
+        check_job_offload(self.policy.offload_modules, self.policy.modules or ())
+        check_moe_overlap(self)
         shards = self.distributed_optimizer_instances  # megatron/core/parallel_state.py asserts both divisions
         _require(self.dp * cp % shards == 0 and self.expert_data_parallel % shards == 0,
                  f"{_f('distributed_optimizer_instances')}={shards} must divide dp x cp = {self.dp * cp} and the "
@@ -421,62 +433,7 @@ class Job:
             >>> Job(model=ModelConfig(num_layers=2)).to_megatron_args()[:2]
             ['--num-layers', '2']
         """
-        if self.schedule == "gpipe":
-            raise JobError("schedule='gpipe' has no Megatron equivalent (Megatron runs 1f1b, or interleaved with "
-                           "vpp): use job.replace(schedule='1f1b')")
-        if self.optimizer == "none":
-            raise JobError("optimizer='none' has no Megatron flag (Megatron always builds an optimizer): "
-                           "use job.replace(optimizer='adam')")
-        if self.policy.engine != "reentrant":
-            raise JobError(f"policy {self.policy} uses the non-reentrant engine, but Megatron's checkpointing is "
-                           "always reentrant: use the policy without '@non-reentrant'")
-        try:
-            recompute = self.policy.to_megatron_args()
-        except PolicyError as err:
-            raise JobError(str(err)) from None
-        m = self.model
-        args = ["--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
-                "--num-attention-heads", str(m.num_attention_heads)]
-        if m.num_query_groups is not None:
-            args += ["--group-query-attention", "--num-query-groups", str(m.num_query_groups)]
-        args += ["--ffn-hidden-size", str(m.ffn_size), "--seq-length", str(m.seq_length),
-                 "--max-position-embeddings", str(m.seq_length), "--micro-batch-size", str(m.micro_batch_size),
-                 "--global-batch-size", str(self.global_batch_size), "--padded-vocab-size", str(m.vocab_size),
-                 "--normalization", {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}[m.normalization],
-                 "--position-embedding-type", {"learned": "learned_absolute", "rope": "rope"}[m.position],
-                 "--hidden-dropout", repr(float(m.hidden_dropout)),
-                 "--attention-dropout", repr(float(m.attention_dropout))]
-        args += ["--swiglu"] * (m.activation == "swiglu") + ["--untie-embeddings-and-output-weights"] * (
-            not m.tie_embeddings) + ["--disable-bias-linear"] * (not m.add_bias_linear)
-        args += ["--attention-backend", "unfused"] * (m.attention == "math")
-        args += ["--kv-channels", str(m.kv_channels)] * (m.kv_channels is not None) + moe_mla_args(m)
-        args += ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
-                 "--context-parallel-size", str(self.cp)] + ["--sequence-parallel"] * self.sp
-        args += ["--expert-model-parallel-size", str(self.ep)] * (self.ep > 1)
-        if self.vpp is not None:
-            args += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp)]
-        if self.etp is not None:
-            args += ["--expert-tensor-parallel-size", str(self.etp)]
-        args += job_pipeline.pipeline_split_args(self)
-        if include_world_size:
-            args += ["--world-size", str(self.world_size)]
-        if self.precision != "fp32":
-            args.append(f"--{self.precision}")
-        if self.precision == "fp16" and self.accumulate_grads_in_fp32:
-            args.append("--accumulate-allreduce-grads-in-fp32")
-        if self.precision == "bf16" and not self.accumulate_grads_in_fp32:
-            args.append("--grad-reduce-in-bf16")
-        args += ["--optimizer", self.optimizer]
-        if self.optimizer == "sgd":
-            args += ["--sgd-momentum", repr(float(self.sgd_momentum))]
-        args += ["--use-distributed-optimizer"] * self.distributed_optimizer + [
-            "--num-distributed-optimizer-instances", str(self.distributed_optimizer_instances)] * (
-            self.distributed_optimizer_instances > 1) + ["--no-gradient-accumulation-fusion"] * (
-            not self.gradient_accumulation_fusion) + ["--overlap-grad-reduce"] * (
-            self.overlap_grad_reduce) + ["--ddp-pad-buckets-for-high-nccl-busbw"] * self.pad_buckets_for_high_nccl_busbw
-        if self.ddp_bucket_size is not None:
-            args += ["--ddp-bucket-size", str(self.ddp_bucket_size)]
-        return args + fsdp_args(self.fsdp) + job_loss.loss_args(m) + recompute
+        return megatron_argv(self, include_world_size)
 
 
 def parse_megatron_args(argv: Sequence[str] | str) -> tuple[Job, list[str]]:
@@ -502,20 +459,19 @@ def parse_megatron_args(argv: Sequence[str] | str) -> tuple[Job, list[str]]:
     recompute: list[str] = []
     refusals: list[str] = []  # every flag that stops the prediction, reported together
     for name, vals in flag_groups(tokens):
-        kind, reason = classify_megatron_flag(name)
+        kind, reason = classify_megatron_flag(name, vals)
         if kind == "recompute":
             if name in RECOMPUTE_FLAGS:
                 check_value_count(name, vals, RECOMPUTE_FLAGS[name])
             recompute += [name, *vals]
         elif kind == "modelled":
-            if name in got:
+            if name in got and vals:  # a switch given twice is the same switch (argparse's store_true)
                 raise JobError(f"{name} is given twice: keep one")
             got[name] = flag_value(name, vals)
         elif kind == "ignored" or (kind == "default-only" and vals == [DEFAULT_ONLY_FLAGS[name]]):
             ignored.append(name)
         elif kind == "unknown":
-            refusals.append(f"remat does not know whether {name} changes memory; remove it, or have it classified "
-                            "in remat.job_flags (IGNORED_FLAGS if it does not change memory, REFUSED_FLAGS if it does)")
+            refusals.append(unknown_flag_message(name))
         else:
             default = f" (or give Megatron's default, {name} {DEFAULT_ONLY_FLAGS[name]})" if kind != "refused" else ""
             refusals.append(f"{name} {reason}, which remat cannot model yet: remove it{default}")
@@ -588,5 +544,6 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
                gradient_accumulation_fusion=not got.get("--no-gradient-accumulation-fusion"),
                overlap_grad_reduce=bool(got.get("--overlap-grad-reduce")), ddp_bucket_size=got.get("--ddp-bucket-size"),
                pad_buckets_for_high_nccl_busbw=bool(got.get("--ddp-pad-buckets-for-high-nccl-busbw")), policy=policy,
+               overlap_moe_expert_parallel_comm=bool(got.get("--overlap-moe-expert-parallel-comm")),
                fsdp=fsdp_from_flags(got),
                **split)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from remat.config import ModelConfig
+from remat.config import ConfigError, ModelConfig, parse_layer_freq
 from remat.job_flags import JobError
 
 _MOE_FLAGS = ("--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
@@ -54,7 +54,7 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
                    moe_ffn_hidden_size=got.get("--moe-ffn-hidden-size"),
                    moe_shared_expert_intermediate_size=got.get("--moe-shared-expert-intermediate-size"),
                    moe_grouped_gemm=bool(got.get("--moe-grouped-gemm")),
-                   moe_layer_freq=got.get("--moe-layer-freq", 1),
+                   moe_layer_freq=_layer_freq(got.get("--moe-layer-freq", 1), got["--num-layers"]),
                    moe_router_score_function=got.get("--moe-router-score-function", "softmax"),
                    moe_expert_capacity_factor=got.get("--moe-expert-capacity-factor"),
                    moe_aux_loss_coeff=got.get("--moe-aux-loss-coeff", 0.0),
@@ -76,6 +76,15 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
                kv_lora_rank=got["--kv-lora-rank"], qk_head_dim=got.get("--qk-head-dim", 128),
                qk_pos_emb_head_dim=got.get("--qk-pos-emb-head-dim", 64), v_head_dim=got.get("--v-head-dim", 128))
     return out
+
+
+def _layer_freq(text: str | int, num_layers: int) -> int | tuple[int, ...]:
+    """``--moe-layer-freq`` read (:func:`remat.config.parse_layer_freq`: its length is checked before any
+    repetition is written out), its refusal naming the flag."""
+    try:
+        return parse_layer_freq(text, num_layers) if isinstance(text, str) else text
+    except ConfigError as err:
+        raise JobError(str(err).replace("moe_layer_freq=", "--moe-layer-freq ", 1)) from None
 
 
 def layer_freq_text(freq: int | tuple[int, ...]) -> str:
@@ -217,3 +226,59 @@ def check_recompute_modules(model: ModelConfig, modules: tuple[str, ...]) -> Non
             alias = " / --moe-layer-recompute" if module == "moe" else ""
             raise JobError(f"recompute module {module!r} (--recompute-modules{alias}) recomputes {what}, which the "
                            f"model does not have: add {flag}, or drop {module}")
+
+
+OP_FUSER_FLAG = "--use-transformer-engine-op-fuser"
+OP_FUSER_ALIGN = 256  # moe_utils.get_align_size_for_quantization: TE's grouped-tensor path pads segments to it
+
+
+def check_op_fuser(got: dict[str, Any], ignored: list[str], model: ModelConfig) -> None:
+    """Refuse ``--use-transformer-engine-op-fuser`` where it keeps other tensors than the grouped MLP remat prices.
+
+    The flag (megatron-core experts.py:287-905 at d98e8a64, TransformerEngine 2.17.1) runs a grouped-GEMM MoE layer's
+    experts as TE ops: GroupedLinear (saves its input, a view, and the split sizes), ScaledSwiGLU (saves the fc1
+    output and the probabilities; its unscaled output is a temporary) and GroupedLinear: the tensors TE's grouped MLP
+    keeps. On Hopper that is what runs; TE fuses the three into one CuteDSL kernel only on compute capability 10
+    (ops/fused/grouped_mlp.py:312), which remat does not model. Megatron asserts expert tensor parallelism 1, a
+    gated SiLU (or quick-GELU / squared-ReLU) activation and grouped GEMM; the op fuser's grouped-tensor path also
+    pads each expert's tokens to a multiple of 256 (a padded copy, experts.py:729-747), which remat models only when
+    no padding is needed: every local expert's balanced share of the routed tokens a multiple of 256."""
+    if OP_FUSER_FLAG not in ignored or not model.is_moe:  # listed as ignored (remat.job_flags) once read
+        return  # a dense model: Megatron's op fuser changes only the grouped experts
+    tp, ep, cp = (got.get(f, 1) for f in ("--tensor-model-parallel-size", "--expert-model-parallel-size",
+                                          "--context-parallel-size"))
+    if not model.moe_grouped_gemm or model.activation != "swiglu":
+        raise JobError(f"{OP_FUSER_FLAG} needs --moe-grouped-gemm and --swiglu here (Megatron asserts its fused "
+                       "GroupedMLP supports the layer: grouped GEMM, a gated activation): add them, or drop the flag")
+    if got.get("--expert-tensor-parallel-size", tp) != 1 or tp != 1:
+        raise JobError(f"{OP_FUSER_FLAG} with tensor parallelism: Megatron's fused GroupedMLP needs expert tensor "
+                       "parallelism 1, and remat prices the op fuser at --tensor-model-parallel-size 1 only: use tp 1")
+    routed = ep * model.micro_batch_size * (model.seq_length // cp) * model.moe_router_topk
+    share, rest = divmod(routed, int(model.num_moe_experts or 1))
+    if rest or share % OP_FUSER_ALIGN:
+        raise JobError(f"{OP_FUSER_FLAG}: each expert's balanced share of the routed tokens ({routed} / "
+                       f"{model.num_moe_experts} experts) is not a multiple of {OP_FUSER_ALIGN}, so TE's grouped "
+                       "tensors would be padded (a padded copy of the experts' input), which remat does not model "
+                       "yet: drop the flag, or use a batch whose shares are multiples of 256")
+
+
+def check_moe_overlap(job: Any) -> None:
+    """Megatron's rules for ``--overlap-moe-expert-parallel-comm`` (transformer_config.py:3002-3046 at d98e8a64),
+    each refused naming the flag and the fix."""
+    if not job.overlap_moe_expert_parallel_comm:
+        return
+    flag, model, policy = "--overlap-moe-expert-parallel-comm", job.model, job.policy
+    problems = [
+        (not model.is_moe or job.ep < 1 + 1, "needs expert parallelism (--expert-model-parallel-size > 1)"),
+        (job.pp > 1 and job.vpp is None, "with --pipeline-model-parallel-size > 1 needs the interleaved schedule "
+         "(--num-virtual-stages-per-pipeline-rank or a --pipeline-model-parallel-layout)"),
+        (model.is_moe and model.moe_token_dispatcher_type != "alltoall", "needs the alltoall token dispatcher "
+         "(--moe-token-dispatcher-type alltoall; flex is not modelled)"),
+        (policy.granularity == "full", "refuses full recompute (--recompute-granularity full)"),
+        ("moe" in (policy.modules or ()), "refuses 'moe' in --recompute-modules"),
+        (job.precision == "fp32", "needs --bf16 or --fp16"),
+        ((model.mtp_num_layers or 0) > 1, "allows at most one MTP layer (--mtp-num-layers 1)"),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise JobError(f"{flag} {why}: Megatron asserts it")

@@ -6,10 +6,14 @@ of them is refused, so nothing that changes memory is ever silently dropped.
 
 from __future__ import annotations
 
+import difflib
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from remat.limits import ceiling_problem, read_input_text
+from remat.units import ascii_float, ascii_int
 
 
 class JobError(ValueError):
@@ -51,12 +55,6 @@ REFUSED_FLAGS: dict[str, str] = _table({
     "parameter layout)": "--muon-scalar-optimizer --no-use-layer-wise-param-layout",
     "keeps static CUDA-graph buffers": "--cuda-graph-impl --enable-cuda-graph --external-cuda-graph "
         "--cuda-graph-scope --cuda-graph-modules --optimizer-cuda-graph --cuda-graph-warmup-steps",
-    # megatron/core/pipeline_parallel/combined_1f1b.py: the forward of one microbatch overlaps the backward of another
-    "overlaps one microbatch's expert all-to-all with another's compute (the combined 1F1B schedule keeps both "
-    "microbatches' MoE activations at once)": "--overlap-moe-expert-parallel-comm",
-    # megatron/core/transformer/moe/experts.py (TEGroupedMLP via te.pytorch.ops.Sequential): other saved tensors
-    "runs the MLP through TransformerEngine's operation fuser, whose fused operations keep other tensors for "
-    "backward than the layers remat models": "--use-transformer-engine-op-fuser",
     "allocates Transformer Engine userbuffers for TP overlap": "--tp-comm-overlap --tp-comm-overlap-cfg",
     "keeps weight-gradient inputs longer (deferred wgrad)": "--delay-wgrad-compute",
     "changes the logits/cross-entropy working set": "--fp16-lm-cross-entropy --output-logit-dtype",
@@ -108,6 +106,10 @@ IGNORED_FLAGS: dict[str, str] = _table({
         "--rotary-seq-len-interpolation-factor --use-rope-scaling --rope-scaling-factor --calculate-per-token-loss "
         "--use-mup --deterministic-mode --disable-bf16-reduced-precision-matmul --flash-attention-version "
         "--mtp-loss-scaling-factor",
+    # remat.job_experts.check_op_fuser refuses where the op fuser keeps other tensors
+    "runs the grouped experts as TransformerEngine ops that keep the tensors of TE's grouped MLP on Hopper (TE "
+    "2.17 ops/basic/grouped_linear.py, swiglu.py; Blackwell's fused CuteDSL kernel is not modelled)":
+        "--use-transformer-engine-op-fuser",
     "fused kernels of the same operations (remat prices the reference operations)": "--no-masked-softmax-fusion "
         "--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion "
         "--no-persist-layer-norm --disable-jit-fuser --use-mcore-models",
@@ -171,7 +173,7 @@ _SWITCHES = ("--group-query-attention --swiglu --untie-embeddings-and-output-wei
              "--use-distributed-optimizer --overlap-grad-reduce --ddp-pad-buckets-for-high-nccl-busbw "
              "--attention-softmax-in-fp32 --apply-query-key-layer-scaling --moe-grouped-gemm --multi-latent-attention "
              "--qk-layernorm --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
-             "--no-gradient-accumulation-fusion")
+             "--no-gradient-accumulation-fusion --overlap-moe-expert-parallel-comm")
 # MoE and MLA (remat.config's NOTE [MoE fields]; Megatron's names)
 _MOE_MLA_INT = ("--num-experts --moe-router-topk --moe-ffn-hidden-size --moe-shared-expert-intermediate-size "
                 "--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim")
@@ -182,7 +184,7 @@ MODELLED_FLAGS: dict[str, Any] = {
     "--moe-router-score-function": ("softmax", "sigmoid"), "--moe-token-dispatcher-type": ("alltoall", "allgather"),
     "--moe-router-dtype": ("fp32", "fp64"),  # remat.models.moe.RouterGatingLinear
     # the last stage's deferred output-layer weight gradients (remat.job_pipeline.check_wgrad_deferral)
-    "--defer-embedding-wgrad-compute": bool, "--wgrad-deferral-limit": lambda v: int(v) if int(v) >= 0 else None,
+    "--defer-embedding-wgrad-compute": bool, "--wgrad-deferral-limit": lambda v: ascii_int(v, signed=False),
     # remat.models.moe.Router.top_k / z_loss
     "--moe-router-pre-softmax": bool, "--moe-router-enable-expert-bias": bool, "--moe-z-loss-coeff": float,
     **dict.fromkeys(("--hidden-dropout", "--attention-dropout", "--sgd-momentum"), float),
@@ -198,6 +200,26 @@ MODELLED_FLAGS: dict[str, Any] = {
     **dict.fromkeys(("--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype"),
                     ("fp32", "bf16", "fp16", "auto")),
 }
+# The size each integer flag sets (a key of remat.limits.CEILINGS): refused above its ceiling as it is read
+SIZE_OF_FLAG: dict[str, str] = {
+    "--num-layers": "num_layers", "--num-layers-per-virtual-pipeline-stage": "num_layers",
+    "--decoder-first-pipeline-num-layers": "num_layers", "--decoder-last-pipeline-num-layers": "num_layers",
+    "--mtp-num-layers": "num_layers", "--hidden-size": "hidden_size", "--kv-channels": "hidden_size",
+    **dict.fromkeys(("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim"),
+                    "hidden_size"),
+    **dict.fromkeys(("--ffn-hidden-size", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size"),
+                    "ffn_hidden_size"),
+    "--num-attention-heads": "num_attention_heads", "--num-query-groups": "num_attention_heads",
+    "--seq-length": "seq_length", "--max-position-embeddings": "seq_length", "--micro-batch-size": "micro_batch_size",
+    **dict.fromkeys(("--vocab-size", "--padded-vocab-size", "--make-vocab-size-divisible-by"), "vocab_size"),
+    "--num-experts": "num_moe_experts", "--moe-router-topk": "num_moe_experts",
+    "--tensor-model-parallel-size": "tp", "--expert-tensor-parallel-size": "tp", "--pipeline-model-parallel-size": "pp",
+    "--num-virtual-stages-per-pipeline-rank": "vpp", "--context-parallel-size": "cp",
+    "--expert-model-parallel-size": "ep", "--world-size": "world_size", "--data-parallel-size": "dp",
+    "--num-distributed-optimizer-instances": "dp",
+    "--microbatch-group-size-per-virtual-pipeline-stage": "num_microbatches",
+    "--wgrad-deferral-limit": "num_microbatches",
+}
 # Recompute flags go to Policy.from_megatron_args (value counts checked here; other --recompute-* there).
 RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
               "--recompute-modules": "+", "--recompute-activations": 0, "--distribute-saved-activations": 0,
@@ -206,11 +228,13 @@ RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--rec
               "--fine-grained-activation-offloading": 0, "--offload-modules": "+", "--min-offloaded-tensor-size": 1}
 
 
-def classify_megatron_flag(name: str) -> tuple[str, str]:
+def classify_megatron_flag(name: str, values: Sequence[str] | None = None) -> tuple[str, str]:
     """How remat treats one Megatron-LM flag.
 
     Args:
         name: the flag, e.g. ``"--lr"`` (a ``=value`` part is dropped).
+        values: its values, when known: a modelled flag whose one value is a choice remat does not model
+            (``--moe-token-dispatcher-type flex``) is ``refused``, like the flags remat does not model.
 
     Returns:
         ``(kind, reason)`` with kind ``recompute``, ``modelled``, ``default-only`` (ignored with Megatron's default
@@ -224,6 +248,10 @@ def classify_megatron_flag(name: str) -> tuple[str, str]:
     if name in RECOMPUTE_FLAGS or name.startswith("--recompute-"):
         return "recompute", "a recompute flag (remat.policy)"
     if name in MODELLED_FLAGS:
+        spec = MODELLED_FLAGS[name]
+        if isinstance(spec, tuple) and values is not None and len(values) == 1 and values[0] not in spec:
+            return "refused", (f"{shown_flag(values[0])} (remat models only {', '.join(spec)}: the others change "
+                               "memory in ways remat does not model)")
         return "modelled", "part of the Job"
     if name in DEFAULT_ONLY_FLAGS:
         return "default-only", REFUSED_FLAGS[name]
@@ -235,6 +263,45 @@ def classify_megatron_flag(name: str) -> tuple[str, str]:
             if name.startswith(prefix):
                 return kind, reason
     return "unknown", "not classified"
+
+
+def known_megatron_flags() -> list[str]:
+    """Every flag the tables name (modelled, recompute, ignored, default-only, refused), sorted."""
+    return sorted({*MODELLED_FLAGS, *RECOMPUTE_FLAGS, *IGNORED_FLAGS, *DEFAULT_ONLY_FLAGS, *REFUSED_FLAGS})
+
+
+def shown_flag(name: str, limit: int = 60) -> str:
+    """``name`` as a message shows it: as typed when printable, else its repr (a newline inside would cut the
+    one-line message); cut to ``limit`` characters."""
+    text = name if name.isprintable() else repr(name)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def suggest_flag(name: str, known: Sequence[str] = ()) -> str | None:
+    """The known flag ``name`` most likely misspells (``'--num-layer'`` -> ``'--num-layers'``,
+    ``'--sequence_parallel'`` -> ``'--sequence-parallel'``), or None.
+
+    Args:
+        name: a flag none of the tables name (a ``=value`` part is dropped).
+        known: the flags to choose from (default :func:`known_megatron_flags`).
+    """
+    flag = name.partition("=")[0].strip()
+    if not flag.isprintable() or len(flag) > 100:
+        return None
+    known = list(known) or known_megatron_flags()
+    dashed = "--" + flag.lstrip("-").replace("_", "-").lower()  # Megatron's names use dashes
+    if dashed in known and dashed != flag:
+        return dashed
+    close = difflib.get_close_matches(dashed, known, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
+def unknown_flag_message(name: str) -> str:
+    """The refusal of a flag none of the tables name: a likely misspelling is named first."""
+    guess = suggest_flag(name)
+    hint = f"did you mean {guess}? If not, " if guess else ""
+    return (f"remat does not know whether {shown_flag(name)} changes memory; {hint}remove it, or have it classified "
+            "in remat.job_flags (IGNORED_FLAGS if it does not change memory, REFUSED_FLAGS if it does)")
 
 
 def split_flags(text: str, source: str) -> list[str]:
@@ -260,7 +327,7 @@ def load_megatron_args(path: str | Path) -> list[str]:
         ['--num-layers', '32', '--hidden-size', '4096']
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_input_text(path)  # at most MAX_INPUT_FILE_BYTES (remat.limits): @/dev/zero is refused
     except (OSError, UnicodeDecodeError) as err:
         raise JobError(f"cannot read the Megatron args file {str(path)!r} ({err}): give a UTF-8 text file of "
                        "flags") from None
@@ -272,7 +339,9 @@ def load_megatron_args(path: str | Path) -> list[str]:
     return tokens
 
 
-def flag_tokens(argv: Sequence[str] | str) -> tuple[list[str], list[str]]:
+def launch_tokens(argv: Sequence[str] | str) -> tuple[list[str], list[str]]:
+    """(the launcher's tokens up to and with the training script, Megatron's flags) of a command line (a string or
+    tokens), ``@file`` tokens read."""
     if isinstance(argv, str):
         tokens = split_flags(argv, "the Megatron command line")
     elif isinstance(argv, Sequence) and all(isinstance(t, str) for t in argv):
@@ -281,9 +350,13 @@ def flag_tokens(argv: Sequence[str] | str) -> tuple[list[str], list[str]]:
         raise JobError(f"Megatron args must be a string or a list of strings, got {argv!r}")
     tokens = [t for tok in tokens for t in (load_megatron_args(tok[1:]) if tok.startswith("@") else [tok])]
     script = next((i for i, t in enumerate(tokens) if t.endswith(".py")), None)
-    if script is None:
-        return tokens, []
-    return tokens[script + 1:], [" ".join(tokens[:script + 1])]
+    return (tokens[:script + 1], tokens[script + 1:]) if script is not None else ([], tokens)
+
+
+def flag_tokens(argv: Sequence[str] | str) -> tuple[list[str], list[str]]:
+    """(Megatron's flags, [the launch line up to the training script] or [])."""
+    launch, flags = launch_tokens(argv)
+    return flags, [" ".join(launch)] if launch else []
 
 
 def flag_groups(tokens: Sequence[str]) -> list[tuple[str, list[str]]]:
@@ -324,12 +397,12 @@ def flag_value(name: str, vals: list[str]) -> Any:
             raise JobError(f"{name} {v}: remat models only {', '.join(spec)} (the others change memory in ways "
                            "remat does not model)")
         return v
-    try:
-        out = spec(v)
-    except ValueError:
-        out = None
+    # digits 0-9 only (NOTE [ASCII digits] in remat.units)
+    out = ascii_int(v) if spec is int else ascii_float(v) if spec is float else spec(v)
     if out is None or (spec is int and out < 1):
         raise JobError(f"{name} needs {'a positive integer' if spec is int else 'a number'}, got {v!r}")
+    if name in SIZE_OF_FLAG and (too_big := ceiling_problem(SIZE_OF_FLAG[name], out)):
+        raise JobError(f"{name} {v} {too_big}")
     return out
 
 

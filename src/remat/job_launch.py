@@ -80,3 +80,22 @@ def launcher_world_size(launcher: str | Sequence[str]) -> int | None:
         per_node = first(_DEEPSPEED["per_node"])
         return per_node * (first(_DEEPSPEED["nodes"]) or 1) if per_node else None
     return None
+
+
+def launcher_env(launcher: str | Sequence[str]) -> dict[str, str]:
+    """The environment variables a launch command sets for its processes: its leading ``NAME=VALUE`` words (as a
+    shell reads them; after ``env`` too), e.g. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun ...``.
+
+    Example:
+        >>> launcher_env("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True torchrun --nproc-per-node 8 pretrain_gpt.py")
+        {'PYTORCH_CUDA_ALLOC_CONF': 'expandable_segments:True'}
+    """
+    tokens = shlex.split(launcher) if isinstance(launcher, str) else list(launcher)
+    out: dict[str, str] = {}
+    for i, tok in enumerate(tokens):
+        name, eq, value = tok.partition("=")
+        if eq and name.isidentifier():
+            out[name] = value
+        elif not (tok == "env" and i == len(out)):  # the first command word ends the assignments
+            break
+    return out

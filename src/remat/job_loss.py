@@ -58,24 +58,28 @@ def loss_args(model: ModelConfig) -> list[str]:
         "--mtp-num-layers", str(model.mtp_num_layers)] * (model.mtp_num_layers > 0)
 
 
-def check_multi_token_prediction(model: ModelConfig, layout: str | None, recompute: bool) -> None:
+def check_multi_token_prediction(model: ModelConfig, layout: str | None, policy: Any) -> None:
     """Refuse what Megatron refuses with ``--mtp-num-layers``, and what remat does not model with it yet.
 
     Megatron: rope (or no) positions only (megatron/training/arguments.py:882-886); a layout must place the MTP
-    layers with ``m`` (pipeline_parallel_layer_layout.py:112), which remat's layouts refuse. remat: recompute and
-    offloading act on the MTP layer too in Megatron (multi_token_prediction.py:1492 ``_checkpointed_forward``; its
-    transformer layer's selective modules), which remat does not apply there yet."""
+    layers with ``m`` (pipeline_parallel_layer_layout.py:112; remat takes them before the loss, where it builds the MTP
+    depths, :func:`remat.job_pipeline.parse_layout`). Recompute and offloading act on the MTP layers too in
+    Megatron: selective modules in their transformer layer (which :func:`remat.apply` follows), full recompute
+    through ``_checkpointed_forward`` (multi_token_prediction.py:1492) and the offload groups (which it does not
+    yet: refused)."""
     if not model.mtp_num_layers:
         return
     if model.position != "rope":
         raise JobError("--mtp-num-layers with learned absolute positions: Megatron supports multi-token prediction "
                        "only with --position-embedding-type rope (or none); use rope")
-    if layout is not None:
-        raise JobError("--mtp-num-layers with --pipeline-model-parallel-layout: Megatron then needs the MTP layers in "
-                       "the layout (m), which remat does not model; drop the layout")
-    if recompute:
-        raise JobError("--mtp-num-layers with activation recompute or offloading: Megatron recomputes (offloads) the "
-                       "MTP layer too, which remat does not model yet; drop the --recompute-* / offloading flags")
+    if layout is not None and "m" not in layout:
+        raise JobError("--mtp-num-layers with a --pipeline-model-parallel-layout that places no MTP layer: Megatron "
+                       "needs them in the layout (m, before the loss: ...tmL); add them")
+    if policy.granularity == "full" or policy.offload_modules:
+        raise JobError("--mtp-num-layers with full recompute or fine-grained offloading: Megatron checkpoints "
+                       "(offloads) the MTP layers too (multi_token_prediction.py:1492 _checkpointed_forward), which "
+                       "remat does not model yet; use selective recompute (which remat applies to the MTP layers as "
+                       "Megatron does) or drop the --recompute-* / offloading flags")
 
 
 def megatron_loss(model: ModelConfig) -> dict[str, str]:

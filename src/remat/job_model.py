@@ -19,7 +19,7 @@ from typing import Any
 
 from remat import job_loss
 from remat.config import ConfigError, ModelConfig
-from remat.job_experts import moe_mla_fields
+from remat.job_experts import check_op_fuser, moe_mla_fields
 from remat.job_flags import JobError
 
 DEFAULT_VOCAB_SIZE = 50257  # GPT-2 BPE, the tokenizer of Megatron's GPT examples
@@ -96,4 +96,5 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
             **moe_mla_fields(got, tp=tp))
     except ConfigError as err:
         raise JobError(f"the model flags describe an invalid model: {err}") from None
+    check_op_fuser(got, ignored, model)
     return model

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from remat.job_flags import JobError
+from remat.limits import CEILINGS, MAX_LAYOUT_ITEMS, shorten
 
 FIRST_FLAG = "--decoder-first-pipeline-num-layers"
 LAST_FLAG = "--decoder-last-pipeline-num-layers"
@@ -76,16 +77,20 @@ def parse_layout(text: str, pp: int) -> list[LayoutChunk]:
                        "layer, L loss, | between chunks)")
     unrolled = text.strip().replace(",", "")
     for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):  # Megatron's order: groups, then single characters
-        unrolled = re.sub(pattern, lambda match: match.group(1) * int(match.group(2)), unrolled)
+        unrolled = _unroll(text, unrolled, pattern)
     chunks = [LayoutChunk(part) for part in unrolled.split("|")]
     bad = sorted({ch for c in chunks for ch in c.items if ch not in LAYOUT_CHARS})
     if bad:
-        raise JobError(f"{LAYOUT_FLAG} {text!r}: unknown character(s) {', '.join(map(repr, bad))} (after unrolling "
-                       f"the repetitions: {unrolled!r}); use only E (embedding), t (decoder layer), m (MTP), L (loss), "
-                       "| between chunks, X*n and (...)*n")
-    if any("m" in c.items for c in chunks):
-        raise JobError(f"{LAYOUT_FLAG} {text!r} places MTP layers (m): remat's reference model has no multi-token "
-                       "prediction (--mtp-num-layers); drop the m's from the layout")
+        shown = ", ".join(map(repr, bad[:8])) + ", ..." * (len(bad) > 8)
+        raise JobError(f"{LAYOUT_FLAG} {shorten(text)}: unknown character(s) {shown} (after unrolling the "
+                       f"repetitions: {shorten(unrolled)}); use only E (embedding), t (decoder layer), m (MTP), L "
+                       "(loss), | between chunks, X*n and (...)*n")
+    if any("m" in c.items for c in chunks[:-1]) or "m" in chunks[-1].items.rstrip("mL"):
+        # remat builds the MTP depths after the loss chunk's decoder layers (models.gpt), as Megatron does on the
+        # stage whose layout ends ...mL
+        raise JobError(f"{LAYOUT_FLAG} {text!r} places MTP layers (m) before the last chunk's decoder layers end: "
+                       "remat models them where Megatron puts them by default, after the last decoder layer and "
+                       "before the loss (...tmL); move the m's there")
     if len(chunks) % pp:
         raise JobError(f"{LAYOUT_FLAG} {text!r} has {len(chunks)} chunks, not a multiple of pp={pp} "
                        "(--pipeline-model-parallel-size): Megatron gives every stage the same number of chunks (vpp); "
@@ -101,6 +106,22 @@ def parse_layout(text: str, pp: int) -> list[LayoutChunk]:
     return chunks
 
 
+def _unroll(text: str, layout: str, pattern: str) -> str:
+    """``layout`` with ``pattern``'s repetitions (group 1, group 2 times) written out; refused, naming ``text`` (the
+    flag's value), when the result would be longer than :data:`remat.limits.MAX_LAYOUT_ITEMS`, before building it."""
+    length = len(layout)
+    for match in re.finditer(pattern, layout):
+        if length > MAX_LAYOUT_ITEMS:
+            break
+        times = int(match.group(2)) if len(match.group(2)) <= 9 else MAX_LAYOUT_ITEMS
+        length += len(match.group(1)) * times - len(match.group(0))
+    if length > MAX_LAYOUT_ITEMS:
+        raise JobError(f"{LAYOUT_FLAG} {shorten(text)} unrolls to more than {MAX_LAYOUT_ITEMS:,} items (E, t, m, L and "
+                       f"the | between chunks), remat's ceiling (at most {CEILINGS['num_layers'][0]:,} layers): "
+                       "write the job's real layout")
+    return re.sub(pattern, lambda match: match.group(1) * int(match.group(2)), layout)
+
+
 def layout_vpp(text: str, pp: int) -> int | None:
     """The vpp a layout implies: its chunk count / pp, None when that is 1 (Megatron's convention)."""
     vpp = len(parse_layout(text, pp)) // pp
@@ -109,7 +130,8 @@ def layout_vpp(text: str, pp: int) -> int | None:
 
 def chunk_layer_counts(num_layers: int, pp: int, vpp: int | None = None, *, first: int | None = None,
                        last: int | None = None, account_for_embedding: bool = False,
-                       account_for_loss: bool = False, layout: str | None = None) -> tuple[int, ...]:
+                       account_for_loss: bool = False, layout: str | None = None,
+                       mtp_layers: int = 0) -> tuple[int, ...]:
     """Decoder layers of every model chunk, in global chunk order, as Megatron builds them.
 
     Args:
@@ -119,6 +141,7 @@ def chunk_layer_counts(num_layers: int, pp: int, vpp: int | None = None, *, firs
         first, last: ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``.
         account_for_embedding, account_for_loss: the ``--account-for-*-in-pipeline-split`` switches.
         layout: ``--pipeline-model-parallel-layout``; vpp must equal the one it implies.
+        mtp_layers: ``--mtp-num-layers``: a layout that places MTP layers (``m``) must place that many.
 
     Returns:
         ``pp * vpp`` counts adding up to ``num_layers`` (chunk g's first layer is the sum of the counts before
@@ -145,6 +168,10 @@ def chunk_layer_counts(num_layers: int, pp: int, vpp: int | None = None, *, firs
             raise JobError(f"{LAYOUT_FLAG} {layout!r} has {len(chunks)} chunks = pp {pp} x {want}, but vpp="
                            f"{vpp} (--num-virtual-stages-per-pipeline-rank): Megatron asserts they agree; use vpp="
                            f"{want if want > 1 else None}, or drop the vpp flag (the layout implies it)")
+        placed = sum(c.items.count("m") for c in chunks)
+        if placed and placed != mtp_layers:
+            raise JobError(f"{LAYOUT_FLAG} {layout!r} places {placed} MTP layer(s) (m) but --mtp-num-layers is "
+                           f"{mtp_layers}: make them equal")
         counts = tuple(c.num_layers for c in chunks)
         if sum(counts) != num_layers:
             raise JobError(f"{LAYOUT_FLAG} {layout!r} places {sum(counts)} decoder layers (t) but --num-layers is "
@@ -276,7 +303,7 @@ def job_chunk_layers(job: Any) -> tuple[int, ...]:
                               last=job.decoder_last_pipeline_num_layers,
                               account_for_embedding=job.account_for_embedding_in_pipeline_split,
                               account_for_loss=job.account_for_loss_in_pipeline_split,
-                              layout=job.pipeline_model_parallel_layout)
+                              layout=job.pipeline_model_parallel_layout, mtp_layers=job.model.mtp_num_layers or 0)
 
 
 def pipeline_split_args(job: Any) -> list[str]:

@@ -90,22 +90,24 @@ def check_offload_combination(offload_modules: Sequence[str], granularity: str, 
         raise OffloadPolicyError("selective non_matmul runs every layer under torch's selective checkpointing, which "
                                  f"keeps what it saves itself, so offloading would offload nothing: {fix}drop "
                                  "non_matmul")
-    if "core_attn" in offload_modules and "mla_up_proj" in modules:
-        # Megatron accepts it: forward frees the query/key/value once (offload's forced release, then the checkpoint's
-        # discard); backward holds both the recomputed ones (tensor_parallel/random.py:928-983 shares the recomputed
-        # storage into them, kept to the up-projection's backward) and the reloaded copies the attention backward
-        # reads (fine_grained_activation_offload.py:937-955). remat's trace of the two together does not follow
-        # this yet (+90% on Megatron's H100 test moe/..._no_mtp_no_a2a_ovlp_fine_grained_offloading).
-        raise OffloadPolicyError("offload module core_attn with recompute module mla_up_proj: both would take the "
-                                 "attention core's query, key and value (offloaded, and also discarded to be "
-                                 "recomputed), which remat does not model yet; keep one: drop core_attn from the "
-                                 "offload modules, or mla_up_proj")
     overlap = [m for m, r in (("attn_norm", "layernorm"), ("mlp_norm", "layernorm"), ("core_attn", "core_attn"))
                if m in offload_modules and r in modules]
     if overlap and engine == "non-reentrant":
         raise OffloadPolicyError(f"offload module {overlap[0]} is also recomputed, and the non-reentrant checkpoint "
                                  "keeps its inputs itself, so nothing would be offloaded: use the reentrant engine "
                                  f"(Megatron's; drop '@non-reentrant'), or stop offloading {overlap[0]}")
+
+
+def check_job_offload(offload_modules: Sequence[str], modules: Sequence[str]) -> None:
+    """Refuse, for a Megatron job, what remat traces (exactly on CPU) but does not yet predict a GPU's peak for."""
+    if "core_attn" in offload_modules and "mla_up_proj" in modules:
+        # moe/gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading (H100): 6.665 GiB
+        # measured, 6.216 predicted (NOTE [offloading a discarded output] and [which forwards keep their last offload
+        # group] took it from +82% to -6.7%); about 450 MiB at the attention's backward not found yet
+        raise OffloadPolicyError("--offload-modules core_attn with --recompute-modules mla_up_proj: remat predicts "
+                                 "Megatron's H100 test of it 6.7% under the measured peak (cause not found yet), so "
+                                 "it is refused rather than under-predicted; drop core_attn from the offload "
+                                 "modules, or mla_up_proj from the recompute modules")
 
 
 def format_offload(modules: Sequence[str], min_size: int) -> str:

@@ -21,6 +21,7 @@ from remat.offload_policy import (
     offload_to_megatron,
     parse_offload_option,
 )
+from remat.units import MAX_DIGITS, ascii_int
 
 GRANULARITIES = ("none", "full", "selective")
 METHODS = ("uniform", "block")
@@ -75,16 +76,6 @@ def contraction_limit(modules: Sequence[str]) -> int:
     return max((int(m[len(CONTRACTION_PREFIX):]) for m in modules if m.startswith(CONTRACTION_PREFIX)), default=0)
 
 
-def _ascii_int(text: str, *, signed: bool = True) -> int | None:
-    """``text`` as an int when it is written with the digits 0-9 (and, when ``signed``, an optional sign), else
-    None. ``str.isdigit()`` and ``\\d`` also accept superscripts and other scripts' digits,
-    which ``int()`` refuses or reads in ways a flag should not; 18 digits are plenty for any count here."""
-    sign = "[+-]?" if signed else ""
-    if not isinstance(text, str) or not re.fullmatch(rf"{sign}[0-9]{{1,18}}", text):
-        return None
-    return int(text)
-
-
 def _module_name(name: object) -> str:
     if not isinstance(name, str):
         raise PolicyError(f"recompute module names must be strings, got {name!r}")
@@ -92,7 +83,7 @@ def _module_name(name: object) -> str:
     if key in SELECTIVE_MODULES:
         return key
     if key.startswith(CONTRACTION_PREFIX):
-        limit = _ascii_int(key[len(CONTRACTION_PREFIX):], signed=False)
+        limit = ascii_int(key[len(CONTRACTION_PREFIX):], signed=False)
         if limit is None or limit < 1:
             raise PolicyError(f"recompute module {name!r}: write {CONTRACTION_PREFIX}<N> with N >= 1 in digits 0-9, "
                               "the largest contraction dimension of the matrix multiplies to recompute, e.g. "
@@ -236,6 +227,8 @@ engine='reentrant', distribute_saved_activations=False, offload_modules=(), min_
         if k is not None:
             if isinstance(k, bool) or not isinstance(k, numbers.Integral):
                 raise PolicyError(f"recompute num_layers must be an integer, got {k!r}")
+            if abs(k) >= 10**MAX_DIGITS:  # the bound Policy.parse reads (NOTE [ASCII digits] in remat.units)
+                raise PolicyError(f"recompute num_layers={k}: a layer count has at most {MAX_DIGITS} digits")
             set_(self, "num_layers", k := int(k))
         set_(self, "modules", normalise_modules(self.modules))
         set_(self, "engine", _choice("recompute engine", self.engine, ENGINES))
@@ -392,7 +385,7 @@ distribute_saved_activations=False, offload_modules=(), min_offloaded_tensor_siz
         elif parts[0] == "full":
             if len(parts) != 3 or parts[1] not in METHODS:
                 raise bad("full needs a method and a layer count, e.g. full/uniform/1")
-            count = _ascii_int(parts[2])
+            count = ascii_int(parts[2])
             if count is None:
                 raise bad(f"layer count {parts[2]!r} is not an integer (digits 0-9)")
             fields.update(granularity="full", method=parts[1], num_layers=count)
@@ -510,7 +503,7 @@ distribute_saved_activations=False, offload_modules=(), min_offloaded_tensor_siz
             granularity = "selective"
         if "num_layers" in opts:
             raw = opts["num_layers"]
-            count = _ascii_int(raw.strip())
+            count = ascii_int(raw.strip())
             if count is None:
                 raise PolicyError(f"--recompute-num-layers needs an integer (digits 0-9), got {raw!r}: e.g. "
                                   "--recompute-num-layers 1")

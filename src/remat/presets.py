@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from remat.config import ConfigError, ModelConfig
+from remat.limits import MAX_YAML_ALIASES, MAX_YAML_NODES, read_input_text, shorten
 
 __all__ = ["PRESETS", "get_preset", "load_config", "config_from_mapping", "preset_names"]
 
@@ -152,7 +153,9 @@ def load_config(path: str | os.PathLike[str]) -> ModelConfig:
     The file is a mapping of :class:`ModelConfig` field names to values, optionally with ``preset: NAME``, whose
     fields the other keys override (:func:`config_from_mapping`); keys may be written with ``-`` instead of
     ``_`` (``num-layers``). ``.json`` files are parsed as JSON, anything else as YAML (which also reads JSON)
-    with a ``yaml.SafeLoader`` that refuses a key given twice; nothing is ever unpickled or executed.
+    with a ``yaml.SafeLoader`` that refuses a key given twice; nothing is ever unpickled or executed. The file is
+    read up to :data:`remat.limits.MAX_INPUT_FILE_BYTES`, and its YAML may use at most ``MAX_YAML_ALIASES`` aliases
+    and hold ``MAX_YAML_NODES`` values with them expanded (no "billion laughs").
 
     Args:
         path: the file.
@@ -161,8 +164,8 @@ def load_config(path: str | os.PathLike[str]) -> ModelConfig:
         The :class:`ModelConfig`.
 
     Raises:
-        ConfigError: starting with the file name: a missing or unreadable file, a syntax error (with its line), a
-            key given twice, an unknown field, a bad value (naming the field).
+        ConfigError: starting with the file name: a missing, unreadable or too long file, a syntax error (with its
+            line), too many aliases, a key given twice, an unknown field, a bad value (naming the field).
 
     Example: a file ``llama-short.yaml`` holding::
 
@@ -176,7 +179,7 @@ def load_config(path: str | os.PathLike[str]) -> ModelConfig:
 
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_input_text(path)  # at most MAX_INPUT_FILE_BYTES (remat.limits): /dev/zero is refused
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     except (OSError, UnicodeDecodeError) as err:
@@ -187,7 +190,9 @@ def load_config(path: str | os.PathLike[str]) -> ModelConfig:
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
         except _DuplicateKey as err:
-            raise ConfigError(f"{path}: key {err.args[0]!r} is given twice: keep one") from None
+            raise ConfigError(f"{path}: key {shorten(err.args[0])} is given twice: keep one") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: not a model config (its values are nested too deeply)") from None
     else:
         try:
             data = yaml.load(text, Loader=_unique_key_loader())  # a SafeLoader: builds plain data only
@@ -196,6 +201,8 @@ def load_config(path: str | os.PathLike[str]) -> ModelConfig:
             where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ConfigError(f"{path}: not valid YAML ({where}{problem})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: not a model config (its values are nested too deeply)") from None
     return config_from_mapping(data, str(path))
 
 
@@ -217,9 +224,30 @@ def _unique_key_loader() -> type:
     """``yaml.SafeLoader`` that refuses a mapping with a key given twice (YAML forbids it; PyYAML keeps the last
     value silently). Merge keys (``<<: *base``) still override, as YAML defines them to."""
     import yaml
+    from yaml.composer import ComposerError
     from yaml.constructor import ConstructorError
 
     class UniqueKeyLoader(yaml.SafeLoader):
+        aliases = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            # remat.limits: at most MAX_YAML_ALIASES aliases and MAX_YAML_NODES values with them expanded, so that a
+            # small file cannot describe a huge structure (a "billion laughs" file)
+            if self.check_event(yaml.AliasEvent):
+                self.aliases += 1
+                if self.aliases > MAX_YAML_ALIASES:
+                    raise ComposerError(None, None, f"more than {MAX_YAML_ALIASES} aliases (*name), remat's limit for "
+                                        "a config file (MAX_YAML_ALIASES): write the values out",
+                                        self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+
+        def compose_document(self) -> Any:
+            node = super().compose_document()
+            if _expanded_size(node, {}) > MAX_YAML_NODES:
+                raise ComposerError(None, None, f"more than {MAX_YAML_NODES:,} values with its aliases expanded, "
+                                    "remat's limit for a config file (MAX_YAML_NODES)", node.start_mark)
+            return node
+
         def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
             if isinstance(node, yaml.MappingNode):
                 seen: set[Any] = set()
@@ -238,3 +266,13 @@ def _unique_key_loader() -> type:
             return super().construct_mapping(node, deep=deep)
 
     return UniqueKeyLoader
+
+
+def _expanded_size(node: Any, sizes: dict[int, int]) -> int:
+    """Values under a YAML ``node`` (itself included) with every alias expanded; ``sizes`` memoises shared nodes, so
+    the count takes one visit per distinct node however often it is aliased."""
+    if id(node) not in sizes:
+        children = node.value if isinstance(node.value, list) else []
+        sizes[id(node)] = 1 + sum(_expanded_size(c, sizes) for child in children
+                                  for c in (child if isinstance(child, tuple) else (child,)))
+    return sizes[id(node)]

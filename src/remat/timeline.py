@@ -303,12 +303,15 @@ class Timeline:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Timeline:
         """Read a file :meth:`save` wrote (:meth:`from_dict`); :class:`TimelineError` names the file when it is
-        not JSON."""
+        not UTF-8 JSON."""
         with open(path, encoding="utf-8") as f:
             try:
                 data = json.load(f)
             except json.JSONDecodeError as err:
                 raise TimelineError(f"{path}: not valid JSON ({err})") from err
+            except UnicodeDecodeError as err:  # a binary file (a pickle, an image)
+                raise TimelineError(f"{path}: not valid JSON, not even UTF-8 text ({err.reason} at byte "
+                                    f"{err.start}): give a timeline file that Timeline.save wrote") from err
         return cls.from_dict(data)
 
 

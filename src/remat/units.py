@@ -19,6 +19,33 @@ class SizeError(ValueError):
     """A byte count, budget or reserve that cannot be read; the message says what to write instead."""
 
 
+# ------------------------------------------------------------------------------------------------ numbers in text
+# NOTE [ASCII digits]: every number remat reads from text (policy strings, budgets, command-line flags, Megatron
+# flags) is written with the digits 0-9. int() and float() also read other scripts' digits ('٣', '２') and '_'
+# separators ('1_0'), and str.isdigit() and \d accept superscripts: a flag should mean what it shows.
+MAX_DIGITS = 18  # the most digits of a count read from text (and the largest count a Policy holds): plenty here
+
+
+def ascii_int(text: object, *, signed: bool = True) -> int | None:
+    """``text`` as an int when it is at most :data:`MAX_DIGITS` digits 0-9 (after an optional sign when
+    ``signed``), else None: ``ascii_int('12') == 12``, ``ascii_int('1_0') is None``, ``ascii_int('٣') is None``."""
+    sign = "[+-]?" if signed else ""
+    if not isinstance(text, str) or not re.fullmatch(rf"{sign}[0-9]{{1,{MAX_DIGITS}}}", text):
+        return None
+    return int(text)
+
+
+def ascii_float(text: object) -> float | None:
+    """``float(text)`` when ``text`` is ASCII without '_' (``'1.5'``, ``'1e-3'``, ``'nan'``), else None (also
+    when float() refuses it)."""
+    if not isinstance(text, str) or not text.isascii() or "_" in text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 # ------------------------------------------------------------------------------------------------ budgets
 _UNITS = {"": 1, "b": 1, "kib": KIB, "mib": MIB, "gib": GIB, "tib": TIB,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -68,6 +95,8 @@ def _read_bytes(text: object, what: str | None, *, allow_zero: bool) -> int:
         value, unit = text, 1
     else:
         match = _NUMBER_WITH_UNIT.fullmatch(str(text))
+        if not match and _NUMBER_WITH_UNIT.fullmatch(re.sub(r"^\s*-", "", str(text))):
+            raise SizeError(f"{start}{shown} is negative: write a size such as 70GiB")
         if not match:
             raise SizeError(f"{start}cannot read {shown} as bytes: write e.g. 70GiB, 75GB, 512MiB or a plain number")
         key = match.group(2).lower()
@@ -179,6 +208,9 @@ def parse_reserve(reserve: str | float | None, total: int) -> int:
         return int(total * pct / 100)
     if re.fullmatch(r"0?\.[0-9]+|0", text):
         return parse_reserve(float(text), total)
+    if re.fullmatch(r"[0-9]*\.[0-9]*", text):  # '1.5': a fraction out of range, not 1.5 bytes
+        raise SizeError(f"reserve: {_shown(reserve)}: a fraction must be in [0, 1); write a percentage (15%) or "
+                        "bytes with a unit (2GiB)")
     return _read_bytes(text, "reserve", allow_zero=True)
 
 

@@ -9,7 +9,14 @@ import pytest
 
 from remat.config import ModelConfig
 from remat.job import Job, JobError, parse_megatron_args
-from remat.job_flags import IGNORED_FLAGS, REFUSED_FLAGS, classify_megatron_flag, load_megatron_args
+from remat.job_flags import (
+    IGNORED_FLAGS,
+    REFUSED_FLAGS,
+    classify_megatron_flag,
+    load_megatron_args,
+    shown_flag,
+    suggest_flag,
+)
 from remat.job_model import DEFAULT_VOCAB_SIZE
 from remat.policy import Policy
 
@@ -562,12 +569,27 @@ def test_flags_megatron_accepts_without_effect_are_listed_as_ignored(extra, igno
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    ("--overlap-moe-expert-parallel-comm", "combined 1F1B"),
-    ("--use-transformer-engine-op-fuser", "operation fuser"),
     ("--cuda-graph-warmup-steps 3", "CUDA-graph"),
 ])
 def test_flags_that_change_memory_unmodelled_are_refused_by_name(extra, fragment):
     refused(extra, extra.split()[0], fragment, "remove it")
+
+
+def test_the_op_fuser_prices_the_grouped_mlp_where_it_keeps_its_tensors():
+    # remat.job_experts.check_op_fuser: TE's GroupedLinear/ScaledSwiGLU ops keep the grouped MLP's tensors on Hopper
+    moe = f"{BASE} --moe-router-topk 1 --moe-grouped-gemm --swiglu --disable-bias-linear --num-experts "
+    moe += "4"  # 2 x 512 routed tokens: 256 per expert, a multiple of 256
+    plain, _ = parse_megatron_args(moe)
+    fused, ignored = parse_megatron_args(f"{moe} --use-transformer-engine-op-fuser")
+    assert fused == plain and "--use-transformer-engine-op-fuser" in ignored
+    assert parse_megatron_args(f"{BASE} --use-transformer-engine-op-fuser")[0] == parse_megatron_args(BASE)[0]
+    for args, fragment in ((moe[:-1] + "8", "multiple of 256"),  # 128 per expert: padded
+                           (f"{moe} --tensor-model-parallel-size 2 --sequence-parallel --world-size 2",
+                            "tensor parallelism")):
+        with pytest.raises(JobError, match=fragment):
+            parse_megatron_args(f"{args} --use-transformer-engine-op-fuser")
+    with pytest.raises(JobError, match="--moe-grouped-gemm and --swiglu"):
+        parse_megatron_args(f"{moe.replace(' --swiglu', '')} --use-transformer-engine-op-fuser")
 
 
 def test_qk_layernorm_is_read_for_both_attentions_and_round_trips():
@@ -617,3 +639,18 @@ def test_every_refused_flag_is_named_at_once():
     msg = refused("--fp8-format hybrid --tp-comm-overlap --no-such-flag 3", "3 flags stop the prediction",
                   "(1) --fp8-format", "(2) --tp-comm-overlap", "(3) remat does not know whether --no-such-flag")
     assert "\n" not in msg
+
+
+@pytest.mark.parametrize("flag, meant", [
+    ("--num-layer", "--num-layers"), ("--tensor-parallel-size", "--tensor-model-parallel-size"),
+    ("--sequence_parallel", "--sequence-parallel"), ("--Micro-Batch-Size", "--micro-batch-size"),
+    ("--frobnicate", None), ("--a\nb", None),
+])
+def test_a_misspelled_megatron_flag_names_the_flag_meant(flag, meant):
+    assert suggest_flag(flag) == meant
+    with pytest.raises(JobError) as err:
+        parse_megatron_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                             "--seq-length", "32", "--micro-batch-size", "1", flag])
+    message = str(err.value)
+    assert "\n" not in message and f"remat does not know whether {shown_flag(flag)} changes memory" in message
+    assert (f"did you mean {meant}?" in message) == (meant is not None)

@@ -74,7 +74,7 @@ def test_job_fields_build_the_same_job():
     ("--pipeline-model-parallel-size 3 --account-for-loss-in-pipeline-split",
      ["--num-layers 7 + 1 (--account-for-loss-in-pipeline-split) = 8 layers are not divisible by pp = 3"]),
     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'Ettt|tttm|L'",
-     ["MTP layers (m)", "no multi-token prediction", "drop the m's"]),
+     ["MTP layers (m)", "before the loss (...tmL)", "move the m's there"]),
     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'Ett|tx|ttL'", ["unknown character(s) 'x'"]),
     ("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'Ett|ttL|tt'",
      ["has 3 chunks, not a multiple of pp=2"]),

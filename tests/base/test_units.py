@@ -38,7 +38,7 @@ def test_parse_bytes_units(text, expected):
 @pytest.mark.parametrize("text, pattern", [
     ("", "cannot read ''"),
     ("GiB", "cannot read 'GiB'"),
-    ("-1GiB", "cannot read '-1GiB'"),
+    ("-1GiB", "'-1GiB' is negative"),
     ("12XB", "unknown unit 'XB'"),
     ("1.2.3GB", "cannot read"),
     ("nan", "cannot read"),

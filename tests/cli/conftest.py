@@ -4,6 +4,7 @@ prediction in for a real multi-process pipeline run."""
 from __future__ import annotations
 
 import argparse
+import signal
 from collections.abc import Callable
 
 import pytest
@@ -60,3 +61,19 @@ def measured_by_prediction(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     monkeypatch.setattr(pipeline_measure, "measure_pipeline_many", fake_measure)
     monkeypatch.setattr(cli_pipeline, "measure_pipeline_many", fake_measure)
     return calls
+
+
+@pytest.fixture
+def alarm(request: pytest.FixtureRequest):
+    """Each case ends within its module's CASE_SECONDS (an unbounded one raises here instead of hanging the
+    suite)."""
+    seconds = request.module.CASE_SECONDS
+
+    def expired(signum, frame):
+        raise TimeoutError(f"the case ran for more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

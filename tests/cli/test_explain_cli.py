@@ -125,7 +125,7 @@ def test_cli_debug_raises(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ both regimes
 def test_default_cli_shows_both_regimes(cli_run):
-    assert build_parser().parse_args(["explain"]).contrast_vocab == 32000
+    assert build_parser().parse_args(["explain"]).contrast_vocab is None and cli_explain.CONTRAST_VOCAB == 32000
     assert ModelConfig().vocab_size == 512  # --vocab keeps its meaning: the main run's vocabulary
     code, out, text = cli_run  # run with the default --contrast-vocab
     assert code == 0
@@ -234,11 +234,11 @@ def test_an_unwritable_output_is_a_one_line_error(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------------ memory
 def test_a_model_too_large_is_refused_naming_the_flag(tmp_path, capsys):
-    code = main(["explain", *TINY[:2], "--hidden", "100000", *TINY[4:], "--out", str(tmp_path / "out")])
+    code = main(["explain", *TINY[:2], "--hidden", "60000", *TINY[4:], "--out", str(tmp_path / "out")])
     assert code == 2
     err = capsys.readouterr().err.strip()
     # the flag that made it large is named (the others are below their defaults)
-    assert err.startswith("remat: error: --hidden 100000: measuring this 4-layer model (h=100000) needs about "), err
+    assert err.startswith("remat: error: --hidden 60000: measuring this 4-layer model (h=60000) needs about "), err
     assert "\n" not in err and "is available on cpu" in err
     assert not (tmp_path / "out").exists()
 

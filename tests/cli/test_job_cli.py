@@ -75,8 +75,8 @@ def test_plan_of_tp_with_pp_picks_per_stage_plans_with_every_part(capsys):
     uniform = Policy.parse(report["uniform"]["policy"])
     assert report["uniform"]["megatron_args"] == uniform.to_megatron_args()
     expected = predict_job(job.replace(policy=uniform))
-    assert report["uniform"]["rows"] == [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes, **r.parts}
-                                         for r in expected.ranks]
+    assert report["uniform"]["rows"] == [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes, **r.parts,
+                                          "reserved": r.reserved} for r in expected.ranks]
     for row in report["stages"]:
         assert row["peak_bytes"] <= budget and sum(row[p] for p in PARTS) == row["peak_bytes"]
         assert row["state"] == stage_state(job, row["stage"]).parts()
@@ -209,7 +209,8 @@ def test_impossible_megatron_jobs_are_refused_naming_the_flag(capsys, extra, wor
     (["predict", "--megatron-args", f"{MEGATRON} --recompute-activations", "--policy", "none"],
      ["--policy/--sweep with --recompute-* flags"]),
     (["explain", *TINY, "--dp", "2", "--megatron-args", MEGATRON], ["--megatron-args --dp", "remat predict"]),
-    (["plan", "--budget", "1GiB", *TINY, "--dp", "2", "--budget-reserved"], ["--budget-reserved", "drop it"]),
+    (["plan", "--budget", "1GiB", *TINY, "--dp", "2", "--budget-reserved", "--budget-allocated"],
+     ["--budget-reserved with --budget-allocated", "drop one"]),
     (["plan", "--budget", "1GiB", *TINY, "--tp", "2", "--dp", "2", "--measured-times"],
      ["measured_times (--measured-times)", "tp=2", "drop it"]),
     (["plan", "--budget", "1GiB", "--megatron-args", f"{MEGATRON} --recompute-activations"],

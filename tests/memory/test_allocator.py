@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from remat.memory.allocator import AllocatorConfig, ReplayResult, replay, replay_timeline
+from remat.memory.allocator import AllocatorConfig, ReplayResult, event_order, replay, replay_timeline
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -324,3 +324,131 @@ def test_reserved_figures_report_the_replay_beside_the_allocated_peak() -> None:
     assert figures["fragmentation_at_peak_bytes"] == 19 * MIB - 512  # reserved minus allocated at that moment
     assert figures["largest_free_block_bytes"] == 17 * MIB
     assert format_reserved(figures).startswith("reserved 22.00 MiB (+633.2% over its max_memory_allocated 3.00 MiB)")
+
+
+# -- rows that share an event (a job's rank: its model state allocated together at event 0) ---------------------
+def test_rows_sharing_an_event_replay_its_frees_first_then_its_allocations():
+    # A and B (5 MiB) at event 0 share one 20 MiB segment; C (12 MiB) has its own 12 MiB segment and is freed at
+    # event 2, where D (12 MiB) is allocated: the free first, so D takes C's cached block (no third segment).
+    timeline = SimpleNamespace(nbytes=[5 * MiB, 5 * MiB, 12 * MiB, 12 * MiB], alloc_at=[0, 0, 1, 2],
+                               free_at=[-1, -1, 2, -1])
+    assert event_order(timeline.nbytes, timeline.alloc_at, timeline.free_at)[1] == [0, 1, 2, ~2, 3]
+    r = replay_timeline(timeline)
+    assert (r.peak_reserved, r.segments, r.peak_allocated) == (32 * MiB, 2, 22 * MiB)
+    with pytest.raises(ValueError, match="event 0 is already used"):  # replay() itself keeps one step per event
+        replay(timeline.nbytes, timeline.alloc_at, timeline.free_at)
+    with pytest.raises(ValueError, match="row 1: .*free_at 0 must be after alloc_at"):
+        event_order([1, 1], [0, 0], [-1, 0])
+
+
+def _power_of_two_sequence(seed: int, events: int = 3000):
+    """Random allocations and frees of power-of-two sizes (512 B .. 64 MiB): ``roundup_power2_divisions`` keeps
+    each size as the plain 512-byte rounding does, but replays through :meth:`malloc`/:meth:`free`."""
+    rnd = random.Random(seed)
+    sizes, alloc_at, free_at, live = [], [], [], []
+    for event in range(events):
+        if live and (len(live) > 30 or rnd.random() < 0.45):
+            free_at[live.pop(rnd.randrange(len(live)))] = event
+        else:
+            sizes.append(1 << rnd.randint(9, 26))
+            alloc_at.append(event)
+            free_at.append(-1)
+            live.append(len(sizes) - 1)
+    return sizes, alloc_at, free_at
+
+
+@pytest.mark.parametrize("options", ["", "max_split_size_mb:40", "max_split_size_mb:20,max_non_split_rounding_mb:64",
+                                     "large_segment_size_mb:12"])
+@pytest.mark.parametrize("capacity", [None, 700 * MiB])
+def test_the_inlined_replay_takes_the_same_steps_as_malloc_and_free(options, capacity):
+    # the default options replay in the inlined loop (a job's ranks: tens of thousands of events), power-of-two
+    # rounding through malloc/free: on power-of-two sizes both round alike, so every figure must be the same
+    base = dataclasses.replace(AllocatorConfig.parse(options), capacity_bytes=capacity)
+    stepwise = dataclasses.replace(base, roundup_power2_divisions=2)
+    for seed in range(3):
+        sequence = _power_of_two_sequence(seed)
+        assert replay(*sequence, base) == replay(*sequence, stepwise)
+
+
+def _pipeline_steps(seed: int, microbatches: int = 8, in_flight: int = 4, saved: int = 30):
+    """A 1F1B-like step: model state, then each microbatch's forward keeping ``saved`` activations (and a temporary
+    each), its backward freeing them in reverse (a gradient temporary each), up to ``in_flight`` forwards ahead."""
+    rnd = random.Random(seed)
+    acts = [rnd.choice([rnd.randint(1, MiB), rnd.randint(MiB, 10 * MiB), rnd.randint(10 * MiB, 300 * MiB)])
+            for _ in range(saved)]
+    nbytes, alloc_at, free_at = [700 * MiB, 1400 * MiB, 2800 * MiB], [0, 0, 0], [-1, -1, -1]
+    event, kept, forwards, backwards = 1, {}, 0, 0
+
+    def row(size, alive_for=None):
+        nonlocal event
+        nbytes.append(size)
+        alloc_at.append(event)
+        free_at.append(-1 if alive_for is None else event + alive_for)
+        event += 1 + (alive_for or 0)
+        return len(nbytes) - 1
+    while backwards < microbatches:
+        if forwards < microbatches and forwards - backwards < in_flight:
+            kept[forwards] = [(row(s), row(s // 3 + 1, 1))[0] for s in acts]
+            forwards += 1
+        else:
+            for r in reversed(kept.pop(backwards)):
+                row(nbytes[r] * 2 // 3 + 1, 1)
+                free_at[r] = event
+                event += 1
+            backwards += 1
+    return SimpleNamespace(nbytes=nbytes, alloc_at=alloc_at, free_at=free_at)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_expandable_segments_reserve_close_to_the_allocated_peak_of_a_pipelined_step(seed):
+    step = _pipeline_steps(seed)
+    default = replay_timeline(step)
+    expandable = replay_timeline(step, AllocatorConfig(expandable_segments=True))
+    # fixed segments cache blocks of the sizes they were cut for: hundreds of MiB above the allocated peak here;
+    # one growing segment per pool stays within a few 20 MiB pages of it
+    assert default.peak_reserved - default.peak_allocated > 100 * MiB
+    assert expandable.peak_allocated <= expandable.peak_reserved <= expandable.peak_allocated + 2 * 20 * MiB + 2 * MiB
+    for r in (default, expandable):
+        assert r.peak_reserved >= r.reserved_at_peak_allocated >= r.peak_allocated
+        assert r.peak_reserved - r.peak_allocated <= r.fragmentation_at_peak
+
+
+def test_the_options_are_written_back_and_read_from_a_processs_environment():
+    import doctest
+
+    import remat.memory.alloc_config as alloc_config
+    import remat.memory.allocator as allocator
+
+    for text in ("", "expandable_segments:True", "max_split_size_mb:512,roundup_power2_divisions:4",
+                 "large_segment_size_mb:64,max_non_split_rounding_mb:128"):
+        config = AllocatorConfig.parse(text)
+        assert AllocatorConfig.parse(config.text()) == config
+    assert AllocatorConfig.parse("expandable_segments:False,garbage_collection_threshold:0.6").text() == ""
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    assert alloc_config.allocator_config_of_env(env) == ("PYTORCH_ALLOC_CONF",
+                                                         AllocatorConfig(expandable_segments=True))
+    assert alloc_config.allocator_config_of_env({"PATH": "/bin"}) is None
+    with pytest.raises(ValueError, match="PYTORCH_CUDA_ALLOC_CONF=foo:1: unknown allocator option 'foo'"):
+        alloc_config.allocator_config_of_env({"PYTORCH_CUDA_ALLOC_CONF": "foo:1"})
+    for module in (alloc_config, allocator):
+        assert doctest.testmod(module).failed == 0
+
+
+def test_a_replay_is_kept_in_the_disk_cache_under_its_rows_and_options(tmp_path, monkeypatch):
+    import remat.memory.reserved as reserved
+
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
+    step = _pipeline_steps(0, microbatches=2, saved=5)
+    first = reserved.cached_replay(step)
+    assert first == replay_timeline(step)
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("replayed again")
+
+    monkeypatch.setattr(reserved, "replay_timeline", no_replay)
+    assert reserved.cached_replay(step) == first  # read back
+    with pytest.raises(AssertionError, match="replayed again"):  # other options, other rows: other entries
+        reserved.cached_replay(step, AllocatorConfig(expandable_segments=True))
+    step.nbytes[-1] += 512
+    with pytest.raises(AssertionError, match="replayed again"):
+        reserved.cached_replay(step)

@@ -79,6 +79,14 @@ def test_mtp_flags_round_trip_and_refusals() -> None:
             parse_megatron_args(base + "--mtp-num-layers 1 " + extra)
     with pytest.raises(JobError, match="rope"):
         parse_megatron_args(base.replace("rope", "learned_absolute") + "--mtp-num-layers 1")
+    # a layout places the MTP depths before the loss (m), as many as --mtp-num-layers
+    piped = base.replace("--num-layers 2", "--num-layers 4") + "--pipeline-model-parallel-size 2 "
+    job, _ = parse_megatron_args(piped + "--mtp-num-layers 1 --pipeline-model-parallel-layout 'Ett|ttmL'")
+    assert job.chunk_layers == (2, 2) and job.model.mtp_num_layers == 1
+    for layout, match in (("Ett|ttL", "places no MTP layer"), ("Ett|ttmmL", "places 2 MTP layer"),
+                          ("Ettm|ttL", "move the m's there")):
+        with pytest.raises(JobError, match=match):
+            parse_megatron_args(piped + f"--mtp-num-layers 1 --pipeline-model-parallel-layout '{layout}'")
 
 
 def test_the_h100_mtp_case_is_predicted_within_5_percent() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from remat.config import ModelConfig
-from remat.parallel.launch import DistributedError, first_failure, process_alive, remove_stale_folders
+from remat.parallel.launch import DistributedError, first_failure, process_alive, remove_stale_folders, stall_report
 from remat.parallel.pipeline_measure import measure_pipeline
 
 SMALL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
@@ -109,3 +109,60 @@ def test_stale_folders_of_gone_launchers_are_removed(tmp_path):
     assert remove_stale_folders(tmp_path) == [stale]
     assert not stale.exists() and live.exists() and other.exists()
     assert Path(tmp_path).exists()
+
+
+# ------------------------------------------------------------------------------------------------ a stalled run
+def _beat(folder: Path, rank: int, *, age: float, phase: str, where: str, still: float, waiting: bool) -> None:
+    now = time.time()
+    (folder / f"rank{rank}.beat.json").write_text(json.dumps(
+        {"time": now - age, "phase": phase, "phase_since": now - still, "where": where, "where_since": now - still,
+         "waiting": waiting}))
+
+
+def test_the_rank_without_progress_is_named_with_the_ranks_waiting_on_it(tmp_path):
+    started = time.time() - 30
+    me = os.getpid()  # a running process: the heartbeats alone tell
+    _beat(tmp_path, 0, age=0.1, phase="measuring none", where="schedules.py:683 in _wait_batch_p2p", still=20,
+          waiting=True)
+    _beat(tmp_path, 1, age=12.0, phase="measuring none", where="model.py:10 in forward", still=12, waiting=False)
+    _beat(tmp_path, 2, age=0.1, phase="importing torch", where="__init__.py:5 in <module>", still=0.1,
+          waiting=False)
+    stalled, text = stall_report(tmp_path, [None, None, None, 0], [me] * 4, started)
+    assert stalled == [1]
+    assert text.startswith("rank 1 stopped making progress 18.0 s into the run (no heartbeat since; phase: "
+                           "measuring none (since 18.0 s into the run), at model.py:10 in forward)")
+    assert "rank(s) 2 still working" in text and "rank(s) 3 finished" in text
+    assert "rank(s) 0 waiting on it (rank 0: phase: measuring none" in text and "_wait_batch_p2p" in text
+    # alive but not moving (a Python loop, a deadlock outside torch.distributed): the one still longest
+    _beat(tmp_path, 1, age=0.1, phase="measuring none", where="launch.py:267 in inject_fault", still=25,
+          waiting=False)
+    stalled, text = stall_report(tmp_path, [None, None, None, 0], [me] * 4, started)
+    assert stalled == [1] and text.startswith("rank 1 made no progress since 5.0 s into the run (phase: ")
+    # every rank waits in torch.distributed: none to blame
+    for rank in (1, 2):
+        _beat(tmp_path, rank, age=0.1, phase="measuring none", where="distributed_c10d.py:1 in recv", still=9,
+              waiting=True)
+    stalled, text = stall_report(tmp_path, [None, None, None], [me] * 3, started)
+    assert stalled == [] and text.startswith("rank(s) 0, 1, 2 waiting in torch.distributed (a deadlock?)")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a stopped process is read from /proc")
+def test_a_stopped_process_is_named_and_a_rank_still_starting_is_not_blamed(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(sleeper.pid, signal.SIGSTOP)  # as inject_fault's 'stop' does to a rank
+        assert _wait(lambda: Path(f"/proc/{sleeper.pid}/stat").read_text().rpartition(")")[2].split()[0] == "T", 10)
+        _beat(tmp_path, 0, age=0.1, phase="connecting to the other ranks", where="rendezvous.py:199 in _create",
+              still=3, waiting=True)
+        stalled, text = stall_report(tmp_path, [None, None], [os.getpid(), sleeper.pid], time.time() - 5)
+        assert stalled == [1]
+        assert text == ("rank 1 stopped making progress before its first heartbeat (its process is stopped "
+                        "(SIGSTOP?)); rank(s) 0 waiting on it (rank 0: phase: connecting to the other ranks (since "
+                        "2.0 s into the run), at rendezvous.py:199 in _create)")
+        # no heartbeat and not stopped: still importing, which a short timeout cuts; nobody is blamed
+        stalled, text = stall_report(tmp_path, [None, None], [os.getpid(), os.getpid()], time.time() - 5)
+        assert stalled == [] and text.startswith("rank(s) 1 still starting (no heartbeat yet")
+        assert "rank(s) 0 waiting for the ranks still starting" in text
+    finally:
+        sleeper.kill()
+        sleeper.wait()

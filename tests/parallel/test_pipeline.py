@@ -334,4 +334,5 @@ def test_hung_rank_stops_the_run_within_the_timeout():
     with pytest.raises(DistributedError, match="did not finish within 4 s") as err:
         measure_pipeline(SMALL, "none", 2, 2, timeout=4, fault={"rank": 0, "kind": "hang", "when": "start"})
     assert time.monotonic() - start < 4 + 10
-    assert err.value.rank is None and not any(_alive(pid) for pid in err.value.pids)
+    # rank 0 is named once its heartbeat shows no progress (a 4 s run may end while the ranks still start)
+    assert err.value.rank in (None, 0) and not any(_alive(pid) for pid in err.value.pids)

@@ -182,7 +182,9 @@ def test_whole_job_stage_chooses_offloading_when_cheaper(bandwidth: float) -> No
     assert "--fine-grained-activation-offloading" in data["megatron"]["megatron_args"]
     text = format_job_plan(result)
     assert "chosen: fine-grained activation offloading of attn_norm" in text and "without offloading: " in text
-    # the host line: the rank's host peak, each of stage 0's 2 microbatches in flight holding its own groups
+    # the host line: the rank's host peak, each of stage 0's 2 microbatches in flight holding its own groups; the
+    # second's backward does not run next, so it offloads its last layer's groups too (NOTE [which forwards keep their
+    # last offload group] in remat.parallel.schedule): more than twice what a forward that keeps them offloads
     host = exact.timeline.meta["host_memory"]["peak_bytes"]
-    assert host == 2 * chosen.host_bytes == data["megatron"]["host_peak_bytes"]
+    assert host == data["megatron"]["host_peak_bytes"] > 2 * chosen.host_bytes
     assert f"host {format_bytes(host)} at most at once over the 2 microbatches in flight" in text

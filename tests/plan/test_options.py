@@ -17,7 +17,7 @@ from remat.config import ModelConfig
 from remat.plan import MEGATRON_MODULES, megatron_policies, megatron_sweep
 from remat.plan.api import plan
 from remat.plan.megatron import SWEEP_DESCRIPTION, SWEEPS
-from remat.plan.options import ParallelOptions, PlanOptions
+from remat.plan.options import MEASURED_KEYS, ParallelOptions, PlanOptions
 from remat.plan.pipeline import plan_pipeline
 from remat.plan.space import selective_sets
 from remat.recompute.plan_format import PlanError
@@ -59,6 +59,17 @@ def test_options_are_frozen_keyword_only_and_every_field_is_documented(kind):
     ({"max_resolves": -1}, "PlanOptions.max_resolves=-1: give a count >= 0"),
     ({"operator_sets": -2}, "PlanOptions.operator_sets=-2: give a count >= 0 (0: no keep_ops kinds) or None"),
     ({"operator_sets": 2.5}, "PlanOptions.operator_sets=2.5: give a count"),
+    # measured times: seconds, finite, >= 0, and a layer time to divide by (all zero: ZeroDivisionError before)
+    *[({"measured_times": {**dict.fromkeys(MEASURED_KEYS, 1e-3), key: value}},
+       f"PlanOptions.measured_times[{key!r}]={value!r}: give seconds, a finite number >= 0")
+      for key, value in (("layer", 0.0), ("layer", -1.0), ("mlp", -1e-3), ("core_attn", float("nan")),
+                         ("act", float("inf")), ("mlp", "fast"))],
+    # a roofline replaces the throughput and memory bandwidth: given beside it, they would be ignored
+    ({"roofline": "h100", "flops_per_second": 2e15}, "PlanOptions.flops_per_second=2000000000000000.0: roofline="),
+    ({"roofline": "a100", "memory_bandwidth": 1e12}, "PlanOptions.memory_bandwidth=1000000000000.0: roofline="),
+    # the FLOP objective is not priced in time: a roofline or measured times would be ignored
+    ({"objective": "extra_flops", "roofline": "h100"}, "PlanOptions.roofline='h100': prices recompute in time"),
+    ({"objective": "extra_flops", "measured_times": True}, "PlanOptions.measured_times=True: prices recompute in"),
 ])
 def test_plan_options_refuse_bad_fields_naming_field_and_fix(kwargs, message):
     with pytest.raises(PlanError) as info:
@@ -71,7 +82,8 @@ def test_plan_options_refuse_bad_fields_naming_field_and_fix(kwargs, message):
     ({"sp": 1}, "ParallelOptions.sp=1: give True or False"),
     ({"pp": 0}, "ParallelOptions.pp=0: give the number of pipeline stages"),
     ({"pp": 2, "microbatches": 0}, "ParallelOptions.microbatches=0: give the microbatches per step"),
-    ({"microbatches": 4}, "ParallelOptions.microbatches=4 without pp: set pp"),
+    ({"microbatches": 4}, "ParallelOptions.microbatches=4: given without pp: set pp"),
+    ({"schedule": "gpipe"}, "ParallelOptions.schedule='gpipe': a pipeline schedule, given without pp"),
     ({"vpp": 0}, "ParallelOptions.vpp=0"),
     ({"tp": 2, "pp": 2}, "not both"),
     ({"sp": True, "pp": 2}, "not both"),
@@ -113,13 +125,14 @@ def test_plan_refuses_keyword_soup_and_wrong_objects():
         plan_pipeline(TINY, "1MiB", ParallelOptions(pp=2, vpp=2))
 
 
-def test_cli_bad_plan_flags_name_the_field(capsys):
+def test_cli_bad_plan_flags_name_the_flag(capsys):
     assert main(["plan", "--budget", "70GiB", "--reserve", "garbage", *FLAGS]) == 2
-    assert "PlanOptions.reserve='garbage'" in capsys.readouterr().err
+    assert "remat: error: --reserve garbage: cannot read 'garbage'" in capsys.readouterr().err
     assert main(["plan", "--budget", "70GiB", "--pp", "0", *FLAGS]) == 2
-    assert "ParallelOptions.pp=0" in capsys.readouterr().err
+    assert "argument --pp: must be a positive integer" in capsys.readouterr().err
     assert main(["plan", "--budget", "70GiB", "--microbatches", "4", *FLAGS]) == 2
-    assert "without pp" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--microbatches 4: given without pp" in err and "Options" not in err
 
 
 # ------------------------------------------------------------------------------------------------ Megatron's settings
@@ -144,7 +157,7 @@ def test_one_definition_of_the_megatron_sweep():
 
 def test_cli_operator_sets_and_default_objective(capsys):
     """`remat plan` minimises predicted step time by default; --operator-sets 0 leaves keep_ops kinds out of the
-    search, -1 offers all of them; a bad count names the field."""
+    search, -1 offers all of them; a bad count names the flag."""
     assert main(["plan", "--budget", "64MiB", *FLAGS, "--json", "--operator-sets", "0"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["objective"] == "time" and report["stats"]["operator_kinds"] == 0
@@ -152,4 +165,13 @@ def test_cli_operator_sets_and_default_objective(capsys):
     ns = build_parser().parse_args(["plan", "--budget", "1GiB", *FLAGS, "--operator-sets", "-1"])
     assert plan_options(ns).operator_sets is None and plan_options(ns).objective == "time"
     assert main(["plan", "--budget", "64MiB", *FLAGS, "--operator-sets", "-5"]) == 2
-    assert "PlanOptions.operator_sets=-5" in capsys.readouterr().err
+    assert "argument --operator-sets: must be a count >= 0, or -1 for all, got '-5'" in capsys.readouterr().err
+
+
+def test_selective_modules_none_plans_without_selective_layers():
+    """The refusal of an unknown module says to give none: none is accepted (as an empty list)."""
+    assert selective_sets("none") == selective_sets("") == () == PlanOptions(selective_sets="none").selective_sets
+    with pytest.raises(PlanError, match="or none alone, to plan without selective layers"):
+        selective_sets("everything")
+    with pytest.raises(PlanError, match="'none'"):
+        selective_sets("none,mlp")  # none with modules: a contradiction, not a module

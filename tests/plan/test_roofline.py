@@ -16,9 +16,11 @@ CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_lengt
 
 @pytest.mark.parametrize("name", sorted(ROOFLINES))
 def test_preset_replaces_throughput_and_bandwidth(name: str) -> None:
-    cost = PlanOptions(objective="time", roofline=name, flops_per_second=1.0, memory_bandwidth=1.0).cost_model(CFG)
+    cost = PlanOptions(objective="time", roofline=name).cost_model(CFG)
     assert (cost.flops_per_second, cost.memory_bandwidth) == ROOFLINES[name]
     assert cost.objective == "time"
+    with pytest.raises(PlanError, match=r"PlanOptions.flops_per_second=1.0: roofline=.* sets it"):  # not ignored
+        PlanOptions(objective="time", roofline=name, flops_per_second=1.0, memory_bandwidth=1.0)
 
 
 def test_h200_has_more_bandwidth_than_h100_and_the_same_flops() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import shlex
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from remat.analysis.explain_text import host_memory_sentence
 from remat.analysis.prediction import format_prediction_table, prediction_row
 from remat.cli.common import parse_policy_list
 from remat.config import ModelConfig
-from remat.job import parse_megatron_args
+from remat.job import Job, parse_megatron_args
 from remat.job_flags import classify_megatron_flag
 from remat.memory.measure import measure
 from remat.memory.predict import predict_config, trace
@@ -31,7 +32,7 @@ from remat.plan.fine_offload import (
     transfer_seconds,
 )
 from remat.policy import Policy, PolicyError
-from remat.recompute.activation_offload import installed_offload
+from remat.recompute.activation_offload import installed_offload, offloading_last_groups
 from remat.recompute.apply import apply, remove
 from remat.recompute.region import ApplyError
 
@@ -66,7 +67,10 @@ CASES += [(DENSE, f"selective/core_attn,offload:{DENSE_ALL},offload_min:0"),
           (MOE, f"selective/moe+core_attn,offload:{ALL},offload_min:0"),
           (MOE, "selective/moe,offload:mlp_norm+expert_fc1+moe_act,offload_min:0@non-reentrant"),
           (MLA, f"selective/moe_act+shared_experts,offload:{ALL},offload_min:0"),
-          (MLA, "selective/mla_up_proj,offload:qkv_linear+attn_norm+moe_act,offload_min:0")]
+          (MLA, "selective/mla_up_proj,offload:qkv_linear+attn_norm+moe_act,offload_min:0"),
+          # the attention's query/key/value are offloaded and discarded (NOTE [offloading a discarded output])
+          (MLA, f"selective/mla_up_proj+moe_act,offload:{ALL},offload_min:0"),
+          (MLA, f"selective/mla_up_proj,offload:{ALL},offload_min:0@non-reentrant")]
 
 
 @pytest.mark.parametrize("config,policy", CASES, ids=[f"{'dense moe mla'.split()[[DENSE, MOE, MLA].index(c)]}-{p}"
@@ -97,6 +101,7 @@ def same_timeline(a, b) -> bool:
     (MOE, f"none,offload:{ALL},offload_min:0"),
     (MOE, f"selective/moe_act+core_attn,offload:{ALL},offload_min:{TOKENS}"),
     (MLA, f"selective/moe_act,offload:{ALL},offload_min:0"),
+    (MLA, f"selective/mla_up_proj+moe_act,offload:{ALL},offload_min:0"),
 ])
 def test_predicted_equals_measured_with_host_bytes_apart(config: ModelConfig, policy: str) -> None:
     real = measured(config, policy)
@@ -109,6 +114,22 @@ def test_predicted_equals_measured_with_host_bytes_apart(config: ModelConfig, po
     # the device peak is lower than the same recompute policy's without offloading
     twin = dataclasses.replace(Policy.parse(policy), offload_modules=(), min_offloaded_tensor_size=1024 * 1024)
     assert real.peak_bytes < measured(config, str(twin)).peak_bytes
+
+
+def test_offloaded_core_attention_still_refills_its_discarded_inputs() -> None:
+    """core_attn offloaded beside mla_up_proj (Megatron's H100 test ..._fine_grained_offloading): the attention's
+    query/key/value go to the host with its group, and its backward still re-runs the up-projection first (from the
+    hook on its output, as Megatron's CheckpointWithoutOutput does), so the recomputed and the reloaded copies are
+    on the device together."""
+    both = measured(MLA, "selective/mla_up_proj,offload:core_attn,offload_min:0")
+    alone = measured(MLA, "selective/mla_up_proj")
+    recomputes = [p.label for p in both.phases if p.kind == "recompute"]
+    assert recomputes and recomputes == [p.label for p in alone.phases if p.kind == "recompute"]
+    # the group holds what it holds without the discard: the query/key/value (the discarded outputs) included
+    offloaded = both.meta["host_memory"]["offloaded_bytes"]
+    assert offloaded == measured(MLA, "none,offload:core_attn,offload_min:0").meta["host_memory"]["offloaded_bytes"]
+    assert offloaded["core_attn"] > 0
+    assert both.peak_bytes < alone.peak_bytes
 
 
 def test_device_bytes_leave_at_forward_end() -> None:
@@ -139,12 +160,15 @@ def test_min_size_rule() -> None:
 
 
 def test_last_layer_of_each_module_keeps_its_tensors() -> None:
-    """Megatron's steady state: the last group of each name is not offloaded (its backward comes first)."""
-    model = build_model(MOE)
-    apply(model, "none,offload:attn_norm+expert_fc1")
-    assert sorted(installed_offload(model).targets) == [(0, "attn_norm"), (1, "attn_norm"), (1, "expert_fc1")]
-    assert "expert_fc1" in measured(MOE, "none,offload:expert_fc1,offload_min:0").meta["host_memory"][
-        "offloaded_bytes"]
+    """Megatron's steady state: the last group of each name is not offloaded (its backward comes first), except in
+    the forwards whose own backward does not run next (offloading_last_groups, as a pipeline schedule asks)."""
+    policy = "none,offload:attn_norm+expert_fc1,offload_min:0"
+    layers = measured(MOE, policy).meta["host_memory"]["offloaded_bytes_by_layer"]
+    assert sorted(layers) == ["0", "1"]  # attn_norm of layers 0-1, expert_fc1 of layer 1 (layer 0 is dense)
+    with offloading_last_groups(["attn_norm"]):
+        more = measured(MOE, policy).meta["host_memory"]["offloaded_bytes_by_layer"]
+    assert sorted(more) == ["0", "1", "2"] and more["0"] == layers["0"] and more["2"] == layers["0"]
+    assert more["1"] == layers["1"]  # expert_fc1 of layer 2 stays: only attn_norm's last group goes too
 
 
 def test_remove_takes_the_hooks_away() -> None:
@@ -314,3 +338,15 @@ def test_a_leaf_input_is_offloaded_but_not_released() -> None:
         assert x.shape == x.grad.shape == (DENSE.micro_batch_size, DENSE.seq_length, DENSE.hidden_size)
         grads.append(x.grad)
     assert torch.equal(*grads)
+
+
+def test_a_megatron_job_offloading_core_attn_beside_mla_up_proj_is_refused() -> None:
+    """remat traces the pair exactly on CPU (above), but predicts Megatron's H100 test of it 6.7% under the measured
+    peak with the cause not found: a job is refused rather than under-predicted, naming both flags."""
+    args = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+            "--padded-vocab-size 128 --position-embedding-type rope --multi-latent-attention --kv-lora-rank 16 "
+            "--qk-head-dim 8 --qk-pos-emb-head-dim 8 --v-head-dim 8 --recompute-granularity selective "
+            "--recompute-modules mla_up_proj --fine-grained-activation-offloading --offload-modules ")
+    with pytest.raises(ValueError, match="--offload-modules core_attn with --recompute-modules mla_up_proj"):
+        Job.from_megatron_args(shlex.split(args + "core_attn"))
+    assert Job.from_megatron_args(shlex.split(args + "attn_norm")).policy.offload_modules == ("attn_norm",)

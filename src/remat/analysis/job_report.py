@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from remat.job import Job
+from remat.memory.reserved import REPLAY_NOTE, format_reserved
 from remat.parallel.job_predict import NOT_COUNTED, PART_LABELS, PARTS, JobPrediction, RankPrediction
 from remat.plan.job_result import JobPlan, StageChoice, format_state, smallest_dp
 from remat.units import DEFAULT_RESERVE, GPU_PRESETS, format_bytes, format_seconds, parse_reserve
@@ -56,20 +57,35 @@ def not_counted_line(budget: str | None = None, reserve: str | float | None = DE
 
 
 def rank_row(r: RankPrediction, **extra: Any) -> dict[str, Any]:
-    """One JSON row: ``rank``, ``stage``, peak and every part (:data:`PARTS`)."""
+    """One JSON row: ``rank``, ``stage``, peak and every part (:data:`PARTS`), and ``reserved``: the rank's
+    caching-allocator replay (:func:`remat.memory.reserved.reserved_figures`; None when not replayed)."""
     return {**extra, "rank": r.rank, "stage": r.stage, "ranks_alike": r.ranks, "peak_bytes": r.peak_bytes,
             "peak_phase": r.timeline.peak_phase.label, **r.parts, "num_parameters": r.state.num_parameters,
-            "dp_shard": r.state.dp_rank}
+            "dp_shard": r.state.dp_rank, "reserved": r.reserved}
 
 
 def _rank_lines(ranks: Sequence[RankPrediction]) -> list[str]:
-    head = f"  {'rank':>5} {'stage':>5} {'alike':>5} {'peak':>11}  " + " ".join(f"{_SHORT[p]:>10}" for p in PARTS)
+    replayed = any(r.reserved for r in ranks)  # a column of max_memory_reserved beside the allocated peak
+    head = f"  {'rank':>5} {'stage':>5} {'alike':>5} {'peak':>11}" + (f" {'reserved':>11}" if replayed else "") + \
+        "  " + " ".join(f"{_SHORT[p]:>10}" for p in PARTS)
     lines = [head]
     for i, r in enumerate(ranks):
         tag = "worst" if i == 0 else ""
-        lines.append(f"  {r.rank:>5} {r.stage:>5} {r.ranks:>5} {format_bytes(r.peak_bytes):>11}  "
+        reserved = format_bytes(r.reserved["max_memory_reserved"]) if r.reserved else "-"
+        lines.append(f"  {r.rank:>5} {r.stage:>5} {r.ranks:>5} {format_bytes(r.peak_bytes):>11}"
+                     + (f" {reserved:>11}" if replayed else "") + "  "
                      + " ".join(f"{format_bytes(r.parts[p]):>10}" for p in PARTS) + f"  {tag}".rstrip())
     return lines
+
+
+def reserved_line(alloc_conf: str, source: str = "") -> str:
+    """What the ``reserved`` column is: the replay, under which ``PYTORCH_CUDA_ALLOC_CONF`` (``source``: where the
+    options came from, e.g. ``'--alloc-conf'``)."""
+    conf = f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf}" + (f" (from {source})" if source else "") if alloc_conf else \
+        "PyTorch's default allocator options (--alloc-conf sets others, e.g. expandable_segments:True)"
+    return (f"reserved: each rank's max_memory_reserved (its allocations in order, every microbatch in flight), from "
+            f"{REPLAY_NOTE}; {conf}. Reserved memory is what a GPU runs out of; peak and the parts are allocated "
+            "bytes.")
 
 
 def format_job_prediction(prediction: JobPrediction, policy: str) -> str:
@@ -80,7 +96,26 @@ def format_job_prediction(prediction: JobPrediction, policy: str) -> str:
              f"({w.peak_bytes:,} bytes) in {w.timeline.peak_phase.label}: {parts}",
              f"  kernels {w.timeline.meta.get('kernels', 'cpu')}: what these kernels save for backward "
              "(--kernels cpu|cuda|te)"]
+    replayed = [(r.reserved["max_memory_reserved"], r) for r in prediction.ranks if r.reserved]
+    if replayed:  # the rank a GPU runs out of first: the most reserved, not always the worst allocated
+        most = max(replayed, key=lambda pair: pair[0])[1]
+        lines.append(f"  most reserved: rank {most.rank} (stage {most.stage}), {format_reserved(most.reserved or {})}")
     return "\n".join(lines + _rank_lines(prediction.ranks))
+
+
+def budgeted_line(budgeted: dict[str, Any], fits: bool = True) -> str:
+    """What a job's plan held within the budget (``JobPlan.stats['memory_budgeted']``, :mod:`remat.plan.job_reserved`):
+    reserved memory (the default with a GPU budget) or allocated bytes."""
+    if budgeted["memory"] == "reserved":
+        lowered = f"an allocated budget lowered to {format_bytes(budgeted['allocated_budget_bytes'])}"
+        how = (f"planned under {lowered} in {budgeted['rounds']} rounds for the fragmentation" if fits and
+               budgeted["rounds"] > 1 else "every rank's reserved memory fits as planned" if fits else
+               f"no plan fits it (the last of {budgeted['rounds']} rounds under {lowered})" if budgeted["rounds"] > 1
+               else "no plan fits it")
+        return (f"budgeted: reserved memory (max_memory_reserved: the caching allocator's segments replayed from each "
+                f"rank's step), what a GPU runs out of; {how}; --budget-allocated budgets allocated bytes instead")
+    return ("budgeted: allocated bytes (max_memory_allocated); each rank's reserved memory is in the reserved column "
+            "(--budget-reserved budgets it)")
 
 
 def _choice_text(c: StageChoice) -> str:
@@ -107,7 +142,7 @@ def format_job_plan(result: JobPlan) -> str:
     """``remat plan``'s text for a job: fits or not; the exact rows of every stage's plan, worst rank first, with
     every part; each stage's plan beside its best Megatron setting; the one Megatron setting for every stage."""
     job, budget = result.job, result.budget_bytes
-    lines = []
+    lines = [budgeted_line(result.stats["memory_budgeted"], result.fits)] if "memory_budgeted" in result.stats else []
     if not result.state_fits:
         worst = result.worst_state()
         lines.append(f"does not fit {result.budget_text}: the model state of stage {worst.stage}'s ranks alone is "

@@ -6,13 +6,26 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from remat.parallel.launch import process_alive
+
 # The files `remat explain` writes in its --out folder (with or without --pp), and the temporary names
 # write_atomic and RunFolder use beside them.
 RUN_FILE = re.compile(r"explain\.json|explain-pipeline\.json|timelines\.png|timeline-[^/]*\.json|\..*\.tmp")
+# The files `remat measure` writes in its --timelines folder, and the temporary names beside them.
+MEASURE_FILE = re.compile(r"measured-[^/]*-stage[0-9]+\.json|\..*\.tmp")
+
+# NOTE [Staging names]
+# What a run writes aside (RunFolder's staged folder, the old folder during the swap, a file outside the folder)
+# is a hidden sibling named after its final name and its owner, ".<name>.<pid>@<host>.<random>.tmp" (the old
+# folder: ".<name>.old-<pid>@<host>.<random>"), so that a later run can tell a dead run's leftovers (a SIGKILL or a
+# SIGTERM runs no clean-up) from a live run's: remove_stale removes those whose process is gone on this host, and
+# puts back an old folder whose swap was cut between its two renames.
+_OWNED = r"(?P<old>old-)?(?P<pid>[0-9]+)@(?P<host>[A-Za-z0-9-]*)\.[A-Za-z0-9_]+(\.tmp)?"
 
 
 def path_problem(path: str | os.PathLike[str], *, folder: bool = False) -> str | None:
@@ -46,18 +59,85 @@ def path_problem(path: str | os.PathLike[str], *, folder: bool = False) -> str |
         return f"{ancestor} is a file, not a folder"
     if not os.access(ancestor, os.W_OK | os.X_OK):
         return f"cannot write in {ancestor} (permission denied)"
+    try:  # what os.access does not see: root on a read-only or virtual file system (/proc), a full disk's inodes
+        fd, probe = tempfile.mkstemp(dir=ancestor, prefix=f".remat-probe.{owner()}.", suffix=".tmp")
+    except OSError as err:
+        return f"cannot write in {ancestor} ({(err.strerror or str(err)).lower()})"
+    os.close(fd)
+    os.unlink(probe)
     return None
 
 
-def foreign_entries(folder: str | os.PathLike[str], own: Iterable[str] = ()) -> list[str]:
-    """Names in ``folder`` that a run did not write (:data:`RUN_FILE`, or one of ``own``): replacing the folder
-    would delete them."""
+def replace_problem(folder: str | os.PathLike[str], command: str, own: Iterable[str] = (),
+                    pattern: re.Pattern[str] = RUN_FILE) -> str | None:
+    """Why ``folder`` must not be replaced whole by ``command`` (``'remat explain'``): it is the current folder or
+    holds it, or it holds files the command did not write (names ``pattern`` does not match, other than ``own``);
+    None when it may.
+
+    Example::
+
+        >>> replace_problem(".", "remat explain")
+        'is the current folder or holds it, and remat explain replaces the folder: give a new one'
+    """
+    if Path.cwd().resolve().is_relative_to(Path(folder).resolve()):
+        return f"is the current folder or holds it, and {command} replaces the folder: give a new one"
+    foreign = foreign_entries(folder, own, pattern)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        return (f"holds files {command} did not write ({shown}) and the folder is replaced whole: give a new or "
+                "empty folder")
+    return None
+
+
+def foreign_entries(folder: str | os.PathLike[str], own: Iterable[str] = (),
+                    pattern: re.Pattern[str] = RUN_FILE) -> list[str]:
+    """Names in ``folder`` that a run did not write (``pattern``, default :data:`RUN_FILE`, or one of ``own``):
+    replacing the folder would delete them."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     keep = set(own)
     return sorted(p.name for p in folder.iterdir()
-                  if p.name not in keep and not (p.is_file() and RUN_FILE.fullmatch(p.name)))
+                  if p.name not in keep and not (p.is_file() and pattern.fullmatch(p.name)))
+
+
+def owner() -> str:
+    """``<pid>@<host>``: this process, as the names of what it writes aside record it (NOTE [Staging names])."""
+    host = re.sub(r"[^A-Za-z0-9-]+", "-", socket.gethostname())[:40]
+    return f"{os.getpid()}@{host}"
+
+
+def remove_stale(final: str | os.PathLike[str]) -> list[Path]:
+    """Remove what dead runs left beside ``final`` (a file or a folder) while writing it: their staged folders and
+    temporary files; an old folder whose swap was cut between its two renames is put back when ``final`` is
+    missing (it is the previous output), else removed. Only this host's runs whose process is gone; returns the
+    paths removed or put back.
+
+    Example::
+
+        >>> remove_stale("remat-out")  # after a `remat explain --out remat-out` was killed mid-write
+        [PosixPath('/home/me/.remat-out.4242@host.k3j2h1g0.tmp')]
+    """
+    final = Path(os.path.realpath(final))
+    try:
+        entries = list(final.parent.iterdir())
+    except OSError:
+        return []
+    mine = owner().partition("@")[2]
+    pattern = re.compile(rf"\.{re.escape(final.name)}\.{_OWNED}")
+    done = []
+    for path in entries:
+        match = pattern.fullmatch(path.name)
+        if not match or match["host"] != mine or process_alive(int(match["pid"])):
+            continue
+        if match["old"] and not final.exists() and not os.path.lexists(final):
+            os.rename(path, final)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        done.append(path)
+    return done
 
 
 class RunFolder:
@@ -67,7 +147,9 @@ class RunFolder:
     (:meth:`outside`) and are renamed into place by :meth:`commit` too, just before the folder swap. Until then,
     nothing at the final paths changes; :meth:`discard` (or leaving the ``with`` block by an exception) removes
     everything written. A kill between the two renames of the swap (microseconds) leaves the old folder as a
-    hidden ``.NAME.old-*`` sibling.
+    hidden ``.NAME.old-*`` sibling. Each name written aside records this process (NOTE [Staging names]): what a
+    killed run left beside the target (or an outside file) is removed by the next :class:`RunFolder` of it
+    (:func:`remove_stale`).
 
     Args:
         target: the folder to replace (created when missing).
@@ -82,7 +164,9 @@ class RunFolder:
     def __init__(self, target: str | os.PathLike[str]):
         self.target = Path(os.path.realpath(target))
         self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.stage = Path(tempfile.mkdtemp(dir=self.target.parent, prefix=f".{self.target.name}.", suffix=".tmp"))
+        remove_stale(self.target)
+        self.stage = Path(tempfile.mkdtemp(dir=self.target.parent, prefix=f".{self.target.name}.{owner()}.",
+                                           suffix=".tmp"))
         os.chmod(self.stage, 0o777 & ~_umask())
         self._outside: list[tuple[Path, Path]] = []
 
@@ -103,7 +187,8 @@ class RunFolder:
         if final.is_relative_to(self.target):
             return self.stage / final.relative_to(self.target)
         final.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+        remove_stale(final)
+        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.{owner()}.", suffix=".tmp")
         os.close(fd)
         self._outside.append((Path(tmp), final))
         return Path(tmp)
@@ -114,7 +199,7 @@ class RunFolder:
             os.replace(tmp, final)
         self._outside = []
         if self.target.exists():
-            old = Path(tempfile.mkdtemp(dir=self.target.parent, prefix=f".{self.target.name}.old-"))
+            old = Path(tempfile.mkdtemp(dir=self.target.parent, prefix=f".{self.target.name}.old-{owner()}."))
             os.rmdir(old)  # a free name: rename needs it not to exist
             os.rename(self.target, old)
             try:

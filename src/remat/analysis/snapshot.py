@@ -71,7 +71,8 @@ def _frames(tl: Timeline, row: int, policy: str) -> list[dict[str, Any]]:
 # NOTE [The snapshot's layout]
 # The snapshot is a dict:
 #
-# * ``device_traces[0]``: one event per timeline event, in order: ``alloc`` for an allocation, ``free_requested``
+# * ``device_traces[0]``: one event per allocation and free of the timeline, in event order (rows that share an
+#   event: its frees, then its allocations): ``alloc`` for an allocation, ``free_requested``
 #   then ``free_completed`` for a free (as the caching allocator records them), each with ``addr``, ``size``,
 #   ``stream`` 0, ``time_us`` (the timeline's event number) and ``frames``. The frames name, innermost first, the
 #   module that made the tensor and its category, the phase (``forward layer 3``, ``recompute layer 4 [group 1
@@ -91,17 +92,15 @@ def to_memory_snapshot(tl: Timeline) -> dict[str, Any]:
     policy = str(tl.meta.get("policy", "?"))
     n = len(tl.nbytes)
     frames = [_frames(tl, row, policy) for row in range(n)]
-    # Each event is one allocation or one free; order them by event number.
-    by_event: dict[int, tuple[str, int]] = {}
-    for row in range(n):
-        by_event[tl.alloc_at[row]] = ("alloc", row)
-        if tl.free_at[row] >= 0:
-            by_event[tl.free_at[row]] = ("free", row)
+    # In event order; rows that share an event (a job's model state, allocated together at event 0) as the
+    # allocator replay runs them: the event's frees first, then its allocations, each in row order.
+    steps = sorted([(int(tl.alloc_at[row]), 1, row) for row in range(n)]
+                   + [(int(tl.free_at[row]), 0, row) for row in range(n) if tl.free_at[row] >= 0])
     heap = _FirstFit()
     offset = [0] * n
     trace: list[dict[str, Any]] = []
-    for event in sorted(by_event):
-        kind, row = by_event[event]
+    for event, is_alloc, row in steps:
+        kind = "alloc" if is_alloc else "free"
         size = int(tl.nbytes[row])
         if kind == "alloc":
             offset[row] = heap.alloc(size)

@@ -26,6 +26,7 @@ from remat.config import (
     ModelConfig,
     RoutingAssumption,
 )
+from remat.limits import ceiling_problem
 from remat.parallel.launch import DEFAULT_TIMEOUT
 from remat.parallel.schedule import RUNTIMES, SCHEDULES, PipelineError, check_schedule, partition
 from remat.plan.fine_offload import OFFLOAD_SWEEP_DESCRIPTION, offload_sweep
@@ -34,6 +35,7 @@ from remat.policy import ENGINES, GRAMMAR, Policy, PolicyError
 from remat.presets import get_preset, load_config, preset_names
 from remat.recompute.region import ApplyError
 from remat.timeline import TimelineError
+from remat.units import ascii_float, ascii_int
 
 # Exceptions that mean "the input is wrong", not "remat is broken": one line, exit code 2.
 USER_ERRORS = (ConfigError, PolicyError, ApplyError, TimelineError, ValueError, OSError)  # OSError: unwritable --out
@@ -43,21 +45,41 @@ Subparsers = Any  # argparse's _SubParsersAction is private
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but usage errors are the same one line as remat's own errors."""
+    """argparse, but usage errors are the same one line as remat's own errors, and a value that starts with a
+    minus sign is the value of the flag before it (``--budget -1GiB``: argparse would take ``-1GiB`` for an
+    option and say ``--budget`` expects an argument, instead of the flag's own error)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE_ERROR, f"remat: error: {message} (see '{self.prog} --help')\n")
 
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        return super().parse_known_args(negative_values_joined(sys.argv[1:] if args is None else args), namespace)
+
+
+def negative_values_joined(argv: Sequence[str]) -> list[str]:
+    """``['--budget', '-1GiB']`` -> ``['--budget=-1GiB']``: a token that starts with ``-`` and a digit or a point
+    (no remat option does) after a ``--flag`` without ``=``; everything else as given."""
+    out: list[str] = []
+    for token in argv:
+        previous = out[-1] if out else ""
+        if re.match(r"-\.?[0-9]", token) and previous.startswith("--") and "=" not in previous and previous != "--":
+            out[-1] = f"{previous}={token}"
+        else:
+            out.append(token)
+    return out
+
 
 # ------------------------------------------------------------------------------------------------ number flags
 # argparse types: a bad value is a usage error that names the flag ("argument --pp: must be a positive integer").
+# Numbers are written with the digits 0-9 (NOTE [ASCII digits] in remat.units), as in policies and budgets.
 def _number_type(kind: type, accept: Callable[[Any], bool], requirement: str) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}: "
-                                             f"give {requirement}") from None
+        value = ascii_int(text.strip()) if kind is int else ascii_float(text.strip())
+        if value is None:
+            shown = repr(text) if len(text) <= 40 else repr(text[:37]) + "..."
+            raise argparse.ArgumentTypeError(f"{shown} is not {'an integer' if kind is int else 'a number'} "
+                                             f"written with the digits 0-9: give {requirement}")
         if not accept(value):
             raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}")
         return value
@@ -70,6 +92,23 @@ non_negative_int = _number_type(int, lambda v: v >= 0, "an integer >= 0")
 positive_seconds = _number_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
 non_negative_number = _number_type(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 probability = _number_type(float, lambda v: 0 <= v < 1, "a probability in [0, 1)")
+integer = _number_type(int, lambda v: True, "an integer")
+positive_number = _number_type(float, lambda v: math.isfinite(v) and v > 0, "a positive finite number")
+count_or_all = _number_type(int, lambda v: v >= -1, "a count >= 0, or -1 for all")
+
+
+def sized(name: str, base: Callable[[str], int] = positive_int) -> Callable[[str], int]:
+    """An argparse type for a flag that sets the size ``name`` (a key of :data:`remat.limits.CEILINGS`): ``base``'s
+    integer, refused above remat's ceiling for that size as the flag is read, before any work."""
+
+    def parse(text: str) -> int:
+        value = base(text)
+        problem = ceiling_problem(name, value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{value} {problem}")
+        return value
+
+    return parse
 
 
 # ------------------------------------------------------------------------------------------------ shared flags
@@ -77,16 +116,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the reference GPT; an unset flag keeps :class:`ModelConfig`'s default."""
     d = ModelConfig()
     g = parser.add_argument_group("model (the reference GPT; defaults are a small 8-layer model)")
-    g.add_argument("--layers", type=positive_int, metavar="L", help=f"transformer layers (default {d.num_layers})")
-    g.add_argument("--hidden", type=positive_int, metavar="H", help=f"hidden size (default {d.hidden_size})")
-    g.add_argument("--heads", type=positive_int, metavar="A",
+    g.add_argument("--layers", type=sized("num_layers"), metavar="L",
+                   help=f"transformer layers (default {d.num_layers})")
+    g.add_argument("--hidden", type=sized("hidden_size"), metavar="H", help=f"hidden size (default {d.hidden_size})")
+    g.add_argument("--heads", type=sized("num_attention_heads"), metavar="A",
                    help=f"attention heads (default {d.num_attention_heads})")
-    g.add_argument("--query-groups", type=positive_int, metavar="G",
+    g.add_argument("--query-groups", type=sized("num_query_groups"), metavar="G",
                    help="key/value groups (GQA; default: one per head)")
-    g.add_argument("--ffn", type=positive_int, metavar="F", help="MLP hidden size (default 4H for gelu)")
-    g.add_argument("--seq", type=positive_int, metavar="S", help=f"sequence length (default {d.seq_length})")
-    g.add_argument("--batch", type=positive_int, metavar="B", help=f"micro-batch size (default {d.micro_batch_size})")
-    g.add_argument("--vocab", type=positive_int, metavar="V", help=f"vocabulary size (default {d.vocab_size})")
+    g.add_argument("--ffn", type=sized("ffn_hidden_size"), metavar="F", help="MLP hidden size (default 4H for gelu)")
+    g.add_argument("--seq", type=sized("seq_length"), metavar="S", help=f"sequence length (default {d.seq_length})")
+    g.add_argument("--batch", type=sized("micro_batch_size"), metavar="B",
+                   help=f"micro-batch size (default {d.micro_batch_size})")
+    g.add_argument("--vocab", type=sized("vocab_size"), metavar="V", help=f"vocabulary size (default {d.vocab_size})")
     g.add_argument("--activation", choices=ACTIVATIONS, help=f"MLP activation (default {d.activation})")
     g.add_argument("--normalization", choices=NORMALIZATIONS, help=f"default {d.normalization}")
     g.add_argument("--position", choices=POSITIONS, help=f"position embedding (default {d.position})")
@@ -238,7 +279,7 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     """Tensor/sequence-parallel flags (:mod:`remat.models.tensor_parallel`) and the pipeline flags
     (:mod:`remat.parallel`)."""
     g = parser.add_argument_group("tensor parallelism")
-    g.add_argument("--tp", type=positive_int, default=1, metavar="T",
+    g.add_argument("--tp", type=sized("tp"), default=1, metavar="T",
                    help="tensor-parallel size: predict one rank (Megatron's sharding of heads, MLP and vocabulary)")
     g.add_argument("--sp", action="store_true",
                    help="sequence parallelism: norms, dropouts and residuals hold 1/tp of the tokens")
@@ -340,6 +381,13 @@ def check_writable(args: argparse.Namespace, *, files: Sequence[str] = (), folde
                 raise ValueError(f"{_flag(name)} {path}: {problem}")
 
 
+def size_flags_given(args: argparse.Namespace) -> str:
+    """The flags given that size a run (model sizes, pipeline stages, microbatches), as written: what a refusal of a
+    run too large for this machine names (``'--layers 8 --hidden 2048 --pp 2'``)."""
+    names = ("layers", "hidden", "heads", "ffn", "seq", "batch", "vocab", "pp", "vpp", "microbatches")
+    return " ".join(f"--{name} {getattr(args, name)}" for name in names if getattr(args, name, None) is not None)
+
+
 def model_summary(config: ModelConfig) -> str:
     gqa = f", {config.query_groups} kv groups" if config.query_groups != config.num_attention_heads else ""
     return (f"{config.num_layers} layers, h={config.hidden_size}, {config.num_attention_heads} heads{gqa}, "
@@ -371,10 +419,9 @@ POLICY_LIST_EPILOG = "policy syntax (--policy takes one policy or a comma-separa
 # ------------------------------------------------------------------------------------------------ flags
 def _layout(text: str) -> list[int]:
     pieces = [p for p in re.split(r"[,\s]+", text.strip()) if p]
-    try:
-        counts = [int(p) for p in pieces]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give layer counts per model chunk, e.g. 3,5") from None
+    counts = [n for p in pieces if (n := ascii_int(p)) is not None]
+    if len(counts) != len(pieces):
+        raise argparse.ArgumentTypeError(f"{text!r}: give layer counts per model chunk, e.g. 3,5")
     if not counts:
         raise argparse.ArgumentTypeError("is empty: give layer counts per model chunk, e.g. 3,5")
     if min(counts) < 1:
@@ -392,18 +439,18 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser, *, pp_optional: bool
     """Add the pipeline-parallel flags. ``--pp`` defaults to None (no pipeline: the caller's own path);
     ``pp_optional``: the other pipeline flags are valid without ``--pp`` (which then means one stage)."""
     g = parser.add_argument_group("pipeline parallelism")
-    g.add_argument("--pp", type=positive_int, metavar="P",
+    g.add_argument("--pp", type=sized("pp"), metavar="P",
                    help="pipeline stages (Megatron's --pipeline-model-parallel-size); per-stage memory")
-    g.add_argument("--microbatches", type=positive_int, metavar="M",
+    g.add_argument("--microbatches", type=sized("num_microbatches"), metavar="M",
                    help="microbatches per step (default 2 x pp); --batch is the microbatch size")
     g.add_argument("--schedule", choices=SCHEDULES,
                    help="1f1b (default), gpipe, or interleaved (with --vpp model chunks per stage)")
-    g.add_argument("--vpp", type=positive_int, metavar="V",
+    g.add_argument("--vpp", type=sized("vpp"), metavar="V",
                    help="model chunks per stage for the interleaved schedule (Megatron's "
                         "--num-layers-per-virtual-pipeline-stage gives layers / (pp x V)) (default 1)")
     g.add_argument("--layout", type=_layout, metavar="L0,L1,...",
                    help="layers of each model chunk in global order (default: even split)")
-    g.add_argument("--partial-checkpoint-microbatches", type=non_negative_int, metavar="N",
+    g.add_argument("--partial-checkpoint-microbatches", type=sized("num_microbatches", non_negative_int), metavar="N",
                    help="Megatron's --num-microbatches-with-partial-activation-checkpoints: in each window of "
                         "in-flight microbatches the first N keep everything, the rest run the policy")
     g.add_argument("--pipeline-runtime", choices=RUNTIMES,

@@ -8,7 +8,7 @@ from typing import Any
 
 from remat.analysis.explain import Explanation, explain
 from remat.analysis.html import write_html
-from remat.analysis.outputs import RunFolder, foreign_entries
+from remat.analysis.outputs import RunFolder, replace_problem
 from remat.analysis.report import format_explanation, write_json
 from remat.analysis.snapshot import write_memory_snapshot
 from remat.analysis.timeline_plot import plot_timelines
@@ -23,9 +23,11 @@ from remat.cli.common import (
     check_writable,
     file_name,
     info,
+    integer,
     json_text,
     model_config_from_args,
     parse_policy_list,
+    writing,
 )
 from remat.cli.job_args import add_job_arguments, refuse_job_flags
 from remat.cli.pipeline import run_pipeline_explain
@@ -33,6 +35,7 @@ from remat.config import ModelConfig
 from remat.memory.comparison import MemoryCheckError
 from remat.memory.kernels import resolve_kernels
 from remat.memory.reserved import REPLAY_NOTE, explain_reserved, format_reserved
+from remat.parallel.launch import cleanup_on_sigterm
 from remat.policy import GRAMMAR
 
 
@@ -55,12 +58,12 @@ def explain_command(sub: Subparsers) -> Runner:
                    help="comma-separated policies, e.g. none,full/uniform/2 (default: none, full/uniform/K for "
                         "K = 1, 2, 4, ... and L, full/block/L/4 and L/2, selective/core_attn, "
                         "selective/core_attn+mlp); none is always measured as the baseline")
-    g.add_argument("--repeats", type=int, default=3, metavar="N",
+    g.add_argument("--repeats", type=integer, metavar="N",
                    help="timed steps per policy, median reported (default 3; 0: no timing)")
-    g.add_argument("--contrast-vocab", type=int, default=32000, metavar="V",
+    g.add_argument("--contrast-vocab", type=integer, metavar="V",
                    help="also measure none, full/uniform/1 and full/uniform/L (untimed) with vocabulary V, the other "
                         "regime of the question: large logits make the whole-stack group save memory (default "
-                        "32000; 0: no contrast run; none when --vocab is V)")
+                        f"{CONTRAST_VOCAB}; 0: no contrast run; none when --vocab is V)")
     g.add_argument("--out", type=Path, default=Path("remat-out"), metavar="DIR",
                    help="where explain.json, timelines.png and timeline-<policy>.json go (default ./remat-out); the "
                         "folder is written aside and replaced whole at the end")
@@ -75,6 +78,22 @@ def explain_command(sub: Subparsers) -> Runner:
     return run_explain
 
 
+REPEATS, CONTRAST_VOCAB = 3, 32000  # --repeats and --contrast-vocab when not given
+# What `remat explain --pp` measures is its own: per stage none, full/uniform/1 and whole-chunk groups, untimed, at
+# --vocab, into one JSON file in --out; these flags of the one-process explain are refused with --pp, not ignored.
+NOT_WITH_PP = ("policies", "repeats", "contrast_vocab", "html", "snapshot")
+
+
+def refuse_pipeline_ignored(args: argparse.Namespace) -> None:
+    """Refuse, naming the flag, a one-process explain flag given with --pp (which would ignore it)."""
+    for name in NOT_WITH_PP if args.pp else ():
+        if getattr(args, name) is not None:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} with --pp: remat explain --pp measures its own policies per stage (none, "
+                             "full/uniform/1 and whole-chunk groups), untimed, into --out/explain-pipeline.json: drop "
+                             f"{flag}, or drop --pp")
+
+
 # Model flags that set a size (flag -> ModelConfig attribute): a run too large for this machine names those given
 # above their default.
 SIZE_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "ffn": "ffn_size", "seq": "seq_length",
@@ -87,21 +106,16 @@ def check_output_paths(args: argparse.Namespace) -> None:
     check_writable(args, folders=("out",), files=("html", "snapshot"))
     if args.pp:  # the pipeline report is one file written into --out; the folder is not replaced
         return
-    if Path.cwd().resolve().is_relative_to(Path(args.out).resolve()):
-        raise ValueError(f"--out {args.out}: is the current folder or holds it, and remat explain replaces the "
-                         "folder: give a new one")
     own = [Path(p).name for p in (args.html, args.snapshot) if p is not None]
-    foreign = foreign_entries(args.out, own)
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise ValueError(f"--out {args.out}: holds files remat explain did not write ({shown}) and the folder is "
-                         "replaced whole: give a new or empty folder")
+    problem = replace_problem(args.out, "remat explain", own)
+    if problem is not None:
+        raise ValueError(f"--out {args.out}: {problem}")
 
 
 def _too_big(args: argparse.Namespace, config: ModelConfig, err: MemoryCheckError) -> ValueError:
     """The memory check's refusal, naming the flags that made the run that large."""
     if err.config is not None and err.config.vocab_size != config.vocab_size:
-        return ValueError(f"--contrast-vocab {args.contrast_vocab}: {err}; or --contrast-vocab 0 (no contrast run)")
+        return ValueError(f"--contrast-vocab {err.config.vocab_size}: {err}; or --contrast-vocab 0 (no contrast run)")
     default = ModelConfig()
     given = {flag: getattr(args, flag) for flag in SIZE_FLAGS if getattr(args, flag, None) is not None}
     larger = [f"--{flag} {value}" for flag, value in given.items() if value > getattr(default, SIZE_FLAGS[flag])]
@@ -111,25 +125,29 @@ def _too_big(args: argparse.Namespace, config: ModelConfig, err: MemoryCheckErro
 
 def run_explain(args: argparse.Namespace) -> int:
     refuse_job_flags(args, "explain", "use 'remat predict' with the same flags: it prices every part of every rank")
+    refuse_pipeline_ignored(args)
     check_output_paths(args)
     if args.pp:
         return run_pipeline_explain(args)
     config = model_config_from_args(args)
     policies = parse_policy_list(args.policies)
-    if args.repeats < 0:
-        raise ValueError(f"--repeats {args.repeats}: must be >= 0")
-    if args.contrast_vocab < 0:
-        raise ValueError(f"--contrast-vocab {args.contrast_vocab}: must be a vocabulary size, or 0 for no contrast run")
+    repeats = REPEATS if args.repeats is None else args.repeats
+    contrast_vocab = CONTRAST_VOCAB if args.contrast_vocab is None else args.contrast_vocab
+    if repeats < 0:
+        raise ValueError(f"--repeats {repeats}: must be >= 0")
+    if contrast_vocab < 0:
+        raise ValueError(f"--contrast-vocab {contrast_vocab}: must be a vocabulary size, or 0 for no contrast run")
     bar = ProgressBar("remat explain")
     try:
-        result = explain(config, policies, engine=args.engine, device=args.device, repeats=args.repeats,
-                         progress=bar, contrast_vocab=args.contrast_vocab or None)
+        result = explain(config, policies, engine=args.engine, device=args.device, repeats=repeats,
+                         progress=bar, contrast_vocab=contrast_vocab or None)
     except MemoryCheckError as err:
         raise _too_big(args, config, err) from None
     finally:
         bar.close()
 
-    with RunFolder(args.out) as run:
+    # a SIGTERM or ^C while the folder is staged removes the stage (and a SIGKILL's is removed by the next run)
+    with writing("--out", args.out), cleanup_on_sigterm(), RunFolder(args.out) as run:
         files, report = _write_run(args, config, result, run)
         out = run.commit()
 
@@ -174,14 +192,16 @@ def _write_run(args: argparse.Namespace, config: ModelConfig, result: Explanatio
         plot_timelines(panels, run.path("timelines.png"), title=title)
         report["files"]["plot"] = "timelines.png"
     if args.html is not None:
-        write_html(result, run.outside(args.html))
+        with writing("--html", args.html):
+            write_html(result, run.outside(args.html))
         report["files"]["html"] = [str(args.html)]
     if args.snapshot is not None:
         report["files"]["snapshots"] = []
         for name, timeline in result.timelines.items():
             path = args.snapshot if len(result.timelines) == 1 else \
                 args.snapshot.with_name(f"{args.snapshot.stem}-{file_name(name)}{args.snapshot.suffix}")
-            write_memory_snapshot(timeline, run.outside(path))
+            with writing("--snapshot", path):
+                write_memory_snapshot(timeline, run.outside(path))
             report["files"]["snapshots"].append(str(path))
     write_json(run.path("explain.json"), report)
     return files, report

@@ -4,25 +4,44 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-from remat.analysis.job_report import describe_job, format_job_plan, format_job_prediction, not_counted_line, rank_row
-from remat.cli.common import emit_report, max_error_status
+from remat.analysis.job_html import (
+    Answer,
+    budget_capacity,
+    capacity_line,
+    gpu_capacity,
+    plan_answers,
+    prediction_answers,
+    write_job_html,
+)
+from remat.analysis.job_report import (
+    describe_job,
+    format_job_plan,
+    format_job_prediction,
+    not_counted_line,
+    rank_row,
+    reserved_line,
+)
+from remat.cli.common import emit_report, max_error_status, writing
 from remat.cli.job_args import JobSource, job_flags_given, job_from_args, job_policies
+from remat.cli.job_memory import budgets_reserved, job_allocator, write_snapshot
 from remat.job import Job
 from remat.job_flags import JobError
+from remat.job_input import stamp_report, stamp_text
+from remat.memory.replay_pool import BackgroundReplays
 from remat.parallel.job_measure import check_measurable, compare_job, format_rows, routing_counts
 from remat.parallel.job_predict import job_kernels, predict_job
 from remat.parallel.launch import DEFAULT_TIMEOUT
 from remat.plan.job_plan import plan_job
+from remat.plan.job_reserved import add_plan_reserved, plan_job_reserved
 from remat.plan.options import PlanOptions
-
-# remat plan's flags a whole-job plan cannot honour, with why (the extended search's other flags apply per stage)
-_PLAN_REFUSED = {"budget_reserved": "--budget-reserved replays one process's step through the caching allocator; "
-                                    "a whole rank's reserved memory (its model state and the microbatches in flight) "
-                                    "is not replayed yet: drop it and keep room with --reserve"}
 
 
 def job_requested(args: argparse.Namespace, *, mixed_precision_model: bool = False) -> bool:
@@ -50,7 +69,25 @@ def _job_dict(source: JobSource) -> dict[str, Any]:
 
 
 def _header(source: JobSource) -> str:
-    return "\n".join([describe_job(source.job), *source.notes()])
+    return "\n".join([*source.first_lines, describe_job(source.job), *source.notes()])
+
+
+def _emit(args: argparse.Namespace, source: JobSource, report: dict[str, Any], print_text: Callable[[], None]) -> None:
+    """:func:`emit_report` with the job's input (``input``: world size, script, what is left out); a lower bound
+    (``--allow-unmodelled``) stamped on every text line and JSON row (:mod:`remat.job_input`)."""
+    if source.details:
+        report["input"] = source.details
+
+    def text() -> None:
+        if not source.unmodelled:
+            print_text()
+            return
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            print_text()
+        sys.stdout.write(stamp_text(buffer.getvalue(), source.unmodelled))
+
+    emit_report(args, stamp_report(report, source.unmodelled), text)
 
 
 def _refuse_adam(args: argparse.Namespace) -> None:
@@ -68,21 +105,57 @@ def run_predict_job(args: argparse.Namespace) -> int:
     _refuse_adam(args)
     source = job_from_args(args, default_microbatches=_microbatches)
     started = time.perf_counter()
-    predictions = [(p, predict_job(source.job.replace(policy=p), device=args.device))
-                   for p in job_policies(args, source)]
+    allocator, alloc_source = job_allocator(args, source)
+    replays = BackgroundReplays(allocator)  # each policy's ranks replayed beside the next policy's prediction
+    predictions = [(p, predict_job(source.job.replace(policy=p), device=args.device, gpu=getattr(args, "gpu", None),
+                                   allocator=allocator, replay=replays)) for p in job_policies(args, source)]
+    replays.wait()
     report = {"format": "remat.predict-job", "version": 1, "job": _job_dict(source), "device": args.device,
               "kernels": job_kernels(),  # --kernels, default cuda: a job runs on GPUs
               "assumed": source.assumed, "ignored_flags": source.ignored, "not_counted": not_counted_line(),
               "rows": [rank_row(r, policy=str(p)) for p, pred in predictions for r in pred.ranks],
+              "alloc_conf": (allocator.text() if allocator else ""), "alloc_conf_source": alloc_source,
               "seconds": time.perf_counter() - started}
+    snapshot = write_snapshot(args, report, predictions[0][1].worst, f"policy {predictions[0][0]}'s worst rank")
+    capacity = gpu_capacity(getattr(args, "gpu", None))
+    if capacity:
+        report["gpu"] = {"name": args.gpu, "capacity_bytes": capacity[-1][1]}
+    page = _write_page(args, report, source, prediction_answers([(str(p), pred) for p, pred in predictions]),
+                       capacity=capacity, notes=[not_counted_line()])
     def print_text() -> None:
         print(_header(source) + "\n")
         for policy, pred in predictions:
             print(format_job_prediction(pred, str(policy)) + "\n")
+        if capacity:
+            print(capacity_line(predictions, capacity[-1]))
+        if any(r.reserved for _, pred in predictions for r in pred.ranks):
+            print(reserved_line(report["alloc_conf"], alloc_source))
         print(not_counted_line())
+        if page:
+            print(page)
+        if snapshot:
+            print(snapshot)
 
-    emit_report(args, report, print_text)
+    _emit(args, source, report, print_text)
     return 0
+
+
+def _write_page(args: argparse.Namespace, report: dict[str, Any], source: JobSource, answers: list[Answer],
+                **kwargs: Any) -> str | None:
+    """``--html FILE``: the job's page (:mod:`remat.analysis.job_html`), written atomically; its path goes into
+    the report's ``files``; returns the line the text ends with (None without --html)."""
+    path = getattr(args, "html", None)
+    if path is None:
+        return None
+    job = source.job
+    header = [*source.first_lines, describe_job(job), *source.notes(),
+              f"kernels {job_kernels()} (what they save for backward); device "
+              f"{getattr(args, 'device', 'cpu')}; {len(answers)} answer{'s' * (len(answers) != 1)}"]
+    with writing("--html", path):
+        write_job_html(path, f"Every rank of the job: {job.world_size} ranks, {job.model.num_layers} layers, "
+                       f"h={job.model.hidden_size}", header, answers, **kwargs)
+    report.setdefault("files", {})["html"] = str(path)
+    return f"page: {path} (every distinct rank's parts at its peak, the worst rank through the step)"
 
 
 def run_compare_job(args: argparse.Namespace) -> int:
@@ -115,7 +188,7 @@ def run_compare_job(args: argparse.Namespace) -> int:
                   f"layer: --moe-routing {routing['measured']} predicts those counts")
         print(not_counted_line())
 
-    emit_report(args, report, print_text)
+    _emit(args, source, report, print_text)
     return max_error_status(args, rows, "a rank's peak")
 
 
@@ -135,21 +208,40 @@ def _routing(job: Job, rows: list[dict]) -> dict[str, str] | None:
 def run_plan_job(args: argparse.Namespace, options: PlanOptions) -> int:
     """``remat plan`` with a job: the cheapest plan per stage (extended search, ``options`` from remat plan's flags)
     and the best Megatron settings, every rank of each predicted exactly with every part counted."""
-    for name, why in _PLAN_REFUSED.items():
-        if getattr(args, name, False):
-            raise ValueError(why)
+    reserved = budgets_reserved(args)
     source = job_from_args(args, default_microbatches=lambda pp: pp)
     if source.recompute_given:
         raise ValueError("--recompute-* flags in --megatron-args: remat plan chooses the recompute setting; drop "
                          "them (or use remat predict to price that setting)")
-    result = plan_job(source.job, args.budget, options)
+    allocator, alloc_source = job_allocator(args, source)
+    if reserved:  # what a GPU runs out of (NOTE [a job's reserved budget])
+        result = plan_job_reserved(source.job, args.budget, options, allocator)
+    else:
+        result = plan_job(source.job, args.budget, options)
+        add_plan_reserved(result, allocator)
     report = {**result.to_dict(), "job": _job_dict(source), "kernels": job_kernels(), "assumed": source.assumed,
-              "ignored_flags": source.ignored, "not_counted": not_counted_line(args.budget, args.reserve)}
+              "ignored_flags": source.ignored, "not_counted": not_counted_line(args.budget, args.reserve),
+              "budgeted_memory": "reserved" if reserved else "allocated",
+              "alloc_conf": (allocator.text() if allocator else ""), "alloc_conf_source": alloc_source}
+    worst = (result.ranks() or sorted((s.prediction for s in result.stages if s.prediction is not None),
+                                      key=lambda r: -r.peak_bytes) or [None])[0]
+    snapshot = write_snapshot(args, report, worst, "the plan's worst rank" if result.fits else
+                              "no plan fits: the worst rank of the lowest peaks predicted" if worst else
+                              "no rank was predicted (the model state alone exceeds the budget)")
+    answers, entries = plan_answers(result)
+    page = _write_page(args, report, source, answers, entries=entries,
+                       capacity=budget_capacity(args.budget, result.budget_bytes, result.budget_text),
+                       notes=[not_counted_line(args.budget, args.reserve)])
     def print_text() -> None:
         print(_header(source) + "\n")
         print(format_job_plan(result))
+        print(reserved_line(report["alloc_conf"], alloc_source))
         print(not_counted_line(args.budget, args.reserve))
+        if page:
+            print(page)
+        if snapshot:
+            print(snapshot)
 
-    emit_report(args, report, print_text)
+    _emit(args, source, report, print_text)
     return 0 if result.fits else 1
 

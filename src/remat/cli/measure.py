@@ -32,6 +32,8 @@ def measure_command(sub: Any) -> Runner:
     g.add_argument("--json", action="store_true", help="print a JSON report instead of the table")
     g.add_argument("--out", type=Path, metavar="FILE", help="also write the JSON report to FILE (atomically)")
     g.add_argument("--timelines", type=Path, metavar="DIR",
-                   help="also write each stage's measured timeline JSON there (measured-<policy>-stage<r>.json)")
+                   help="also write each stage's measured timeline JSON there (measured-<policy>-stage<r>.json); "
+                        "the folder is written aside and replaced whole at the end (with --out FILE when FILE is in "
+                        "it), so an interrupted run leaves the previous one as it was")
     return run_pipeline_measure
 

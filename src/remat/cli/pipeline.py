@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from remat.analysis.explain_pipeline import explain_pipeline
+from remat.analysis.outputs import MEASURE_FILE, RunFolder, replace_problem
 from remat.analysis.report import error_pct, format_sentences, format_table, size_cell, text_cell, write_json
 from remat.cli.common import (
     PipelineArgs,
@@ -21,11 +23,13 @@ from remat.cli.common import (
     max_error_status,
     pipeline_args,
     policies_from_args,
+    size_flags_given,
     write_out,
     writing,
 )
 from remat.config import ModelConfig
-from remat.parallel.launch import DistributedError
+from remat.memory.comparison import MemoryCheckError
+from remat.parallel.launch import DistributedError, cleanup_on_sigterm
 from remat.parallel.pipeline_measure import compare_pipeline, measure_pipeline_many, measured_stage_rows
 from remat.parallel.pipeline_peaks import stage_peaks
 from remat.policy import Policy
@@ -91,6 +95,8 @@ def _real_run(runner: Any) -> Any:
                 raise
             print(f"remat: error: {err}", file=sys.stderr)
             return 1
+        except MemoryCheckError as err:  # refused before any process started: name the flags that size the run
+            raise ValueError(f"{size_flags_given(args) or 'the default model'}: {err}") from None
 
     return wrapped
 
@@ -117,6 +123,12 @@ def run_pipeline_predict(args: argparse.Namespace) -> int:
 def run_pipeline_measure(args: argparse.Namespace) -> int:
     """``remat measure --pp P``: measure each stage in a real multi-process run, next to the prediction."""
     check_writable(args, files=("out",), folders=("timelines",))  # before minutes of measuring, not after
+    folder, out = getattr(args, "timelines", None), getattr(args, "out", None)
+    if folder is not None:  # replaced whole at the end (as explain's --out): refused now if that would lose files
+        inside = out is not None and Path(os.path.realpath(out)).parent == Path(os.path.realpath(folder))
+        problem = replace_problem(folder, "remat measure", [Path(out).name] if inside else [], MEASURE_FILE)
+        if problem is not None:
+            raise ValueError(f"--timelines {folder}: {problem}")
     config = config_from_args(args)
     pipe = pipeline_args(args, config, runtime="torch")
     device = getattr(args, "device", "cpu")
@@ -125,13 +137,19 @@ def run_pipeline_measure(args: argparse.Namespace) -> int:
                                      pipe.layout, pipe.partial, device=device, timeout=pipe.timeout)
     rows = measured_stage_rows(config, policies, measured, pipe.pp, pipe.microbatches, pipe.schedule, pipe.vpp,
                                pipe.layout, pipe.partial, device=device)
-    files = []
-    for policy, stages in zip(policies, measured):
-        with writing("--timelines", getattr(args, "timelines", None)):
-            files += _save(getattr(args, "timelines", None), "measured", policy, stages)
     report = {"command": "measure", "model": config.to_dict(), "pipeline": dataclasses.asdict(pipe),
-              "device": device, "stages": rows, "files": files}
-    _write_report(args, report)
+              "device": device, "stages": rows, "files": []}
+    if folder is None:
+        _write_report(args, report)
+    else:  # written aside and swapped in whole: a kill or ^C mid-write leaves the previous folder as it was
+        with writing("--timelines", folder), cleanup_on_sigterm(), RunFolder(folder) as run:
+            for policy, stages in zip(policies, measured):
+                report["files"] += [str(Path(folder) / Path(name).name)
+                                    for name in _save(run.path(""), "measured", policy, stages)]
+            if out is not None:
+                with writing("--out", out):
+                    write_json(run.outside(out), report)
+            run.commit()
     text = "\n".join([f"Measured per-stage memory ({pipe.pp} process{'es' if pipe.pp > 1 else ''}, "
                       f"torch.distributed.pipelining): {_model_line(config, pipe)}",
                       format_table(rows, COMPARE_COLUMNS + [("peak_phase", "peak in", text_cell)]), "", _why(rows)])

@@ -18,6 +18,7 @@ from remat.cli.common import (
     add_parallel_arguments,
     add_policy_arguments,
     add_subcommand,
+    check_writable,
     info,
     json_text,
     model_summary,
@@ -27,7 +28,8 @@ from remat.cli.common import (
     write_out,
 )
 from remat.cli.job import job_requested, run_predict_job
-from remat.cli.job_args import add_job_arguments
+from remat.cli.job_args import add_job_arguments, add_page_arguments, refuse_page_flags
+from remat.cli.job_memory import add_memory_arguments, refuse_memory_flags
 from remat.cli.megatron_core import add_megatron_core_argument, run_predict_megatron_core
 from remat.cli.pipeline import run_pipeline_predict
 from remat.memory import disk_cache
@@ -69,15 +71,25 @@ def predict_command(sub: Subparsers) -> Runner:
     add_megatron_core_argument(g)
     g.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     g.add_argument("--out", type=Path, metavar="FILE", help="also write the JSON report to FILE (atomically)")
+    add_page_arguments(g, gpu=True)
+    add_memory_arguments(g)
     return run_predict
 
 
 def run_predict(args: argparse.Namespace) -> int:
+    check_writable(args, files=("out", "html", "snapshot"))  # before the work, not after it
     disk_cache.set_enabled(not args.no_cache)
     if args.megatron_core:
+        refuse_page_flags(args, "--megatron-core runs Megatron's own model on one process")
+        refuse_memory_flags(args, "--megatron-core runs Megatron's own model on one process")
         return run_predict_megatron_core(args)
     if job_requested(args):
         return run_predict_job(args)
+    refuse_page_flags(args, "this command predicts one process" + (" per pipeline stage" if args.pp else ""))
+    cpu_bytes = resolve_kernels(None, args.device) == "cpu" and args.device == "cpu"  # no allocator replay
+    refuse_memory_flags(args, "this command predicts one process" + (
+        " per pipeline stage" if args.pp else " with the CPU kernels" if cpu_bytes else ""),
+        alloc_conf_too=args.pp is not None or cpu_bytes)
     if args.pp is not None:
         if args.adam:
             raise ValueError("--adam with --pp: the pipeline prediction has no optimizer; use --optimizer adam (the "
@@ -94,7 +106,7 @@ def run_predict(args: argparse.Namespace) -> int:
     def row_of(i: int, timeline: Timeline, seconds: float) -> None:
         made[i] = prediction_row(policies[i], timeline, seconds)
         if replay:
-            made[i]["allocator_replay"] = reserved_figures(timeline)
+            made[i]["allocator_replay"] = reserved_figures(timeline, args.alloc_conf)
 
     bar = ProgressBar("remat predict")
     try:  # only the no-recompute timeline is kept (for the formulas): the rows are made from each as it comes

@@ -16,7 +16,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from remat.job_flags import classify_megatron_flag, flag_groups, flag_tokens
+from remat.job_flags import (
+    classify_megatron_flag,
+    flag_groups,
+    flag_tokens,
+    known_megatron_flags,
+    shown_flag,
+    suggest_flag,
+)
 from remat.megatron.compat import MegatronSettingError
 from remat.megatron.settings import FINE_GRAINED_OFFLOADING
 from remat.offload_policy import OFFLOAD_FLAGS
@@ -113,10 +120,22 @@ def parse_args(argv: str | Sequence[str]) -> MegatronArgs:
         elif classify_megatron_flag(name)[0] == "ignored":
             out.ignored.append(name)
         else:
-            raise MegatronSettingError(f"{name} is not one of the flags remat's Megatron-core front end maps to a "
-                                       "TransformerConfig; remove it, or build the TransformerConfig yourself and "
-                                       "call remat.megatron.predict_megatron_core")
+            guess = suggest_flag(name, front_end_flags())
+            hint = f"did you mean {guess}? If not, " if guess else ""
+            raise MegatronSettingError(f"{shown_flag(name)} is not one of the flags remat's Megatron-core front end "
+                                       f"maps to a TransformerConfig; {hint}remove it, or build the TransformerConfig "
+                                       "yourself and call remat.megatron.predict_megatron_core")
     return out
+
+
+def front_end_flags() -> list[str]:
+    """The flags :func:`parse_args` maps (with those :mod:`remat.job_flags` ignores): what a misspelling is
+    matched against."""
+    fields = (*INT_FIELDS, *FLOAT_FIELDS, *CHOICE_FIELDS, *SWITCH_FIELDS)
+    renamed = {field: flag for flag, field in RENAMED.items()}
+    return sorted({*JOB_INT_FLAGS, *JOB_SWITCHES, *(renamed.get(f, "--" + f.replace("_", "-")) for f in fields),
+                   "--recompute-modules", "--optimizer", "--position-embedding-type",
+                   *(f for f in known_megatron_flags() if classify_megatron_flag(f)[0] == "ignored")})
 
 
 def config_from_args(argv: str | Sequence[str]) -> tuple[Any, dict[str, Any], list[str]]:

@@ -37,7 +37,8 @@ def measure_megatron_core_distributed(config: Any, *, seq_length: int, micro_bat
         seq_length, micro_batch_size, vocab_size, tp, pp, cp, ep, etp, dp, ddp, use_distributed_optimizer,
             optimizer, routing: as :func:`remat.megatron.predict_megatron_core`.
         timeout: seconds for the whole run; past it every process is killed and :class:`DistributedError` names
-            the ranks still running.
+            the rank that stopped making progress (since when, in which phase) and the ranks waiting on it
+            (:func:`remat.parallel.launch.stall_report`).
 
     Returns:
         ``{rank: Timeline}`` for every rank of the job (``meta['backend'] == 'cpu'``, ``meta['pid']``).

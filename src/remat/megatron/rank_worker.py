@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from remat.parallel.launch import report_error, watchdog
+from remat.parallel.launch import report_error, set_phase, watchdog
 from remat.timeline import write_atomic
 
 
@@ -23,6 +23,7 @@ def run_rank(folder: Path, rank: int, launcher: int) -> int:
     threading.Thread(target=watchdog, args=(launcher, time.time() + job["timeout"] + 5.0, folder, rank),
                      daemon=True).start()
     try:
+        set_phase("importing torch and megatron-core")
         import warnings
 
         import torch
@@ -35,11 +36,13 @@ def run_rank(folder: Path, rank: int, launcher: int) -> int:
         from remat.megatron.world import ParallelSizes
 
         routing = routing_assumption(job.get("routing"))
+        set_phase("connecting to the other ranks and measuring the step")
         timeline = trace_rank(config_from_json(job["config"]), None,
                               StepShape(job["seq_length"], job["micro_batch_size"], job["vocab_size"]),
                               ParallelSizes(**job["sizes"]), rank, fake=False, ddp=job["ddp"],
                               use_distributed_optimizer=job["use_distributed_optimizer"], optimizer=job["optimizer"],
                               routing=routing, init_method=f"tcp://127.0.0.1:{job['port']}")
+        set_phase("writing its results")
         write_atomic(folder / f"rank{rank}.json", json.dumps(timeline.to_dict(), separators=(",", ":")))
         return 0
     except BaseException as err:  # noqa: BLE001 - every failure is reported to the launcher

@@ -9,22 +9,29 @@ several streams and their events, CUDA graph pools, ``garbage_collection_thresho
 
 from __future__ import annotations
 
+import gc
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from remat.memory.alloc_config import (  # the constants of c10/core/AllocatorConfig.h, and the options
+    LARGE_BUFFER,
+    MIN_BLOCK_SIZE,
+    MIN_LARGE_ALLOC,
+    ROUND_LARGE,
+    SMALL_BUFFER,
+    SMALL_SIZE,
+    AllocatorConfig,
+)
+from remat.memory.alloc_config import (
+    MIB as MIB,  # re-exported: the sizes of the examples and tests
+)
+
 if TYPE_CHECKING:
     from remat.timeline import Timeline
-
-# Constants of c10/core/AllocatorConfig.h (of CUDACachingAllocator.cpp before PyTorch 2.9).
-MIB = 1 << 20
-MIN_BLOCK_SIZE = 512        # kMinBlockSize: all sizes are rounded to at least 512 bytes
-SMALL_SIZE = 1 * MIB        # kSmallSize: largest "small" allocation
-SMALL_BUFFER = 2 * MIB      # kSmallBuffer: "small" allocations are packed in 2 MiB segments (and pages)
-MIN_LARGE_ALLOC = 10 * MIB  # kMinLargeAlloc: allocations between 1 and 10 MiB get a large segment
-ROUND_LARGE = 2 * MIB       # kRoundLarge: larger allocations are rounded up to 2 MiB
-LARGE_BUFFER = 20 * MIB     # kLargeBuffer: default large_segment_size_mb and max_non_split_rounding_mb
 
 _SHIFT = 64                 # free-list key: size << _SHIFT | address, one int ordered like (size, address)
 _MASK = (1 << _SHIFT) - 1
@@ -80,111 +87,6 @@ def allocation_size(size: int, large_segment_size: int = LARGE_BUFFER) -> int:
     if size < MIN_LARGE_ALLOC:
         return large_segment_size
     return (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
-
-
-# Options PyTorch knows that change nothing in a single-stream replay of the device pools: accepted, ignored.
-_IGNORED_KEYS = (
-    "garbage_collection_threshold", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
-    "pinned_use_cuda_host_register", "pinned_use_hip_host_register", "pinned_num_register_threads",
-    "pinned_use_background_threads", "pinned_reserve_segment_size_mb", "pinned_free_catch_all",
-    "pinned_max_round_threshold", "pinned_max_cached_size", "graph_capture_record_stream_reuse",
-    "throw_on_cudamalloc_oom")
-# MiB options -> (field, least value): AcceleratorAllocatorConfig::parseMaxSplitSize and its siblings.
-_MB_KEYS = {"max_split_size_mb": ("max_split_size", LARGE_BUFFER // MIB),
-            "max_non_split_rounding_mb": ("max_non_split_rounding_size", LARGE_BUFFER // MIB),
-            "large_segment_size_mb": ("large_segment_size", MIN_LARGE_ALLOC // MIB + 1)}
-_KEYS = (*_MB_KEYS, "roundup_power2_divisions", "expandable_segments", "backend", *_IGNORED_KEYS)
-
-
-@dataclass(frozen=True)
-class AllocatorConfig:
-    """Knobs of ``PYTORCH_CUDA_ALLOC_CONF`` (``PYTORCH_ALLOC_CONF``) the replay honours, and the device capacity.
-
-    Example::
-
-        >>> AllocatorConfig.parse("max_split_size_mb:128,expandable_segments:True").max_split_size // MIB
-        128
-    """
-
-    max_split_size: int | None = None
-    """Bytes (``max_split_size_mb``): blocks this big are never split and serve only requests this big, within
-    ``max_non_split_rounding_size``. ``None``: unlimited, the default."""
-    expandable_segments: bool = False
-    """One growing segment per pool, mapped in pages of 2 MiB (small pool) or ``large_segment_size`` (large)."""
-    roundup_power2_divisions: int = 0
-    """Round requests up to this many steps per power-of-two interval (0: off); one value for all sizes."""
-    capacity_bytes: int | None = None
-    """Device memory the segments must fit in: beyond it cached segments are released, then an OOM is counted.
-    ``None``: unlimited (no OOM, no release)."""
-    max_non_split_rounding_size: int = LARGE_BUFFER
-    """Bytes an oversize block may exceed an oversize request by (``max_non_split_rounding_mb``)."""
-    large_segment_size: int = LARGE_BUFFER
-    """Segment of a 1-10 MiB request and large-pool page of expandable segments (``large_segment_size_mb``)."""
-
-    def __post_init__(self) -> None:
-        for name, least in (("max_split_size", LARGE_BUFFER), ("max_non_split_rounding_size", LARGE_BUFFER),
-                            ("large_segment_size", MIN_LARGE_ALLOC + 1), ("capacity_bytes", 1)):
-            value = getattr(self, name)
-            if value is not None and value < least:
-                raise ValueError(f"{name} must be at least {least} bytes, got {value}")
-        if self.roundup_power2_divisions < 0 or self.roundup_power2_divisions & (self.roundup_power2_divisions - 1):
-            raise ValueError(f"roundup_power2_divisions {self.roundup_power2_divisions} must be 0 (off) or a power "
-                             "of two")
-
-    @classmethod
-    def parse(cls, text: str) -> AllocatorConfig:
-        """Read a ``PYTORCH_CUDA_ALLOC_CONF`` string (``AcceleratorAllocatorConfig::parseArgs``).
-
-        Args:
-            text: comma-separated ``key:value`` pairs. Options that change nothing here (``pinned_*``,
-                ``garbage_collection_threshold``, ``release_lock_on_cudamalloc``, ...) are accepted and ignored.
-
-        Returns:
-            The config; ``capacity_bytes`` stays ``None`` (set it with :func:`dataclasses.replace`).
-
-        Raises:
-            ValueError: an unknown option, a missing or bad value, or one the replay cannot honour; the message
-                names the option and what to write instead.
-
-        Example::
-
-            >>> AllocatorConfig.parse("roundup_power2_divisions:4").roundup_power2_divisions
-            4
-        """
-        fields: dict[str, int | bool] = {}
-        for item in filter(None, (part.strip() for part in text.split(","))):
-            key, colon, value = (word.strip() for word in item.partition(":"))
-            if key == "per_process_memory_fraction":
-                raise ValueError("per_process_memory_fraction is not read by the replay: set "
-                                 "AllocatorConfig.capacity_bytes to that fraction of the device memory instead")
-            if key not in _KEYS:
-                raise ValueError(f"unknown allocator option {key!r}; known options: {', '.join(_KEYS)}")
-            if not colon or not value:
-                raise ValueError(f"allocator option {key!r} has no value; write {key}:<value>")
-            if value.startswith("["):
-                example = "4" if key == "roundup_power2_divisions" else "<value>"
-                raise ValueError(f"{key}: a [list] value is not modelled; give one value for all sizes, e.g. "
-                                 f"{key}:{example}")
-            if key in _MB_KEYS:
-                name, least = _MB_KEYS[key]
-                if not value.isdigit() or int(value) < least:
-                    raise ValueError(f"allocator option {key} must be a whole number of MiB >= {least}, got "
-                                     f"{value!r}; e.g. {key}:{max(least, 128)}")
-                fields[name] = int(value) * MIB
-            elif key == "roundup_power2_divisions":
-                n = int(value) if value.isdigit() else 0
-                if n == 0 or n & (n - 1):  # parseRoundUpPower2Divisions: llvm::isPowerOf2_64
-                    raise ValueError(f"roundup_power2_divisions must be a power of two, got {value!r}; e.g. "
-                                     "roundup_power2_divisions:4")
-                fields[key] = n
-            elif key == "expandable_segments":
-                if value not in ("True", "False"):  # ConfigTokenizer::toBool
-                    raise ValueError(f"expandable_segments must be True or False (capitalised), got {value!r}")
-                fields[key] = value == "True"
-            elif key == "backend" and value != "native":
-                raise ValueError(f"backend:{value} is not replayed, only the native caching allocator; drop the "
-                                 "option or write backend:native")
-        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -299,6 +201,79 @@ class _Replayer:
             if dst.next is not None:
                 dst.next.prev = dst
         dst.size += src.size
+
+    def run(self, order: Sequence[int], sizes: Sequence[int]) -> None:
+        """Replay ``order`` (row ``i``: allocate ``sizes[i]``; ``~i``: free row ``i``'s block). Without expandable
+        segments or power-of-two rounding, :meth:`malloc` and :meth:`free` are inlined here (the same steps: best
+        fit, split, merge; a new segment through :meth:`_alloc_new`), as a job's ranks replay tens of thousands of
+        events each."""
+        live: list[_Block] = [None] * len(sizes)  # type: ignore[list-item]  # each row's block, set before its free
+        if self.expandable or self.cfg.roundup_power2_divisions > 1:
+            malloc, release = self.malloc, self.free
+            for e in order:
+                if e >= 0:
+                    live[e] = malloc(sizes[e])
+                else:
+                    release(live[~e])
+            return
+        small, large, at = self.small, self.large, self.at
+        mss, limit = self.mss, self.cfg.max_non_split_rounding_size
+        allocated, peak = self.allocated, self.peak_allocated
+        for e in order:
+            if e >= 0:  # malloc
+                size = (sizes[e] + 511) & -MIN_BLOCK_SIZE  # round_size (rows of 0 bytes are left out)
+                pool = small if size <= SMALL_SIZE else large
+                keys = pool.keys
+                i = bisect_left(keys, size << _SHIFT)
+                b = None
+                if i < len(keys):  # _get_free_block: best fit, unless max_split_size keeps it for others
+                    key = keys[i]
+                    have = key >> _SHIFT
+                    if not (have >= mss > size or size >= mss and have >= size + limit):
+                        del keys[i]
+                        b = at.pop(key & _MASK)
+                grew = b is None
+                if grew:
+                    b = self._alloc_new(pool, size)
+                remaining = b.size - size
+                if remaining >= MIN_BLOCK_SIZE if pool is small else size < mss and remaining > SMALL_SIZE:
+                    block = _Block(b.addr, size, pool).splice(b.prev, b)
+                    b.addr += size
+                    b.size = remaining
+                    insort(keys, remaining << _SHIFT | b.addr)
+                    at[b.addr] = b
+                    b = block
+                b.allocated = True
+                allocated += b.size
+                if allocated > peak:
+                    peak, self.reserved_at_peak_allocated = allocated, self.reserved
+                if grew and self.new_peak:
+                    self.new_peak = False
+                    self.fragmentation = self.reserved - allocated
+                    self.largest_free = max((p.keys[-1] >> _SHIFT for p in (small, large) if p.keys), default=0)
+                live[e] = b
+            else:  # free: merge with free neighbours (_try_merge), back into the pool
+                b = live[~e]
+                b.allocated = False
+                allocated -= b.size
+                keys = b.pool.keys
+                p = b.prev
+                if p is not None and not p.allocated:
+                    del keys[bisect_left(keys, p.size << _SHIFT | p.addr)], at[p.addr]
+                    b.addr, b.prev = p.addr, p.prev
+                    if p.prev is not None:
+                        p.prev.next = b
+                    b.size += p.size
+                p = b.next
+                if p is not None and not p.allocated:
+                    del keys[bisect_left(keys, p.size << _SHIFT | p.addr)], at[p.addr]
+                    b.next = p.next
+                    if p.next is not None:
+                        p.next.prev = b
+                    b.size += p.size
+                insort(keys, b.size << _SHIFT | b.addr)
+                at[b.addr] = b
+        self.allocated, self.peak_allocated = allocated, peak
 
     def malloc(self, nbytes: int) -> _Block:
         """``malloc``: round, take a cached block or make a segment, split (``alloc_found_block``)."""
@@ -547,25 +522,67 @@ def replay(nbytes: Sequence[int], alloc_at: Sequence[int], free_at: Sequence[int
             order[a] = i
             if f != -1:
                 order[f] = ~i
+    return _run(sizes, [e for e in order if e is not None], config)
+
+
+def _run(sizes: Sequence[int], order: Sequence[int], config: AllocatorConfig | None) -> ReplayResult:
     r = _Replayer(config or AllocatorConfig())
-    live: list[_Block] = [None] * n  # type: ignore[list-item]  # each row's block, set before its free
-    malloc, release = r.malloc, r.free
-    for e in order:
-        if e is None:
-            continue
-        if e >= 0:
-            live[e] = malloc(sizes[e])
-        else:
-            release(live[~e])
+    collecting = gc.isenabled()
+    gc.disable()  # the blocks link to each other: the collector would walk them again and again, finding nothing
+    try:
+        r.run(order, sizes)
+    finally:
+        if collecting:
+            gc.enable()
     return ReplayResult(r.peak_allocated, r.peak_reserved, r.reserved_at_peak_allocated, r.fragmentation,
                         r.largest_free, r.segments, r.num_ooms, r.reserved)
+
+
+def event_order(nbytes: Sequence[int], alloc_at: Sequence[int], free_at: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The allocations and frees of rows that may share an event, in the order a replay runs them.
+
+    A job's rank allocates its model state together at event 0 (:mod:`remat.parallel.job_predict`): rows share
+    events there. Events run in number order; within one, its frees first, then its allocations, each in row order
+    (so the bytes allocated after each event are the timeline's). 0-byte rows are left out.
+
+    Args:
+        nbytes, alloc_at, free_at: as for :func:`replay`, events may be shared.
+
+    Returns:
+        ``(sizes, order)``: the rows' bytes as ints, and the steps: ``i`` allocates row ``i``, ``~i`` frees it.
+
+    Raises:
+        ValueError: rows of different lengths, a negative size or event, or a free that is not after its allocation.
+
+    Example::
+
+        >>> event_order([512, 1024, 2048], [0, 0, 1], [1, -1, -1])[1]  # row 0 is freed before row 2 is allocated
+        [0, 1, -1, 2]
+    """
+    nb, alloc, free = (np.asarray(v, dtype=np.int64).reshape(-1) for v in (nbytes, alloc_at, free_at))
+    n = len(nb)
+    if len(alloc) != n or len(free) != n:
+        raise ValueError(f"nbytes, alloc_at and free_at need one entry per row; got {n}, {len(alloc)}, {len(free)}")
+    bad = np.flatnonzero((nb < 0) | (alloc < 0) | ((free != -1) & (free <= alloc)))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"row {i}: nbytes {nb[i]} and alloc_at {alloc[i]} must not be negative, and free_at "
+                         f"{free[i]} must be after alloc_at (or -1 for never freed)")
+    rows = np.flatnonzero(nb > 0)
+    freed = rows[free[rows] != -1]
+    steps = np.concatenate([rows, ~freed])
+    # key: event, then frees (0) before allocations (1), then row
+    first = np.lexsort((np.concatenate([rows, freed]), np.concatenate([np.ones_like(rows), np.zeros_like(freed)]),
+                        np.concatenate([alloc[rows], free[freed]])))
+    return nb.tolist(), steps[first].tolist()
 
 
 def replay_timeline(timeline: Timeline, config: AllocatorConfig | None = None) -> ReplayResult:
     """Replay a :class:`~remat.timeline.Timeline`, or any object with ``nbytes``, ``alloc_at`` and ``free_at``.
 
     Args:
-        timeline: the allocations, one row each (see :func:`replay`).
+        timeline: the allocations, one row each (see :func:`replay`); rows may share an event (:func:`event_order`:
+            its frees first, then its allocations).
         config: allocator options and device capacity.
 
     Returns:
@@ -577,4 +594,5 @@ def replay_timeline(timeline: Timeline, config: AllocatorConfig | None = None) -
         >>> replay_timeline(SimpleNamespace(nbytes=[1], alloc_at=[0], free_at=[-1])).peak_reserved // MIB
         2
     """
-    return replay(timeline.nbytes, timeline.alloc_at, timeline.free_at, config)
+    sizes, order = event_order(timeline.nbytes, timeline.alloc_at, timeline.free_at)
+    return _run(sizes, order, config)

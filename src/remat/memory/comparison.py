@@ -120,7 +120,8 @@ def available_memory(device: str | torch.device = "cpu") -> int | None:
 
 
 def check_fits(need: int, device: str | torch.device = "cpu", *, what: str = "measuring",
-               fix: str = "use a smaller model, or 'remat predict' alone", config: ModelConfig | None = None) -> None:
+               fix: str = "use a smaller model, or 'remat predict' alone", config: ModelConfig | None = None,
+               basis: str = "the largest predicted peak") -> None:
     """Refuse to measure a run that needs more than :data:`MEMORY_SHARE` of the memory available on ``device``;
     do nothing when the available memory cannot be told.
 
@@ -130,6 +131,7 @@ def check_fits(need: int, device: str | torch.device = "cpu", *, what: str = "me
         what: the run, as the message's subject.
         fix: what the message tells the user to do instead.
         config: the model, kept on the error for the caller to name its flags.
+        basis: how ``need`` was found, said in the message.
 
     Raises:
         MemoryCheckError: ``'<what> needs about <need> (the largest predicted peak) but <available> is available
@@ -143,7 +145,7 @@ def check_fits(need: int, device: str | torch.device = "cpu", *, what: str = "me
     """
     available = available_memory(device)
     if available is not None and need > MEMORY_SHARE * available:
-        raise MemoryCheckError(f"{what} needs about {format_bytes(need)} (the largest predicted peak) but "
+        raise MemoryCheckError(f"{what} needs about {format_bytes(need)} ({basis}) but "
                                f"{format_bytes(available)} is available on {torch.device(device)}: {fix}",
                                need, available, config)
 

@@ -34,9 +34,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from remat.config import DTYPES
 from remat.job import Job
-from remat.memory.rank_state import BufferLayout, ParamInfo, RankState
+from remat.memory.rank_state import BufferLayout, ParamInfo, RankState, shard_elements_of
 from remat.timeline import Timeline
 
 GATHER_MODULE = "fsdp.unsharded_params"  # a unit's all-gathered weights
@@ -175,8 +177,12 @@ def fsdp_rank_state(job: Job, params: list[ParamInfo]) -> tuple[RankState, list[
     def held(g: FsdpGroup, sharded: bool) -> int:
         return g.shard if sharded and g.shards > 1 else g.size  # is_data_distributed needs a group > 1 (2640)
 
-    ranks = max((g.shards for g in groups), default=1)
-    elements, best = max((sum(g.shard_elements(r % g.shards) for g in groups), r) for r in range(ranks))
+    # every rank at once (a job may have a million), and as max() of (elements, rank): the last of the fullest
+    ranks = np.arange(max((g.shards for g in groups), default=1), dtype=np.int64)
+    per_rank = sum((shard_elements_of(BufferLayout(g.size, g.numel, ((0, g.size),), g.items), g.shards,
+                                      ranks % g.shards) for g in groups), np.zeros(len(ranks), dtype=np.int64))
+    best = int(np.flatnonzero(per_rank == per_rank.max())[-1])
+    elements = int(per_rank[best])
     n = sum(g.numel for g in groups)
     p_size = DTYPES[prec].itemsize
     weight = sum(held(g, weights_sharded) for g in groups)

@@ -20,14 +20,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from remat.config import ModelConfig
 from remat.memory.fake_keys import fast_cache_keys
 from remat.memory.kernels import UntranslatedObserver
+from remat.memory.step_checks import Batch, check_loss, check_real_step, check_reference_batch, check_step, loss_of
+from remat.memory.step_checks import MeasureError as MeasureError  # re-exported (remat.MeasureError)
 from remat.models.tensor_parallel import TPGPT
 from remat.recompute.apply import applied, find_layer_stack
 from remat.recompute.engines import add_observer, in_backward, remove_observer
 from remat.recompute.region import Region
 from remat.timeline import Phase, Timeline
 from remat.units import CUDA_BLOCK
-
-Batch = Sequence[Any] | dict[str, Any]
 
 
 def _cpu_flash_forward_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
@@ -44,6 +44,7 @@ def _cpu_flash_backward_flops(grad_out: torch.Tensor, query: torch.Tensor, key: 
 # attention on CPU), counted as its other attention kernels are.
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = dict(flop_registry)
 _DEVICE_QUERY = torch.ops.prim.device.default  # what reading tensor.device dispatches to under a mode
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default  # torch.tensor(data) under a mode
 # argument types that are pytree leaves and never tensors: an argument list of these and tensors is its own flattening
 _PLAIN_ARGS = frozenset((int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
                          torch.memory_format))
@@ -87,75 +88,6 @@ def _ceil_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-class MeasureError(ValueError):
-    """A training step that cannot be measured or predicted as given; the message says what to change."""
-
-
-def loss_of(output: Any) -> torch.Tensor:
-    """The scalar loss in a model's output: a tensor, or an object/dict with ``loss`` (Hugging Face)."""
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", output)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise MeasureError("the model's output is not a scalar loss: return the loss from forward, or pass "
-                           "loss_fn=lambda output, batch: ... to measure/predict")
-    return loss
-
-
-def check_step(model: Any, batch: Any, who: str = "measure") -> None:
-    """Refuse, before anything runs, a step that cannot be recorded: ``model`` not a module or without trainable
-    parameters, gradients disabled, ``batch`` not a tuple/list/dict. ``who`` names the caller in the messages."""
-    if not isinstance(model, nn.Module):
-        raise MeasureError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
-    params = list(model.parameters())
-    name = type(model).__name__
-    if not params:
-        raise MeasureError(f"{who}: {name} has no parameters, so a training step has nothing to train: give the "
-                           "model whose step you want to measure (its parameters, gradients and activations)")
-    if not any(p.requires_grad for p in params):
-        raise MeasureError(f"{who}: every parameter of {name} has requires_grad=False (frozen), so backward "
-                           "computes nothing: unfreeze what you train (p.requires_grad_(True)) before measuring")
-    if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
-        raise MeasureError(f"{who}: gradients are disabled here (torch.no_grad() or torch.inference_mode()), but a "
-                           "training step runs backward: call it outside that block")
-    if not isinstance(batch, (tuple, list, dict)):
-        raise MeasureError(f"{who}: batch must be a tuple or list of the model's positional inputs or a dict of "
-                           f"its keyword inputs, got {type(batch).__name__}: e.g. batch=(tokens, labels)")
-
-
-def check_reference_batch(config: ModelConfig, batch: Batch, who: str = "measure", exact_shape: bool = False) -> None:
-    """Refuse a batch the reference GPT of ``config`` cannot take: ``(tokens, labels)``, integer tensors of the
-    same shape ``[micro_batch, seq]`` (seq at most ``config.seq_length`` with learned positions; exactly
-    ``[micro_batch_size, seq_length]`` with ``exact_shape``, as a tensor-parallel rank needs) whose ids are in
-    ``[0, vocab_size)``. The ids are read, so call it on real tensors only."""
-    want = ("(tokens, labels): two integer tensors of shape [micro_batch, seq], e.g. "
-            "remat.models.sample_batch(config)")
-    if isinstance(batch, dict):
-        values = [batch.get("tokens"), batch.get("labels")] if set(batch) == {"tokens", "labels"} else [*batch.values()]
-    else:
-        values = list(batch)
-    if len(values) != 2 or not all(isinstance(t, torch.Tensor) for t in values):
-        raise MeasureError(f"{who}: batch must be {want} for the reference GPT; got {len(values)} item(s)")
-    tokens, labels = values
-    for label, t in (("tokens", tokens), ("labels", labels)):
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise MeasureError(f"{who}: batch {label} are {t.dtype}, not token ids: the reference GPT takes {want}")
-        if t.dim() != 2 or t.numel() == 0:
-            raise MeasureError(f"{who}: batch {label} have shape {list(t.shape)}; the reference GPT takes {want}")
-    if tokens.shape != labels.shape:
-        raise MeasureError(f"{who}: batch tokens {list(tokens.shape)} and labels {list(labels.shape)} differ in "
-                           "shape: labels are the tokens shifted by one, of the same shape")
-    if exact_shape and tuple(tokens.shape) != (config.micro_batch_size, config.seq_length):
-        raise MeasureError(f"{who}: batch shape {list(tokens.shape)} is not [micro_batch_size, seq_length] = "
-                           f"[{config.micro_batch_size}, {config.seq_length}], which a tensor-parallel rank needs: "
-                           "use remat.models.sample_batch(config)")
-    if config.position == "learned" and tokens.shape[1] > config.seq_length:
-        raise MeasureError(f"{who}: batch sequence length {tokens.shape[1]} exceeds seq_length={config.seq_length}, "
-                           "the learned position table's size: cut the batch or raise seq_length")
-    for label, t in (("tokens", tokens), ("labels", labels)):
-        low, high = int(t.min()), int(t.max())
-        if low < 0 or high >= config.vocab_size:
-            bad = low if low < 0 else high
-            raise MeasureError(f"{who}: batch {label} hold id {bad}, outside the vocabulary [0, {config.vocab_size}) "
-                               "(vocab_size): use ids below vocab_size, or raise vocab_size")
 
 
 def run_model(model: nn.Module, batch: Batch) -> Any:
@@ -254,6 +186,10 @@ class StepRecorder(TorchDispatchMode):
             if type(tensor) is FakeTensor and _fake_mode_alone_below(tensor):
                 return tensor.fake_device  # what the fake mode's handler answers, without a second dispatch
             return func(*args)
+        if func is _LIFT_FRESH:  # torch.tensor(...): in a fake trace its fake copy stands for the real step's tensor
+            out = func(*args, **(kwargs or {}))
+            self.track(out if type(out) is FakeTensor else args[0])
+            return out
         kwargs = kwargs or {}
         for leaf in _tensors_in(args) if not kwargs else tree_flatten((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor):  # storages made outside any operator (RNG states, ...)
@@ -478,6 +414,7 @@ def _record(recorder: StepRecorder, model: nn.Module, batch: Batch, optimizer: t
         recorder.set_phase("forward", "embedding")
         output = run_model(model, batch)
         loss = loss_fn(output, batch) if loss_fn is not None else loss_of(output)
+        check_loss(loss, loss_fn is not None)
         del output
         recorder.set_phase("backward", "head")
         loss.backward()
@@ -545,9 +482,11 @@ def measure(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimizer 
         ``saved_activations`` allocated when its group comes back.
 
     Raises:
-        MeasureError: a model that is not a module, has no trainable parameters, is run with gradients disabled
-            (``torch.no_grad()``), a batch that is not a tuple/list/dict, or a reference-GPT batch of the wrong
-            shape, dtype or with ids outside the vocabulary; an output that is not a scalar loss.
+        MeasureError: a model that is not a module, has no trainable parameters, is on the meta device or in eval
+            mode, is run with gradients disabled (``torch.no_grad()``), a batch that is not a tuple/list/dict, or a
+            reference-GPT batch of the wrong shape, dtype or with ids outside the vocabulary; an ``optimizer`` that
+            is not a ``torch.optim.Optimizer``, a ``loss_fn`` that is not callable; a loss that is not a scalar
+            tensor requiring grad.
 
     Example::
 
@@ -562,6 +501,7 @@ def measure(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimizer 
         ('full/uniform/1', True)
     """
     check_step(model, batch, "measure")
+    check_real_step(model, optimizer, loss_fn)
     config = getattr(model, "config", None)
     if isinstance(config, ModelConfig) and loss_fn is None:
         check_reference_batch(config, batch, "measure", exact_shape=isinstance(model, TPGPT))

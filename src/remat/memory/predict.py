@@ -14,7 +14,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from remat.config import ModelConfig, RoutingAssumption
+from remat.config import ConfigError, ModelConfig, RoutingAssumption
 from remat.memory import disk_cache
 from remat.memory.compose import (
     CompositionError,
@@ -30,12 +30,13 @@ from remat.memory.compose import (
     shallow_stand_ins_of_kinds,
 )
 from remat.memory.disk_cache import cached_timeline
+from remat.memory.fake_ops import cpu_fake_ops
 from remat.memory.kernels import kernel_trace, prepare_model, resolve_kernels, use_kernels
 from remat.memory.measure import Batch, MeasureError, check_step, record_step
 from remat.memory.trace_pool import run_forked
 from remat.models.gpt import build_model, sample_batch
 from remat.models.tensor_parallel import SimulatedGroup, build_tp_model, check_tensor_parallel
-from remat.policy import Policy
+from remat.policy import Policy, PolicyError
 from remat.recompute.apply import apply
 from remat.recompute.hf import fake_mask_reads
 from remat.recompute.region import RecomputeLayout
@@ -153,8 +154,9 @@ def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "
         composed, ``composed_from``.
 
     Raises:
-        PolicyError: a policy that does not parse or does not fit the depth.
-        ConfigError: a ``tp``/``sp`` that does not divide the config (naming the field).
+        PolicyError: a policy that does not parse, is not a policy, or does not fit the depth.
+        ConfigError: ``config`` not a :class:`ModelConfig`; a ``tp``/``sp`` that does not divide the config (naming
+            the field).
 
     Example::
 
@@ -167,8 +169,8 @@ def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "
     if kernels is not None:  # the profile of every trace below (remat.memory.kernels.use_kernels)
         with use_kernels(kernels):
             return predict_config(config, policy, device=device, tp=tp, sp=sp, compose_layers=compose_layers)
-    if isinstance(policy, str):
-        policy = Policy.parse(policy)
+    check_config(config, "predict_config")
+    policy = as_policy(policy, "policy")
     policy.layer_groups(config.num_layers)  # refuses k > depth, naming the depth
     check_tensor_parallel(config, tp, sp)
     # MoE stacks that mix dense and MoE layers compose from shallow stacks that mix them too; MoE layers given
@@ -185,6 +187,22 @@ def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "
         return _composed(config, policy, kinds, lambda: _shallow_trace(small_config, shallow_policy, device, tp, sp),
                          device, tp, sp)
     return trace_rank(config, policy, device, tp, sp)
+
+
+def check_config(config: object, who: str) -> None:
+    """Refuse a ``config`` that is not a :class:`ModelConfig` (``who`` names the function)."""
+    if not isinstance(config, ModelConfig):
+        raise ConfigError(f"{who}(config={config!r:.40}): give a remat.ModelConfig, e.g. ModelConfig(num_layers=8) "
+                          "or remat.presets.get_preset('gpt-small')")
+
+
+def as_policy(value: object, argument: str) -> Policy:
+    """``value`` as a :class:`Policy` (its short form parsed); anything else is refused naming ``argument``."""
+    if isinstance(value, str):
+        return Policy.parse(value)
+    if not isinstance(value, Policy):
+        raise PolicyError(f"{argument}={value!r:.60}: give a remat.Policy or its short form, e.g. 'full/uniform/1'")
+    return value
 
 
 def _composed(config: ModelConfig, policy: Policy, kinds: tuple[str, ...] | None, shallow: Callable[[], ShallowTrace],
@@ -277,7 +295,11 @@ def predict_many(config: ModelConfig, policies: Iterable[Policy | str], *, devic
         >>> peaks[1] < peaks[0]
         True
     """
-    policies = [Policy.parse(p) if isinstance(p, str) else p for p in policies]
+    check_config(config, "predict_many")
+    if isinstance(policies, (str, Policy)) or not isinstance(policies, Iterable):
+        raise PolicyError(f"predict_many(policies={policies!r:.60}): give a list of policies, e.g. ['none', "
+                          "'full/uniform/1'] (one policy: predict_config)")
+    policies = [as_policy(p, f"policies[{i}]") for i, p in enumerate(policies)]
     prepare_shallow_traces(config, policies, device=device, tp=tp, sp=sp)
     return [predict_config(config, policy, device=device, tp=tp, sp=sp) for policy in policies]
 
@@ -428,7 +450,8 @@ def trace(model: ModelSource, policy: Policy | str, *, batch: Batch | Callable[[
             raise MeasureError("predict(factory, ...) needs batch=: the model's inputs (real tensors, or a function "
                                "that makes them)")
     profile = resolve_kernels(kernels, device)  # remat.memory.kernels: the CUDA/TE kernels' saved tensors
-    with FakeTensorMode(allow_non_fake_inputs=False) as fake_mode, kernel_trace(profile) as kernel_record:
+    with FakeTensorMode(allow_non_fake_inputs=False) as fake_mode, kernel_trace(profile) as kernel_record, \
+            cpu_fake_ops(fake_mode):  # torch._grouped_mm as its CPU kernel runs (remat.memory.fake_ops)
         module = factory()
         if not isinstance(module, nn.Module):
             raise MeasureError(f"predict(model=...): the factory returned {type(module).__name__}, not a "

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -200,6 +201,29 @@ def shard_elements(layout: BufferLayout, dp_size: int, dp_rank: int) -> int:
     return total
 
 
+def shard_elements_of(layout: BufferLayout, dp_size: int, dp_ranks: np.ndarray) -> np.ndarray:
+    """:func:`shard_elements` of every data-parallel rank in ``dp_ranks`` at once (an int64 array), in time that
+    grows with the number of parameters and ranks, not their product (a job may have a million ranks)."""
+    ranges = np.array(sorted(layout.params), dtype=np.int64).reshape(-1, 2)
+    starts, lengths = ranges[:, 0], ranges[:, 1] - ranges[:, 0]
+    if len(ranges) > 1 and np.any(starts[1:] < ranges[:-1, 1]):  # overlapping ranges (never laid out so): one by one
+        return np.array([shard_elements(layout, dp_size, int(r)) for r in dp_ranks], dtype=np.int64)
+    before = np.concatenate(([0], np.cumsum(lengths)))  # parameter elements of the ranges before range i
+
+    def below(x: np.ndarray) -> np.ndarray:  # parameter elements at positions < x
+        i = np.searchsorted(starts, x, side="left")  # ranges starting before x; all but the last end before it
+        last = np.clip(i - 1, 0, None)
+        partial = np.minimum(x - starts[last], lengths[last]) if len(starts) else np.zeros_like(x)
+        return np.where(i > 0, before[last] + partial, 0)
+
+    total = np.zeros(len(dp_ranks), dtype=np.int64)
+    for b_start, b_end in layout.buckets:
+        size = (b_end - b_start) // dp_size
+        lo = b_start + dp_ranks * size
+        total += below(lo + size) - below(lo)
+    return total
+
+
 def chunk_layouts(job: Job, params: Sequence[ParamInfo], *, bucketed: bool) -> list[BufferLayout]:
     """One model chunk's buffers: the dense parameters' over the data-parallel (x cp) ranks, then, under expert
     parallelism, the experts' over the expert data-parallel ranks (NOTE [expert parameters]).
@@ -298,18 +322,36 @@ def rank_state(job: Job, chunks: Sequence[Sequence[ParamInfo]], *, pipeline_rank
     padded = sum(lay.numel for lay in layouts)
     # tp rank 0 of each dense shard; a given ep_rank may sit at another tp rank only (etp < tp: the expert ranks
     # run through the tensor-parallel ones), so then every rank of the stage is a candidate
-    candidates = [expert_position(job, g) for g in range(0, job.tp * job.cp * job.dp, 1 if ep_rank is not None
-                                                             else job.tp)]
-    candidates = [c for c in candidates if ep_rank is None or c[1] == ep_rank]
-    if not dist:
-        candidates = candidates[:1]
+    # (every candidate at once, as arrays: a job may have a million data-parallel ranks)
+    g = np.arange(0, job.tp * job.cp * job.dp, 1 if ep_rank is not None else job.tp, dtype=np.int64)
+    dense, expert = g // job.tp, g // job.expert_tp  # expert_position's arithmetic
+    ep_of, edp = expert % job.ep, expert // job.ep
+    keep = np.flatnonzero(ep_of == ep_rank) if ep_rank is not None else np.arange(len(g))
+    keep = keep[:1] if not dist else keep
+    dense, ep_of, edp = dense[keep], ep_of[keep], edp[keep]
     master = 4 if job.precision != "fp32" and job.optimizer != "none" else 0
     state = {"adam": 8, "sgd": 4 if job.sgd_momentum > 0 else 0, "muon": 8, "none": 0}[job.optimizer]
+
+    def held(muon_only: bool) -> np.ndarray:  # rank_shard_elements / muon_shard_elements of every candidate
+        out = np.zeros(len(keep), dtype=np.int64)
+        for lay in layouts:
+            if muon_only and not lay.muon_numel:
+                continue
+            if not dist:
+                out += lay.muon_numel if muon_only else lay.numel_unpadded
+            else:
+                shards = expert_shards(job) if lay.expert else dense_shards(job)
+                out += shard_elements_of(lay, shards, (edp if lay.expert else dense) % shards)
+        return out
+
     # Muon keeps 4 bytes (its momentum) where the scalar Adam keeps 8: price the rank with the most state bytes
-    held = [(rank_shard_elements(job, layouts, c[0], c[2]), muon_shard_elements(job, layouts, c[0], c[2]), c)
-            for c in candidates]
-    elements, muon_elements, (best_rank, best_ep, best_edp) = max(
-        held, key=lambda item: ((master + state) * item[0] - 4 * item[1], item[0]))
+    # (the first such, in rank order; then the one with the most elements)
+    all_elements, all_muon = held(False), held(True)
+    key = (master + state) * all_elements - 4 * all_muon
+    tied = np.flatnonzero(key == key.max())
+    best = int(tied[np.argmax(all_elements[tied])])
+    elements, muon_elements = int(all_elements[best]), int(all_muon[best])
+    best_rank, best_ep, best_edp = int(dense[best]), int(ep_of[best]), int(edp[best])
     p_size = size[job.param_dtype]
     return RankState(num_parameters=n, parameters=n * p_size, parameter_padding=(padded - n) * p_size if dist else 0,
                      gradients=padded * size[job.main_grad_dtype], master_parameters=master * elements,

@@ -7,15 +7,21 @@ gives. :func:`reserved_figures` replays a timeline through :mod:`remat.memory.al
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import asdict
 from typing import Any
 
+import numpy as np
+
 from remat.config import ModelConfig
-from remat.memory.allocator import AllocatorConfig, replay_timeline
+from remat.memory import disk_cache
+from remat.memory.allocator import AllocatorConfig, ReplayResult, replay_timeline
 from remat.memory.kernels import resolve_kernels
 from remat.memory.predict import predict_config
 from remat.timeline import Timeline
 from remat.units import format_bytes
 
+CACHE_KIND = "allocator_replay"
 REPLAY_NOTE = ("a replay of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp rules: 512-byte "
                "rounding, 2 MiB small-pool and 20 MiB large segments, best-fit block splitting; one stream, no "
                "empty_cache) over the predicted allocations; not a GPU measurement")
@@ -30,9 +36,11 @@ def reserved_figures(timeline: Timeline, config: AllocatorConfig | None = None) 
 
     Returns:
         A JSON-ready dict: ``allocated_peak_bytes`` (the timeline's), ``max_memory_allocated`` and
-        ``max_memory_reserved`` (the replay's), ``fragmentation_at_peak_bytes`` (reserved minus allocated when
-        reserved peaked), ``largest_free_block_bytes`` (at that moment), ``segments`` and ``note`` (what the
-        figures are).
+        ``max_memory_reserved`` (the replay's), ``overhead_bytes`` (``max_memory_reserved`` minus
+        ``allocated_peak_bytes``: what the allocator adds to the allocated peak), ``fragmentation_at_peak_bytes``
+        (reserved minus allocated when reserved peaked), ``largest_free_block_bytes`` (at that moment),
+        ``segments`` (cudaMalloc calls), ``alloc_conf`` (the options replayed, as ``PYTORCH_CUDA_ALLOC_CONF``
+        writes them; ``''``: PyTorch's defaults) and ``note`` (what the figures are).
 
     Example::
 
@@ -41,16 +49,59 @@ def reserved_figures(timeline: Timeline, config: AllocatorConfig | None = None) 
         >>> reserved_figures(tl)["max_memory_reserved"] >> 20  # a 3 MiB block takes a 20 MiB segment
         20
     """
-    result = replay_timeline(timeline, config)
+    return _figures(timeline, cached_replay(timeline, config), config)
+
+
+def stored_figures(timeline: Timeline, config: AllocatorConfig | None = None) -> dict[str, Any] | None:
+    """:func:`reserved_figures` when the disk cache holds the replay already (:func:`cached_replay`), else None:
+    nothing is replayed."""
+    result = _stored(_cache_key(timeline, config))
+    return None if result is None else _figures(timeline, result, config)
+
+
+def _figures(timeline: Timeline, result: ReplayResult, config: AllocatorConfig | None) -> dict[str, Any]:
+    allocated = int(timeline.peak_bytes)
     return {
-        "allocated_peak_bytes": int(timeline.peak_bytes),
+        "allocated_peak_bytes": allocated,
         "max_memory_allocated": result.peak_allocated,
         "max_memory_reserved": result.peak_reserved,
+        "overhead_bytes": result.peak_reserved - allocated,
         "fragmentation_at_peak_bytes": result.fragmentation_at_peak,
         "largest_free_block_bytes": result.largest_free_block_at_peak,
         "segments": result.segments,
+        "alloc_conf": (config or AllocatorConfig()).text(),
         "note": REPLAY_NOTE,
     }
+
+
+def cached_replay(timeline: Timeline, config: AllocatorConfig | None = None) -> ReplayResult:
+    """:func:`~remat.memory.allocator.replay_timeline`, kept in the disk cache (:mod:`remat.memory.disk_cache`) under
+    a digest of the timeline's rows and the options: a job's ranks take a second or so to replay, and a command run
+    again predicts the same timelines."""
+    key = _cache_key(timeline, config)
+    result = _stored(key)
+    if result is None:
+        result = replay_timeline(timeline, config)
+        disk_cache.store(CACHE_KIND, key, result.to_dict())
+    return result
+
+
+def _cache_key(timeline: Timeline, config: AllocatorConfig | None) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    for values in (timeline.nbytes, timeline.alloc_at, timeline.free_at):
+        digest.update(np.asarray(values, dtype=np.int64).tobytes())
+        digest.update(b"|")
+    return {"rows": digest.hexdigest(), "options": asdict(config or AllocatorConfig())}
+
+
+def _stored(key: dict[str, Any]) -> ReplayResult | None:
+    stored = disk_cache.load(CACHE_KIND, key)
+    if isinstance(stored, dict):
+        try:
+            return ReplayResult(**stored)
+        except TypeError:  # an entry of another layout: replayed again
+            pass
+    return None
 
 
 def format_reserved(figures: dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ from remat.parallel.chunk_compose import MicrobatchStep, join_microbatches, micr
 from remat.parallel.schedule import ChunkSpec, PipelineError
 from remat.parallel.stages import PipelineRecorder, build_stage_module, gc_paused
 from remat.policy import Policy
+from remat.recompute.activation_offload import offloading_last_groups
 from remat.recompute.apply import apply
 from remat.recompute.plan_format import Plan
 from remat.timeline import Timeline
@@ -101,7 +102,7 @@ def traced_whole() -> Iterator[None]:
 def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy | Plan | str, device: str = "cpu",
                 tp: int = 1, sp: bool = False, *, batch_in_forward: bool = False,
                 compose_layers: bool = True, kernels: str = "cpu", drop_grads: bool = False,
-                fused_wgrad: bool = False) -> ChunkTrace:
+                fused_wgrad: bool = False, offload_last: frozenset[str] = frozenset()) -> ChunkTrace:
     """Trace (fake) a chunk of ``kind`` = (has the embedding, has the head, layers) under ``policy``: two
     forwards whose outputs are kept, then their two backwards (each given the output gradient); cached.
 
@@ -120,7 +121,9 @@ def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Polic
     ``fused_wgrad``: Megatron's gradient-accumulation fusion on a GPU: TransformerEngine's linears add their weight
     gradients straight into the main grads, so none is made (NOTE [gradient-accumulation fusion] in
     :mod:`remat.memory.wgrad_fusion`: the trace runs those weights without ``requires_grad`` and keeps each fused
-    linear's input saved, as TE does)."""
+    linear's input saved, as TE does). ``offload_last``: offload modules of a policy that offloads whose last layer's
+    group is offloaded too (the forwards of NOTE [which forwards keep their last offload group] in
+    :mod:`remat.parallel.schedule`)."""
     kernels = model_kernels(kernels, config)  # cuda/te of Megatron's local layers: their own kernels
     policy = Policy.parse(policy) if isinstance(policy, str) else policy
     batch_in_forward = batch_in_forward and (kind[0] or kind[1])  # a middle chunk has no batch
@@ -128,15 +131,17 @@ def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Polic
     # the MTP layers after the loss chunk's layers are built as its last layer: a shallow stand-in's may differ
     compose_layers = compose_layers and not (config.mtp_num_layers and kind[1])
     # tp/sp: one tp rank's chunk (models.tp_stage); the simulated expert-parallel rank its MoE layers play
+    offload_last = frozenset(offload_last)
     key = (config, kind, policy, device, tp, sp, batch_in_forward, simulated_expert_rank(), compose_layers, kernels,
-           drop_grads, fused_wgrad)
+           drop_grads, fused_wgrad, offload_last)
     if key not in _TRACES:
         if len(_TRACES) >= _TRACES_CAPACITY:
             del _TRACES[next(iter(_TRACES))]
         composed = (_composed_chunk(config, kind, policy, device, tp, sp, batch_in_forward, kernels, drop_grads,
                                     fused_wgrad) if compose_layers else None)
-        _TRACES[key] = composed or _trace_chunk(config, kind, policy, device, tp, sp, batch_in_forward, kernels,
-                                                drop_grads, fused_wgrad)
+        with offloading_last_groups(offload_last):
+            _TRACES[key] = composed or _trace_chunk(config, kind, policy, device, tp, sp, batch_in_forward, kernels,
+                                                    drop_grads, fused_wgrad)
     return _TRACES[key]
 
 

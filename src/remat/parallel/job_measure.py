@@ -21,6 +21,7 @@ from remat.parallel.job_predict import (
     PARTS,
     JobPrediction,
     RankPrediction,
+    check_microbatches,
     chunk_config,
     parts_at,
     predict_job,
@@ -39,9 +40,10 @@ from remat.parallel.megatron_rank import (
     make_groups,
 )
 from remat.parallel.pipeline_report import peak_error
-from remat.parallel.schedule import partition
+from remat.parallel.schedule import offload_last_groups, partition, schedule_actions
 from remat.parallel.stages import PipelineRecorder, build_stage_module, chunk_policy, gc_paused
 from remat.policy import Policy
+from remat.recompute.activation_offload import offload_modules_of
 from remat.recompute.apply import apply
 from remat.timeline import Timeline
 
@@ -78,6 +80,7 @@ def check_measurable(job: Job) -> None:
     for bad, message in refusals:
         if bad:
             raise JobError(message)
+    check_microbatches(job)  # the run is put beside its prediction: refused now, not after the run
 
 
 def measure_job(job: Job, *, timeout: float = DEFAULT_TIMEOUT, seed: int = 0) -> list[Timeline]:
@@ -136,8 +139,9 @@ def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timel
                 DistributedExpertGroup(counts_group) if job.expert_tp * job.ep > 1 else None))
         with experts:
             module = build_tp_stage_module(config, chunk, DistributedGroup(groups[0]), job.sp, seed=spec["seed"])
+    policy = chunk_policy(Policy.parse(policy_text), chunk_config(config, chunk), chunk.num_layers)
     if chunk.num_layers:  # a chunk of only the embedding (or the loss) has no layer to recompute
-        apply(module, chunk_policy(Policy.parse(policy_text), chunk_config(config, chunk), chunk.num_layers))
+        apply(module, policy)
     named_params = list(module.named_parameters())
     params = [p for _, p in named_params]
     tied = []
@@ -164,6 +168,9 @@ def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timel
     add_grad_hooks(params)
     step = RankStep(module, chunk, config, lay, job.num_microbatches, buffers, optimizers, groups, tied,
                     job.distributed_optimizer, spec["seed"], job.sp)
+    modules = frozenset(offload_modules_of(policy) if chunk.num_layers else ())
+    actions = schedule_actions("1f1b", job.pp, job.num_microbatches, 1, lay.pp_rank, runtime="megatron")
+    step.offload_last = {mb: names for (_, mb), names in offload_last_groups(actions, lambda c: modules).items()}
     step.train_step()  # the optimizer's state and gloo's connections exist from now on: not recorded
     recorder = PipelineRecorder(module, [module])
     named = [(GRAD_BUFFER, b.grad_data) for b in buffers] + [(MASTER, t) for o in optimizers for t in o.masters] + [

@@ -24,9 +24,11 @@ from typing import Any
 
 from remat.config import DTYPES, ModelConfig, RoutingAssumption
 from remat.job import Job, JobError
+from remat.memory.alloc_config import AllocatorConfig
 from remat.memory.fsdp_state import add_fsdp_transients, fsdp_rank_state, fsdp_summary
 from remat.memory.kernels import model_kernels, resolve_kernels
 from remat.memory.rank_state import ParamInfo, RankState, rank_parameters, rank_state
+from remat.memory.replay_pool import BackgroundReplays, replay_now
 from remat.memory.wgrad_fusion import MODULE as WGRAD_MODULE
 from remat.memory.wgrad_fusion import dummy_wgrads, output_layer_dummy
 from remat.memory.workspaces import MODULE_ALLGATHER, MODULE_TE, MODULE_TORCH, stage_workspaces
@@ -34,26 +36,28 @@ from remat.models.expert_parallel import received_per_rank
 from remat.models.tp_moe import simulated_expert_groups
 from remat.parallel.chunk_trace import trace_chunk
 from remat.parallel.deferred_wgrad import defer_output_layer_wgrad
-from remat.parallel.pipeline_predict import compose_stage
+from remat.parallel.pipeline_predict import MAX_COMPOSED_MICROBATCHES, compose_stage
 from remat.parallel.pipeline_report import describe_stage
 from remat.parallel.pipeline_runtime import StagePlan
 from remat.parallel.schedule import (
     ChunkSpec,
     check_schedule,
     checkpointed_forwards,
+    offload_last_groups,
     partition,
     rank_chunks,
     schedule_actions,
     warmup_forwards,
 )
 from remat.parallel.stages import BUFFERS, chunk_policy
+from remat.recompute.activation_offload import offload_modules_of
 from remat.recompute.plan_format import Plan
 from remat.timeline import CATEGORIES, Timeline
 from remat.units import CUDA_BLOCK
 
 # What a rank also holds that no prediction here counts; --reserve keeps room for it.
-NOT_COUNTED = ("not counted: the CUDA context and kernels, NCCL's communicator buffers and the caching allocator's "
-               "fragmentation")
+NOT_COUNTED = ("not counted: the CUDA context and kernels, NCCL's communicator buffers and, in the allocated peaks, "
+               "the caching allocator's fragmentation (the reserved figures replay the allocator)")
 PARTS = ("parameters", "gradients", "master_parameters", "optimizer_state", "activations", "communication",
          "workspaces")
 RESIDENT_PARTS = ("parameters", "gradients", "master_parameters", "optimizer_state", "workspaces")
@@ -89,6 +93,9 @@ class RankPrediction:
     ranks: int  # how many ranks hold the same bytes or fewer (the stage's tp x cp x dp ranks)
     state: RankState
     timeline: Timeline
+    # the caching-allocator replay of the step (remat.memory.reserved.reserved_figures: max_memory_reserved, ...);
+    # None: not replayed (a CPU prediction). Set by predict_job (add_reserved).
+    reserved: dict[str, Any] | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -127,10 +134,11 @@ class JobPrediction:
     def rows(self) -> list[dict[str, Any]]:
         """One JSON-ready row per distinct rank, worst first: ``rank``, ``stage``, ``ranks_alike``, ``peak_bytes``,
         ``peak_phase``, the parts at the peak (:data:`PARTS`, each a key of its own, adding up to ``peak_bytes``),
-        ``num_parameters`` and ``dp_shard``."""
+        ``num_parameters``, ``dp_shard`` and ``reserved`` (:func:`add_reserved`'s figures, or None)."""
         return [{"rank": r.rank, "stage": r.stage, "ranks_alike": r.ranks, "peak_bytes": r.peak_bytes,
                  "peak_phase": r.timeline.peak_phase.label, **r.parts,
-                 "num_parameters": r.state.num_parameters, "dp_shard": r.state.dp_rank} for r in self.ranks]
+                 "num_parameters": r.state.num_parameters, "dp_shard": r.state.dp_rank, "reserved": r.reserved}
+                for r in self.ranks]
 
 
 def parts_at(timeline: Timeline, event: int) -> dict[str, int]:
@@ -175,7 +183,8 @@ def job_kernels(kernels: str | None = None) -> str:
 
 
 def predict_job(job: Job, *, device: str = "cpu", kernels: str | None = None, env: Mapping[str, str] | None = None,
-                gpu: str | None = None) -> JobPrediction:
+                gpu: str | None = None, allocator: AllocatorConfig | None = None,
+                replay: bool | BackgroundReplays = True) -> JobPrediction:
     """Predict the whole training step of every distinct rank of ``job``.
 
     Args:
@@ -187,10 +196,16 @@ def predict_job(job: Job, *, device: str = "cpu", kernels: str | None = None, en
             workspaces, :mod:`remat.memory.workspaces`); None: none set.
         gpu: the GPU the job runs on (a :data:`remat.units.GPU_PRESETS` name; sizes the GEMM workspaces); None:
             Hopper.
+        allocator: the ``PYTORCH_CUDA_ALLOC_CONF`` options of the caching-allocator replay of each rank
+            (:func:`add_reserved`); None: PyTorch's defaults.
+        replay: whether to replay the ranks (with GPU bytes) before returning; a
+            :class:`~remat.memory.replay_pool.BackgroundReplays`: start them there (beside what the caller does
+            next; its ``wait()`` sets each rank's ``reserved``), ``allocator`` then being its own.
 
     Returns:
         A :class:`JobPrediction`, worst rank first; each timeline's ``meta['job']`` says what is in it and
-        ``meta['not_counted']`` what is not (:data:`NOT_COUNTED`).
+        ``meta['not_counted']`` what is not (:data:`NOT_COUNTED`). With GPU kernels (or ``device='cuda'``) each rank
+        also has its ``reserved`` figures (:func:`add_reserved`).
 
     Example:
         >>> from remat.config import ModelConfig
@@ -199,10 +214,28 @@ def predict_job(job: Job, *, device: str = "cpu", kernels: str | None = None, en
         >>> predict_job(job).worst.stage
         0
     """
+    if not isinstance(job, Job):
+        raise JobError(f"predict_job(job={job!r:.40}): give a remat.job.Job, e.g. Job.build(config, tp=2, pp=2) or "
+                       "Job.from_megatron_args(argv)")
     kernels = job_kernels(kernels)
     out = [predict_stage(job, stage, device=device, kernels=kernels, env=env, gpu=gpu) for stage in range(job.pp)]
     out.sort(key=lambda r: (-r.peak_bytes, r.stage))
+    if (kernels != "cpu" or device == "cuda") and replay:  # GPU bytes: what the allocator reserves for them too
+        if isinstance(replay, BackgroundReplays):
+            replay.add(out)
+        else:
+            add_reserved(out, allocator)
     return JobPrediction(job, out)
+
+
+def add_reserved(ranks: Sequence[RankPrediction], allocator: AllocatorConfig | None = None) -> None:
+    """Replay each rank's step (its allocations in order, every microbatch in flight) through the CUDA caching
+    allocator and keep the figures in its ``reserved`` (:func:`remat.memory.reserved.reserved_figures`:
+    ``max_memory_reserved``, ``max_memory_allocated``, ``fragmentation_at_peak_bytes``,
+    ``largest_free_block_bytes``, ...), under ``allocator``'s options (None: PyTorch's defaults): a large job's
+    ranks side by side on the idle cores, a rank the disk cache holds (or already replayed) not again
+    (:func:`remat.memory.replay_pool.replay_now`)."""
+    replay_now(ranks, allocator)
 
 
 def check_job(job: Job) -> None:
@@ -229,6 +262,16 @@ def check_job(job: Job) -> None:
                        "DotProductAttention asserts context_parallel_size == 1; use cp=1 or TransformerEngine layers")
     check_schedule(job.schedule, job.pp, job.num_microbatches, job.vpp or 1, "megatron",
                    group=job.microbatch_group_size)
+    check_microbatches(job)
+
+
+def check_microbatches(job: Job) -> None:
+    """Refuse, before any work, more microbatches than a rank's composed step holds."""
+    if job.num_microbatches > MAX_COMPOSED_MICROBATCHES:  # the composition's work grows with them
+        raise JobError(f"num_microbatches={job.num_microbatches} (--global-batch-size / (--micro-batch-size x dp), or "
+                       f"--microbatches): a rank's step is composed microbatch by microbatch, for at most "
+                       f"{MAX_COMPOSED_MICROBATCHES} microbatches; price the job with at most that many (past the "
+                       "pipeline's warm-up every further microbatch repeats the same forwards and backwards)")
 
 
 def stage_state(job: Job, stage: int, ep_rank: int | None = None) -> RankState:
@@ -320,8 +363,11 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     group = job.microbatch_group_size  # Megatron's microbatch groups of the interleaved schedule (None: pp)
     schedule = check_schedule(job.schedule, pp, job.num_microbatches, vpp, "megatron", group=group)
     chunks = rank_chunks(partition(config, pp, vpp, job.chunk_layers, empty_ends=True), pp, stage)
-    actions = schedule_actions(schedule, pp, job.num_microbatches, vpp, stage, runtime="megatron", group=group)
-    window = warmup_forwards(schedule, pp, job.num_microbatches, vpp, stage, "megatron", group=group) + 1
+    combined = job.overlap_moe_expert_parallel_comm  # NOTE [the combined 1F1B schedule] in parallel.composer
+    actions = schedule_actions(schedule, pp, job.num_microbatches, vpp, stage, runtime="megatron", group=group,
+                               combined=combined)
+    window = warmup_forwards(schedule, pp, job.num_microbatches, vpp, stage, "megatron", group=group,
+                             combined=combined) + 1
     recompute = job.policy if layout is None else layout
     # TE's fused weight-gradient GEMMs (megatron-core's own linears fuse too, with a transient dummy as large as the
     # unfused gradient: no change there)
@@ -330,17 +376,21 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
         ep_rank = busiest_expert_rank(config)
     elif not 0 <= ep_rank < job.ep:
         raise JobError(f"ep_rank={ep_rank}: the job has expert-parallel ranks 0..{job.ep - 1}")
+    # each chunk runs the policy on its own layers (chunk_policy: MoE modules only where MoE layers are)
+    plan_spec = {s.index: s for s in chunks}.__getitem__
+    policies = {s.index: chunk_policy(recompute, chunk_config(config, s), s.num_layers) for s in chunks}
+    trace_keys: dict[tuple[int, int], Any] = dict(checkpointed_forwards(actions, None, window))
+    # the forwards that offload their last offload groups too (NOTE [which forwards keep their last offload group])
+    trace_keys.update(offload_last_groups(
+        actions, lambda c: frozenset(offload_modules_of(policies[c]) if plan_spec(c).num_layers else ())))
     with simulated_expert_groups(tp, job.ep, job.expert_tp, ep_rank):  # the rank's ep and etp positions
-        # each chunk runs the policy on its own layers (chunk_policy: MoE modules only where MoE layers are)
-        traces = {(s.index, True): trace_chunk(chunk_config(config, s), s.kind,
-                                               chunk_policy(recompute, chunk_config(config, s), s.num_layers),
-                                               device, tp, sp,
-                                               batch_in_forward=True, kernels=kernels, drop_grads=True,
-                                               fused_wgrad=fused)
-                  for s in chunks}
+        traces = {(c, key): trace_chunk(chunk_config(config, plan_spec(c)), plan_spec(c).kind, policies[c], device,
+                                        tp, sp, batch_in_forward=True, kernels=kernels, drop_grads=True,
+                                        fused_wgrad=fused, offload_last=frozenset() if key is True else key)
+                  for c, key in sorted({(c, key) for (c, _), key in trace_keys.items()}, key=str)}
     plan = ShardedStagePlan(config, pp, job.num_microbatches, vpp, stage, schedule, "megatron", chunks, actions,
-                            checkpointed_forwards(actions, None, window), traces,
-                            block=CUDA_BLOCK if device == "cuda" else 1, group=group,
+                            trace_keys, traces,
+                            block=CUDA_BLOCK if device == "cuda" else 1, group=group, combined=combined,
                             activation_shards=tp if sp else 1)
     timeline = compose_stage(plan, recompute)
     if job.embedding_wgrad_deferral is not None:  # the last stage's deferred output-layer wgrad (NOTE there)

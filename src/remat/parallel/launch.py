@@ -30,7 +30,8 @@ FOLDER_PREFIX = "remat-pp-"  # + the launching process's pid + "-": a folder who
 # The workers meet through a TCP store on a free port of 127.0.0.1 (gloo on CPU, NCCL with device='cuda') and get
 # their job and send their results (timeline JSON, written atomically) through a temporary folder. Every launched
 # process ends: each worker runs in its own session; when a rank fails the run stops with the first failure
-# (first_failure), when the run does not finish within the timeout it stops naming the ranks still running; either
+# (first_failure), when the run does not finish within the timeout it stops naming the rank that stopped making
+# progress and the ranks waiting on it (stall_report, from each rank's heartbeat: NOTE [Heartbeats]); either
 # way every worker's process group is killed and reaped and the folder removed (a finally block, which a SIGTERM
 # of the launcher also runs: cleanup_on_sigterm). A worker exits by itself when its launcher is gone (a SIGKILL
 # runs no finally block), removing the folder; a folder that survives even that is removed by the next launch
@@ -38,8 +39,9 @@ FOLDER_PREFIX = "remat-pp-"  # + the launching process's pid + "-": a folder who
 
 
 class DistributedError(RuntimeError):
-    """A multi-process run failed or timed out. ``rank`` is the rank whose error is reported (None for a
-    timeout), ``pids`` the worker processes (all ended when this is raised)."""
+    """A multi-process run failed or timed out. ``rank`` is the rank whose error is reported (for a timeout: the
+    one rank that stopped making progress, None when it is not one), ``pids`` the worker processes (all ended when
+    this is raised)."""
 
     def __init__(self, message: str, rank: int | None = None, pids: Sequence[int] = ()):
         super().__init__(message)
@@ -72,7 +74,7 @@ def _launch(job: dict[str, Any], world: int, timeout: float, worker: Sequence[st
     try:
         write_atomic(folder / "job.json", json.dumps(job))
         env = _worker_env()
-        deadline = time.monotonic() + timeout
+        deadline, started = time.monotonic() + timeout, time.time()
         for rank in range(world):
             with open(folder / f"rank{rank}.log", "wb") as log:
                 procs.append(subprocess.Popen(
@@ -95,12 +97,11 @@ def _launch(job: dict[str, Any], world: int, timeout: float, worker: Sequence[st
                     rank, message = first_failure(folder, codes, exited)
                     raise DistributedError(f"rank {rank} failed: {message}", rank, pids)
             if time.monotonic() >= deadline:
-                running = [r for r, c in enumerate(codes) if c is None]
+                stalled, why = stall_report(folder, codes, pids, started)
                 errors = _errors(folder)
                 extra = "".join(f"; rank {r} failed first: {e['error']}" for r, e in errors[:1])
-                raise DistributedError(f"the run did not finish within {timeout:g} s: rank(s) "
-                                       f"{', '.join(map(str, running))} still running (a hung rank, or a rank "
-                                       f"waiting for one); all {world} processes were killed{extra}", None, pids)
+                raise DistributedError(f"the run did not finish within {timeout:g} s: {why}; all {world} processes "
+                                       f"were killed{extra}", stalled[0] if len(stalled) == 1 else None, pids)
             time.sleep(0.02)
         out = []
         for rank in range(world):
@@ -258,11 +259,14 @@ def launch_job(job: dict[str, Any], world: int, timeout: float,
 
 def inject_fault(fault: dict[str, Any], rank: int) -> None:
     """For tests: make this rank fail as ``fault['kind']`` says: 'raise' (a RuntimeError with ``fault['message']``),
-    'hang', 'exit' (status 3) or 'kill' (SIGKILL)."""
+    'hang' (a Python loop that makes no progress), 'stop' (SIGSTOP: the process, heartbeat included, stops), 'exit'
+    (status 3) or 'kill' (SIGKILL)."""
     kind = fault.get("kind", "raise")
     if kind == "hang":
         while True:
             time.sleep(1)
+    if kind == "stop":  # as a debugger, a ^Z or a stuck device driver would
+        os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "exit":
         os._exit(3)
     if kind == "kill":  # as the kernel's OOM killer or a user's kill -9 would
@@ -274,9 +278,13 @@ def inject_fault(fault: dict[str, Any], rank: int) -> None:
 # launcher's protocol (the error file first_failure reads, the watchdog of a launcher that is gone).
 def watchdog(launcher: int, deadline: float, folder: Path, rank: int) -> None:
     """End this worker when the process that launched it is gone or the run's time is over (the launcher
-    normally kills it first). A launcher that is gone ran no cleanup (it was SIGKILLed): remove its folder."""
+    normally kills it first). A launcher that is gone ran no cleanup (it was SIGKILLed): remove its folder.
+    Meanwhile, write this rank's heartbeat (NOTE [Heartbeats])."""
+    beat = Heartbeat(folder, rank)
     while True:
-        time.sleep(0.2)
+        with contextlib.suppress(Exception):  # a heartbeat is a diagnosis: never the cause of a failure
+            beat.write()
+        time.sleep(BEAT_SECONDS)
         gone = not process_alive(launcher)
         if gone:
             shutil.rmtree(folder, ignore_errors=True)
@@ -291,3 +299,138 @@ def report_error(folder: Path, rank: int, error: str, trace: str) -> None:
     """Write this rank's error where the launcher looks for it (``rank<r>.error.json``, with the time)."""
     write_atomic(folder / f"rank{rank}.error.json",
                  json.dumps({"rank": rank, "error": error, "traceback": trace, "time": time.time()}))
+
+
+# NOTE [Heartbeats]
+# A run that does not finish within its timeout is usually one rank that stopped (SIGSTOP, a debugger, a stuck
+# driver) or loops without progress, and the others waiting for it in a collective. To tell them apart, each
+# worker's watchdog thread writes rank<r>.beat.json every BEAT_SECONDS: the rank's phase (set_phase: connecting,
+# measuring <policy>, ...) and where its main thread is (the innermost Python frame, and since when it has not
+# moved). At the timeout, stall_report reads them: a rank whose heartbeat is stale (or whose process is stopped)
+# stopped; a rank whose main thread sits in torch.distributed (a collective, a p2p wait, the rendezvous) waits; of
+# the others, the one that has not moved for longest made no progress.
+BEAT_SECONDS = 0.2
+_STALE_BEAT = 2.0  # seconds without a heartbeat: the rank's process does not run
+_PHASE: dict[str, Any] = {"phase": "starting", "since": time.time()}
+
+
+def set_phase(phase: str) -> None:
+    """In a worker: what this rank does now, as its heartbeat reports it (e.g. ``'measuring none'``)."""
+    _PHASE.update(phase=phase, since=time.time())
+
+
+class Heartbeat:
+    """A worker's heartbeat file (``rank<r>.beat.json``): :meth:`write` records the phase and where the main
+    thread is now."""
+
+    def __init__(self, folder: Path, rank: int):
+        self.path = folder / f"rank{rank}.beat.json"
+        self.where: tuple[str, int, str] | None = None
+        self.where_since = time.time()
+
+    def write(self) -> None:
+        where, module = _main_thread_place()  # first: nothing before it may release the GIL (see there)
+        if not self.path.parent.is_dir():  # the run is over (its folder removed): not made again
+            return
+        now = time.time()
+        if where != self.where:
+            self.where, self.where_since = where, now
+        write_atomic(self.path, json.dumps({
+            "time": now, "phase": _PHASE["phase"], "phase_since": _PHASE["since"],
+            "where": f"{Path(where[0]).name}:{where[1]} in {where[2]}" if where else "(no Python frame)",
+            "where_since": self.where_since, "waiting": module.startswith("torch.distributed")}))
+
+
+def _main_thread_place() -> tuple[tuple[str, int, str] | None, str]:
+    """(file, line, function) of the main thread's innermost frame and its module, as plain values.
+
+    The frame object is dropped before this returns, and nothing here releases the GIL, so the main thread cannot
+    run while it is held: a frame held while its function returns keeps that function's locals (tensors) alive, and
+    a recorded step would see them freed late."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return None, ""
+    place = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name), str(frame.f_globals.get("__name__", ""))
+    del frame
+    return place
+
+
+def _process_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped by a signal (Linux's /proc; False where it cannot be told)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] in (["T"], ["t"])
+
+
+def stall_report(folder: Path, codes: Sequence[int | None], pids: Sequence[int],
+                 started: float) -> tuple[list[int], str]:
+    """Which ranks kept a run from finishing, from their heartbeats (NOTE [Heartbeats]).
+
+    Args:
+        folder: the run's folder, with each rank's ``rank<r>.beat.json``.
+        codes: each rank's exit status (None: still running).
+        pids: each rank's process.
+        started: when the run started (wall clock, as the heartbeats).
+
+    Returns:
+        ``(stalled ranks, text)``: the text names the rank(s) that made no progress, since when and in which phase,
+        and the ranks waiting on them, e.g. ``'rank 1 stopped making progress 0.8 s into the run (no heartbeat
+        since; phase: measuring none, at pipeline_measure.py:211 in measure_pipeline_rank); rank(s) 0 waiting on
+        it in torch.distributed (...)'``.
+    """
+    now = time.time()
+    beats: dict[int, dict[str, Any]] = {}
+    for rank in range(len(codes)):
+        with contextlib.suppress(OSError, ValueError):
+            beats[rank] = json.loads((folder / f"rank{rank}.beat.json").read_text(encoding="utf-8"))
+    running = [r for r, c in enumerate(codes) if c is None]
+
+    def at(seconds: float) -> str:
+        return f"{max(seconds - started, 0.0):.1f} s into the run"
+
+    def doing(beat: dict[str, Any]) -> str:
+        return f"phase: {beat['phase']} (since {at(beat['phase_since'])}), at {beat['where']}"
+
+    stopped, waiting, working, starting = [], [], [], []
+    for rank in running:
+        beat = beats.get(rank)
+        if _process_stopped(pids[rank]) or (beat is not None and now - beat["time"] > _STALE_BEAT):
+            stopped.append(rank)
+        elif beat is None:  # still importing (torch, remat) before its watchdog started
+            starting.append(rank)
+        elif beat["waiting"]:
+            waiting.append(rank)
+        else:
+            working.append(rank)
+    parts = []
+    for rank in stopped:
+        beat = beats.get(rank)
+        how = "its process is stopped (SIGSTOP?)" if _process_stopped(pids[rank]) else "no heartbeat since"
+        parts.append(f"rank {rank} stopped making progress " + (
+            f"{at(beat['time'])} ({how}; {doing(beat)})" if beat else f"before its first heartbeat ({how})"))
+    # else, of the ranks neither stopped nor waiting, the one whose main thread has not moved for longest
+    still = sorted((r for r in working if now - beats[r]["where_since"] > _STALE_BEAT),
+                   key=lambda r: beats[r]["where_since"])
+    stalled = stopped or still[:1]
+    for rank in stalled[len(stopped):]:
+        beat = beats[rank]
+        parts.append(f"rank {rank} made no progress since {at(beat['where_since'])} ({doing(beat)})")
+    others = [r for r in working if r not in stalled]
+    if others:
+        parts.append(f"rank(s) {', '.join(map(str, others))} still working (" +
+                     "; ".join(f"rank {r}: {doing(beats[r])}" for r in others) + ")")
+    if starting:
+        parts.append(f"rank(s) {', '.join(map(str, starting))} still starting (no heartbeat yet: importing "
+                     "torch and remat; a longer --timeout may be all it takes)")
+    if waiting:
+        whom = "on it" if len(stalled) == 1 else "on them" if stalled else \
+            "for the ranks still starting" if starting else "in torch.distributed (a deadlock?)"
+        parts.append(f"rank(s) {', '.join(map(str, waiting))} waiting {whom} (" +
+                     "; ".join(f"rank {r}: {doing(beats[r])}" for r in waiting) + ")")
+    finished = [r for r, c in enumerate(codes) if c == 0]
+    if finished:
+        parts.append(f"rank(s) {', '.join(map(str, finished))} finished")
+    return stalled, "; ".join(parts)
+

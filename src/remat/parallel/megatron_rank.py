@@ -24,6 +24,7 @@ from remat.models.collectives import released
 from remat.models.tp_stage import hidden_shape
 from remat.parallel.schedule import ChunkSpec
 from remat.parallel.stages import PipelineRecorder
+from remat.recompute.activation_offload import offloading_last_groups
 
 # Module names of the model state rows: the same names remat.parallel.job_predict gives its rows.
 GRAD_BUFFER = "ddp.grad_buffer"
@@ -382,6 +383,8 @@ class RankStep:
         self.p2p = P2P(lay, hidden_shape(config, lay.tp, sp), config.torch_dtype)
         self.recorder: PipelineRecorder | None = None
         self.model_input: torch.Tensor | None = None  # TransformerBlock.input_tensor (set_input_tensor)
+        # microbatch -> the offload modules whose last group its forward offloads too (schedule.offload_last_groups)
+        self.offload_last: dict[int, frozenset[str]] = {}
 
     # -- forward / backward of one microbatch ---------------------------------------------------------------
     def _ids(self, mb: int, which: int) -> torch.Tensor:
@@ -396,7 +399,8 @@ class RankStep:
         self.model_input = input_tensor  # set_input_tensor: the model keeps it until the next forward step
         x = self._ids(mb, 0) if self.spec.is_first else input_tensor
         labels = self._ids(mb, 1) if self.spec.is_last else None
-        output = self.module(x, labels) if labels is not None else self.module(x)
+        with offloading_last_groups(self.offload_last.get(mb, ())):
+            output = self.module(x, labels) if labels is not None else self.module(x)
         del x, labels
         if self.spec.is_last:
             store.append(output.detach().clone())  # forward_data_store: the loss reported for logging

@@ -8,9 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from remat.config import ModelConfig
+from remat.memory.comparison import check_fits
 from remat.models.gpt import sample_batch
 from remat.parallel.launch import DEFAULT_TIMEOUT, inject_fault, launch_job
-from remat.parallel.pipeline_predict import pipeline_meta, predict_pipeline
+from remat.parallel.pipeline_peaks import stage_peaks
+from remat.parallel.pipeline_predict import MAX_COMPOSED_MICROBATCHES, pipeline_meta, predict_pipeline
 from remat.parallel.pipeline_report import describe_stage, peak_error, stage_summary
 from remat.parallel.schedule import (
     PipelineError,
@@ -66,6 +68,10 @@ def measure_pipeline_many(config: ModelConfig, policies: Sequence[Policy | str],
     if not parsed:
         raise PipelineError("no policy to measure: give at least one, e.g. 'none'")
     schedule = check_schedule(schedule, pp, microbatches, vpp, "torch")
+    if microbatches > MAX_COMPOSED_MICROBATCHES:  # refused before the run, not by the prediction after it
+        raise PipelineError(f"microbatches={microbatches} (--microbatches): a measured run is put beside its "
+                            f"composed prediction, built for at most {MAX_COMPOSED_MICROBATCHES} microbatches; "
+                            f"measure at most {MAX_COMPOSED_MICROBATCHES} ('remat predict --pp' prints any count)")
     partial = check_partial(partial_checkpoint_microbatches)
     specs = partition(config, pp, vpp, layout)
     for policy in parsed:
@@ -80,6 +86,7 @@ def measure_pipeline_many(config: ModelConfig, policies: Sequence[Policy | str],
                                 f"{torch.cuda.device_count()}; use a smaller pp or device='cpu'")
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise PipelineError(f"timeout={timeout!r}: must be a positive number of seconds")
+    check_stages_fit(config, parsed, pp, microbatches, schedule, vpp, layout, partial, device)
     job = {
         "kind": "pipeline", "config": config.to_dict(), "policies": [str(p) for p in parsed], "world": pp, "pp": pp,
         "microbatches": microbatches,
@@ -92,6 +99,21 @@ def measure_pipeline_many(config: ModelConfig, policies: Sequence[Policy | str],
         for i, data in enumerate(results[rank]):
             per_policy[i].append(Timeline.from_dict(data))
     return per_policy
+
+
+def check_stages_fit(config: ModelConfig, policies: Sequence[Policy], pp: int, microbatches: int, schedule: str,
+                     vpp: int, layout: Sequence[int] | None, partial: int | None, device: str) -> None:
+    """Refuse, before any process starts, a run whose stages would not fit in this machine's memory
+    (:func:`remat.memory.comparison.check_fits`, as compare and explain check one process), from each stage's
+    predicted peak (:func:`~remat.parallel.pipeline_peaks.stage_peaks`: shapes only, any microbatch count): on CPU
+    every rank is a process of this machine, so their peaks add up; on CUDA each rank has a GPU of its own."""
+    rows = [stage_peaks(config, p, pp, microbatches, schedule, vpp, layout, partial, runtime="torch", device=device)
+            for p in policies]
+    per_rank = [max(r[rank]["peak_bytes"] for r in rows) for rank in range(pp)]
+    together = device == "cpu" and pp > 1
+    check_fits(sum(per_rank) if together else max(per_rank), device, config=config,
+               what=f"measuring {pp} pipeline stage(s)" + " (one process each, on this machine)" * together,
+               basis="the stages' predicted peaks added" if together else "the largest predicted peak")
 
 
 # ------------------------------------------------------------------------------------------------ compare

@@ -10,8 +10,9 @@ from typing import Any
 from remat.config import ModelConfig
 from remat.memory.predict import trace
 from remat.parallel.chunk_trace import trace_chunk
+from remat.parallel.composer import Composer
 from remat.parallel.pipeline_report import describe_stage, same_step
-from remat.parallel.pipeline_runtime import Composer, StagePlan, megatron_runtime, stage_setup, torch_runtime
+from remat.parallel.pipeline_runtime import StagePlan, megatron_runtime, stage_setup, torch_runtime
 from remat.parallel.schedule import (
     Action,
     ChunkSpec,

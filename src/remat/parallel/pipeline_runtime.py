@@ -2,152 +2,17 @@
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from remat.config import ModelConfig
 from remat.memory.compose import CompositionError
-from remat.parallel.chunk_trace import ChunkTrace, TraceSegment
+from remat.parallel.chunk_trace import ChunkTrace
+from remat.parallel.composer import Composer, Part
 from remat.parallel.schedule import Action, ChunkSpec, warmup_forwards
-from remat.parallel.stages import parse_phase_detail, phase_detail
-from remat.timeline import Phase, Timeline
-
-
-class Composer:
-    """Builds a stage timeline: synthesized allocations/frees and copied chunk-trace segments."""
-
-    def __init__(self) -> None:
-        self.tl = Timeline()
-        self.flops: list[int] = []
-        self.keys: dict[Any, int] = {}  # runtime-held tensors -> row
-        self.forward_rows: dict[tuple[int, int], tuple[Sequence[int], TraceSegment]] = {}
-        # fine-grained offloading: [event, host bytes from that event on], and what each module / layer offloaded
-        self.host_series: list[list[int]] = []
-        self.offloaded: dict[str, int] = {}
-        self.offloaded_by_layer: dict[str, int] = {}
-
-    def phase(self, kind: str, region: str, detail: str = "", flops: int = 0) -> None:
-        tl = self.tl
-        if tl.phases and tl.phases[-1].start == tl.num_events:
-            tl.phases[-1] = Phase(tl.num_events, kind, region, detail)
-            self.flops[-1] = flops
-        else:
-            tl.phases.append(Phase(tl.num_events, kind, region, detail))
-            self.flops.append(flops)
-
-    def _row(self, nbytes: int, alloc_at: int, phase: int, module: str, category: str) -> int:
-        tl = self.tl
-        tl.nbytes.append(nbytes)
-        tl.alloc_at.append(alloc_at)
-        tl.free_at.append(-1)
-        tl.phase_index.append(phase)
-        tl.module.append(module)
-        tl.category.append(category)
-        return len(tl.nbytes) - 1
-
-    def alloc(self, key: Any, nbytes: int, module: str, category: str = "other") -> None:
-        if nbytes <= 0:
-            return
-        if key in self.keys:
-            raise CompositionError(f"pipeline tensor {key} allocated twice")
-        self.keys[key] = self._row(nbytes, self.tl.num_events, len(self.tl.phases) - 1, module, category)
-        self.tl.num_events += 1
-
-    def free(self, key: Any) -> None:
-        row = self.keys.pop(key, None)
-        if row is None:
-            return
-        if self.tl.free_at[row] != -1:
-            raise CompositionError(f"pipeline tensor {key} freed twice")
-        self.tl.free_at[row] = self.tl.num_events
-        self.tl.num_events += 1
-
-    def segment(self, seg: TraceSegment, spec: ChunkSpec, microbatch: int, prefix: str, kind: str,
-                keep_key: Any = None) -> None:
-        """Copy ``seg`` for ``microbatch`` of ``spec``'s chunk; ``kind`` 'F' or 'B'. Frees of the forward's
-        tensors resolve to the same (chunk, microbatch) forward copied before; each is checked."""
-        tl = self.tl
-        base = tl.num_events
-        phase_ids = []
-        for offset, kind_, region, inner, flops in seg.phases:
-            if region.startswith("layer "):
-                region = f"layer {int(region[6:]) + spec.layer_offset}"
-            phase = Phase(base + offset, kind_, region, phase_detail(microbatch, spec.index, _parse_inner(inner)))
-            if tl.phases and tl.phases[-1].start == phase.start:  # the phase before made no event
-                tl.phases[-1] = phase
-                self.flops[-1] = flops
-            else:
-                tl.phases.append(phase)
-                self.flops.append(flops)
-            phase_ids.append(len(tl.phases) - 1)
-        phase_starts = [p[0] for p in seg.phases]
-        # one row per allocation of the segment, appended column by column (as _row appends them one by one)
-        rows = range(len(tl.nbytes), len(tl.nbytes) + len(seg.nbytes))
-        tl.nbytes.extend(seg.nbytes)
-        tl.alloc_at.extend([base + offset for offset in seg.alloc_offsets])
-        tl.free_at.extend([-1] * len(rows))
-        tl.phase_index.extend([phase_ids[max(0, bisect.bisect_right(phase_starts, offset) - 1)]
-                               for offset in seg.alloc_offsets])
-        tl.module.extend([prefix + module for module in seg.module])
-        tl.category.extend(seg.category)
-        if kind == "F":
-            self.forward_rows[(spec.index, microbatch)] = (rows, seg)
-            source: tuple[Sequence[int], TraceSegment] | None = None
-        else:
-            source = self.forward_rows.pop((spec.index, microbatch), None)
-            if source is None:
-                raise CompositionError(f"the backward of microbatch {microbatch} of chunk {spec.index} comes before "
-                                       "its forward")
-        for offset, where, ordinal, nbytes in seg.frees:
-            if where == "self":
-                target = rows[ordinal]
-            else:
-                assert source is not None
-                target_rows, forward = source
-                if ordinal >= len(target_rows) or forward.nbytes[ordinal] != nbytes:
-                    raise CompositionError(f"a free in the backward of microbatch {microbatch} of chunk {spec.index} "
-                                           "does not find its tensor in that microbatch's forward")
-                target = target_rows[ordinal]
-            if tl.free_at[target] != -1 or tl.nbytes[target] != nbytes:
-                raise CompositionError(f"a free in the {'forward' if kind == 'F' else 'backward'} of microbatch "
-                                       f"{microbatch} of chunk {spec.index} finds another tensor")
-            tl.free_at[target] = base + offset
-        if seg.keep is not None and keep_key is not None:
-            self.keys[keep_key] = rows[seg.keep]
-        for offset, delta, module, layer in seg.host:  # every microbatch in flight holds its own offloaded bytes
-            held = (self.host_series[-1][1] if self.host_series else 0) + delta
-            self.host_series.append([base + offset, held])
-            if delta > 0:
-                self.offloaded[module] = self.offloaded.get(module, 0) + delta
-                where = str(layer + spec.layer_offset)
-                self.offloaded_by_layer[where] = self.offloaded_by_layer.get(where, 0) + delta
-        tl.num_events += seg.num_events
-
-    def finish(self, meta: dict[str, Any]) -> Timeline:
-        tl = self.tl
-        tl.meta.update(meta)
-        tl.meta["phase_flops"] = self.flops
-        flops: dict[str, int] = {}
-        for phase, amount in zip(tl.phases, self.flops):
-            flops[phase.kind] = flops.get(phase.kind, 0) + amount
-        tl.meta["flops"] = flops
-        if self.host_series:  # the keys remat.memory.measure.measure writes; layers by global index
-            tl.meta["host_memory"] = {"peak_bytes": max(b for _, b in self.host_series),
-                                      "offloaded_bytes": self.offloaded, "offloaded_bytes_by_layer":
-                                      self.offloaded_by_layer, "series": self.host_series}
-        tl.validate()
-        return tl
-
-
-def _parse_inner(detail: str) -> str:
-    """A chunk-trace phase detail without its 'microbatch i, chunk g' prefix."""
-    if parse_phase_detail(detail) is None:
-        return detail
-    _, _, inner = detail.partition(": ")
-    return inner
+from remat.parallel.stages import phase_detail
 
 
 class Holders:
@@ -217,8 +82,11 @@ class StagePlan:
     runtime: str
     chunks: list[ChunkSpec]
     actions: list[Action]
-    checkpointed: dict[tuple[int, int], bool]
-    traces: dict[tuple[int, bool], ChunkTrace]  # (chunk, runs the policy) -> trace
+    # (chunk, microbatch) -> the key of the trace its forward and backward copy: True (the policy), False (no
+    # recompute: Megatron's partial checkpointing), or the offload modules whose last group that forward offloads
+    # too (Megatron's fine-grained offloading, remat.parallel.schedule.offload_last_groups)
+    trace_keys: dict[tuple[int, int], Hashable]
+    traces: dict[tuple[int, Hashable], ChunkTrace]  # (chunk, trace key) -> trace
 
     def prefix(self, spec: ChunkSpec) -> str:
         return "" if len(self.chunks) == 1 else f"chunk{spec.index}."
@@ -227,7 +95,7 @@ class StagePlan:
         return next(s for s in self.chunks if s.index == chunk)
 
     def trace(self, a: Action) -> ChunkTrace:
-        return self.traces[(a.chunk, self.checkpointed[(a.chunk, a.microbatch)])]
+        return self.traces[(a.chunk, self.trace_keys[(a.chunk, a.microbatch)])]
 
     @property
     def activation_bytes(self) -> int:
@@ -237,6 +105,7 @@ class StagePlan:
 
     block: int = 1
     group: int | None = None  # Megatron's microbatch group size of the interleaved schedule (None: pp)
+    combined: bool = False  # Megatron's combined 1F1B steps (NOTE [the combined 1F1B schedule] in parallel.composer)
 
 
 def _storage_bytes(nbytes: int, block: int) -> int:
@@ -246,7 +115,8 @@ def _storage_bytes(nbytes: int, block: int) -> int:
 def stage_setup(plan: StagePlan, composer: Composer) -> None:
     composer.phase("setup", "")
     for spec in plan.chunks:
-        trace = plan.traces[(spec.index, True)]
+        # every trace of a chunk holds the same parameters
+        trace = next(t for (c, _), t in plan.traces.items() if c == spec.index)
         for nbytes, module, category in trace.params:
             composer.alloc(("param", spec.index, len(composer.keys)), nbytes, plan.prefix(spec) + module, category)
     if plan.runtime == "torch":
@@ -254,7 +124,7 @@ def stage_setup(plan: StagePlan, composer: Composer) -> None:
         for spec in plan.chunks:
             for mb in range(m):
                 if not spec.is_first:  # the chunk's input: a checkpoint input when the first group keeps it
-                    category = plan.traces[(spec.index, plan.checkpointed[(spec.index, mb)])].input_category
+                    category = plan.traces[(spec.index, plan.trace_keys[(spec.index, mb)])].input_category
                     composer.alloc(("recv_act", spec.index, mb), plan.activation_bytes,
                                    f"pipeline.stage{spec.index}.recv_activation", category)
             for mb in range(m):
@@ -271,23 +141,34 @@ def stage_setup(plan: StagePlan, composer: Composer) -> None:
     composer.keys.clear()
 
 
-def _forward(plan: StagePlan, composer: Composer, a: Action) -> tuple[str, int, int]:
+def _forward_part(plan: StagePlan, a: Action) -> Part:
+    """What a forward copies (:class:`remat.parallel.composer.Part`); its kept output's key is the last item."""
     spec = plan.spec(a.chunk)
-    key = ("out", a.chunk, a.microbatch)
-    composer.segment(plan.trace(a).forward, spec, a.microbatch, plan.prefix(spec), "F", keep_key=key)
-    composer.phase("setup", "pipeline")
-    return key
+    return plan.trace(a).forward, spec, a.microbatch, plan.prefix(spec), "F", ("out", a.chunk, a.microbatch)
 
 
-def _backward(plan: StagePlan, composer: Composer, a: Action, first_backward: set[int]) -> Any:
+def _backward_part(plan: StagePlan, a: Action, first_backward: set[int]) -> Part:
+    """What a backward copies; its input gradient's key (None on the first chunk) is the last item."""
     spec = plan.spec(a.chunk)
     trace = plan.trace(a)
     seg = trace.backward_next if a.chunk in first_backward else trace.backward_first
     first_backward.add(a.chunk)
     key = None if spec.is_first else ("igrad", a.chunk, a.microbatch)
-    composer.segment(seg, spec, a.microbatch, plan.prefix(spec), "B", keep_key=key)
+    return seg, spec, a.microbatch, plan.prefix(spec), "B", key
+
+
+def _forward(plan: StagePlan, composer: Composer, a: Action) -> tuple[str, int, int]:
+    part = _forward_part(plan, a)
+    composer.segment(*part)
     composer.phase("setup", "pipeline")
-    return key
+    return part[-1]
+
+
+def _backward(plan: StagePlan, composer: Composer, a: Action, first_backward: set[int]) -> Any:
+    part = _backward_part(plan, a, first_backward)
+    composer.segment(*part)
+    composer.phase("setup", "pipeline")
+    return part[-1]
 
 
 def torch_runtime(plan: StagePlan, composer: Composer) -> None:
@@ -422,7 +303,7 @@ def megatron_runtime(plan: StagePlan, composer: Composer) -> None:
                 raise CompositionError(f"chunk {chunk}: runtime='megatron' makes each microbatch's token ids / "
                                        "labels inside its forward; trace the chunk with "
                                        "trace_chunk(..., batch_in_forward=True)")
-    if plan.vpp > 1:
+    if plan.vpp > 1 or plan.combined:
         _megatron_by_action(plan, composer)
     else:
         _MegatronSchedule(plan, composer).run()
@@ -462,7 +343,7 @@ class _MegatronSchedule:
         spec, plan = self.spec, self.plan
         if kind == "recv_act" and not spec.is_first:
             self.composer.phase("setup", "pipeline", phase_detail(mb, self.c))
-            category = plan.traces[(self.c, plan.checkpointed[(self.c, mb)])].input_category
+            category = plan.traces[(self.c, plan.trace_keys[(self.c, mb)])].input_category
             self.composer.alloc(key, plan.activation_bytes, f"pipeline.stage{self.c}.recv_activation", category)
         elif kind == "recv_grad" and not spec.is_last:
             self.composer.phase("setup", "pipeline", phase_detail(mb, self.c))
@@ -552,26 +433,44 @@ class _MegatronSchedule:
 def _megatron_by_action(plan: StagePlan, composer: Composer) -> None:
     """The interleaved schedule, action by action: a received activation is a fresh tensor from just before the
     forward until the microbatch's backward ends, a stage output is freed once sent, a received output gradient
-    lives through its backward, an input gradient is freed once sent; the losses are kept until the step ends."""
+    lives through its backward, an input gradient is freed once sent; the losses are kept until the step ends.
+    With ``plan.combined`` each forward followed by a backward runs with it as one combined 1F1B step (NOTE [the
+    combined 1F1B schedule] in :mod:`remat.parallel.composer`)."""
     first_backward: set[int] = set()
-    act = plan.activation_bytes
-    for a in plan.actions:
-        spec = plan.spec(a.chunk)
-        mb = (a.chunk, a.microbatch)
-        composer.phase("setup", "pipeline", phase_detail(a.microbatch, a.chunk))
-        if a.kind == "F":
-            if not spec.is_first:
-                composer.alloc(("recv_act", mb), act, f"pipeline.stage{spec.index}.recv_activation",
-                               plan.trace(a).input_category)
-            key = _forward(plan, composer, a)
-            if not spec.is_last:
-                composer.free(key)  # sent, then deallocated
-        else:
-            if not spec.is_last:
-                composer.alloc(("recv_grad", mb), act, f"pipeline.stage{spec.index}.recv_grad")
-            key = _backward(plan, composer, a, first_backward)
-            for k in (key, ("recv_grad", mb), ("recv_act", mb)):
-                composer.free(k)
+    act, actions = plan.activation_bytes, plan.actions
     composer.phase("setup", "pipeline")
-    for k in [k for k in composer.keys if k[0] == "out"]:
-        composer.free(k)
+    tokens = ("total_num_tokens", plan.rank)  # the schedule's token counter, alive until it returns
+    composer.alloc(tokens, _storage_bytes(4, plan.block), "pipeline.total_num_tokens")
+    k = 0
+    while k < len(actions):
+        a = actions[k]
+        pair = [a, actions[k + 1]] if plan.combined and a.kind == "F" and k + 1 < len(actions) and \
+            actions[k + 1].kind == "B" else [a]
+        k += len(pair)
+        composer.phase("setup", "pipeline", phase_detail(a.microbatch, a.chunk))
+        for x in pair:  # what is received before the step
+            spec, mb = plan.spec(x.chunk), (x.chunk, x.microbatch)
+            if x.kind == "F" and not spec.is_first:
+                composer.alloc(("recv_act", mb), act, f"pipeline.stage{spec.index}.recv_activation",
+                               plan.trace(x).input_category)
+            elif x.kind == "B" and not spec.is_last:
+                composer.alloc(("recv_grad", mb), act, f"pipeline.stage{spec.index}.recv_grad")
+        parts = [_forward_part(plan, x) if x.kind == "F" else _backward_part(plan, x, first_backward) for x in pair]
+        if len(parts) == 2:
+            composer.combined(parts[0], parts[1])
+        else:
+            composer.segment(*parts[0])
+        composer.phase("setup", "pipeline")
+        for x, part in zip(pair, parts):
+            spec, mb = plan.spec(x.chunk), (x.chunk, x.microbatch)
+            if x.kind == "F":
+                if not spec.is_last:
+                    composer.free(part[-1])  # sent, then deallocated
+                else:  # forward_data_store: the loss reported for logging, kept until the step ends
+                    composer.alloc(("loss_copy", *mb), plan.trace(x).output_bytes, "pipeline.forward_data_store")
+            else:
+                for key in (part[-1], ("recv_grad", mb), ("recv_act", mb)):
+                    composer.free(key)
+    composer.phase("setup", "pipeline")
+    for key in [key for key in composer.keys if key[0] in ("out", "loss_copy")] + [tokens]:
+        composer.free(key)

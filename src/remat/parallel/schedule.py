@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,29 +233,35 @@ def schedule_table(microbatches: int, vpp: int, group: int) -> list[tuple[int, i
 # stage's loss is never sent nor deallocated (schedules.py:1629, 1780, 1914 set it to None first): it stays in
 # output_tensors (:1372), its graph keeping the head's saved tensors, until its backward pops it (:1432).
 def warmup_forwards(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int = 0,
-                    runtime: str = "torch", *, group: int | None = None) -> int:
+                    runtime: str = "torch", *, group: int | None = None, combined: bool = False) -> int:
     """Forwards rank ``rank`` runs before its first backward, by Megatron's count: ``m`` (GPipe),
     ``min(pp - r - 1, m)`` (1F1B), ``min((pp - r - 1) * 2 + (vpp - 1) * group, m * vpp)`` (interleaved;
-    ``group`` = Megatron's microbatch group size, default pp; see NOTE [Megatron's interleaved warm-up])."""
+    ``group`` = Megatron's microbatch group size, default pp; see NOTE [Megatron's interleaved warm-up]).
+    ``combined``: Megatron's combined 1F1B schedule (``--overlap-moe-expert-parallel-comm``), one more warm-up
+    forward (schedules.py:966-970; pp = 1: the first forward runs alone, combined_1f1b.py:78); pp > 1 needs vpp."""
     schedule = check_schedule(schedule, pp, microbatches, vpp, runtime, group=group)
     m = microbatches
+    if combined and schedule != "interleaved" and not (schedule == "1f1b" and pp == 1):
+        raise PipelineError("the combined 1F1B schedule (--overlap-moe-expert-parallel-comm) runs with pp = 1 or "
+                            "the interleaved schedule (Megatron asserts a virtual pipeline size when pp > 1)")
     if schedule == "gpipe":
         return m
     if schedule == "1f1b":
-        return min(pp - rank - 1, m)
+        return min(pp - rank - 1 + combined, m)
     g = pp if group is None else group
-    return min((pp - rank - 1) * 2 + (vpp - 1) * g, m * vpp)
+    return min((pp - rank - 1) * 2 + (vpp - 1) * g + combined, m * vpp)
 
 
 def schedule_actions(schedule: str, pp: int, microbatches: int, vpp: int = 1, rank: int = 0, *,
-                     runtime: str = "torch", group: int | None = None) -> list[Action]:
+                     runtime: str = "torch", group: int | None = None, combined: bool = False) -> list[Action]:
     """The forwards and backwards rank ``rank`` runs, in order (chunks are global chunk indices).
 
     1F1B: the warm-up forwards (:func:`warmup_forwards`), then one forward and one backward at a time, then the
-    remaining backwards. Interleaved: the same over ``m * vpp`` virtual microbatches; forward k runs entry k of
-    :func:`schedule_table` (groups of ``group`` microbatches, default pp), backward k the same microbatch on
-    chunk ``vpp - 1 -`` that (Megatron's get_model_chunk_id(k, forward=False), schedules.py:1244; each chunk's
-    backwards pop its inputs first in, first out, schedules.py:1432, i.e. in microbatch order).
+    remaining backwards (``combined``: with :func:`warmup_forwards`'s combined count; each forward followed by a
+    backward is then one combined step). Interleaved: the same over ``m * vpp`` virtual microbatches; forward k
+    runs entry k of :func:`schedule_table` (groups of ``group`` microbatches, default pp), backward k the same
+    microbatch on chunk ``vpp - 1 -`` that (Megatron's get_model_chunk_id(k, forward=False), schedules.py:1244;
+    each chunk's backwards pop its inputs first in, first out, schedules.py:1432, i.e. in microbatch order).
     """
     schedule = check_schedule(schedule, pp, microbatches, vpp, runtime, group=group)
     if not isinstance(rank, numbers.Integral) or not 0 <= rank < pp:
@@ -264,13 +270,13 @@ def schedule_actions(schedule: str, pp: int, microbatches: int, vpp: int = 1, ra
     if schedule == "gpipe":
         return [Action("F", rank, i) for i in range(m)] + [Action("B", rank, i) for i in range(m)]
     if schedule == "1f1b":
-        w = warmup_forwards(schedule, pp, m, vpp, rank, runtime)
+        w = warmup_forwards(schedule, pp, m, vpp, rank, runtime, combined=combined)
         acts = [Action("F", rank, i) for i in range(w)]
         for i in range(m - w):
             acts += [Action("F", rank, w + i), Action("B", rank, i)]
         return acts + [Action("B", rank, i) for i in range(m - w, m)]
     total = m * vpp
-    w = warmup_forwards(schedule, pp, m, vpp, rank, runtime, group=group)
+    w = warmup_forwards(schedule, pp, m, vpp, rank, runtime, group=group, combined=combined)
     table = schedule_table(m, vpp, pp if group is None else group)
 
     def virtual(k: int, forward: bool) -> Action:
@@ -311,6 +317,46 @@ def checkpointed_forwards(actions: Sequence[Action], partial: int | None, window
         if a.kind == "F":
             out[(a.chunk, a.microbatch)] = partial is None or k % window >= partial
             k += 1
+    return out
+
+
+# NOTE [which forwards keep their last offload group]
+# Megatron's fine-grained activation offloading (megatron/core/pipeline_parallel/fine_grained_activation_offload.py
+# at d98e8a64) keeps the last group of each offload module of a forward on the device, so that the backward that
+# starts next need not wait for its reload, in two cases only (every other group is offloaded; the step's first
+# iteration, its warm-up, offloads them all):
+# (a) PipelineOffloadManager.post_warmup_callback marks not offloadable, per module name, the last group of that name
+#     in the first chunk handler of the step's backward order that has one (chunks without that module, such as a
+#     loss-only chunk, are skipped);
+# (b) ChunkOffloadHandler.should_bulk_offload keeps the last group of a name when the forward's own handler is the
+#     next one backward will run that has a group of that name (front_backward_chunk): a forward followed by its own
+#     backward (pp = 1, a last stage's 1F1B).
+# A handler is one (chunk, microbatch) forward: the handlers are cached in the warm-up iteration in forward order and
+# queued for backward in the schedule's backward order, and every later iteration reuses them in the same order.
+def offload_last_groups(actions: Sequence[Action], modules_of: Callable[[int], frozenset[str]]
+                        ) -> dict[tuple[int, int], frozenset[str]]:
+    """(chunk, microbatch) -> the offload modules whose last group that forward offloads too, for Megatron's steady
+    state (NOTE [which forwards keep their last offload group]); ``modules_of(chunk)``: the offload modules the
+    chunk's layers have. A forward absent from the result offloads no last group (it keeps every one)."""
+    backward = [(a.chunk, a.microbatch) for a in actions if a.kind == "B"]
+    out: dict[tuple[int, int], frozenset[str]] = {}
+    names = sorted(set().union(*(modules_of(c) for c, _ in backward))) if backward else []
+    for name in names:
+        order = [key for key in backward if name in modules_of(key[0])]
+        kept = {order[0]}  # (a)
+        done = 0  # backwards of chunks with this module run so far
+        for a in actions:
+            key = (a.chunk, a.microbatch)
+            if name not in modules_of(a.chunk):
+                continue
+            if a.kind == "B":
+                done += 1
+            elif done < len(order) and order[done] == key:  # (b): its own backward is the next one
+                kept.add(key)
+        for a in actions:
+            key = (a.chunk, a.microbatch)
+            if a.kind == "F" and name in modules_of(a.chunk) and key not in kept:
+                out[key] = out.get(key, frozenset()) | {name}
     return out
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from remat.parallel.job_measure import measure_job_rank
-from remat.parallel.launch import inject_fault, report_error, watchdog
+from remat.parallel.launch import inject_fault, report_error, set_phase, watchdog
 from remat.parallel.pipeline_measure import measure_pipeline_rank
 from remat.parallel.tensor import measure_tensor_parallel_rank
 from remat.timeline import write_atomic
@@ -34,6 +34,7 @@ def _worker(folder: Path, rank: int, launcher: int) -> int:
             inject_fault(fault, rank)
         if sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the run stays on 127.0.0.1
+        set_phase("importing torch")
         import torch
         import torch.distributed as dist
 
@@ -44,6 +45,7 @@ def _worker(folder: Path, rank: int, launcher: int) -> int:
         cuda = job["device"] == "cuda"
         if cuda:
             torch.cuda.set_device(rank)
+        set_phase("connecting to the other ranks")
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{job['port']}",
                                 rank=rank, world_size=job["world"],
                                 timeout=datetime.timedelta(seconds=max(job["timeout"], 1.0)))
@@ -52,7 +54,11 @@ def _worker(folder: Path, rank: int, launcher: int) -> int:
             measure_one = measure_tensor_parallel_rank if tensor_parallel else measure_pipeline_rank
             if job.get("kind") == "job":  # a whole Megatron job's rank (remat.parallel.job_measure)
                 measure_one = measure_job_rank
-            results = [measure_one(job, policy, rank).to_dict() for policy in job["policies"]]
+            results = []
+            for policy in job["policies"]:
+                set_phase(f"measuring {policy}")
+                results.append(measure_one(job, policy, rank).to_dict())
+            set_phase("waiting for the other ranks to finish")
             dist.barrier()  # every rank is done with its collectives before any tears its connections down
         except BaseException as err:
             # reported before the connections go down: tearing them down makes the peers fail ("Connection closed
@@ -63,6 +69,7 @@ def _worker(folder: Path, rank: int, launcher: int) -> int:
         finally:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        set_phase("writing its results")
         write_atomic(folder / f"rank{rank}.json", json.dumps(results, separators=(",", ":")))
         return 0
     except BaseException as err:  # noqa: BLE001 - every failure is reported to the parent

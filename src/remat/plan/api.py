@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from remat.config import ModelConfig
+from remat.config import ConfigError, ModelConfig
 from remat.memory.trace_pool import idle_workers
 from remat.offload_policy import MIN_OFFLOADED_TENSOR_SIZE
 from remat.plan.costs import CostModel, candidate_units
@@ -20,7 +20,7 @@ from remat.plan.megatron import Predicted, predicted
 from remat.plan.moe_modules import add_moe_units, job_policies, layer_moe_units, layer_price
 from remat.plan.operator_space import layer_operators, operator_kinds
 from remat.plan.options import ParallelOptions, PlanOptions
-from remat.plan.pipeline import plan_pipeline
+from remat.plan.pipeline import check_pipeline_plannable, plan_pipeline
 from remat.plan.result import BudgetError, PlanChoice, PlanResult
 from remat.plan.solver import Solution, min_peak, solve, tidy
 from remat.plan.unit_model import UnitModel, add_traced_units, unit_model
@@ -67,6 +67,7 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
     Raises:
         BudgetError: no plan fits; it carries the smallest reachable peak (``min_peak_bytes``) and its plan.
         PlanError: bad options or budget (the message names the field and the fix).
+        ConfigError: ``config`` not a :class:`~remat.config.ModelConfig`.
 
     Example::
 
@@ -82,12 +83,16 @@ def plan(config: ModelConfig, budget: int | str, options: PlanOptions | None = N
         >>> applied = remat.apply(model, result.extended.layout)  # then train model as usual
     """
     t_start = time.perf_counter()
+    if not isinstance(config, ModelConfig):
+        raise ConfigError(f"config={config!r:.40}: give a remat.ModelConfig (the model to plan), e.g. "
+                          "remat.presets.get_preset('gpt-small')")
     options = PlanOptions() if options is None else options
     parallel = ParallelOptions() if parallel is None else parallel
     for name, value, kind in (("options", options, PlanOptions), ("parallel", parallel, ParallelOptions)):
         if not isinstance(value, kind):
             raise PlanError(f"{name}={value!r}: give a {kind.__name__} (remat.plan.{kind.__name__}(...)) or None")
     budget_bytes, budget_text = options.budget(budget)
+    check_pipeline_plannable(parallel)  # before the single-GPU plan's work, not after it
     tp, sp, engine, device = parallel.tp, parallel.sp, options.engine, options.device
     if parallel.tensor_parallel and options.measured_times:
         raise PlanError("PlanOptions.measured_times times an unsharded layer on this machine, not a tensor-parallel "

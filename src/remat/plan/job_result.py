@@ -29,7 +29,9 @@ class StageChoice:
     extra_compute_pct: float  # recompute FLOPs / the stage's layers' forward + backward FLOPs
     # a Megatron setting with fine-grained offloading (NOTE [offloading in a job]); ``plan`` is its recompute part
     offload_policy: Policy | None = None
-    host_bytes: int = 0  # with offload_policy: the most one microbatch-chunk holds on the host (traced)
+    # with offload_policy: the most one microbatch-chunk holds on the host (traced: a forward that keeps its last
+    # layer's groups on the device; the rank's host peak is in the prediction's host_memory)
+    host_bytes: int = 0
     transfer_seconds: float = 0.0  # with offload_policy: the transfer time charged per microbatch (in ``cost``)
 
     @property
@@ -58,6 +60,7 @@ class StageChoice:
                 "megatron_policy": None if policy is None else str(policy),
                 "megatron_args": None if policy is None else _megatron_args(policy), "why_not_megatron": why,
                 "rank": p.rank, "peak_bytes": p.peak_bytes, "peak_phase": p.timeline.peak_phase.label, **p.parts,
+                "reserved": p.reserved,
                 "cost": self.cost, "recompute_flops": self.recompute_flops, "extra_seconds": self.extra_seconds,
                 "extra_compute_pct": self.extra_compute_pct}
 
@@ -140,15 +143,15 @@ class JobPlan:
                 s.megatron_without_offload.to_dict(), "fine_grained_offload": s.offload_options}
             shown = s.extended.prediction if s.extended is not None else s.prediction
             if shown is not None:
-                row.update(rank=shown.rank, peak_bytes=shown.peak_bytes, **shown.parts)
+                row.update(rank=shown.rank, peak_bytes=shown.peak_bytes, **shown.parts, reserved=shown.reserved)
             else:
-                row.update(rank=None, peak_bytes=None)
+                row.update(rank=None, peak_bytes=None, reserved=None)
             stages.append(row)
         uniform = None
         if self.uniform is not None:
             uniform = {"policy": str(self.uniform), "megatron_args": _megatron_args(self.uniform),
-                       "rows": [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes, **r.parts}
-                                for r in self.uniform_ranks]}
+                       "rows": [{"rank": r.rank, "stage": r.stage, "peak_bytes": r.peak_bytes, **r.parts,
+                                 "reserved": r.reserved} for r in self.uniform_ranks]}
         return {"format": "remat.plan-job", "version": 1, "fits": self.fits, "budget_bytes": self.budget_bytes,
                 "budget": self.budget_text, "objective": self.objective, "stages": stages, "uniform": uniform,
                 "stats": self.stats}

@@ -17,18 +17,32 @@ from remat.recompute.plan_format import PlanError
 from remat.units import DEFAULT_RESERVE, GPU_PRESETS, SizeError, format_bytes, parse_budget, parse_reserve
 
 DEVICES = ("cpu", "cuda")
+DEFAULT_FLOPS, DEFAULT_MEMORY_BANDWIDTH = 400e12, 3e12  # PlanOptions' throughput and device memory bandwidth
 # the keys measure_layer_times returns for every model (contraction_<K> keys are optional)
 MEASURED_KEYS = ("layer", "core_attn", "mlp", "layernorm", "act", "non_matmul", "core_attn_matmuls", "mlp_matmuls")
 
 
+class OptionError(PlanError):
+    """A :class:`PlanOptions` or :class:`ParallelOptions` field refused: ``field`` is its name and ``reason`` why
+    and the fix (so that ``remat plan`` can name its flag instead of the field)."""
+
+    def __init__(self, message: str, field: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.field, self.reason = field, reason
+
+
+def _refuse(owner: str, name: str, value: object, reason: str) -> OptionError:
+    return OptionError(f"{owner}.{name}={value!r}: {reason}", name, reason)
+
+
 def _positive(owner: str, name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        raise PlanError(f"{owner}.{name}={value!r}: give a positive finite number")
+        raise _refuse(owner, name, value, "give a positive finite number")
 
 
 def _count(owner: str, name: str, value: object, minimum: int, fix: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise PlanError(f"{owner}.{name}={value!r}: {fix}")
+        raise _refuse(owner, name, value, fix)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,13 +98,13 @@ class PlanOptions:
     module and operator by operator; or pass its dict, e.g. a previous result's ``stats['measured_times']``).
     Implies the time objective."""
 
-    flops_per_second: float = 400e12
+    flops_per_second: float = DEFAULT_FLOPS
     """Compute throughput that converts between seconds and FLOPs."""
 
     bandwidth: float = 25e9
     """Host-device bandwidth for offload, bytes per second (PCIe 4 x16: 25e9)."""
 
-    memory_bandwidth: float = 3e12
+    memory_bandwidth: float = DEFAULT_MEMORY_BANDWIDTH
     """Device memory bandwidth, bytes per second: prices recomputed bytes under the time objective."""
 
     roofline: str | None = None
@@ -107,42 +121,46 @@ class PlanOptions:
             try:
                 parse_reserve(self.reserve, GPU_PRESETS["h100-80g"])
             except (SizeError, OverflowError) as err:
-                raise PlanError(f"{owner}.reserve={self.reserve!r}: {err}; write e.g. '10%', 0.1 or '2GiB'") from None
+                raise _refuse(owner, "reserve", self.reserve, str(err).removeprefix("reserve: ")) from None
         if self.objective not in OBJECTIVES:
-            raise PlanError(f"{owner}.objective={self.objective!r}: use {' or '.join(map(repr, OBJECTIVES))}")
+            raise _refuse(owner, "objective", self.objective, f"use {' or '.join(map(repr, OBJECTIVES))}")
         if self.engine not in ENGINES:
-            raise PlanError(f"{owner}.engine={self.engine!r}: use {' or '.join(map(repr, ENGINES))}")
+            raise _refuse(owner, "engine", self.engine, f"use {' or '.join(map(repr, ENGINES))}")
         if self.device not in DEVICES:
-            raise PlanError(f"{owner}.device={self.device!r}: use {' or '.join(map(repr, DEVICES))}")
+            raise _refuse(owner, "device", self.device, f"use {' or '.join(map(repr, DEVICES))}")
         if not isinstance(self.offload, bool):
-            raise PlanError(f"{owner}.offload={self.offload!r}: give True or False")
+            raise _refuse(owner, "offload", self.offload, "give True or False")
         if not isinstance(self.fine_grained_offload, bool):
-            raise PlanError(f"{owner}.fine_grained_offload={self.fine_grained_offload!r}: give True or False")
+            raise _refuse(owner, "fine_grained_offload", self.fine_grained_offload, "give True or False")
         _count(owner, "min_offloaded_tensor_size", self.min_offloaded_tensor_size, 0,
                f"give the elements below which a saved tensor stays on the device, an int >= 0 (Megatron's default "
                f"{MIN_OFFLOADED_TENSOR_SIZE})")
         if self.min_offloaded_tensor_size != MIN_OFFLOADED_TENSOR_SIZE and not self.fine_grained_offload:
-            raise PlanError(f"{owner}.min_offloaded_tensor_size={self.min_offloaded_tensor_size} has no effect without "
-                            "fine_grained_offload: set fine_grained_offload=True (--fine-grained-offload) or drop it")
+            raise _refuse(owner, "min_offloaded_tensor_size", self.min_offloaded_tensor_size, "has no effect without "
+                          "fine_grained_offload: set fine_grained_offload=True (--fine-grained-offload) or drop it")
         object.__setattr__(self, "selective_sets", _selective_sets(self.selective_sets))
         if not isinstance(self.measured_times, (bool, Mapping)):
-            raise PlanError(f"{owner}.measured_times={self.measured_times!r}: give True, False or the dict of "
-                            "measure_layer_times")
+            raise _refuse(owner, "measured_times", self.measured_times, "give True, False or the dict of "
+                          "measure_layer_times")
         if isinstance(self.measured_times, Mapping):
-            missing = [k for k in MEASURED_KEYS if k not in self.measured_times]
-            if missing:
-                raise PlanError(f"{owner}.measured_times lacks {', '.join(missing)}: pass what "
-                                "remat.plan.measure_layer_times returns, or True to measure here")
+            _check_measured_times(self.measured_times)
         for name in ("flops_per_second", "bandwidth", "memory_bandwidth"):
             _positive(owner, name, getattr(self, name))
+        _check_objective(self)
         _count(owner, "max_resolves", self.max_resolves, 0, "give a count >= 0")
         if self.operator_sets is not None:
             _count(owner, "operator_sets", self.operator_sets, 0, "give a count >= 0 (0: no keep_ops kinds) or None "
                    "(all of them)")
         if self.roofline is not None:
             if self.roofline not in ROOFLINES:
-                raise PlanError(f"{owner}.roofline={self.roofline!r}: use one of {', '.join(ROOFLINES)} or None")
+                raise _refuse(owner, "roofline", self.roofline, f"use one of {', '.join(ROOFLINES)} or None")
             fps, bandwidth = ROOFLINES[self.roofline]
+            for name, flag, default, own in (("flops_per_second", "--throughput", DEFAULT_FLOPS, fps),
+                                             ("memory_bandwidth", "--memory-bandwidth", DEFAULT_MEMORY_BANDWIDTH,
+                                              bandwidth)):
+                if getattr(self, name) not in (default, own):  # the roofline would replace it unseen
+                    raise _refuse(owner, name, getattr(self, name), f"roofline={self.roofline!r} (--roofline) "
+                                  f"sets it: drop {name} ({flag}) or roofline")
             object.__setattr__(self, "flops_per_second", fps)
             object.__setattr__(self, "memory_bandwidth", bandwidth)
 
@@ -168,6 +186,32 @@ class PlanOptions:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
             raise PlanError(f"budget={budget!r}: give bytes (a positive int) or text such as '70GiB' or 'h100-80g'")
         return budget, format_bytes(budget)
+
+
+def _check_measured_times(times: Mapping[str, float]) -> None:
+    """Refuse measured times that are missing a key, not finite numbers >= 0, or a zero layer time (what the step
+    time of a plan is measured in)."""
+    missing = [k for k in MEASURED_KEYS if k not in times]
+    if missing:
+        raise OptionError(f"PlanOptions.measured_times lacks {', '.join(missing)}: pass what "
+                          "remat.plan.measure_layer_times returns, or True to measure here", "measured_times")
+    for key, seconds in times.items():
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf") or (
+                key == "layer" and seconds == 0):
+            raise OptionError(f"PlanOptions.measured_times[{key!r}]={seconds!r}: give seconds, a finite number >= 0 "
+                              "(> 0 for 'layer'), as remat.plan.measure_layer_times returns", "measured_times")
+
+
+def _check_objective(options: PlanOptions) -> None:
+    """Refuse pricing options the FLOP objective would ignore: measured times and a roofline price time."""
+    if options.objective != "extra_flops":
+        return
+    for name, flag in (("measured_times", "--measured-times"), ("roofline", "--roofline")):
+        value = getattr(options, name)
+        if value is not None and value is not False:
+            raise _refuse("PlanOptions", name, value if not isinstance(value, Mapping) else "{...}",
+                          f"prices recompute in time, but objective='extra_flops' (--objective extra_flops) counts "
+                          f"FLOPs: drop {name} ({flag}) or use objective='time'")
 
 
 def _selective_sets(value: object) -> tuple[tuple[str, ...], ...] | None:
@@ -226,8 +270,11 @@ class ParallelOptions:
         if self.microbatches is not None:
             _count(owner, "microbatches", self.microbatches, 1, "give the microbatches per step, an int >= 1")
             if self.pp is None:
-                raise PlanError(f"{owner}.microbatches={self.microbatches} without pp: set pp (pipeline stages) or "
-                                "drop microbatches")
+                raise _refuse(owner, "microbatches", self.microbatches, "given without pp: set pp (--pp, the pipeline "
+                              "stages) or drop microbatches (--microbatches)")
+        if self.schedule != "1f1b" and self.pp is None:
+            raise _refuse(owner, "schedule", self.schedule, "a pipeline schedule, given without pp: set pp "
+                          "(--pp, the pipeline stages) or drop schedule (--schedule)")
         _count(owner, "vpp", self.vpp, 1, "give the model chunks per stage, an int >= 1")
         if (self.tp > 1 or self.sp) and self.pp is not None:
             raise PlanError("plan takes tensor parallelism (tp/sp) or pipeline stages (pp), not both yet: plan a "

@@ -12,9 +12,10 @@ from remat.config import ModelConfig
 from remat.memory import disk_cache
 from remat.memory.predict import predict_config
 from remat.parallel.chunk_trace import trace_chunk
-from remat.parallel.pipeline_predict import compose_stage, predict_pipeline
+from remat.parallel.pipeline_predict import MAX_COMPOSED_MICROBATCHES, compose_stage, predict_pipeline
 from remat.parallel.pipeline_runtime import StagePlan
 from remat.parallel.schedule import (
+    PipelineError,
     check_schedule,
     checkpointed_forwards,
     max_in_flight,
@@ -53,6 +54,17 @@ def stage_timeline(config: ModelConfig, rank: int, chunk_plan: Plan | Policy, *,
     stage = StagePlan(config, pp, microbatches, 1, rank, schedule, runtime, chunks, actions, checkpointed, traces,
                           block=CUDA_BLOCK if device == "cuda" else 1)
     return compose_stage(stage, chunk_plan, None)
+
+
+def check_pipeline_plannable(parallel: ParallelOptions) -> None:
+    """Refuse, before any work, a pipeline too long to plan: every stage's plan is checked on its composed stage
+    timeline, which :func:`~remat.parallel.pipeline_predict.predict_pipeline` builds for at most
+    ``MAX_COMPOSED_MICROBATCHES`` microbatches."""
+    m = parallel.num_microbatches if parallel.pp is not None else 0
+    if m > MAX_COMPOSED_MICROBATCHES:
+        raise PipelineError(f"microbatches={m} (--microbatches): a pipeline plan is checked on each stage's "
+                            f"composed timeline, built for at most {MAX_COMPOSED_MICROBATCHES} microbatches; plan "
+                            f"with at most {MAX_COMPOSED_MICROBATCHES}")
 
 
 def plan_pipeline(config: ModelConfig, budget: int | str, parallel: ParallelOptions,
@@ -107,6 +119,7 @@ def plan_pipeline(config: ModelConfig, budget: int | str, parallel: ParallelOpti
     start = time.perf_counter()
     specs = partition(config, pp, 1)
     schedule = check_schedule(schedule, pp, microbatches, 1, runtime)
+    check_pipeline_plannable(parallel)
     model = unit_model(config, device=device, engine=engine)
     fps = cost.flops_per_second
     baseline = Predicted.of(predict_config(config.replace(num_layers=1), Policy(engine=engine), device=device))

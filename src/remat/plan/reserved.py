@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from remat.config import ModelConfig
+from remat.memory.alloc_config import AllocatorConfig
 from remat.memory.predict import predict_config
 from remat.memory.reserved import reserved_figures
 from remat.plan.api import plan
@@ -23,11 +24,12 @@ PIPELINE_REFUSED = ("--budget-reserved plans one GPU's reserved memory; it is no
 
 
 def plan_reserved(config: ModelConfig, budget: int | str, options: Any = None, parallel: Any = None,
-                  ) -> tuple[PlanResult, dict[str, Any]]:
+                  allocator: AllocatorConfig | None = None) -> tuple[PlanResult, dict[str, Any]]:
     """The cheapest plan whose replayed reserved memory fits ``budget``.
 
     Args:
         config, budget, options, parallel: as for :func:`remat.plan.plan`.
+        allocator: the ``PYTORCH_CUDA_ALLOC_CONF`` options replayed; None: PyTorch's defaults.
 
     Returns:
         ``(result, figures)``: the :class:`PlanResult` (its ``budget_bytes`` is the budget asked for; its
@@ -51,7 +53,7 @@ def plan_reserved(config: ModelConfig, budget: int | str, options: Any = None, p
         layout = result.extended.layout  # a Policy with fine-grained offloading (traced in full), else a Plan
         timeline = predict_plan(config, layout, device="cuda", tp=result.tp, sp=result.sp) if isinstance(
             layout, Plan) else predict_config(config, layout, device="cuda", tp=result.tp, sp=result.sp)
-        figures = reserved_figures(timeline)
+        figures = reserved_figures(timeline, allocator)
         figures["allocated_budget_bytes"] = allocated_budget
         excess = figures["max_memory_reserved"] - limit
         if excess <= 0:

@@ -41,12 +41,15 @@ def contraction_sets(contractions: Iterable[int]) -> tuple[tuple[str, ...], ...]
 
 def selective_sets(modules: str | Iterable[str]) -> tuple[tuple[str, ...], ...]:
     """The selective sets (:data:`SELECTIVE_SETS`) made of ``modules`` only (``'core_attn,mlp'`` or a list): what
-    ``plan(selective_sets=...)`` takes to keep the search to some modules (e.g. module-level only)."""
+    ``plan(selective_sets=...)`` takes to keep the search to some modules (e.g. module-level only); ``'none'`` (or
+    no module) leaves selective layers out."""
     names = [m.strip() for m in modules.split(",")] if isinstance(modules, str) else list(modules)
     names = [m for m in names if m]
+    if names == ["none"]:  # no selective layers (as an empty list)
+        return ()
     unknown = [m for m in names if m not in SELECTIVE_MODULES]
     if unknown:
-        raise PlanError(f"selective modules {unknown}: valid modules are {', '.join(SELECTIVE_MODULES)} (give none "
-                        "to plan without selective layers)")
+        raise PlanError(f"selective modules {unknown}: valid modules are {', '.join(SELECTIVE_MODULES)} (or none "
+                        "alone, to plan without selective layers)")
     return tuple(s for s in SELECTIVE_SETS if set(s) <= set(names))
 

@@ -5,10 +5,11 @@ backward wait in host memory between forward and backward (:class:`ActivationOff
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from remat.models.moe import MoELayer
 from remat.offload_policy import OFFLOAD_MODULES
+from remat.recompute.discard import DiscardHandle
 from remat.recompute.engines import in_backward, observers
 from remat.recompute.offload import offload_to_host, transfer_stream
 from remat.recompute.region import ApplyError
@@ -49,8 +51,8 @@ DELAYED_COMMIT = {"attn_norm": "mlp_norm", "mlp_norm": "", "moe_act": "mlp.exper
 
 
 # NOTE [how fine-grained offloading runs]
-# For each offloaded module of each layer (but the last layer holding it: Megatron's steady state keeps the last
-# group of each name on the device so that backward never waits for it), a forward pre-hook opens a group and
+# For each offloaded module of each layer (but the last layer holding it, see below: Megatron's steady state keeps the
+# last group of each name on the device so that backward need not wait for it), a forward pre-hook opens a group and
 # pushes torch.autograd.graph.saved_tensors_hooks: every tensor autograd saves inside the module becomes a _Saved
 # handle. When the group commits (its forward hook, or the later hook of DELAYED_COMMIT), each saved tensor of at
 # least min_offloaded_tensor_size elements that is not one of the layer's parameters or buffers is copied to host
@@ -65,7 +67,8 @@ DELAYED_COMMIT = {"attn_norm": "mlp_norm", "mlp_norm": "", "moe_act": "mlp.exper
 # forward is prefetched (Megatron issues that prefetch when the group's backward ends, remat when it starts, so
 # remat holds it a little longer); the copies go when autograd releases the handles, after their node ran. Observers
 # (the step recorder) are told the host bytes as they come and go (on_offload / on_reload) and see each reloaded
-# copy allocated when it is made. Inside other saved-tensor hooks (a non-reentrant checkpoint's) nothing is tagged.
+# copy allocated when it is made. Inside other saved-tensor hooks (a non-reentrant checkpoint's) nothing is tagged
+# (an output-discarding region's excepted: NOTE [offloading a discarded output]).
 #
 # NOTE [offloading in a pipeline]
 # Under pipeline parallelism each model chunk has its own ActivationOffload (remat.apply runs per chunk), and every
@@ -74,15 +77,38 @@ DELAYED_COMMIT = {"attn_norm": "mlp_norm", "mlp_norm": "", "moe_act": "mlp.exper
 # within one forward). remat.parallel.job_predict composes this from the chunk trace (each forward/backward
 # segment carries its host changes, remat.parallel.chunk_trace.TraceSegment.host) and a gloo run of the job measures
 # the same, device and host bytes to the byte (tests/parallel/test_offload_pipeline.py).
-# Where remat differs from Megatron (megatron-core 0.16.1 PipelineOffloadManager.post_warmup_callback and
-# ChunkOffloadHandler.should_bulk_offload): remat keeps the last layer's group of each name on the device in EVERY
-# forward of every chunk; Megatron keeps it only (a) in the chunk handler first in the step's backward order (the
-# step's first microbatch of the last virtual stage) and (b) in a forward whose own backward runs next (a
-# last pipeline stage's 1F1B, or pp=1); its first iteration (warm-up) offloads every group. So on a stage r < pp-1
-# that runs warm-up forwards, Megatron's microbatches after the step's first offload their last layer's groups too:
-# its device peak there is lower, and its host peak higher, by up to (microbatches in flight - 1) x the last layer's
-# offloaded bytes; on the last stage and with pp=1 the two agree. Following it would make a chunk's forwards differ
-# by the schedule (the composition copies one forward per chunk), so it is not modelled.
+# Which forwards keep their last layer's groups on the device follows Megatron's rule (NOTE [which forwards keep
+# their last offload group] in remat.parallel.schedule): a forward keeps them when it is the step's first backward's
+# or its own backward runs next, and offloads them inside offloading_last_groups (which the Megatron runtimes, traced
+# and measured, enter for the other forwards). Outside it, every forward keeps them (pp = 1, and remat.apply on its
+# own).
+#
+# NOTE [offloading a discarded output]
+# With core_attn offloaded and mla_up_proj recomputed, Megatron (multi_latent_attention.py:343-466 at d98e8a64) runs
+# the core attention under the offload's saved-tensor hooks, so its saved query, key and value are copied to the host
+# at the group's commit like the rest; the up-projection checkpoint then frees their storages
+# (discard_output_and_register_recompute). In backward a hook on the attention's output re-runs the up-projection into
+# those storages (tensor_parallel/random.py CheckpointWithoutOutput, kept until the up-projection's backward) while
+# the reloaded copies are what the attention's backward reads (fine_grained_activation_offload.py:937-955): both are
+# on the device then. remat follows it: the offload's hooks go above the discarding region's (so the query, key and
+# value are offloaded, not replaced by placeholders) and the region refills from a hook on the consumer's output
+# (remat.recompute.discard.OutputDiscardingRegion).
+_LAST_GROUPS_OFFLOADED: list[frozenset[str]] = [frozenset()]
+
+
+@contextlib.contextmanager
+def offloading_last_groups(modules: Sequence[str]) -> Iterator[None]:
+    """Inside the block, offloading installed by :func:`remat.apply` offloads the last layer's group of each of
+    ``modules`` too, as Megatron does in the forwards whose backward does not run next (NOTE [which forwards keep
+    their last offload group] in :mod:`remat.parallel.schedule`)."""
+    before = _LAST_GROUPS_OFFLOADED[0]
+    _LAST_GROUPS_OFFLOADED[0] = frozenset(modules)
+    try:
+        yield
+    finally:
+        _LAST_GROUPS_OFFLOADED[0] = before
+
+
 class _Saved:
     """One tensor a group's module saved: on the device (``tensor``), in host memory (``host``) or back
     (``device``, ready once ``event`` has passed)."""
@@ -201,13 +227,16 @@ class ActivationOffload:
         self.modules, self.min_size = tuple(modules), min_size
         self.stack, self.names = list(stack), list(names)
         self.targets: dict[tuple[int, str], tuple[nn.Module, nn.Module]] = {}  # (layer, name) -> (start, end)
+        self.last_of: dict[str, int] = {}  # name -> the last layer that has it
         for name in self.modules:
             found = {i: target for i, layer in enumerate(self.stack)
                      if (target := self._target(layer, self.names[i], name)) is not None}
             if not found:
                 raise self._missing(name)
-            last = max(found)  # Megatron's steady state: the last group of each name stays on the device
-            self.targets.update({(i, name): t for i, t in found.items() if i != last})
+            self.targets.update({(i, name): t for i, t in found.items()})
+            # Megatron's steady state: the last group of each name stays on the device, unless the forward is one of
+            # those that offload it too (offloading_last_groups)
+            self.last_of[name] = max(found)
         seen: dict[int, str] = {}
         for (i, name), (start, _) in self.targets.items():
             if seen.setdefault(id(start), f"{self.names[i]} ({name})") != f"{self.names[i]} ({name})":
@@ -276,8 +305,13 @@ class ActivationOffload:
     # -- forward ------------------------------------------------------------------------------------------
     def _start(self, i: int, name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
         stack = self.active[(i, name)]
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        # an output-discarding region's hooks (core_attn with mla_up_proj) go under the offload's: Megatron offloads
+        # what the core attention saves, the discarded query/key/value included (NOTE [offloading a discarded output])
+        discarding = top is not None and isinstance(getattr(top[0], "__self__", None), DiscardHandle)
+        kept = i == self.last_of[name] and name not in _LAST_GROUPS_OFFLOADED[0]  # stays on the device
         if in_backward() or not torch.is_grad_enabled() or any(entry is not None for entry in stack) or \
-                torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+                (top is not None and not discarding) or kept:
             # a recomputation, a checkpoint's no-grad forward, a nested call: nothing to tag; inside other saved-tensor
             # hooks (a non-reentrant checkpoint's) the saved tensors are theirs, as in Megatron's checkpoints
             stack.append(None)

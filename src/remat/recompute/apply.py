@@ -44,9 +44,13 @@ def find_layer_stack(model: nn.Module, layers: str | Sequence[nn.Module] | nn.Mo
         if isinstance(layers, nn.Module):
             path = next((n for n, m in model.named_modules() if m is layers), "<layers>")
             return path, _stack_members(layers, path)
-        members = list(layers)
+        try:
+            members = list(layers)
+        except TypeError:  # not iterable (layers=5)
+            members = []
         if not members or not all(isinstance(m, nn.Module) for m in members):
-            raise ApplyError("layers= must be a path, a ModuleList/ModuleDict, or a non-empty list of modules")
+            raise ApplyError(f"layers={layers!r}: give a path ('model.layers'), a ModuleList/ModuleDict, or a "
+                             "non-empty list of modules")
         return "<layers>", members
     for path in LAYER_STACK_PATHS:
         try:
@@ -73,6 +77,17 @@ def _stack_members(container: nn.Module, path: str) -> list[nn.Module]:
         return list(container)
     raise ApplyError(f"layers={path!r} is a {type(container).__name__}, not an nn.ModuleList or "
                      "nn.ModuleDict: name the container that holds the layers")
+
+
+def _mtp_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The transformer layers of remat's multi-token-prediction depths (``model.mtp[k].mtp_model_layer``, NOTE
+    [multi-token prediction] in :mod:`remat.models.gpt`), with their names; none for other models."""
+    depths = getattr(model, "mtp", None)
+    if not isinstance(depths, nn.ModuleList):
+        return []
+    prefix = next((n for n, m in model.named_modules() if m is depths), "mtp")
+    return [(f"{prefix}.{k}.mtp_model_layer", d.mtp_model_layer) for k, d in enumerate(depths)
+            if isinstance(getattr(d, "mtp_model_layer", None), nn.Module)]
 
 
 def _selective_targets(layer: nn.Module, layer_name: str, module: str) -> list[tuple[str, nn.Module]]:
@@ -128,7 +143,13 @@ def _discarding_region(index: int, layer: nn.Module, layer_name: str, i: int, mo
 
 def applied(model: nn.Module) -> AppliedPolicy | None:
     """The policy currently applied to ``model`` by :func:`apply`, or None."""
+    _check_module(model, "applied")
     return model.__dict__.get("_remat_applied")
+
+
+def _check_module(model: object, who: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise ApplyError(f"{who}(model=...) takes a torch.nn.Module, got {type(model).__name__}")
 
 
 def remove(model: nn.Module) -> None:
@@ -147,6 +168,7 @@ def remove(model: nn.Module) -> None:
         >>> applied(model) is None
         True
     """
+    _check_module(model, "remove")
     state = model.__dict__.pop("_remat_applied", None)
     if state is not None:
         for region in state.regions:
@@ -164,9 +186,12 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
     consecutive groups of k layers one checkpoint each (the last one shorter when k does not divide the depth):
     a group's forward keeps only its input tensors (hidden states, attention mask, rotary tables, ...), and in
     backward the whole group is recomputed, then backpropagated, so while a group's backward runs all k layers'
-    activations exist at once. ``full/block/k`` checkpoints the first k layers one by one; the other layers keep
-    all activations. ``selective/<modules>`` checkpoints the named submodules of every layer (attention core,
-    MLP, norms, MLP activation; found through :data:`~remat.recompute.region.SELECTIVE_TARGETS`).
+    activations exist at once (a group of Hugging Face layers of several ``layer_types``, which the model gives
+    their own masks, runs layer by layer and keeps each layer's side inputs: NOTE [groups of layers with their own
+    inputs] in :mod:`~remat.recompute.region`). ``full/block/k`` checkpoints the first k layers one by one; the
+    other layers keep all activations. ``selective/<modules>`` checkpoints the named submodules of every layer
+    (attention core, MLP, norms, MLP activation; found through :data:`~remat.recompute.region.SELECTIVE_TARGETS`;
+    the transformer layer of remat's multi-token-prediction depths too, as Megatron's MTP runs them).
     ``selective/non_matmul`` (alone or with ``core_attn``/``mlp``) makes each layer one selective activation
     checkpoint (:func:`~remat.recompute.operator_checkpoint.checkpoint_operators`: the semantics and memory of
     torch's ``create_selective_checkpoint_contexts`` with the non-reentrant engine, whatever the engine says):
@@ -238,28 +263,33 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
     regions: list[Region] = []
     grouped: set[int] = set()
     found: set[str] = set()  # selective modules with a target in some layer
+    kinds = hf.side_input_kinds(model, stack) if hf is not None else None  # layers given their own side inputs
     for group in policy.layer_groups(len(stack)):
         regions.append(Region(len(regions), "layers", [stack[i] for i in group], [names[i] for i in group],
-                              policy.engine, layer_indices=tuple(group), distribute=distribute))
+                              policy.engine, layer_indices=tuple(group), distribute=distribute,
+                              per_layer_inputs=kinds is not None and len({kinds[i] for i in group}) > 1))
         grouped.update(group)
-    for i, layer in enumerate(stack):
+    # Megatron's MTP depths build their transformer layer from the decoder's config, so it runs the same selective
+    # modules (multi_token_prediction.py:1655-1736 at d98e8a64): as the last decoder layer's
+    extra = [(len(stack) - 1, layer, name) for name, layer in _mtp_layers(model)] if hf is None and stack else []
+    for i, layer, layer_name in [(i, layer, names[i]) for i, layer in enumerate(stack)] + extra:
         modules = policy.selective_modules(i)
-        if modules and i in grouped:
+        if modules and i in grouped and layer is stack[i]:
             raise ApplyError(f"layer {i} is both in a recomputed group and selectively recomputed: a group already "
                              "recomputes everything in it; drop one of the two")
         if "non_matmul" in modules or kept_operators(modules) is not None:
-            regions.append(_operator_level_region(len(regions), layer, names[i], i, modules))
+            regions.append(_operator_level_region(len(regions), layer, layer_name, i, modules))
             found.update(m for m in modules if m not in SELECTIVE_TARGETS and m not in DISCARD_TARGETS
-                         or _selective_targets(layer, names[i], m))
+                         or _selective_targets(layer, layer_name, m))
             continue
         for module in modules:
             if module in OUTPUT_DISCARDING_MODULES:
-                region = _discarding_region(len(regions), layer, names[i], i, module)
+                region = _discarding_region(len(regions), layer, layer_name, i, module)
                 if region is not None:
                     regions.append(region)
                     found.add(module)
                 continue
-            for name, target in _selective_targets(layer, names[i], module):
+            for name, target in _selective_targets(layer, layer_name, module):
                 regions.append(Region(len(regions), f"selective:{module}", [target], [name], policy.engine,
                                       layer_indices=(i,)))
                 found.add(module)
@@ -270,6 +300,11 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
     if missing:
         raise _no_targets(stack, names, missing[0])
     _mark_offloaded(policy, len(stack), regions)
+    for region in regions:
+        if region.per_layer_inputs and region.offload_inputs:
+            raise ApplyError(f"{region.label}: its layers take different side inputs (attention masks by layer type), "
+                             "so it runs layer by layer, and its input cannot be offloaded: drop the offload "
+                             "segment, or make groups of layers of one type")
     _refuse_shared_modules(regions, stack, stack_path)
     offload = prepare_offload(policy, stack, names)  # the policy's offload_modules (remat.recompute.activation_offload)
     remove(model)

@@ -4,6 +4,7 @@ kept inputs when backward reaches the consumer. remat's ``moe_act`` and ``mla_up
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -122,6 +123,12 @@ class DiscardingCheckpoint(torch.autograd.Function):
         return (None, None, *[t.grad if t.requires_grad else None for t in inputs])
 
 
+def _refill_before_backward(handle_ref: Callable[[], DiscardHandle | None], grad: torch.Tensor) -> None:
+    handle = handle_ref()
+    if handle is not None and handle.ctx_ref() is not None:
+        handle.refill()
+
+
 class OutputDiscardingRegion(Region):
     """A producer module (``modules[0]``) whose outputs are discarded once the consumer module (``modules[1]``)
     has run (NOTE [how an output is discarded]). Only the producer's forward is replaced; the consumer keeps its
@@ -194,10 +201,17 @@ class OutputDiscardingRegion(Region):
         hooks = torch.autograd.graph.saved_tensors_hooks(handle.pack, DiscardHandle.unpack) if handle else None
         if hooks is not None:
             hooks.__enter__()
-        self.__dict__.setdefault("_consumer_hooks", []).append(hooks)
+        self.__dict__.setdefault("_consumer_hooks", []).append((handle, hooks))
 
     def _leave_consumer(self, module: nn.Module, args: Any, output: Any) -> None:
         stack = self.__dict__.get("_consumer_hooks")
-        hooks = stack.pop() if stack else None
-        if hooks is not None:
-            hooks.__exit__(None, None, None)
+        handle, hooks = stack.pop() if stack else (None, None)
+        if hooks is None:
+            return
+        hooks.__exit__(None, None, None)
+        # Megatron re-runs the producer from a hook on the consumer's output (discard_output_and_register_recompute),
+        # before the consumer's backward, whether or not that backward reads a discarded output: where the consumer's
+        # saved tensors were offloaded instead (core_attn offloaded with mla_up_proj), the refill still happens there
+        for leaf in tree_flatten(output)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(functools.partial(_refill_before_backward, weakref.ref(handle)))

@@ -254,6 +254,27 @@ def prepare(model: nn.Module, stack: Sequence[nn.Module], names: Sequence[str], 
             _install_core(model, layer, names[i])
 
 
+def side_input_kinds(model: nn.Module, stack: Sequence[nn.Module]) -> list[str] | None:
+    """Per layer of ``stack``, the kind of side inputs the model's loop gives it, when not every layer gets the same:
+    its ``config.layer_types`` entry (Gemma 2/3, Qwen2, ...: ``sliding_attention`` layers get the sliding-window
+    mask, ``full_attention`` ones the causal mask, Gemma 3's also their own rotary tables). None when the config has
+    one layer type (or none); a full-recompute group of layers of several kinds runs layer by layer (NOTE [groups of
+    layers with their own inputs] in :mod:`remat.recompute.region`)."""
+    config = getattr(_pretrained(model), "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or len(set(types)) < 2:
+        return None
+    kinds = []
+    for position, layer in enumerate(stack):
+        found = attention_module(layer)
+        index = getattr(found[1], "layer_idx", position) if found is not None else position
+        if not isinstance(index, int) or not 0 <= index < len(types):
+            return None
+        kinds.append(str(types[index]))
+    return kinds
+
+
 def installed(model: nn.Module, state: AppliedPolicy) -> None:
     """After :func:`remat.apply` installed its regions: drop cores no region uses, hook the KV cache."""
     hf = _state(model)

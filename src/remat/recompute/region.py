@@ -16,6 +16,7 @@ from remat.policy import Policy
 from remat.recompute.engines import (
     OutputSpec,
     ReentrantCheckpoint,
+    RngState,
     first_tensor,
     first_tensor_index,
     in_backward,
@@ -26,6 +27,7 @@ from remat.recompute.engines import (
 from remat.recompute.offload import OffloadedCheckpoint
 from remat.recompute.operator_checkpoint import checkpoint_kept_operators, checkpoint_matmuls, checkpoint_operators
 from remat.recompute.operators import MATMUL_OVERLOADS, contraction
+from remat.recompute.stepwise import GroupCalls, StepwiseCheckpoint
 
 # Where common model families keep their decoder layers, most specific first.
 LAYER_STACK_PATHS = (
@@ -55,7 +57,8 @@ SELECTIVE_TARGETS: dict[str, tuple[str, ...]] = {
                   "pre_feedforward_layernorm", "post_feedforward_layernorm"),  # Gemma 2/3
     "act": ("mlp.activation", "mlp.act_fn", "mlp.act", "feed_forward.act_fn",
             "activation_fn",  # OPT
-            "mlp.gelu"),      # nanoGPT
+            "mlp.gelu",       # nanoGPT
+            "mlp.experts.act_fn"),  # Hugging Face MoE experts (Mixtral, Qwen2-MoE, ...)
     # MoE and MLA (remat's reference model, Megatron's names); "mlp" skips MoE layers, "moe" takes only them
     "moe": ("mlp",),
     "shared_experts": ("mlp.shared_experts",),
@@ -106,6 +109,8 @@ class Region:
     max_contraction: int = 0
     # keep_ops regions (remat.recompute.plan_format NOTE [operator sets]): the indices of the operators kept
     kept_ops: frozenset[int] | None = None
+    # a group whose layers take their own side inputs (HF's sliding and global attention layers): run layer by layer
+    per_layer_inputs: bool = False
     _originals: list[Any] = field(default_factory=list, repr=False)
     _running: bool = field(default=False, repr=False)
     _pending: Any = field(default=None, repr=False)
@@ -113,6 +118,7 @@ class Region:
     side_inputs: Any = field(default=None, repr=False)
     _inside: int = field(default=0, repr=False)  # how deep the running code is in matmuls_inside modules
     _hooks: list[Any] = field(default_factory=list, repr=False)
+    _calls: GroupCalls | None = field(default=None, repr=False)  # per_layer_inputs: the forward in progress
 
     @property
     def operator_level(self) -> bool:
@@ -190,6 +196,8 @@ class Region:
     def _forward(self, position: int, *args: Any, **kwargs: Any) -> Any:
         if self._running:  # inside this region's own computation or recomputation
             return self._original_forward(position)(*args, **kwargs)
+        if self.per_layer_inputs:
+            return self._step(position, args, kwargs)
         if position == 0:
             output = self._run_checkpointed(args, kwargs) if torch.is_grad_enabled() else self._run(args, kwargs)
             if len(self.modules) > 1:
@@ -218,13 +226,102 @@ class Region:
             self._pending = self._side_inputs = None
         return output
 
-    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # only observers care whether this is the recomputation (and torch.compile cannot trace the question)
-        recompute = bool(observers) and in_backward()
-        if recompute:
-            for observer in observers:
-                observer.on_recompute(self, True)
+    # NOTE [groups of layers with their own inputs]
+    # A group of layers that the model gives different side inputs (Gemma 2/3, Qwen2 with layer_types: sliding-window
+    # and global attention layers, each kind with its own mask, Gemma 3 its own rotary tables) cannot run as one call
+    # with its first layer's inputs: apply() marks it per_layer_inputs (remat.recompute.hf.side_input_kinds), and
+    # each layer runs when the model's loop calls it, on its own inputs (remat.recompute.stepwise.GroupCalls records
+    # them). The group is still one checkpoint: reentrant, its layers run under no_grad and the last one under
+    # StepwiseCheckpoint, which keeps the group's input and every layer's side inputs (each tensor once) and, in
+    # backward, recomputes the whole group from the RNG state taken before its first layer; non-reentrant, torch's
+    # checkpoint is opened at the first layer and closed after the last, its recomputation rerunning every layer on
+    # its own inputs. The loop sees each layer's true output; gradients equal the plain model's bit for bit. Without
+    # gradients (inference) each layer simply runs.
+    @torch.compiler.disable  # runs eagerly: the group spans several of the model's calls
+    def _step(self, position: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        calls = self._calls
+        if position == 0 or not torch.is_grad_enabled():
+            if calls is not None:
+                calls.abandon()
+            self._calls = calls = GroupCalls() if torch.is_grad_enabled() else None
+            if calls is None:
+                return self._run_member(position, args, kwargs)
+        elif calls is None or position != len(calls):
+            raise ApplyError(f"{self.names[position]} was called before the first module of its group "
+                             f"({self.names[0]}): the model does not run its layers in order; use "
+                             "full/uniform/1 or full/block")
+        elif first_tensor((args, kwargs)) is not first_tensor(calls.output):
+            self._calls = None
+            calls.abandon()
+            raise ApplyError(f"{self.names[position]} was not given the output of {self.names[position - 1]}: "
+                             "the model's loop does work between layers, so a multi-layer group cannot "
+                             "be recomputed as one; use full/uniform/1 or full/block")
+        added = calls.record(args, kwargs)
+        if not calls.tensors:
+            raise ApplyError(f"{self.label} has no tensor inputs to checkpoint")
+        for observer in observers:
+            observer.on_checkpoint_inputs(self, added)
+        last = position == len(self.modules) - 1
+        try:
+            if self.engine == "non-reentrant":
+                if position == 0:
+                    calls.open_checkpoint(lambda inputs: self._rerun(calls, inputs))
+                output = self._run_member(position, args, kwargs)
+                if last:
+                    calls.close_checkpoint()
+            elif last:
+                output = self._close_reentrant(calls, position, args, kwargs)
+            else:
+                if position == 0:
+                    calls.rng = RngState(calls.tensors)
+                with torch.no_grad():
+                    output = self._run_member(position, args, kwargs)
+        except BaseException:
+            self._calls = None
+            calls.abandon()
+            raise
+        calls.output = None if last else output  # a reentrant group's backward holds calls: not its output
+        if last:
+            self._calls = None
+        return output
+
+    def _run_member(self, position: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._running = True
+        try:
+            return self.modules[position](*args, **kwargs)
+        finally:
+            self._running = False
+
+    def _close_reentrant(self, calls: GroupCalls, position: int, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> Any:
+        """The last layer of a per_layer_inputs group under StepwiseCheckpoint: the group's output."""
+        if not any(t.requires_grad for t in calls.tensors) and any(
+                p.requires_grad for m in self.modules for p in m.parameters()):
+            raise ApplyError(f"{self.label}: no input requires grad, so a reentrant checkpoint would give its "
+                             "parameters no gradient (as Megatron's and torch's reentrant checkpoints do); use "
+                             "the non-reentrant engine ('@non-reentrant') or make the inputs require grad")
+        rng = calls.rng if calls.rng is not None else RngState(calls.tensors)  # a one-layer group
+        out = OutputSpec(self)
+        outputs = iter(StepwiseCheckpoint.apply(lambda: self._run_member(position, args, kwargs),
+                                                lambda *inputs: self._rerun(calls, list(inputs)), rng, out,
+                                                *calls.tensors))
+        return tree_unflatten([next(outputs) if isinstance(leaf, torch.Tensor) else leaf for leaf in out.leaves],
+                              out.spec)
+
+    def _rerun(self, calls: GroupCalls, inputs: list[torch.Tensor]) -> Any:
+        """Recompute a per_layer_inputs group: every layer on its own recorded inputs."""
+        recompute = self._begin()
+        try:
+            output = None
+            for position, module in enumerate(self.modules):
+                args, kwargs = calls.arguments(position, inputs, output)
+                output = module(*args, **kwargs)
+        finally:
+            self._end(recompute)
+        return output
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        recompute = self._begin()
         try:
             output = self.modules[0](*args, **kwargs)
             for module in self.modules[1:]:
@@ -233,11 +330,24 @@ class Region:
                 args, kwargs = tree_unflatten(leaves, spec)
                 output = module(*args, **kwargs)
         finally:
-            self._running = False
-            if recompute:
-                for observer in observers:
-                    observer.on_recompute(self, False)
+            self._end(recompute)
         return output
+
+    def _begin(self) -> bool:
+        """The region's modules start running; observers are told when it is the recomputation (returned)."""
+        # only observers care whether this is the recomputation (and torch.compile cannot trace the question)
+        recompute = bool(observers) and in_backward()
+        if recompute:
+            for observer in observers:
+                observer.on_recompute(self, True)
+        self._running = True
+        return recompute
+
+    def _end(self, recompute: bool) -> None:
+        self._running = False
+        if recompute:
+            for observer in observers:
+                observer.on_recompute(self, False)
 
     def _run_checkpointed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves, spec = tree_flatten((args, kwargs))

@@ -1,0 +1,129 @@
+"""Caching-allocator replays of predicted steps made beside the next prediction (:class:`BackgroundReplays`).
+
+A large job's ranks take a second or so to replay (:func:`remat.memory.reserved.reserved_figures`, pure Python); a
+sweep predicts one policy after another. Where a core stands idle, each policy's replays run in a process forked
+as soon as its ranks are predicted (the timelines are inherited, never pickled; only the figures come back) while
+this process predicts the next policy, and :meth:`BackgroundReplays.wait` collects them; on a busy machine, or for
+a small job, they run here. The figures are the same either way: a replay the child could not send is made here.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from remat.memory.allocator import AllocatorConfig
+from remat.memory.reserved import reserved_figures, stored_figures
+from remat.memory.trace_pool import idle_workers, run_forked, worker_timeout
+
+PARALLEL_REPLAY_ROWS = 150_000  # rows (about 0.25 s of replay) from which replays are worth another process
+
+
+class Replayed(Protocol):
+    """What is replayed: a step's ``timeline``, and where its figures go (``reserved``)."""
+
+    timeline: Any
+    reserved: dict[str, Any] | None
+
+
+def replay_now(items: Sequence[Replayed], allocator: AllocatorConfig | None = None) -> None:
+    """Set each item's ``reserved`` (:func:`~remat.memory.reserved.reserved_figures` under ``allocator``): from the
+    disk cache where it holds the replay, else replayed, side by side on the idle cores (forked workers,
+    :func:`~remat.memory.trace_pool.run_forked`) when there are :data:`PARALLEL_REPLAY_ROWS` rows or more. Each item
+    once; one already replayed under these options is kept."""
+    todo = _todo(items, allocator)
+    rows = sum(len(it.timeline.nbytes) for it in todo)
+    workers = idle_workers() if len(todo) > 1 and rows >= PARALLEL_REPLAY_ROWS else 1
+    for it, figures in zip(todo, run_forked([_task(it, allocator) for it in todo], workers)):
+        it.reserved = figures
+
+
+class BackgroundReplays:
+    """Replays of several predictions' steps, each started beside the next prediction (module docstring).
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> step = SimpleNamespace(timeline=SimpleNamespace(nbytes=[3 << 20], alloc_at=[0], free_at=[-1],
+        ...                                                 peak_bytes=3 << 20), reserved=None)
+        >>> replays = BackgroundReplays()
+        >>> replays.add([step]); replays.wait()
+        >>> step.reserved["max_memory_reserved"] >> 20
+        20
+    """
+
+    def __init__(self, allocator: AllocatorConfig | None = None):
+        self.allocator = allocator
+        self.pending: list[tuple[list[Replayed], Any, Any]] = []  # (items, process, connection)
+        self.beside: bool | None = None  # whether a core stands idle for them (asked once, at the first large add)
+
+    def add(self, items: Sequence[Replayed]) -> None:
+        """Replay ``items`` beside what this process does next (a forked child), or here and now."""
+        todo = _todo(items, self.allocator)
+        if sum(len(it.timeline.nbytes) for it in todo) < PARALLEL_REPLAY_ROWS or \
+                "fork" not in multiprocessing.get_all_start_methods():
+            replay_now(todo, self.allocator)
+            return
+        if self.beside is None:
+            self.beside = idle_workers() > 1
+        if not self.beside:
+            replay_now(todo, self.allocator)
+            return
+        self.wait()  # one child at a time beside this process (the last one has had a prediction's time)
+        ctx = multiprocessing.get_context("fork")
+        for stream in (sys.stdout, sys.stderr):  # the child flushes what it inherits: nothing twice
+            stream.flush()
+        receive, send = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_replay_child, args=(todo, self.allocator, send))
+        process.start()
+        send.close()
+        self.pending.append((todo, process, receive))
+
+    def wait(self) -> None:
+        """Collect every replay started (those a child could not send are made here)."""
+        while self.pending:
+            self._collect(self.pending.pop(0))
+
+    def _collect(self, entry: tuple[list[Replayed], Any, Any]) -> None:
+        items, process, receive = entry
+        figures = None
+        try:
+            if receive.poll(worker_timeout()):
+                figures = receive.recv()
+        except (EOFError, OSError):
+            figures = None
+        finally:
+            receive.close()
+            process.join(1.0)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+        if isinstance(figures, list) and len(figures) == len(items):
+            for it, f in zip(items, figures):
+                it.reserved = f
+        else:
+            replay_now(items, self.allocator)
+
+
+def _todo(items: Sequence[Replayed], allocator: AllocatorConfig | None) -> list[Replayed]:
+    """The items (each once) not replayed under ``allocator`` yet; those the disk cache holds get their figures."""
+    conf = (allocator or AllocatorConfig()).text()
+    unique = list({id(it): it for it in items if (it.reserved or {}).get("alloc_conf") != conf}.values())
+    for it in unique:
+        it.reserved = stored_figures(it.timeline, allocator)
+    return [it for it in unique if it.reserved is None]
+
+
+def _task(item: Replayed, allocator: AllocatorConfig | None) -> Any:
+    return lambda: reserved_figures(item.timeline, allocator)
+
+
+def _replay_child(items: Sequence[Replayed], allocator: AllocatorConfig | None, send: Any) -> None:
+    try:
+        send.send([reserved_figures(it.timeline, allocator) for it in items])
+    except Exception:  # the parent replays them itself
+        pass
+    finally:
+        send.close()
