@@ -269,7 +269,7 @@ def check_moe_overlap(job: Any) -> None:
         return
     flag, model, policy = "--overlap-moe-expert-parallel-comm", job.model, job.policy
     problems = [
-        (not model.is_moe or job.ep < 1 + 1, "needs expert parallelism (--expert-model-parallel-size > 1)"),
+        (not model.is_moe or job.ep < 2, "needs expert parallelism (--expert-model-parallel-size > 1)"),
         (job.pp > 1 and job.vpp is None, "with --pipeline-model-parallel-size > 1 needs the interleaved schedule "
          "(--num-virtual-stages-per-pipeline-rank or a --pipeline-model-parallel-layout)"),
         (model.is_moe and model.moe_token_dispatcher_type != "alltoall", "needs the alltoall token dispatcher "

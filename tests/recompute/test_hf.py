@@ -15,6 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_checks import assert_same_timeline, train_step  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     FalconConfig,
@@ -93,11 +94,7 @@ def supported(family: str, policy: str) -> bool:
 
 
 def step(model, seed: int = 5):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    out = model(**BATCH)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}, torch.get_rng_state()
+    return (*train_step(model, BATCH, seed), torch.get_rng_state())
 
 
 @functools.cache
@@ -299,13 +296,6 @@ MASK_BATCHES = {
     "padded mask": {"attention_mask": PADDED},
     "packed positions": {"position_ids": PACKED},
 }
-
-
-def assert_same_timeline(predicted, measured) -> None:
-    for column in ("nbytes", "alloc_at", "free_at", "phase_index", "module", "category"):
-        assert list(getattr(predicted, column)) == list(getattr(measured, column)), column
-    assert predicted.phases == measured.phases
-    assert predicted.peak_bytes == measured.peak_bytes
 
 
 # The mask is decided once per forward, before the layers, which recompute does not run again: every batch runs

@@ -14,6 +14,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from hf_checks import assert_same_timeline, train_step  # noqa: E402
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, Qwen2Config  # noqa: E402
 
 import remat.recompute.hf as hf  # noqa: E402
@@ -50,11 +51,7 @@ BATCH = {"input_ids": IDS, "labels": IDS}
 
 
 def step(model):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(5)
-    out = model(**BATCH)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return train_step(model, BATCH)
 
 
 @functools.cache
@@ -65,12 +62,6 @@ def plain_step(family: str):
 def assert_same_step(got, want) -> None:
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(got[1][name], grad) for name, grad in want[1].items())
-
-
-def assert_same_timeline(predicted, measured) -> None:
-    for column in ("nbytes", "alloc_at", "free_at", "phase_index", "module", "category"):
-        assert list(getattr(predicted, column)) == list(getattr(measured, column)), column
-    assert predicted.phases == measured.phases
 
 
 @pytest.mark.parametrize("family", [*KINDS, "llama"])

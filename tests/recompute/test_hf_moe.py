@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 transformers = pytest.importorskip("transformers")
 
+from hf_checks import assert_same_timeline, train_step  # noqa: E402
 from transformers import AutoModelForCausalLM, MixtralConfig  # noqa: E402
 
 from remat.memory.fake_ops import cpu_fake_ops  # noqa: E402
@@ -36,12 +37,6 @@ def build(dtype: torch.dtype = torch.float32):
         return AutoModelForCausalLM.from_config(config).train()
     finally:
         torch.set_default_dtype(previous)
-
-
-def assert_same_timeline(predicted, measured) -> None:
-    for column in ("nbytes", "alloc_at", "free_at", "phase_index", "module", "category"):
-        assert list(getattr(predicted, column)) == list(getattr(measured, column)), column
-    assert predicted.phases == measured.phases
 
 
 # ------------------------------------------------------------------------ the operator
@@ -141,11 +136,7 @@ def test_bf16_mixtral_step_is_predicted_as_measured(policy):
 
 
 def step(model):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(5)
-    out = model(**BATCH)
-    out.loss.backward()
-    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return train_step(model, BATCH)
 
 
 @functools.cache

@@ -65,13 +65,16 @@ def downsample_curve(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS)
     return x[idx], y[idx]
 
 
-def _nice_ticks(top: float, count: int = 5) -> list[float]:
+def nice_ticks(top: float, count: int = 5, *, cover: bool = False) -> list[float]:
+    """About ``count`` round ticks from 0 to ``top`` (the tick nearest it last); with ``cover``, up to the first
+    tick at or above ``top``."""
     if top <= 0:
         return [0.0]
     raw = top / count
     magnitude = 10 ** np.floor(np.log10(raw))
     step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
-    return [float(v) for v in np.arange(0, top + step * 0.5, step)]
+    end = np.ceil(top / step - 1e-9) * step if cover else top
+    return [float(v) for v in np.arange(0, end + step * 0.5, step)]
 
 
 def timeline_svg(timelines: Mapping[str, Timeline], width: int = 1040, height: int = 440) -> str:
@@ -84,7 +87,7 @@ def timeline_svg(timelines: Mapping[str, Timeline], width: int = 1040, height: i
         if len(x):
             series.append((i, name, tl, x, y))
     y_top = max((float(y.max()) for *_, y in series), default=1.0) * 1.08 or 1.0
-    ticks = _nice_ticks(y_top)
+    ticks = nice_ticks(y_top)
     y_top = max(y_top, ticks[-1])
 
     def sx(v: float) -> float:

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from remat.analysis.job_step import nice_ticks, number_ranges, peak_html, scale_unit, step_svg
+from remat.analysis.html import nice_ticks
+from remat.analysis.job_step import number_ranges, peak_html, scale_unit, step_svg
 from remat.parallel.job_predict import PART_LABELS, PARTS, JobPrediction, RankPrediction
 from remat.plan.job_result import STATE_PARTS, JobPlan
 from remat.timeline import write_atomic
@@ -157,7 +158,7 @@ def _bar_frame(svg_id: str, rows: int, largest: int, capacity: Sequence[tuple[st
     bottom = top + row_h * rows
     largest = max([largest] + [n for _, n in capacity] + [1])
     unit, size = scale_unit(largest)
-    ticks = nice_ticks(largest * 1.03 / size)
+    ticks = nice_ticks(largest * 1.03 / size, 6, cover=True)
     scale_top = max(ticks[-1] * size, largest)
 
     def sx(v: float) -> float:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from remat.analysis.html import downsample_curve
+from remat.analysis.html import downsample_curve, nice_ticks
 from remat.parallel.job_predict import RankPrediction
 from remat.parallel.stages import parse_phase_detail
 from remat.timeline import Timeline
@@ -22,16 +22,6 @@ TOP_TENSORS = 15  # the largest tensors alive at the peak, listed
 def scale_unit(top: float) -> tuple[str, int]:
     """The unit of an axis reaching ``top`` bytes: ``('GiB', GIB)`` from 1 GiB on, else MiB."""
     return ("GiB", GIB) if top >= GIB else ("MiB", MIB)
-
-
-def nice_ticks(top: float, count: int = 6) -> list[float]:
-    """About ``count`` round ticks from 0 to at least ``top``."""
-    if top <= 0:
-        return [0.0]
-    raw = top / count
-    magnitude = 10 ** np.floor(np.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
-    return [float(v) for v in np.arange(0, np.ceil(top / step - 1e-9) * step + step / 2, step)]
 
 
 def schedule_bands(tl: Timeline) -> list[tuple[int, int, str, int, int]]:
@@ -94,7 +84,7 @@ def step_svg(rank: RankPrediction, capacity: Sequence[tuple[str, int]], svg_id: 
     peak, event = rank.peak_bytes, tl.peak_event
     shown = [(label, n) for label, n in capacity if n <= 1.6 * peak]
     unit, size = scale_unit(max([peak] + [n for _, n in shown]))
-    ticks = nice_ticks(max([peak] + [n for _, n in shown]) * 1.05 / size)
+    ticks = nice_ticks(max([peak] + [n for _, n in shown]) * 1.05 / size, 6, cover=True)
     y_top = ticks[-1] * size or 1
     n = max(tl.num_events, 1)
 

@@ -377,14 +377,15 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     elif not 0 <= ep_rank < job.ep:
         raise JobError(f"ep_rank={ep_rank}: the job has expert-parallel ranks 0..{job.ep - 1}")
     # each chunk runs the policy on its own layers (chunk_policy: MoE modules only where MoE layers are)
-    plan_spec = {s.index: s for s in chunks}.__getitem__
-    policies = {s.index: chunk_policy(recompute, chunk_config(config, s), s.num_layers) for s in chunks}
+    specs = {s.index: s for s in chunks}
+    configs = {c: chunk_config(config, s) for c, s in specs.items()}
+    policies = {c: chunk_policy(recompute, configs[c], s.num_layers) for c, s in specs.items()}
+    offloaded = {c: frozenset(offload_modules_of(policies[c]) if s.num_layers else ()) for c, s in specs.items()}
     trace_keys: dict[tuple[int, int], Any] = dict(checkpointed_forwards(actions, None, window))
     # the forwards that offload their last offload groups too (NOTE [which forwards keep their last offload group])
-    trace_keys.update(offload_last_groups(
-        actions, lambda c: frozenset(offload_modules_of(policies[c]) if plan_spec(c).num_layers else ())))
+    trace_keys.update(offload_last_groups(actions, offloaded.__getitem__))
     with simulated_expert_groups(tp, job.ep, job.expert_tp, ep_rank):  # the rank's ep and etp positions
-        traces = {(c, key): trace_chunk(chunk_config(config, plan_spec(c)), plan_spec(c).kind, policies[c], device,
+        traces = {(c, key): trace_chunk(configs[c], specs[c].kind, policies[c], device,
                                         tp, sp, batch_in_forward=True, kernels=kernels, drop_grads=True,
                                         fused_wgrad=fused, offload_last=frozenset() if key is True else key)
                   for c, key in sorted({(c, key) for (c, _), key in trace_keys.items()}, key=str)}

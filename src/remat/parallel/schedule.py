@@ -343,7 +343,6 @@ def offload_last_groups(actions: Sequence[Action], modules_of: Callable[[int], f
     names = sorted(set().union(*(modules_of(c) for c, _ in backward))) if backward else []
     for name in names:
         order = [key for key in backward if name in modules_of(key[0])]
-        kept = {order[0]}  # (a)
         done = 0  # backwards of chunks with this module run so far
         for a in actions:
             key = (a.chunk, a.microbatch)
@@ -351,11 +350,8 @@ def offload_last_groups(actions: Sequence[Action], modules_of: Callable[[int], f
                 continue
             if a.kind == "B":
                 done += 1
-            elif done < len(order) and order[done] == key:  # (b): its own backward is the next one
-                kept.add(key)
-        for a in actions:
-            key = (a.chunk, a.microbatch)
-            if a.kind == "F" and name in modules_of(a.chunk) and key not in kept:
+            # kept: (a) the first backward's forward; (b) a forward whose own backward is the next one
+            elif key != order[0] and not (done < len(order) and order[done] == key):
                 out[key] = out.get(key, frozenset()) | {name}
     return out
 
