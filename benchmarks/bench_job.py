@@ -42,10 +42,10 @@ import sys
 import time
 
 from remat.config import ModelConfig
+from remat.files import write_atomic
 from remat.job import Job
 from remat.parallel.job_measure import format_rows, measure_job, rank_rows, routing_counts
 from remat.policy import Policy
-from remat.timeline import write_atomic
 
 MODEL = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=32,
                     micro_batch_size=2, attention="sdpa")

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         import json
 
-        from remat.timeline import write_atomic
+        from remat.files import write_atomic
 
         write_atomic(args.json, json.dumps(report, indent=2, default=str) + "\n")
     return 0

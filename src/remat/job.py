@@ -163,7 +163,8 @@ class Job:
         set_ = object.__setattr__
         _require(isinstance(self.model, ModelConfig), f"model must be a ModelConfig, got {self.model!r}")
         check_fsdp(self.fsdp, precision=self.precision, pp=self.pp, vpp=self.vpp, cp=self.cp,
-                   instances=self.distributed_optimizer_instances, moe=self.model.is_moe)
+                   instances=self.distributed_optimizer_instances,
+                   moe_overlap=self.overlap_moe_expert_parallel_comm)
         _require(isinstance(self.policy, Policy), f"policy must be a Policy (e.g. Policy.parse('full/uniform/1')), "
                  f"got {self.policy!r}")
         for name in ("tp", "pp", "cp", "dp", "ep", "num_microbatches", "vpp", "etp", "ddp_bucket_size",

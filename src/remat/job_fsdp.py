@@ -77,18 +77,15 @@ def fsdp_args(fsdp: FsdpConfig | None) -> list[str]:
 
 
 def check_fsdp(fsdp: FsdpConfig | None, *, precision: str, pp: int, vpp: int | None, cp: int,
-               instances: int, moe: bool) -> None:
-    """Refuse, naming the flag, what remat's Megatron-FSDP model does not cover."""
+               instances: int, moe_overlap: bool) -> None:
+    """Refuse, naming the flag, what remat's Megatron-FSDP model does not cover. MoE layers are modelled: their
+    experts are each unit's expert group (NOTE [Megatron-FSDP buffers] in remat.memory.fsdp_state)."""
     if fsdp is None:
         return
-    # moe/gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router: 5.5% under, unexplained. Found so
-    # far: its resident state is 56.8 MiB over, one bf16 main-grad buffer (57.4 MiB; --megatron-fsdp-main-grads-dtype
-    # auto is bf16 there, and update_main_grads, param_and_grad_buffer.py:3351, keeps an fp32 copy of each shard in
-    # dist_main_grad); about 190 MiB of activations at the peak (12 layers x 16 MiB) are missing
-    if moe:
-        raise JobError("--use-megatron-fsdp with MoE layers (--num-experts): remat's Megatron-FSDP model "
-                       "under-predicts Megatron's H100 MoE test by 5.5% (expert buffers not yet explained); "
-                       "not modelled yet")
+    if moe_overlap:  # mcore_fsdp_adapter.py:221-229: per-submodule gather hooks, not the units' modelled here
+        raise JobError("--use-megatron-fsdp with --overlap-moe-expert-parallel-comm: Megatron-FSDP then all-gathers "
+                       "each submodule's weights on its own (fine-grained hooks), which remat does not model yet; "
+                       "drop --overlap-moe-expert-parallel-comm")
     if pp > 1 or vpp is not None:
         raise JobError("--use-megatron-fsdp with pipeline parallelism: remat models Megatron-FSDP's all-gather "
                        "schedule for one model chunk per rank; use --pipeline-model-parallel-size 1")

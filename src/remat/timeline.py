@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from remat.files import write_atomic
 
 # What the bytes alive at a moment are, in the order reports list them.
 CATEGORIES = (
@@ -316,22 +317,3 @@ class Timeline:
 
 
 _KNOWN_CATEGORIES = frozenset(CATEGORIES)
-
-
-def write_atomic(path: str | os.PathLike[str], content: str | bytes) -> Path:
-    """Write ``content`` to ``path`` through a temporary file in the same folder, so no half-file is left."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = "wb" if isinstance(content, bytes) else "w"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file owner-only; a report should get the usual mode
-    try:
-        with os.fdopen(fd, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
-            f.write(content)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return path

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from remat import ModelConfig, Policy, PolicyError
+from remat import ModelConfig, Policy, PolicyError, apply, build_model, measure, sample_batch
 from remat.analysis.explain import default_policies, explain, resolve_policies
 from remat.analysis.report import format_table, write_json
 
@@ -27,7 +28,7 @@ def big_vocab():
 
 @pytest.fixture(scope="module")
 def small_vocab():
-    return explain(tiny(vocab_size=64), ["none", "full/uniform/4"], repeats=0)
+    return explain(tiny(vocab_size=64), ["none", "full/uniform/4"])  # untimed by default
 
 
 # ------------------------------------------------------------------------------------------------ explain
@@ -92,6 +93,42 @@ def test_whole_stack_does_not_save_with_tiny_vocabulary(small_vocab):
     verdict = next(s for s in small_vocab.sentences if "whole-stack group" in s and "memory" in s)
     assert "does not save memory" in verdict
     assert small_vocab.row("full/uniform/4").peak_bytes >= 0.99 * small_vocab.row("none").peak_bytes
+
+
+def test_the_short_answer_comes_before_the_other_policies():
+    # none and the full/uniform policies first (in the order given), then the contrast run's none and whole-stack
+    # group: the short answer rests on those alone; then the rest and the timed steps. Rows keep the order given.
+    config = tiny(vocab_size=64).replace(num_layers=2)
+    policies = ["selective/core_attn", "full/uniform/2", "full/block/1", "full/uniform/1"]
+    events: list = []
+    result = explain(config, policies, repeats=1, contrast_vocab=4096,
+                     progress=lambda i, n, what: events.append(what), answer=events.append)
+    at = next(i for i, event in enumerate(events) if isinstance(event, list))
+    assert events[at] == result.short_answer and result.short_answer[0].startswith("In short")
+    assert sum(isinstance(event, list) for event in events) == 1
+    assert events[:at] == ["measure none", "measure full/uniform/2", "measure full/uniform/1",
+                           "measure none (vocab 4096)", "measure full/uniform/2 (vocab 4096)"]
+    assert events[at + 1:at + 4] == ["measure full/uniform/1 (vocab 4096)", "measure selective/core_attn",
+                                     "measure full/block/1"]
+    assert all(event.startswith("time ") for event in events[at + 4:-1]) and events[-1] == ""
+    assert [r.policy for r in result.contrast.rows] == ["none", "full/uniform/1", "full/uniform/2"]
+    assert [r.policy for r in result.rows] == ["none", *policies]
+    assert list(result.timelines) == ["none", *policies]
+    # each policy's step is measured on a fresh model whatever the order: the same timeline as measured alone
+    for policy in ("selective/core_attn", "full/uniform/1"):
+        model = build_model(config, seed=0)
+        apply(model, policy)
+        torch.manual_seed(0)
+        alone, tl = measure(model, sample_batch(config, seed=0)), result.timelines[policy]
+        assert (alone.nbytes, alone.alloc_at, alone.free_at, alone.category, alone.module) == \
+            (tl.nbytes, tl.alloc_at, tl.free_at, tl.category, tl.module)
+
+
+def test_explain_times_the_policies_only_when_asked(small_vocab):
+    assert all(row.step_seconds is None and row.step_times == [] for row in small_vocab.rows)
+    assert small_vocab.meta["repeats"] == 0
+    timed = explain(tiny(vocab_size=64).replace(num_layers=1), ["none"], repeats=2)
+    assert len(timed.rows[0].step_times) == 2 and timed.rows[0].step_ratio == 1.0
 
 
 # ------------------------------------------------------------------------------------------------ report

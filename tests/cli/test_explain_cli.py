@@ -14,6 +14,7 @@ import torch
 import remat.cli.explain as cli_explain
 import remat.memory.comparison as comparison
 from remat.analysis.explain import explain
+from remat.analysis.report import format_explanation, format_short_answer
 from remat.cli import build_parser, main
 from remat.cli.common import file_name
 from remat.config import ModelConfig
@@ -64,6 +65,28 @@ def test_cli_table_output(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "peak MiB" in text and "full/uniform/4" in text and "pipeline" in text
     assert not (tmp_path / "timelines.png").exists()
+
+
+def test_the_short_answer_leads_then_the_rest_of_the_report(tmp_path, monkeypatch, capsys):
+    # printed as soon as it is known, before the PNG is drawn; the whole text is format_explanation's report
+    printed_before_plot, results = [], []
+    real_plot, real_explain = cli_explain.plot_timelines, cli_explain.explain
+
+    def plot(*args, **kwargs):
+        printed_before_plot.append(capsys.readouterr().out)
+        return real_plot(*args, **kwargs)
+
+    monkeypatch.setattr(cli_explain, "plot_timelines", plot)
+    monkeypatch.setattr(cli_explain, "explain", lambda *a, **k: results.append(real_explain(*a, **k)) or results[0])
+    assert main(["explain", *TINY, "--policies", "none,full/uniform/4", "--out", str(tmp_path / "out")]) == 0
+    rest = capsys.readouterr()
+    result = results[0]
+    assert printed_before_plot == [format_short_answer(result.short_answer) + "\n"]
+    assert printed_before_plot[0] + rest.out == format_explanation(result) + "\n"
+    # untimed unless asked, and the run says how to time it
+    assert build_parser().parse_args(["explain"]).repeats is None and cli_explain.REPEATS == 0
+    assert all(row.step_seconds is None for row in result.rows) and result.meta["repeats"] == 0
+    assert "--repeats 3" in rest.err
 
 
 def test_cli_json_output(capsys, tmp_path):

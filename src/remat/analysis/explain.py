@@ -9,7 +9,8 @@ from __future__ import annotations
 import gc
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -22,6 +23,7 @@ from remat.analysis.explain_data import (
     formula_row,
     policy_row,
     regime_of,
+    whole_stack_policy,
 )
 from remat.analysis.explain_text import explain_sentences, short_answer
 from remat.config import ModelConfig
@@ -32,8 +34,8 @@ from remat.policy import ENGINES, Policy, PolicyError
 from remat.recompute.apply import apply, remove
 from remat.timeline import Timeline
 
-__all__ = ["Contrast", "Explanation", "FormulaRow", "PolicyRow", "Regime", "contrast_policies", "default_policies",
-           "explain", "resolve_policies"]
+__all__ = ["Contrast", "Explanation", "FormulaRow", "PolicyRow", "Regime", "answer_policies", "contrast_policies",
+           "default_policies", "explain", "resolve_policies"]
 DEVICES = ("cpu", "cuda")
 Progress = Callable[[int, int, str], None]
 
@@ -165,6 +167,29 @@ def _measure_policies(config: ModelConfig, policies: Sequence[Policy], batch: tu
     return timelines
 
 
+def answer_policies(policies: Sequence[Policy], num_layers: int, formula: bool = True) -> list[Policy]:
+    """The policies the short answer rests on, measured first: none and the whole-stack group ``full/uniform/L``
+    (a regime's line: the plain peak and the group's saving) and, with ``formula``, every other
+    ``full/uniform/K`` (the formula check, made on the main run only)."""
+    whole = whole_stack_policy(policies, num_layers)
+    return [p for p in policies if p.is_none or p == whole or
+            (formula and p.granularity == "full" and p.method == "uniform")]
+
+
+@contextmanager
+def _young_collections() -> Iterator[None]:
+    """Inside: collections skip every object alive on entry (:func:`gc.freeze`). Each measured step's garbage is
+    collected after it (:func:`_release`); with torch imported a full collection walks millions of long-lived
+    objects (0.2 s, a dozen times a run), none of them the step's."""
+    frozen = gc.get_freeze_count()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not frozen:  # a caller's own freeze stays as it was
+            gc.unfreeze()
+
+
 def _rows(policies: Sequence[Policy], timelines: dict[str, Timeline],
           times: dict[str, list[float]]) -> list[PolicyRow]:
     plain = timelines[str(policies[0])]
@@ -178,9 +203,9 @@ def _rows(policies: Sequence[Policy], timelines: dict[str, Timeline],
 
 
 def explain(config: ModelConfig | None = None, policies: Sequence[str | Policy] | None = None, *,
-            engine: str | None = None, device: str = "cpu", repeats: int = 3, seed: int = 0,
+            engine: str | None = None, device: str = "cpu", repeats: int = 0, seed: int = 0,
             progress: Progress | None = None, contrast_vocab: int | None = None,
-            check_memory: bool = True) -> Explanation:
+            check_memory: bool = True, answer: Callable[[list[str]], None] | None = None) -> Explanation:
     """Measure ``policies`` on the reference GPT of ``config`` and explain the differences.
 
     Args:
@@ -189,7 +214,7 @@ def explain(config: ModelConfig | None = None, policies: Sequence[str | Policy] 
         engine: ``reentrant``/``non-reentrant`` for the policies given as text without ``@engine``.
         device: ``'cpu'`` (exact bytes) or ``'cuda'`` (allocator blocks).
         repeats: timed forward+backward steps per policy without the recorder, round-robin over the policies
-            after all are measured (0: not timed).
+            after all are measured (default 0: not timed; the bytes do not depend on it).
         seed: model initialisation, batch and dropout seed, the same for every policy.
         progress: ``progress(i, n, what)`` before each of the ``n`` steps (``what`` names it), and with
             ``i == n`` at the end.
@@ -198,6 +223,9 @@ def explain(config: ModelConfig | None = None, policies: Sequence[str | Policy] 
             vocabulary: no contrast run.
         check_memory: first predict the largest peak and refuse (:class:`~remat.memory.comparison.MemoryCheckError`)
             when it would not fit in this machine's available memory.
+        answer: called with :attr:`~Explanation.short_answer` as soon as it is known: none and the
+            ``full/uniform/K`` policies are measured first, then the contrast run's none and ``full/uniform/L``;
+            its ``full/uniform/1``, the other policies and the timed steps after.
 
     Returns:
         An :class:`Explanation`: rows, formula checks, :attr:`~Explanation.short_answer`, sentences, timelines.
@@ -228,19 +256,36 @@ def explain(config: ModelConfig | None = None, policies: Sequence[str | Policy] 
     started = time.perf_counter()
     steps = len(resolved) * (1 + repeats) + len(other_policies)
     batch = sample_batch(config, dev, seed=seed)
-    timelines = _measure_policies(config, resolved, batch, dev, seed, progress, 0, steps)
-    contrast = None
-    if other is not None:
-        other_timelines = _measure_policies(other, other_policies, sample_batch(other, dev, seed=seed), dev, seed,
-                                            progress, len(resolved), steps, f" (vocab {other.vocab_size})")
-        other_rows = _rows(other_policies, other_timelines, {})
-        contrast = Contrast(other, other_rows, regime_of(other, other_policies, other_rows, other_timelines),
-                            other_timelines)
-    times = _time_policies(config, resolved, batch, repeats, dev, seed, progress,
-                           len(resolved) + len(other_policies), steps)
+    # what the short answer rests on first (it is handed to ``answer`` then), the other policies after
+    first, other_first = answer_policies(resolved, config.num_layers), \
+        answer_policies(other_policies, config.num_layers, formula=False)
+    rest, other_rest = [p for p in resolved if p not in first], [p for p in other_policies if p not in other_first]
+    # without a contrast run other_policies is empty: nothing is measured on other_config
+    other_config, label = (other, f" (vocab {other.vocab_size})") if other is not None else (config, "")
+    other_batch = sample_batch(other_config, dev, seed=seed)
+    with _young_collections():
+        measured = _measure_policies(config, first, batch, dev, seed, progress, 0, steps)
+        done = len(first)
+        other_measured = _measure_policies(other_config, other_first, other_batch, dev, seed, progress, done, steps,
+                                           label)
+        done += len(other_first)
+        if answer is not None:
+            answer(_short_answer(config, first, measured, other, other_first, other_measured))
+        other_measured.update(_measure_policies(other_config, other_rest, other_batch, dev, seed, progress, done,
+                                                steps, label))
+        done += len(other_rest)
+        measured.update(_measure_policies(config, rest, batch, dev, seed, progress, done, steps))
+        times = _time_policies(config, resolved, batch, repeats, dev, seed, progress, done + len(rest), steps)
     if progress is not None:
         progress(steps, steps, "")
 
+    contrast = None
+    if other is not None:
+        other_timelines = {str(p): other_measured[str(p)] for p in other_policies}
+        other_rows = _rows(other_policies, other_timelines, {})
+        contrast = Contrast(other, other_rows, regime_of(other, other_policies, other_rows, other_timelines),
+                            other_timelines)
+    timelines = {str(p): measured[str(p)] for p in resolved}  # in the policies' order, whatever the measuring order
     rows = _rows(resolved, timelines, times)
     plain = timelines[str(resolved[0])]
     formula = [f for p in resolved if (f := formula_row(p, timelines[str(p)], plain, config.num_layers))]
@@ -255,3 +300,17 @@ def explain(config: ModelConfig | None = None, policies: Sequence[str | Policy] 
     result = Explanation(config, rows, formula, sentences, timelines, meta, regime=regime, contrast=contrast)
     result.short_answer = short_answer(config, formula, result.regimes())
     return result
+
+
+def _short_answer(config: ModelConfig, first: Sequence[Policy], timelines: dict[str, Timeline],
+                  other: ModelConfig | None, other_first: Sequence[Policy],
+                  other_timelines: dict[str, Timeline]) -> list[str]:
+    """The short answer from :func:`answer_policies`' timelines alone (of the main run and of the contrast's):
+    what :func:`explain` gives as :attr:`Explanation.short_answer` once every policy is measured (the others have
+    no formula row and no part in a regime)."""
+    plain = timelines[str(first[0])]
+    formula = [f for p in first if (f := formula_row(p, timelines[str(p)], plain, config.num_layers))]
+    regimes = [regime_of(config, first, _rows(first, timelines, {}), timelines)]
+    if other is not None:
+        regimes.append(regime_of(other, other_first, _rows(other_first, other_timelines, {}), other_timelines))
+    return short_answer(config, formula, sorted(regimes, key=lambda r: r.vocab_size))

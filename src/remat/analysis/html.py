@@ -13,7 +13,8 @@ import numpy as np
 
 from remat.analysis.report import COLUMN_NOTES, EXPLAIN_COLUMNS, FORMULA_COLUMNS, Column, as_mapping, mib_cell
 from remat.analysis.timeline_plot import step_axis
-from remat.timeline import CATEGORIES, Timeline, write_atomic
+from remat.files import write_atomic
+from remat.timeline import CATEGORIES, Timeline
 from remat.units import format_bytes
 
 # matplotlib's tab10, so the page and timelines.png give a policy the same colour

@@ -16,9 +16,9 @@ import numpy as np
 
 from remat.analysis.html import nice_ticks
 from remat.analysis.job_step import number_ranges, peak_html, scale_unit, step_svg
+from remat.files import write_atomic
 from remat.parallel.job_predict import PART_LABELS, PARTS, JobPrediction, RankPrediction
 from remat.plan.job_result import STATE_PARTS, JobPlan
-from remat.timeline import write_atomic
 from remat.units import GPU_PRESETS, format_bytes
 
 OVERHEAD = "allocator_overhead"  # reserved - allocated at the peak: the caching allocator's share

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from remat.timeline import write_atomic
+from remat.files import write_atomic
 from remat.units import GIB, MIB
 
 Column = tuple[str, str, Callable[[Any], str]]

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from remat.timeline import Timeline, write_atomic
+from remat.files import write_atomic
+from remat.timeline import Timeline
 
 BASE_ADDRESS = 0x7F0000000000  # where the made-up segment starts (looks like a device pointer)
 ALIGN = 512

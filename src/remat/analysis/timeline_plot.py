@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from remat.timeline import Timeline, write_atomic
+from remat.files import write_atomic
+from remat.timeline import Timeline
 from remat.units import MIB, format_bytes
 
 # Background of each kind of phase, and what the legend calls it.
@@ -147,8 +148,9 @@ def plot_timelines(timelines: Mapping[str, Timeline], path: str | os.PathLike[st
     axes = fig.subplots(n, 1, squeeze=False)[:, 0]
     colors = _colors(len(curves))
     for ax, (name, (x, y, segments)), color in zip(axes, curves.items(), colors):
-        for seg in segments:
-            ax.axvspan(seg.x, seg.x + 1, color=BANDS[seg.band][0], linewidth=0, zorder=0)
+        # the phase bands, one collection per panel (an axvspan per phase: a third of the plot's time)
+        ax.broken_barh([(seg.x, 1.0) for seg in segments], (0, 1), transform=ax.get_xaxis_transform(),
+                       facecolors=[BANDS[seg.band][0] for seg in segments], linewidth=0, zorder=0)
         if len(x):
             ax.step(np.append(x, x[-1] + (1.0 / max(segments[-1].end - segments[-1].start, 1))),
                     np.append(y, y[-1]), where="post", color=color, linewidth=1.4, zorder=2)

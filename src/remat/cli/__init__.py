@@ -1,71 +1,39 @@
-"""The ``remat`` command line: the parser and ``main``; each subcommand lives in a module of its own."""
+"""The ``remat`` command line. :func:`main` first looks for the command's stored answer
+(:mod:`remat.cli.answers`), then parses and runs it (:mod:`remat.cli.commands`); each subcommand lives in a module
+of its own. Nothing here imports torch: a stored answer is printed without it."""
 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 from collections.abc import Sequence
 
-from remat.cli.common import USAGE_ERROR, USER_ERRORS, Parser, add_debug, check_pipeline_flags
-from remat.cli.compare import compare_command
-from remat.cli.explain import explain_command
-from remat.cli.measure import measure_command
-from remat.cli.plan import plan_command
-from remat.cli.predict import predict_command
-from remat.memory.kernels import KERNELS, use_kernels
-from remat.version import __version__
-
-# Each adds its subparser and returns its runner; this order is the order of `remat --help`.
-SUBCOMMANDS = (explain_command, predict_command, compare_command, plan_command, measure_command)
+from remat.cli.answers import answer_key, recording, replay, stored_answer
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``remat`` parser with every registered subcommand."""
-    parser = Parser(prog="remat", description="See, predict and plan activation recomputation (checkpointing) "
-                                               "for PyTorch transformer training.")
-    parser.add_argument("--version", action="version", version=f"remat {__version__}")
-    add_debug(parser, False)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
-    for register in SUBCOMMANDS:
-        runner = register(sub)
-        # The subparser just added is the last one; its runner is stored on the namespace it fills.
-        list(sub.choices.values())[-1].set_defaults(run=runner)
-        list(sub.choices.values())[-1].add_argument(
-            "--kernels", choices=KERNELS, default=None,
-            help="whose kernels' saved tensors predictions trace: cpu (exact CPU kernels), cuda (PyTorch eager on "
-                 "CUDA: fused dropout, fp32 norm statistics, CUDA attention backends), te (TransformerEngine's "
-                 "fused layers); default cuda with --device cuda or a whole job (its ranks run on GPUs; compare "
-                 "measures a job on CPU, with cpu), else cpu (docs/kernels.md)")
-    return parser
+    from remat.cli.commands import build_parser as build
+
+    return build()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``remat`` command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # --help, --version and usage errors
-        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else USAGE_ERROR)
-    try:
-        check_pipeline_flags(args)
-        # every prediction below traces this kernel profile (--device cuda implies cuda)
-        kernels = args.kernels or ("cuda" if getattr(args, "device", None) == "cuda" else None)
-        with use_kernels(kernels):
-            code = args.run(args)
-        if argv is None and os.path.basename(sys.argv[0]) == "remat":
-            # the console script exits next: its objects need no collection, and collecting the traces' cyclic
-            # garbage (fake tensors, with weakref callbacks) at interpreter exit took about a second
-            gc.freeze()
-        return code
-    except USER_ERRORS as err:
-        if args.debug:
-            raise
-        first, _, rest = str(err).strip().partition("\n")
-        hint = f" (see 'remat {args.command} --help')" if rest else ""
-        print(f"remat: error: {first}{hint}", file=sys.stderr)
-        return USAGE_ERROR
-    except KeyboardInterrupt:
-        print("remat: interrupted", file=sys.stderr)
-        return 130
+    console = argv is None and os.path.basename(sys.argv[0]) == "remat"
+    argv = list(sys.argv[1:] if argv is None else argv)
+    key = answer_key(argv)
+    answer = stored_answer(key) if key is not None else None
+    if answer is not None:
+        return replay(answer)
+    if console and "OMP_WAIT_POLICY" not in os.environ:
+        # read once, when torch loads libgomp: a waiting OpenMP thread spins 1,000 times before it sleeps (libgomp's
+        # own count for threads outnumbering the CPUs; libgomp manual, GOMP_SPINCOUNT), not 300,000: beside another
+        # busy process the spinning held the core it needed (remat explain 30 s -> 22 s on 2 cores); alone, no slower
+        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    from remat.cli.commands import run
+
+    with recording(key) as result:
+        result["code"] = run(argv, console=console)
+    return result["code"]

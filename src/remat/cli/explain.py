@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from remat.analysis.explain import Explanation, explain
 from remat.analysis.html import write_html
 from remat.analysis.outputs import RunFolder, replace_problem
-from remat.analysis.report import format_explanation, write_json
+from remat.analysis.report import format_explanation, format_short_answer, write_json
 from remat.analysis.snapshot import write_memory_snapshot
 from remat.analysis.timeline_plot import plot_timelines
 from remat.cli.common import (
@@ -59,7 +60,9 @@ def explain_command(sub: Subparsers) -> Runner:
                         "K = 1, 2, 4, ... and L, full/block/L/4 and L/2, selective/core_attn, "
                         "selective/core_attn+mlp); none is always measured as the baseline")
     g.add_argument("--repeats", type=integer, metavar="N",
-                   help="timed steps per policy, median reported (default 3; 0: no timing)")
+                   help="also time N forward+backward steps per policy without the recorder: the table's step s "
+                        "(median) and vs none columns (default 0: not timed, about twice as quick; the bytes are "
+                        "the same either way; e.g. --repeats 3)")
     g.add_argument("--contrast-vocab", type=integer, metavar="V",
                    help="also measure none, full/uniform/1 and full/uniform/L (untimed) with vocabulary V, the other "
                         "regime of the question: large logits make the whole-stack group save memory (default "
@@ -78,7 +81,9 @@ def explain_command(sub: Subparsers) -> Runner:
     return run_explain
 
 
-REPEATS, CONTRAST_VOCAB = 3, 32000  # --repeats and --contrast-vocab when not given
+# --repeats and --contrast-vocab when not given: the policies are timed only when asked (issue 24: the first run's
+# answer in seconds; timing every policy 3 times doubled it)
+REPEATS, CONTRAST_VOCAB = 0, 32000
 # What `remat explain --pp` measures is its own: per stage none, full/uniform/1 and whole-chunk groups, untimed, at
 # --vocab, into one JSON file in --out; these flags of the one-process explain are refused with --pp, not ignored.
 NOT_WITH_PP = ("policies", "repeats", "contrast_vocab", "html", "snapshot")
@@ -138,9 +143,15 @@ def run_explain(args: argparse.Namespace) -> int:
     if contrast_vocab < 0:
         raise ValueError(f"--contrast-vocab {contrast_vocab}: must be a vocabulary size, or 0 for no contrast run")
     bar = ProgressBar("remat explain")
+
+    def lead(lines: list[str]) -> None:
+        """The short answer, printed as soon as it is known (the other policies are measured after it)."""
+        bar.close()  # the next step's progress opens a new bar below the answer
+        print(format_short_answer(lines), flush=True)
+
     try:
         result = explain(config, policies, engine=args.engine, device=args.device, repeats=repeats,
-                         progress=bar, contrast_vocab=contrast_vocab or None)
+                         progress=bar, contrast_vocab=contrast_vocab or None, answer=None if args.json else lead)
     except MemoryCheckError as err:
         raise _too_big(args, config, err) from None
     finally:
@@ -153,8 +164,8 @@ def run_explain(args: argparse.Namespace) -> int:
 
     if args.json:
         print(json_text(report))
-    else:
-        print(format_explanation(result))
+    else:  # the short answer is out already (lead): the rest of format_explanation's report
+        print("\nIn detail:\n\n" + format_explanation(dataclasses.replace(result, short_answer=[])))
         if "allocator_replay" in report:
             print(f"\nReserved memory ({REPLAY_NOTE}):")
             for name, figures in report["allocator_replay"].items():
@@ -162,6 +173,8 @@ def run_explain(args: argparse.Namespace) -> int:
     written = [out / "explain.json"] + ([out / "timelines.png"] if not args.no_plot else []) + \
         [Path(p) for p in report["files"].get("html", [])] + [Path(p) for p in report["files"].get("snapshots", [])]
     info(f"wrote {', '.join(str(p) for p in written)} and {len(files)} timeline JSON file(s) in {out}")
+    if not repeats:
+        info("step times not measured: --repeats 3 times each policy's step 3 times (the step s and vs none columns)")
     return 0
 
 

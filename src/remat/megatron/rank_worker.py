@@ -13,8 +13,8 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from remat.files import write_atomic
 from remat.parallel.launch import report_error, set_phase, watchdog
-from remat.timeline import write_atomic
 
 
 def run_rank(folder: Path, rank: int, launcher: int) -> int:

@@ -2,80 +2,45 @@
 models and plan validations. Keyed by the caller's key plus torch's version and a digest of remat's own source, so
 an upgrade or an edit of remat never reads a stale entry.
 
-The folder is ``$REMAT_CACHE_DIR``, else ``~/.cache/remat``; ``REMAT_NO_CACHE=1`` (or :func:`set_enabled` /
-``--no-cache``) turns it off. Entries are JSON written atomically (never pickle); a corrupt or foreign file is
-ignored with a warning and rebuilt.
+The folder, and whether the cache is on: :mod:`remat.cache_state`. Entries are JSON written atomically (never
+pickle); a corrupt or foreign file is ignored with a warning and rebuilt.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import os
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from remat.timeline import Timeline, TimelineError, write_atomic
+from remat.cache_state import (
+    CACHE_ENV,
+    NO_CACHE_ENV,
+    cache_dir,
+    disabled,
+    enabled,
+    set_enabled,
+    source_digest,
+)
+from remat.files import write_atomic
+from remat.timeline import Timeline, TimelineError
 from remat.version import __version__
 
-CACHE_ENV = "REMAT_CACHE_DIR"
-NO_CACHE_ENV = "REMAT_NO_CACHE"
+__all__ = ["CACHE_ENV", "NO_CACHE_ENV", "cache_dir", "cached_timeline", "disabled", "enabled", "load", "set_enabled",
+           "source_digest", "store"]
 FORMAT = "remat.cache"
 VERSION = 1
-_STATE = {"enabled": True}
-
-
-def cache_dir() -> Path:
-    """The cache folder: ``$REMAT_CACHE_DIR``, else ``~/.cache/remat``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "remat")
-
-
-def enabled() -> bool:
-    """Whether entries are read and written: :func:`set_enabled`, ``REMAT_NO_CACHE`` unset or ``0``, and, under
-    pytest, only with an explicit ``REMAT_CACHE_DIR`` (tests never share state through the user's cache)."""
-    if "PYTEST_CURRENT_TEST" in os.environ and not os.environ.get(CACHE_ENV):
-        return False
-    return _STATE["enabled"] and os.environ.get(NO_CACHE_ENV, "0") in ("", "0")
-
-
-def set_enabled(on: bool) -> None:
-    """Turn the disk cache on or off for this process (``--no-cache`` turns it off)."""
-    _STATE["enabled"] = bool(on)
-
-
-@contextmanager
-def disabled() -> Iterator[None]:
-    """The disk cache off inside the ``with`` block."""
-    before = _STATE["enabled"]
-    _STATE["enabled"] = False
-    try:
-        yield
-    finally:
-        _STATE["enabled"] = before
-
-
-@functools.lru_cache(maxsize=1)
-def source_digest() -> str:
-    """sha256 of remat's own ``.py`` files below the analysis layer (paths and contents): any edit of what traces
-    or models a step invalidates every entry; reports and the command line do not."""
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256(__version__.encode())
-    for path in sorted(root.rglob("*.py")):
-        if path.relative_to(root).parts[0] in ("analysis", "cli"):
-            continue
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
+# Entries are keyed by remat's source below the analysis layer: reports and the command line do not change a trace.
+TRACED_SOURCE = ("analysis", "cli")
 
 
 def _full_key(kind: str, key: dict[str, Any]) -> dict[str, Any]:
-    return {"kind": kind, "key": key, "torch": torch.__version__, "remat": __version__, "source": source_digest()}
+    return {"kind": kind, "key": key, "torch": torch.__version__, "remat": __version__,
+            "source": source_digest(TRACED_SOURCE)}
 
 
 def _path(full: dict[str, Any]) -> Path:

@@ -6,7 +6,12 @@ param_and_grad_buffer.py unless said otherwise):
   (dtype, expert = ``".experts." in name``, requires_grad, FSDP unit); the units are the TransformerLayers
   (mcore_fsdp_adapter.py:170); the non-unit parameters (embeddings, final norm, output layer) form one group, split
   at the DDP bucket size (None without --overlap-grad-reduce: training.py:2179); each group's chunk size factor is
-  its parameters' largest ``shape[1:].numel()`` (lcm'd where they do not divide);
+  its parameters' largest ``shape[1:].numel()`` (lcm'd where they do not divide); a unit's routed experts are its
+  expert group, sharded over the expert data-parallel ranks (``get_fsdp_group(is_expert_parallel=True)``, 2608), with
+  its own all-gather and reduce-scatter buckets (coalesced per (unit, expert), 1948); TE's grouped experts
+  (TEGroupedMLP, experts.py:216-255) hold one ``weight{i}`` [out, in] per local expert (TransformerEngine 4329ff84
+  grouped_linear.py:1346-1356), so remat's [experts, in, out] grouped weight is laid out as those matrices
+  (:func:`megatron_params`);
 * each group is one buffer (``build_data_parallel_buffer_index``, 258): items that are not multiples of the chunk
   factor are padded to it (two remainders may share a chunk, small items fill the gaps), and the whole is padded
   to shards x chunk factor; a rank's shard is the size / shards (the data-parallel size, the expert data-parallel
@@ -29,6 +34,7 @@ param_and_grad_buffer.py unless said otherwise):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -113,6 +119,27 @@ def buffer_items(params: list[ParamInfo], chunk: int) -> tuple[int, list[tuple[i
     return index, [where[i] for i in range(len(params))]
 
 
+def megatron_params(params: list[ParamInfo]) -> list[ParamInfo]:
+    """``params`` as Megatron-FSDP's ``named_parameters`` sees them: each grouped expert weight [experts, in, out]
+    (remat's GroupedLinear) becomes TE GroupedLinear's ``weight0`` .. ``weight{experts-1}``, each [out, in]
+    (NOTE [Megatron-FSDP buffers]), which sets the expert group's chunk factor (``in``, not ``in x out``).
+
+    Example:
+        >>> [(p.name, p.shape) for p in megatron_params([ParamInfo("layers.0.mlp.experts.linear_fc1.weight", 24,
+        ...                                                        shape=(2, 3, 4))])]
+        [('layers.0.mlp.experts.linear_fc1.weight0', (4, 3)), ('layers.0.mlp.experts.linear_fc1.weight1', (4, 3))]
+    """
+    out = []
+    for p in params:
+        if len(p.shape) == 3 and ".experts." in p.name:
+            experts, fan_in, fan_out = p.shape
+            out += [dataclasses.replace(p, name=f"{p.name}{i}", numel=fan_in * fan_out, shape=(fan_out, fan_in))
+                    for i in range(experts)]
+        else:
+            out.append(p)
+    return out
+
+
 def fsdp_groups(job: Job, params: list[ParamInfo], bucket_size: int | None = None) -> list[FsdpGroup]:
     """The rank's Megatron-FSDP groups in bucket order (NOTE [Megatron-FSDP buffers]).
 
@@ -124,7 +151,7 @@ def fsdp_groups(job: Job, params: list[ParamInfo], bucket_size: int | None = Non
         [(0, 8)]
     """
     keyed: dict[tuple[int | None, bool], list[ParamInfo]] = {}
-    for p in params:
+    for p in megatron_params(params):
         m = _LAYER.match(p.name)
         keyed.setdefault((int(m.group(1)) if m else None, ".experts." in p.name), []).append(p)
     buckets: list[tuple[int | None, bool, list[ParamInfo]]] = []

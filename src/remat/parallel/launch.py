@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from remat.timeline import write_atomic
+from remat.files import write_atomic
 
 DEFAULT_TIMEOUT = 120.0
 PARALLEL_WORKER = ("remat.parallel.worker", "--worker")  # python -m <this> FOLDER RANK LAUNCHER_PID

@@ -15,11 +15,11 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from remat.files import write_atomic
 from remat.parallel.job_measure import measure_job_rank
 from remat.parallel.launch import inject_fault, report_error, set_phase, watchdog
 from remat.parallel.pipeline_measure import measure_pipeline_rank
 from remat.parallel.tensor import measure_tensor_parallel_rank
-from remat.timeline import write_atomic
 
 
 # ------------------------------------------------------------------------------------------------ worker

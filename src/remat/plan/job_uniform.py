@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from remat.cache_state import not_repeatable
 from remat.parallel.job_predict import RankPrediction
 from remat.plan.costs import CostModel
 from remat.plan.job_result import JobPlan, JobStagePlan
@@ -157,6 +158,7 @@ def _screen(result: JobPlan, stage_models: Sequence[StageEstimate | None], exact
                 continue
             todo = sorted((st.stage for st in stages if st.stage not in ready), key=lambda s: -(bound(s, row) or 0))
             if todo and predicted[0] and time.perf_counter() - started > seconds:
+                not_repeatable()  # the answer depends on this machine's speed: not stored as the command's
                 return UniformScreen(None, cut=True, skipped=skipped)
             if len(todo) > 1:
                 exact.prefetch([(s, row.policy) for s in todo])

@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from remat.cache_state import not_repeatable
+
 SCREEN_SECONDS = 120.0  # exact predictions per stage stop after this long (at least one is made)
 
 
@@ -69,6 +71,7 @@ def cheapest_fit(modelled: Sequence[int], offset: int, slack: int, budget: int, 
                 skipped += 1
                 continue
             if peaks and i not in peaks and time.perf_counter() - started > seconds:
+                not_repeatable()  # the answer depends on this machine's speed: not stored as the command's
                 return Screen(None, peaks, True, skipped)
             if i not in peaks:
                 peaks[i] = predict(i)

@@ -504,7 +504,7 @@ def checkpoint_kept_operators(run: Callable[..., Any], tensors: Sequence[torch.T
     if not torch.is_grad_enabled():
         return run(*tensors)
     if torch.compiler.is_compiling():
-        return _kept_operators_eagerly(run, tensors, kept, label, refused)
+        return _eager_under_compile()(run, tensors, kept, label, refused)
     frame = _IndexedFrame(run, tensors, frozenset(kept), label, refused)
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
         with _KeepIndexed(frame):
@@ -513,10 +513,27 @@ def checkpoint_kept_operators(run: Callable[..., Any], tensors: Sequence[torch.T
     return out
 
 
-@torch.compiler.disable
 def _kept_operators_eagerly(run: Callable[..., Any], tensors: Sequence[torch.Tensor], kept: frozenset[int],
                             label: str, refused: type[Exception]) -> Any:
     # Under torch.compile the operators a layer dispatches are not its eager ones (dropout is one native_dropout
     # where eager runs empty_like, bernoulli_, div_, mul; bmm outputs are views, not _unsafe_views), so eager operator
     # indices would keep other tensors: the layer runs eagerly, on this engine (a graph break).
     return checkpoint_kept_operators(run, tensors, kept, label, refused)
+
+
+_EAGER_UNDER_COMPILE: list[Callable[..., Any]] = []
+
+
+def prepare_kept_operators() -> None:
+    """Make :func:`checkpoint_kept_operators`' eager fallback under ``torch.compile`` ahead of any compiled call.
+
+    ``torch.compiler.disable`` imports ``torch._dynamo`` (about a second): done when a keep_ops region is made,
+    not when this module is imported, and not inside a traced frame.
+    """
+    if not _EAGER_UNDER_COMPILE:
+        _EAGER_UNDER_COMPILE.append(torch.compiler.disable(_kept_operators_eagerly))
+
+
+def _eager_under_compile() -> Callable[..., Any]:
+    prepare_kept_operators()  # a no-op when a region made it: only a direct call under compile gets here first
+    return _EAGER_UNDER_COMPILE[0]

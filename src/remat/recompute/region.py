@@ -25,7 +25,12 @@ from remat.recompute.engines import (
     side_inputs,
 )
 from remat.recompute.offload import OffloadedCheckpoint
-from remat.recompute.operator_checkpoint import checkpoint_kept_operators, checkpoint_matmuls, checkpoint_operators
+from remat.recompute.operator_checkpoint import (
+    checkpoint_kept_operators,
+    checkpoint_matmuls,
+    checkpoint_operators,
+    prepare_kept_operators,
+)
 from remat.recompute.operators import MATMUL_OVERLOADS, contraction
 from remat.recompute.stepwise import GroupCalls, StepwiseCheckpoint
 
@@ -119,6 +124,11 @@ class Region:
     _inside: int = field(default=0, repr=False)  # how deep the running code is in matmuls_inside modules
     _hooks: list[Any] = field(default_factory=list, repr=False)
     _calls: GroupCalls | None = field(default=None, repr=False)  # per_layer_inputs: the forward in progress
+
+    def __post_init__(self) -> None:
+        _disable_compile_on_eager_methods()
+        if self.kept_ops is not None:  # its fallback under torch.compile, made now rather than while traced
+            prepare_kept_operators()
 
     @property
     def operator_level(self) -> bool:
@@ -237,7 +247,6 @@ class Region:
     # checkpoint is opened at the first layer and closed after the last, its recomputation rerunning every layer on
     # its own inputs. The loop sees each layer's true output; gradients equal the plain model's bit for bit. Without
     # gradients (inference) each layer simply runs.
-    @torch.compiler.disable  # runs eagerly: the group spans several of the model's calls
     def _step(self, position: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         calls = self._calls
         if position == 0 or not torch.is_grad_enabled():
@@ -401,13 +410,27 @@ class Region:
             return self._eager_operator_level(run, tensors)
         return checkpoint_matmuls(run, tensors, self.max_contraction)
 
-    @torch.compiler.disable  # a graph break: this region runs eagerly (NOTE [regions under torch.compile])
     def _eager_reentrant(self, run: Callable[..., Any], tensors: list[torch.Tensor]) -> Any:
         return self._run_reentrant(run, tensors)
 
-    @torch.compiler.disable
     def _eager_operator_level(self, run: Callable[..., Any], tensors: list[torch.Tensor]) -> Any:
         return checkpoint_operators(run, tensors, self._keeps_output, MATMUL_OVERLOADS, self.label)
+
+
+# Region's methods that run eagerly under torch.compile, each a graph break: _step (a group spans several of the
+# model's calls), _eager_reentrant and _eager_operator_level (NOTE [regions under torch.compile]).
+EAGER_METHODS = ("_step", "_eager_reentrant", "_eager_operator_level")
+
+
+def _disable_compile_on_eager_methods() -> None:
+    """Wrap :data:`EAGER_METHODS` in ``torch.compiler.disable``, once, when the first region is made.
+
+    Not decorators: ``torch.compiler.disable`` imports ``torch._dynamo`` (about a second of every ``remat``
+    command's start), and a region must exist before any of them can run, compiled or not.
+    """
+    if not hasattr(vars(Region)["_step"], "_torchdynamo_disable"):
+        for name in EAGER_METHODS:
+            setattr(Region, name, torch.compiler.disable(vars(Region)[name]))
 
 
 # NOTE [regions under torch.compile]
