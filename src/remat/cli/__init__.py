@@ -30,7 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if console and "OMP_WAIT_POLICY" not in os.environ:
         # read once, when torch loads libgomp: a waiting OpenMP thread spins 1,000 times before it sleeps (libgomp's
         # own count for threads outnumbering the CPUs; libgomp manual, GOMP_SPINCOUNT), not 300,000: beside another
-        # busy process the spinning held the core it needed (remat explain 30 s -> 22 s on 2 cores); alone, no slower
+        # busy process the spinning held the core it needed (remat explain's answer 31 s -> 22 s on 2 cores, and
+        # 50 s -> 19 s beside a test run); alone the sleeps cost about 3 s of its 15
         os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     from remat.cli.commands import run
 
