@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from step_timing import bootstrap_ci, median
+from step_timing import median, paired_ratio
 
 COMMANDS = {
     "predict 70B cp2": "predict --preset llama3-70b --tp 8 --sp --pp 4 --cp 2 --dp 8 --distributed-optimizer",
@@ -71,9 +71,7 @@ def line(name: str, new: list[float], base: list[float], target: float) -> str:
     text = (f"{name:34s} median {median(new):6.2f} s (min {min(new):.2f}, max {max(new):.2f}; "
             f"{sum(x <= target for x in new)}/{len(new)} runs <= {target:g} s): {verdict}")
     if base:
-        ratios = [n / b for n, b in zip(new, base)]
-        low, high = bootstrap_ci(ratios)
-        text += f"; base median {median(base):.2f} s, new/base {median(ratios):.3f} ({low:.3f}-{high:.3f})"
+        text += f"; base median {median(base):.2f} s, {paired_ratio(new, base)}"
     return text
 
 

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from step_timing import bootstrap_ci, median
+from step_timing import median, paired_ratio
 
 TARGET_SECONDS = 30.0
 ANSWER = "In short"  # the short answer's first line
@@ -94,10 +94,7 @@ def summary(name: str, runs: Runs, base: Runs | None) -> list[str]:
                 f"{sum(x <= TARGET_SECONDS for x in xs)}/{len(xs)} <= {TARGET_SECONDS:g} s)")
         if base is not None:
             ys = base.answer if what == "short answer" else base.total
-            ratios = [x / y for x, y in zip(xs, ys)]
-            low, high = bootstrap_ci(ratios)
-            line += (f"; base median {median(ys):.1f} s (min {min(ys):.1f}, max {max(ys):.1f}), new/base "
-                     f"{median(ratios):.3f} ({low:.3f}-{high:.3f})")
+            line += f"; base median {median(ys):.1f} s (min {min(ys):.1f}, max {max(ys):.1f}), {paired_ratio(xs, ys)}"
         lines.append(line)
     return lines
 

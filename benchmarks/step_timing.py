@@ -50,6 +50,14 @@ def bootstrap_ci(xs: list[float], n: int = 2000, seed: int = 0) -> tuple[float, 
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
+def paired_ratio(new: list[float], base: list[float]) -> str:
+    """``new/base M (L-H)``: the median of the per-round ratios of two timings run side by side, with its 95%
+    bootstrap interval."""
+    ratios = [n / b for n, b in zip(new, base)]
+    low, high = bootstrap_ci(ratios)
+    return f"new/base {median(ratios):.3f} ({low:.3f}-{high:.3f})"
+
+
 def verdict(ratio: float, ci: tuple[float, float], limit: float) -> str:
     """PASS: the median ratio is within the limit; FAIL: even the low end of its 95% interval is over it;
     FAIL?: over the limit, but not beyond the noise."""
