@@ -8,12 +8,18 @@ a lower bound, stamped on every line), so both are shown, e.g. for FP8. Then the
 cases of ``data/megatron_golden_h100_dev.json`` (their flags as ``bench_megatron_golden.py`` passes them): how many
 remat reads without refusing (each refusal listed).
 
+* ``examples/gpt3/train_gpt3_175b_distributed.sh`` is refused as Megatron refuses it (its unquoted
+  ``${TRAINING_ARGS[@]}`` splits the ``--step-batch-size-schedule`` string, and it gives ``--global-batch-size``
+  too: training/arguments.py:698); it is priced again with Megatron's two fixes (the array quoted,
+  ``--global-batch-size`` dropped), at the schedule's final batch;
 * ``examples/gptoss/02_train.sh`` sets pp to the world size: at its default 8 GPUs Megatron itself refuses 12 layers
   over pp = 8, and remat refuses it the same way; with ``--distributed-config-file`` giving 4 GPUs per node (the
   README's ``distributed_config.env`` with ``GPUS_PER_NODE=4``) it is predicted;
 * ``examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh`` submits its job with ``sbatch`` (a heredoc running ``srun
-  ... bash -c "$TRAINING_CMD"``): read as written it launches nothing; its model flags are read from the same script
-  with the submission replaced by ``eval "$TRAINING_CMD"`` (its own training command, with its FSDP flags).
+  ... bash -c "$TRAINING_CMD"``): remat reads the job script sbatch would submit, and the command string srun's
+  shell would run, in place (remat.megatron_script), so its launch is ``srun ... python pretrain_gpt.py ...``; the
+  same script with the submission replaced by ``eval "$TRAINING_CMD"`` (its own training command) is read too, for
+  comparison.
 
     python benchmarks/bench_megatron_scripts.py              # every script, then the dev cases
     python benchmarks/bench_megatron_scripts.py --only llama # scripts whose name contains it
@@ -52,6 +58,18 @@ def deepseek_training_script(folder: Path) -> Path:
     return path
 
 
+def gpt3_fixed_script(folder: Path) -> Path:
+    """train_gpt3_175b_distributed.sh with Megatron's two fixes: ``"${TRAINING_ARGS[@]}"`` quoted (the schedule one
+    word) and no ``--global-batch-size`` (the schedule sets the batch)."""
+    text = (SCRIPTS / "gpt3" / "train_gpt3_175b_distributed.sh").read_text()
+    fixed = text.replace("    --global-batch-size 1536\n", "").replace("    ${TRAINING_ARGS[@]} \\",
+                                                                          '    "${TRAINING_ARGS[@]}" \\')
+    assert fixed.count("--global-batch-size") == 0 and '"${TRAINING_ARGS[@]}"' in fixed
+    path = folder / "train_gpt3_175b_distributed_fixed.sh"
+    path.write_text(fixed)
+    return path
+
+
 def cases(folder: Path) -> list[tuple[str, list[str], list[str]]]:
     """(name, remat's flags, the script and its arguments) of each run."""
     gptoss = SCRIPTS / "gptoss"
@@ -59,6 +77,8 @@ def cases(folder: Path) -> list[tuple[str, list[str], list[str]]]:
     return [
         ("gpt3 175B", ["--world-size", "1024"],
          [str(SCRIPTS / "gpt3" / "train_gpt3_175b_distributed.sh"), "ckpt", "tb", "vocab.json", "merges.txt", "data"]),
+        ("gpt3 175B, schedule quoted, no --global-batch-size", ["--world-size", "1024"],
+         [str(gpt3_fixed_script(folder)), "ckpt", "tb", "vocab.json", "merges.txt", "data"]),
         ("llama3 8B fp8", ["--world-size", "8"], [str(SCRIPTS / "llama" / "train_llama3_8b_h100_fp8.sh")]),
         ("mixtral 8x7B", ["--world-size", "32"],
          [str(SCRIPTS / "mixtral" / "train_mixtral_8x7b_distributed.sh"), "ckpt", "tokenizer.model", "data"]),

@@ -18,12 +18,14 @@ from remat.limits import CEILINGS, ceiling_problem, shorten
 from remat.units import ascii_float, ascii_int
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "swiglu", "quick_geglu")  # quick_geglu: Megatron's --quick-geglu (remat.models.blocks)
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")  # Megatron's --softmax-type (attention sinks)
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 ATTENTIONS = ("math", "sdpa")
 ROUTER_SCORES = ("softmax", "sigmoid")
 CROSS_ENTROPY = ("torch", "megatron", "megatron_fused", "te")  # remat.models.cross_entropy
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise")  # Megatron's --fp8-recipe values remat models (remat.memory.fp8)
 TRANSFORMER_IMPLS = ("transformer_engine", "local")  # Megatron's --transformer-impl (remat.memory.local_layers)
 
 
@@ -125,6 +127,20 @@ class ModelConfig:
     apply_query_key_layer_scaling: bool = False
     # q/k normalisation (Megatron's --qk-layernorm); None: the attention's own default (see has_qk_norms)
     qk_layernorm: bool | None = None
+    # FP8 GEMMs in the TE linears (Megatron's --fp8-format with --fp8-recipe): None, or one of FP8_RECIPES
+    # (remat.memory.fp8 NOTE [FP8 linears on Hopper]); fp8_layers: one 0/1 per layer (0: bf16, --first-last-layers-
+    # bf16), None: every layer (the MTP layers always run in FP8)
+    fp8_recipe: str | None = None
+    fp8_layers: tuple[int, ...] | None = None
+    # NOTE [gpt-oss layers] in remat.models.blocks: --quick-geglu's offset, clamp and fused kernel
+    # (--no-bias-gelu-fusion turns it off), --softmax-type, --window-size and --window-attn-skip-freq (an int N:
+    # every Nth layer is full attention; or one 0/1 per layer, 1 = sliding window)
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
+    bias_activation_fusion: bool = False
+    softmax_type: str = "vanilla"
+    window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
@@ -141,6 +157,14 @@ class ModelConfig:
         _check_choice("dtype", self.dtype, tuple(DTYPES))
         _check_choice("cross_entropy", self.cross_entropy, CROSS_ENTROPY)
         _check_choice("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
+        if self.fp8_recipe not in (None, *FP8_RECIPES):
+            raise ConfigError(f"fp8_recipe={self.fp8_recipe!r}: must be None (no FP8) or one of "
+                              f"{', '.join(FP8_RECIPES)} (the FP8 recipes remat models)")
+        layers = self.fp8_layers
+        if layers is not None and (self.fp8_recipe is None or not isinstance(layers, tuple) or len(layers) !=
+                                   self.num_layers or any(v not in (0, 1) or isinstance(v, bool) for v in layers)):
+            raise ConfigError(f"fp8_layers={self.fp8_layers!r}: one 0 (bf16) or 1 (FP8) per layer ({self.num_layers}), "
+                              "with an fp8_recipe; or None (every layer in FP8)")
         if self.qk_layernorm not in (None, True, False):
             raise ConfigError(f"qk_layernorm={self.qk_layernorm!r}: must be True, False or None (the attention's "
                               "default: MLA's q/kv norms, none for standard attention)")
@@ -164,12 +188,49 @@ class ModelConfig:
                               "prediction)")
         check_moe_fields(self)
         check_mla_fields(self)
+        check_gpt_oss_fields(self)
 
     @property
     def has_qk_norms(self) -> bool:
         """Whether attention normalises queries and keys (``qk_layernorm``; None: MLA keeps DeepSeek's q/kv norms,
         the standard attention has none)."""
         return self.multi_latent_attention if self.qk_layernorm is None else self.qk_layernorm
+
+    @property
+    def gated(self) -> bool:
+        """Whether the MLPs are gated linear units (fc1 gives 2 x ffn: swiglu, quick_geglu)."""
+        return self.activation in ("swiglu", "quick_geglu")
+
+    def window_attention(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) attends within ``window_size``: megatron/core/transformer/utils.py:531
+        ``is_layer_window_attention`` (1-based ``layer_number % window_attn_skip_freq != 0``, or the list's entry)."""
+        if self.window_size is None:
+            return False
+        freq = self.window_attn_skip_freq
+        if freq is None:
+            return True
+        return (layer + 1) % freq != 0 if isinstance(freq, int) else bool(freq[layer])
+
+    def window_pattern(self) -> tuple[bool, ...]:
+        """Whether each layer attends within ``window_size`` (:meth:`window_attention`)."""
+        return tuple(self.window_attention(i) for i in range(self.num_layers))
+
+    def fp8_bf16_layer_indices(self) -> tuple[int, ...]:
+        """The layers (0-based) that run in bf16 although the model trains in FP8 (``fp8_layers``)."""
+        return tuple(i for i, v in enumerate(self.fp8_layers or ()) if not v)
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Whether the layers are not interchangeable (window and full attention, FP8 and bf16): such a stack is traced
+        whole, never composed from a shallow one, and a pipeline chunk keeps its own layers' patterns."""
+        return self.mixed_attention or bool(self.fp8_bf16_layer_indices())
+
+    @property
+    def mixed_attention(self) -> bool:
+        """Whether some layers slide a window and others attend fully: such a stack is traced whole, never composed
+        from a shallow one (its layers are not interchangeable), and a pipeline chunk keeps its own layers' pattern
+        (remat.parallel.job_predict.chunk_config)."""
+        return len(set(self.window_pattern())) > 1
 
     @property
     def head_dim(self) -> int:
@@ -217,9 +278,22 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
-    def with_depth(self, num_layers: int, pattern: tuple[bool, ...] | None = None) -> ModelConfig:
+    def with_depth(self, num_layers: int, pattern: tuple[bool, ...] | None = None,
+                   window: tuple[bool, ...] | None = None, fp8: tuple[int, ...] | None = None) -> ModelConfig:
         """This config with ``num_layers`` layers; an explicit MoE layer list is cut or replaced by ``pattern``
-        (one bool per layer), which :meth:`replace` alone would refuse as the wrong length."""
+        (one bool per layer), which :meth:`replace` alone would refuse as the wrong length; an explicit list of
+        sliding-window layers likewise (``window``: one bool per layer, as :meth:`window_attention` says), and of
+        FP8 layers (``fp8``: ``fp8_layers`` of the new layers)."""
+        if fp8 is not None or self.fp8_layers is not None:
+            fp8 = tuple(fp8 if fp8 is not None else self.fp8_layers[:num_layers])  # type: ignore[index]
+            cut = self.replace(fp8_layers=None).with_depth(num_layers, pattern, window)
+            return cut.replace(fp8_layers=None if all(fp8[:num_layers]) else fp8[:num_layers])
+        if window is not None or isinstance(self.window_attn_skip_freq, tuple):
+            window = window if window is not None else self.window_pattern()[:num_layers]
+            if len(window) < num_layers:
+                raise ConfigError(f"with_depth({num_layers}): the window layer pattern has {len(window)} layers")
+            return self.replace(window_attn_skip_freq=None).with_depth(num_layers, pattern).replace(
+                window_attn_skip_freq=None if all(window[:num_layers]) else tuple(int(w) for w in window[:num_layers]))
         if pattern is None and isinstance(self.moe_layer_freq, int):
             return self.replace(num_layers=num_layers)
         pattern = pattern if pattern is not None else self.moe_layer_pattern()[:num_layers]
@@ -453,6 +527,41 @@ def check_mla_fields(config: ModelConfig) -> None:
     if config.multi_latent_attention and config.num_query_groups not in (None, config.num_attention_heads):
         raise ConfigError(f"num_query_groups={config.num_query_groups}: MLA has one key/value head per query head; "
                           "drop num_query_groups")
+
+
+def check_gpt_oss_fields(config: ModelConfig) -> None:
+    """Refuse the gpt-oss layer fields (NOTE [gpt-oss layers] in remat.models.blocks) Megatron would refuse or
+    remat does not model, naming the field and the fix."""
+    _check_choice("softmax_type", config.softmax_type, SOFTMAX_TYPES)
+    clamp, offset = config.activation_func_clamp_value, config.glu_linear_offset
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+        raise ConfigError(f"glu_linear_offset={offset!r}: must be a finite number")
+    if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, (int, float))
+                              or not math.isfinite(clamp) or clamp <= 0):
+        raise ConfigError(f"activation_func_clamp_value={clamp!r}: must be a finite number > 0 (or None)")
+    if config.activation != "quick_geglu" and (clamp is not None or offset or config.bias_activation_fusion):
+        raise ConfigError("glu_linear_offset, activation_func_clamp_value and bias_activation_fusion are modelled "
+                          "for activation='quick_geglu' only: set it, or drop them")
+    window, freq = config.window_size, config.window_attn_skip_freq
+    if isinstance(window, list):
+        window = tuple(window)
+        object.__setattr__(config, "window_size", window)
+    if window is not None and (not isinstance(window, tuple) or len(window) != 2 or any(
+            isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)):
+        raise ConfigError(f"window_size={shorten(window)}: two integers >= -1 (left, right), e.g. (127, 0)")
+    if isinstance(freq, list):
+        freq = tuple(freq)
+        object.__setattr__(config, "window_attn_skip_freq", freq)
+    if isinstance(freq, tuple):
+        if len(freq) != config.num_layers or any(isinstance(x, bool) or x not in (0, 1) for x in freq):
+            raise ConfigError(f"window_attn_skip_freq={shorten(freq)}: a list needs one 0 (full) or 1 (sliding "
+                              f"window) per layer, {config.num_layers} in all")
+    elif freq is not None:
+        _check_positive_int("window_attn_skip_freq", freq)
+    if (window is not None or config.softmax_type != "vanilla") and (
+            config.multi_latent_attention or config.transformer_impl == "local"):
+        raise ConfigError("window_size and softmax_type are modelled for TransformerEngine's standard attention "
+                          "(TEDotProductAttention) only: drop them, multi_latent_attention or transformer_impl='local'")
 
 
 def _check_positive_int(name: str, value: Any) -> None:

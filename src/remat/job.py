@@ -37,6 +37,7 @@ from typing import Any
 from remat import job_loss, job_pipeline
 from remat.config import DTYPES, ModelConfig
 from remat.job_argv import megatron_argv
+from remat.job_cuda_graphs import check_cuda_graphs, cuda_graph_fields
 from remat.job_experts import check_expert_layout, check_moe_overlap, check_recompute_modules, model_with_ep
 from remat.job_flags import (
     DEFAULT_ONLY_FLAGS,
@@ -50,12 +51,12 @@ from remat.job_flags import (
     unknown_flag_message,
     without_idle_recompute_flags,
 )
+from remat.job_fp8 import check_fp8, fp8_fields
 from remat.job_fsdp import FsdpConfig, check_fsdp, fsdp_from_flags
 from remat.job_launch import launcher_world_size
-from remat.job_model import model_from_flags
+from remat.job_model import global_batch_size, model_from_flags
 from remat.job_optimizer import check_muon
 from remat.limits import ceiling_problem
-from remat.offload_policy import check_job_offload
 from remat.policy import Policy, PolicyError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -73,6 +74,7 @@ _FLAG_OF = {
     "distributed_optimizer": "--use-distributed-optimizer", "overlap_grad_reduce": "--overlap-grad-reduce",
     "gradient_accumulation_fusion": "--no-gradient-accumulation-fusion",
     "ddp_bucket_size": "--ddp-bucket-size", "pad_buckets_for_high_nccl_busbw": "--ddp-pad-buckets-for-high-nccl-busbw",
+    "fp8_param_gather": "--fp8-param-gather", "fp8_amax_history_len": "--fp8-amax-history-len",
 }
 
 
@@ -139,6 +141,9 @@ class Job:
     overlap_grad_reduce: bool = False
     """``--overlap-grad-reduce``: the gradient buffer is split into buckets (each padded with the distributed
     optimizer) on the first pipeline stage's first model chunk; without it, one bucket per buffer."""
+    overlap_param_gather: bool = False
+    """``--overlap-param-gather``: Megatron-FSDP then gathers the next step's first buckets right after the optimizer
+    step (NOTE [Megatron-FSDP buffers] in :mod:`remat.memory.fsdp_state`); DDP's buffers are the same either way."""
     ddp_bucket_size: int | None = None
     """``--ddp-bucket-size`` in elements (with overlap_grad_reduce); None: Megatron's max(40M, 1M x dp)."""
     pad_buckets_for_high_nccl_busbw: bool = False
@@ -156,6 +161,21 @@ class Job:
     """A layout string, e.g. ``'Et|(tt|)*3L'`` (implies vpp); :attr:`chunk_layers` has every chunk's layers."""
     overlap_moe_expert_parallel_comm: bool = False
     """``--overlap-moe-expert-parallel-comm``: the combined 1F1B schedule (NOTE [the combined 1F1B schedule])."""
+    delay_wgrad_compute: bool = False
+    """``--delay-wgrad-compute``: TE's linears keep their weight-gradient inputs until their layer's ``backward_dw``
+    (NOTE [delayed weight gradients] in :mod:`remat.memory.delayed_wgrad`; needs the combined 1F1B schedule)."""
+    fp8_param_gather: bool = False
+    """``--fp8-param-gather``: the FP8 linears' weights are FP8 parameters (with ``model.fp8_recipe``; needs the
+    distributed optimizer), NOTE [FP8 linears on Hopper] in :mod:`remat.memory.fp8`."""
+    fp8_amax_history_len: int = 1
+    cuda_graph_modules: tuple[str, ...] | None = None
+    """``--cuda-graph-impl transformer_engine`` with ``--cuda-graph-modules``: the scopes TE graphs per layer and
+    microbatch (``()``: whole layers; None: no CUDA graphs), NOTE [TE CUDA graphs] in
+    :mod:`remat.parallel.cuda_graphs`."""
+    cuda_graph_warmup_steps: int = 0
+    """``--cuda-graph-warmup-steps`` (Megatron's default 3; here 0, the capture before the first step): the eager
+    steps that run before the graphs are captured (training.py:4632-4645)."""
+    """``--fp8-amax-history-len``: rows of each FP8 module's amax history (the delayed recipe only)."""
     policy: Policy = field(default_factory=lambda: Policy.parse("none"))
     """Activation recompute policy (the ``--recompute-*`` flags)."""
 
@@ -175,13 +195,23 @@ class Job:
         for name in ("tp", "pp", "cp", "dp", "ep", "etp", "vpp", "num_microbatches", "world_size"):  # remat.limits
             _require(not (bad := ceiling_problem(name, getattr(self, name))), f"{_f(name)}={getattr(self, name)} {bad}")
         for name in ("sp", "distributed_optimizer", "overlap_grad_reduce", "pad_buckets_for_high_nccl_busbw",
-                     "gradient_accumulation_fusion"):
+                     "gradient_accumulation_fusion", "fp8_param_gather"):
             v = getattr(self, name)
             _require(isinstance(v, bool), f"{_f(name)}={v!r}: must be True or False")
         if self.optimizer in ("muon", "dist_muon"):  # dist_muon: muon + the distributed optimizer (job_optimizer)
             set_(self, "distributed_optimizer", check_muon(self.model, self.optimizer, self.precision,
                  self.distributed_optimizer, self.distributed_optimizer_instances, self.ep, self.fsdp is not None))
             set_(self, "optimizer", "muon")
+        check_fp8(self.model, param_gather=self.fp8_param_gather, amax_history_len=self.fp8_amax_history_len,
+                  distributed_optimizer=self.distributed_optimizer, fsdp=self.fsdp is not None,
+                  precision=self.precision)
+        check_cuda_graphs(self.cuda_graph_modules, is_moe=self.model.is_moe,
+                          has_dense=not all(self.model.moe_layer_pattern()),
+                          overlap_moe=self.overlap_moe_expert_parallel_comm, delay_wgrad=self.delay_wgrad_compute,
+                          recompute=not self.policy.is_none,
+                          fsdp=self.fsdp is not None, warmup_steps=self.cuda_graph_warmup_steps,
+                          selective_modules=(self.policy.modules if self.policy.is_selective and not
+                                             self.policy.offloads else None))
         for name, choices in (("schedule", SCHEDULES), ("precision", PRECISIONS), ("optimizer", OPTIMIZERS)):
             _require(getattr(self, name) in choices,
                      f"{_f(name)}={getattr(self, name)!r}: must be one of {', '.join(choices)}")
@@ -229,7 +259,6 @@ class Job:
                  f"tokens over tp={tp} ranks, which does not divide them: change tp, cp or --seq-length")
         check_expert_layout(self.model, ep=self.ep, etp=self.expert_tp, tp=tp, cp=cp, dp=self.dp, sp=self.sp)
         job_loss.check_multi_token_prediction(m, self.pipeline_model_parallel_layout, self.policy)
-        check_job_offload(self.policy.offload_modules, self.policy.modules or ())
         check_moe_overlap(self)
         shards = self.distributed_optimizer_instances  # megatron/core/parallel_state.py asserts both divisions
         _require(self.dp * cp % shards == 0 and self.expert_data_parallel % shards == 0,
@@ -505,6 +534,8 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
         acc = False
 
     model = model_from_flags(got, ignored, precision)
+    fp8_model, fp8_job = fp8_fields(got, ignored)
+    model = model.replace(**fp8_model) if fp8_model else model
 
     vpp, split = job_pipeline.pipeline_split_fields(got, L, pp)  # Megatron: a virtual pipeline size of 1 is None
     if vpp is not None and "--no-overlap-p2p-communication" in ignored and pp <= 2:
@@ -518,7 +549,7 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
                            f"use a multiple of {base} (or drop --data-parallel-size)")
         dp = world // base
     dp = dp or 1
-    gb = got.get("--global-batch-size", mbs * dp)
+    gb = global_batch_size(got, mbs, dp)  # or --step-batch-size-schedule's largest batch
     if gb % (mbs * dp):  # megatron/core/num_microbatches_calculator.py: a whole number of microbatches
         raise JobError(f"--global-batch-size {gb} is not divisible by --micro-batch-size {mbs} x data-parallel "
                        f"size {dp} = {mbs * dp}: Megatron needs whole microbatches; use a multiple of {mbs * dp}")
@@ -544,7 +575,9 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
                distributed_optimizer_instances=got.get("--num-distributed-optimizer-instances", 1),
                gradient_accumulation_fusion=not got.get("--no-gradient-accumulation-fusion"),
                overlap_grad_reduce=bool(got.get("--overlap-grad-reduce")), ddp_bucket_size=got.get("--ddp-bucket-size"),
+               overlap_param_gather=bool(got.get("--overlap-param-gather")),
                pad_buckets_for_high_nccl_busbw=bool(got.get("--ddp-pad-buckets-for-high-nccl-busbw")), policy=policy,
                overlap_moe_expert_parallel_comm=bool(got.get("--overlap-moe-expert-parallel-comm")),
-               fsdp=fsdp_from_flags(got),
+               delay_wgrad_compute=bool(got.get("--delay-wgrad-compute")),
+               fsdp=fsdp_from_flags(got), **fp8_job, **cuda_graph_fields(got, ignored),
                **split)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from remat import job_loss, job_pipeline
+from remat.job_cuda_graphs import cuda_graph_args
 from remat.job_experts import moe_mla_args
 from remat.job_flags import JobError
 from remat.job_fsdp import fsdp_args
@@ -41,6 +42,15 @@ def megatron_argv(job: Any, include_world_size: bool = True) -> list[str]:
     args += ["--swiglu"] * (m.activation == "swiglu") + ["--untie-embeddings-and-output-weights"] * (
         not m.tie_embeddings) + ["--disable-bias-linear"] * (not m.add_bias_linear)
     args += ["--attention-backend", "unfused"] * (m.attention == "math")
+    if m.activation == "quick_geglu":  # NOTE [gpt-oss layers] in remat.models.blocks
+        args += ["--quick-geglu", "--glu-linear-offset", repr(float(m.glu_linear_offset))]
+        args += ["--activation-func-clamp-value", repr(float(m.activation_func_clamp_value))] * (
+            m.activation_func_clamp_value is not None) + ["--no-bias-gelu-fusion"] * (not m.bias_activation_fusion)
+    args += ["--softmax-type", m.softmax_type] * (m.softmax_type != "vanilla")
+    if m.window_size is not None:
+        freq = m.window_attn_skip_freq
+        args += ["--window-size", f"{m.window_size[0]},{m.window_size[1]}"] + ["--window-attn-skip-freq", str(
+            freq) if isinstance(freq, int) else "[" + ",".join(map(str, freq)) + "]"] * (freq is not None)
     args += ["--kv-channels", str(m.kv_channels)] * (m.kv_channels is not None) + moe_mla_args(m)
     args += ["--tensor-model-parallel-size", str(job.tp), "--pipeline-model-parallel-size", str(job.pp),
              "--context-parallel-size", str(job.cp)] + ["--sequence-parallel"] * job.sp
@@ -67,6 +77,17 @@ def megatron_argv(job: Any, include_world_size: bool = True) -> list[str]:
         not job.gradient_accumulation_fusion) + ["--overlap-grad-reduce"] * (
         job.overlap_grad_reduce) + ["--ddp-pad-buckets-for-high-nccl-busbw"] * job.pad_buckets_for_high_nccl_busbw
     args += ["--overlap-moe-expert-parallel-comm"] * job.overlap_moe_expert_parallel_comm
+    if m.fp8_recipe is not None:  # remat.job_fp8 (the format, e4m3 or hybrid, keeps one byte either way)
+        args += ["--fp8-format", "hybrid", "--fp8-recipe", m.fp8_recipe] + ["--fp8-param-gather"] * job.fp8_param_gather
+        args += ["--fp8-amax-history-len", str(job.fp8_amax_history_len)] * (job.fp8_amax_history_len != 1)
+        if m.fp8_layers is not None:  # leading and trailing bf16 layers (remat.job_fp8)
+            start = next(i for i, v in enumerate(m.fp8_layers + (1,)) if v)
+            end = next(i for i, v in enumerate(m.fp8_layers[::-1] + (1,)) if v)
+            args += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(start),
+                     "--num-layers-at-end-in-bf16", str(end)]
+    args += ["--delay-wgrad-compute"] * job.delay_wgrad_compute
+    args += cuda_graph_args(job.cuda_graph_modules, job.cuda_graph_warmup_steps)  # remat.job_cuda_graphs
+    args += ["--overlap-param-gather"] * job.overlap_param_gather
     if job.ddp_bucket_size is not None:
         args += ["--ddp-bucket-size", str(job.ddp_bucket_size)]
     return args + fsdp_args(job.fsdp) + job_loss.loss_args(m) + recompute

@@ -264,7 +264,18 @@ def check_op_fuser(got: dict[str, Any], ignored: list[str], model: ModelConfig) 
 
 def check_moe_overlap(job: Any) -> None:
     """Megatron's rules for ``--overlap-moe-expert-parallel-comm`` (transformer_config.py:3002-3046 at d98e8a64),
-    each refused naming the flag and the fix."""
+    each refused naming the flag and the fix; and for ``--delay-wgrad-compute`` (transformer_config.py:3073-3077,
+    training/arguments.py:1903-1905)."""
+    if job.delay_wgrad_compute:
+        if not job.overlap_moe_expert_parallel_comm:
+            raise JobError("--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (Megatron asserts it: the "
+                           "EP-overlap schedule runs the delayed weight gradients): add it, or drop the flag")
+        if job.model.transformer_impl == "local":
+            raise JobError("--delay-wgrad-compute needs Transformer Engine's layers (Megatron asserts it): drop "
+                           "--transformer-impl local / --attention-backend local, or drop the flag")
+        if getattr(job.model, "fp8_recipe", None) is not None:  # remat.memory.delayed_wgrad keeps bf16 inputs
+            raise JobError("--delay-wgrad-compute with --fp8-format: TE then keeps the FP8 copies of the inputs and "
+                           "gradients for the delayed GEMM, which remat does not model yet; drop one of them")
     if not job.overlap_moe_expert_parallel_comm:
         return
     flag, model, policy = "--overlap-moe-expert-parallel-comm", job.model, job.policy

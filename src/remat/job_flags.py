@@ -24,6 +24,13 @@ def _table(groups: dict[str, str]) -> dict[str, str]:
     return {flag: reason for reason, flags in groups.items() for flag in flags.split()}
 
 
+FLEX_REASON = (
+    "runs Megatron's flex token dispatcher (token_dispatcher.py:1809 MoEFlexTokenDispatcher): DeepEP / HybridEP "
+    "permute and exchange the tokens in fused kernels (fused_a2a.py) that keep their routing handle for the "
+    "backward (not the alltoall dispatcher's permutation maps), from communication buffers allocated outside "
+    "PyTorch's allocator (DeepEP's Buffer of Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint bytes, "
+    "HybridEP's cuMemCreate / cudaMalloc buffers, fused_a2a.py:36-69, 285-348); remat models the alltoall and "
+    "allgather dispatchers only")
 # Flags that change a rank's memory in a way remat cannot model yet: refused by name, with the reason.
 REFUSED_FLAGS: dict[str, str] = _table({
     "changes the MoE layers in a way remat's reference MoE (Megatron's all-to-all or allgather dispatcher, dropless "
@@ -31,18 +38,23 @@ REFUSED_FLAGS: dict[str, str] = _table({
         "--moe-pad-expert-input-to-capacity --moe-extended-tp --moe-apply-probs-on-input --moe-enable-deepep "
         "--moe-input-jitter-eps --moe-router-padding-for-quantization --moe-use-legacy-grouped-gemm",
     "trains in FP8/FP4 (quantised copies of weights and activations)":
-        "--fp8-format --fp8-recipe --fp8-param-gather --fp4-format --fp4-recipe --fp4-param-gather "
-        "--first-last-layers-bf16 --reuse-grad-buf-for-mxfp8-param-ag --te-precision-config-file",
+        "--fp4-format --fp4-recipe --fp4-param-gather --reuse-grad-buf-for-mxfp8-param-ag --te-precision-config-file",
+    # remat.memory.fp8 models the layers' linears in FP8 (attention and the output layer in bf16); not these
+    "runs FP8 attention or an FP8 output layer (remat models the layers' linears in FP8, attention and the output "
+    "layer in bf16)": "--fp8-dot-product-attention --fp8-multi-head-attention --fp8-output-proj",
     "offloads activations or optimizer state to host memory":
         "--cpu-offloading --cpu-offloading-num-layers --cpu-offloading-retain-pinned-cpu-buffers "
         "--activation-offload-fraction --delta-offload-bytes-across-pp-ranks --optimizer-cpu-offload "
         "--optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d",
     # remat.job_fsdp models Megatron-FSDP (--use-megatron-fsdp and its strategy/dtype flags); not these:
-    "shards parameters and gradients with torch FSDP2, or Megatron-FSDP's hybrid (outer data-parallel) sharding, "
-    "double buffers (param_and_grad_buffer.py:2530 FixedPoolAllocator: two persistent pools sized for the FSDP "
-    "units) or meta-device initialisation":
-        "--use-torch-fsdp2 --outer-dp-sharding-strategy "
-        "--fsdp-double-buffer --torch-fsdp2-no-reshard-after-forward --init-model-with-meta-device",
+    "shards parameters and gradients with torch FSDP2, or Megatron-FSDP's hybrid (outer data-parallel) sharding":
+        "--use-torch-fsdp2 --outer-dp-sharding-strategy --torch-fsdp2-no-reshard-after-forward",
+    # fsdp param_and_grad_buffer.py:835-836: a bucket outside the double buffers gets its own persistent tensor
+    "keeps the buckets of the FSDP units outside the double buffers (and the non-unit ones) persistently, which "
+    "remat does not model (it models --fsdp-double-buffer's fallback: allocated and freed per use)":
+        "--fsdp-db-use-persist-buf-on-alloc-fail",
+    # token_dispatcher.py:1809 MoEFlexTokenDispatcher hands permute + all-to-all to DeepEP / HybridEP (fused_a2a.py)
+    FLEX_REASON: "--moe-flex-dispatcher-backend",
     "sets the gradient buckets from the parameter count (each bucket is padded; give --ddp-bucket-size)":
         "--ddp-num-buckets",
     "changes the optimizer's state layout": "--use-precision-aware-optimizer "
@@ -53,36 +65,42 @@ REFUSED_FLAGS: dict[str, str] = _table({
     # one unpadded buffer and gathers them with flatten/unflatten copies
     "changes the Muon optimizer's state or buffers (remat models Adam as its scalar optimizer and the layer-wise "
     "parameter layout)": "--muon-scalar-optimizer --no-use-layer-wise-param-layout",
-    "keeps static CUDA-graph buffers": "--cuda-graph-impl --enable-cuda-graph --external-cuda-graph "
-        "--cuda-graph-scope --cuda-graph-modules --optimizer-cuda-graph --cuda-graph-warmup-steps",
+    # remat.job_cuda_graphs models --cuda-graph-impl transformer_engine with --cuda-graph-modules; not these
+    "keeps static CUDA-graph buffers": "--enable-cuda-graph --external-cuda-graph "
+        "--cuda-graph-scope --optimizer-cuda-graph",
     "allocates Transformer Engine userbuffers for TP overlap": "--tp-comm-overlap --tp-comm-overlap-cfg",
-    "keeps weight-gradient inputs longer (deferred wgrad)": "--delay-wgrad-compute",
     "changes the logits/cross-entropy working set": "--fp16-lm-cross-entropy --output-logit-dtype",
     "changes context-parallel attention (remat models the p2p ring)": "--cp-comm-type "
         "--hierarchical-context-parallel-sizes --hybrid-context-parallel --max-seqlen-per-dp-cp-rank",
     "describes layers remat's reference GPT does not have":
-        "--qk-l2-norm --attention-output-gate --add-qkv-bias --squared-relu --quick-geglu "
-        "--openai-gelu --activation-func-clamp-value --softmax-type --window-size --experimental-attention-variant "
-        "--apply-residual-connection-post-layernorm --fp32-residual-connection --no-position-embedding "
+        "--qk-l2-norm --attention-output-gate --add-qkv-bias --squared-relu "
+        "--openai-gelu --experimental-attention-variant "
+        "--apply-residual-connection-post-layernorm --fp32-residual-connection "
         "--hybrid-layer-pattern --hybrid-override-pattern --is-hybrid-model --enable-mhc-connections "
         "--heterogeneous-layers-config-path --heterogeneous-layers-config-encoded-json --spec "
         "--encoder-num-layers --decoder-num-layers --encoder-seq-length --decoder-seq-length "
         "--mlp-chunks-for-training --tensor-parallel-num-weight-shards",
     "takes the model or batch from elsewhere (give the flags themselves)": "--yaml-cfg --use-checkpoint-args "
-        "--use-mp-args-from-checkpoint-args --step-batch-size-schedule --decrease-batch-size-if-needed",
+        "--use-mp-args-from-checkpoint-args --decrease-batch-size-if-needed",
     "is an old Megatron flag (use --tensor-model-parallel-size / --micro-batch-size)":
         "--model-parallel-size --batch-size",
 })
 REFUSED_PREFIXES: dict[str, str] = {
-    "--moe-": REFUSED_FLAGS["--moe-extended-tp"], "--fp8-": REFUSED_FLAGS["--fp8-format"],
+    "--moe-": REFUSED_FLAGS["--moe-extended-tp"],
+    "--fp8-": "is an FP8 option remat does not model (remat.memory.fp8 models --fp8-format, --fp8-recipe "
+              "delayed|tensorwise|blockwise, --fp8-param-gather and the amax flags)",
     # --mtp-num-layers is modelled; the other --mtp- flags change the MTP block (repeated layer, detached heads,
     # hidden-state mixing) in ways remat does not model
-    "--fp4-": REFUSED_FLAGS["--fp8-format"], "--mtp-": "changes the multi-token-prediction block",
+    "--fp4-": REFUSED_FLAGS["--fp4-format"], "--mtp-": "changes the multi-token-prediction block",
     "--mla-": REFUSED_FLAGS["--spec"], "--mamba-": REFUSED_FLAGS["--spec"], "--dsa-": REFUSED_FLAGS["--spec"],
     "--mhc-": REFUSED_FLAGS["--spec"], "--megatron-fsdp-": REFUSED_FLAGS["--use-torch-fsdp2"],
 }
+# Values of modelled flags refused with their own reason.
+REFUSED_CHOICES: dict[tuple[str, str], str] = {("--moe-token-dispatcher-type", "flex"): FLEX_REASON, **{
+    ("--cuda-graph-impl", impl): "keeps static CUDA-graph buffers (remat models --cuda-graph-impl transformer_engine)"
+    for impl in ("local", "full_iteration")}}
 # Accepted (and reported as ignored) only with Megatron's default value.
-DEFAULT_ONLY_FLAGS: dict[str, str] = {"--cp-comm-type": "p2p", "--softmax-type": "vanilla", "--cuda-graph-impl": "none",
+DEFAULT_ONLY_FLAGS: dict[str, str] = {"--cp-comm-type": "p2p",
                                       "--mlp-chunks-for-training": "1", "--outer-dp-sharding-strategy": "no_shard",
                                       "--muon-scalar-optimizer": "adam"}
 # Flags known not to change what a rank holds during a training step: accepted and reported.
@@ -114,7 +132,7 @@ IGNORED_FLAGS: dict[str, str] = _table({
         "--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-rope-fusion "
         "--no-persist-layer-norm --disable-jit-fuser --use-mcore-models",
     "communication scheduling (the buffers are allocated either way)":
-        "--overlap-param-gather --overlap-param-gather-with-optimizer-step --no-align-grad-reduce "
+        "--overlap-param-gather-with-optimizer-step --no-align-grad-reduce "
         "--no-align-param-gather --ddp-average-in-collective "
         "--no-gradient-reduce-div-fusion "
         "--overlap-p2p-communication-warmup-flush "
@@ -146,8 +164,23 @@ IGNORED_FLAGS: dict[str, str] = _table({
         "--check-for-large-grads --check-for-spiky-loss --rerun-mode --error-injection-rate --error-injection-type "
         "--adlr-autoresume --adlr-autoresume-interval --enable-ft-package --calc-ft-timeouts --ft-num-warmup-iters "
         "--enable-msc --disable-msc",
-    # megatron/core/transformer/attention.py: test_mode runs run_realtime_tests (parameter consistency checks)
+    # megatron/core/transformer/attention.py:1938-1939 runs run_realtime_tests (:1753-1818) in each attention forward:
+    # with --qk-layernorm it all-gathers the q/k norms' 4 x [head_dim] weights and biases over dp and tp and compares
+    # them (a few 512-byte blocks, freed before the core attention; nothing saved for backward); :1364 only forces
+    # the split-QKV path, which q/k norms force already (issue 27: the qk_layernorm_test_mode gap was TE's q/k norms)
     "self-tests that keep no tensors": "--test-mode",
+    # fsdp param_and_grad_buffer.py:2163-2260: when and how NCCL registers the pool's buffers (its own memory)
+    "how NCCL registers Megatron-FSDP's buffers (when, and as symmetric windows or not): the buffers are the same":
+        "--fsdp-manual-registration --disable-symmetric-registration",
+    # training/models/dist_utils.py:98-100 builds the model on the meta device; Megatron-FSDP then initialises each
+    # module into the buffers it allocates either way (fsdp param_and_grad_buffer.py:2884-2920)
+    "initialises the model on the meta device (module by module into Megatron-FSDP's buffers): the buffers a step "
+    "runs with are the same, only initialisation's transient memory is smaller": "--init-model-with-meta-device",
+    # training/global_vars.py:168-169 set_experimental_flag: at d98e8a64 the flag only unlocks experimental APIs and,
+    # with --moe-permute-fusion, fused kernels of the flex dispatcher and of --moe-router-padding-for-quantization
+    # (token_dispatcher.py:651, 1415, 1425), both refused on their own flags
+    "unlocks Megatron's experimental code paths: at this commit only fused kernels of the flex dispatcher and of "
+    "--moe-router-padding-for-quantization, both refused on their own flags": "--enable-experimental",
     # megatron/core/tensor_parallel/random.py: TE's tracker keeps each RNG state as a few 16-byte CUDA tensors
     "the RNG tracker's implementation (a few bytes of generator state either way)": "--te-rng-tracker",
 })
@@ -173,7 +206,8 @@ _SWITCHES = ("--group-query-attention --swiglu --untie-embeddings-and-output-wei
              "--use-distributed-optimizer --overlap-grad-reduce --ddp-pad-buckets-for-high-nccl-busbw "
              "--attention-softmax-in-fp32 --apply-query-key-layer-scaling --moe-grouped-gemm --multi-latent-attention "
              "--qk-layernorm --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
-             "--no-gradient-accumulation-fusion --overlap-moe-expert-parallel-comm")
+             "--no-gradient-accumulation-fusion --overlap-moe-expert-parallel-comm --delay-wgrad-compute "
+             "--overlap-param-gather")
 # MoE and MLA (remat.config's NOTE [MoE fields]; Megatron's names)
 _MOE_MLA_INT = ("--num-experts --moe-router-topk --moe-ffn-hidden-size --moe-shared-expert-intermediate-size "
                 "--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim")
@@ -194,9 +228,26 @@ MODELLED_FLAGS: dict[str, Any] = {
     # the loss's implementation (remat.models.cross_entropy)
     "--cross-entropy-loss-fusion": bool, "--cross-entropy-fusion-impl": ("native", "te"),
     "--mtp-num-layers": int,  # remat.models.gpt NOTE [multi-token prediction]
+    # NOTE [gpt-oss layers] in remat.models.blocks (remat.job_model.gpt_oss_fields)
+    "--quick-geglu": bool, "--glu-linear-offset": float, "--activation-func-clamp-value": float,
+    "--softmax-type": ("vanilla", "off-by-one", "learnable"), "--window-size": str, "--window-attn-skip-freq": str,
+    # read where they matter, else listed as ignored (remat.job_model): the position table's switch, the ModelOpt
+    # builder's flags, the batch schedule (its largest batch is priced)
+    "--no-position-embedding": bool, "--export-force-local-attention": bool, "--enable-gpt-oss": bool,
+    "--step-batch-size-schedule": str,
+    # FP8 linears (remat.job_fp8, remat.memory.fp8): Hopper's recipes (mxfp8 and custom refused)
+    "--fp8-format": ("e4m3", "hybrid"), "--fp8-recipe": ("delayed", "tensorwise", "blockwise"),
+    "--fp8-param-gather": bool, "--first-last-layers-bf16": bool,
+    **dict.fromkeys(("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"),
+                    lambda v: ascii_int(v, signed=False)),
+    "--fp8-amax-history-len": int, "--fp8-amax-compute-algo": ("max", "most_recent"), "--fp8-margin": int,
+    "--fp8-interval": int,
+    # TE CUDA graphs (remat.job_cuda_graphs; --cuda-graph-modules takes words, read by flag_value)
+    "--cuda-graph-impl": ("none", "transformer_engine"), "--cuda-graph-modules": str,
+    "--cuda-graph-warmup-steps": lambda v: ascii_int(v, signed=False),
     # Megatron-FSDP (remat.job_fsdp); no_shard and low-precision main weights are refused by the choices
     "--use-megatron-fsdp": bool, "--data-parallel-sharding-strategy": ("optim", "optim_grads", "optim_grads_params"),
-    "--megatron-fsdp-main-params-dtype": ("fp32",),
+    "--megatron-fsdp-main-params-dtype": ("fp32",), "--fsdp-double-buffer": bool, "--use-nccl-ub": bool,
     **dict.fromkeys(("--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype"),
                     ("fp32", "bf16", "fp16", "auto")),
 }
@@ -241,8 +292,8 @@ def classify_megatron_flag(name: str, values: Sequence[str] | None = None) -> tu
         value, refused otherwise), ``ignored``, ``refused`` or ``unknown`` (refused too).
 
     Example:
-        >>> classify_megatron_flag("--fp8-format")[0]
-        'refused'
+        >>> classify_megatron_flag("--fp4-format")[0], classify_megatron_flag("--fp8-recipe", ["mxfp8"])[0]
+        ('refused', 'refused')
     """
     name = name.partition("=")[0]
     if name in RECOMPUTE_FLAGS or name.startswith("--recompute-"):
@@ -250,6 +301,8 @@ def classify_megatron_flag(name: str, values: Sequence[str] | None = None) -> tu
     if name in MODELLED_FLAGS:
         spec = MODELLED_FLAGS[name]
         if isinstance(spec, tuple) and values is not None and len(values) == 1 and values[0] not in spec:
+            if (name, values[0]) in REFUSED_CHOICES:
+                return "refused", f"{shown_flag(values[0])} {REFUSED_CHOICES[name, values[0]]}"
             return "refused", (f"{shown_flag(values[0])} (remat models only {', '.join(spec)}: the others change "
                                "memory in ways remat does not model)")
         return "modelled", "part of the Job"
@@ -388,6 +441,12 @@ def check_value_count(name: str, vals: list[str], n: int | str) -> None:
 
 def flag_value(name: str, vals: list[str]) -> Any:
     spec = MODELLED_FLAGS[name]
+    if name == "--step-batch-size-schedule" and len(vals) > 1:  # argparse: one string; the rest is unrecognized
+        raise JobError(f"--step-batch-size-schedule got {len(vals)} words ({' '.join(vals)[:80]}): Megatron's argparse "
+                       f"takes one and stops at 'unrecognized arguments: {' '.join(vals[1:])[:60]}' (an unquoted "
+                       "expansion split it): quote the schedule, e.g. \"${TRAINING_ARGS[@]}\"")
+    if name == "--cuda-graph-modules":  # nargs='+' (training/arguments.py:2050): the words (remat.job_cuda_graphs)
+        return tuple(vals)
     check_value_count(name, vals, 0 if spec is bool else 1)
     if spec is bool:
         return True

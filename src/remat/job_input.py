@@ -58,8 +58,16 @@ SAVES_MEMORY: dict[str, str] = _table({
     "trains in FP8/FP4, whose quantised saved activations can be smaller than the bf16 ones remat would price":
         "--fp8-format --fp8-recipe --fp8-param-gather --fp4-format --fp4-recipe --fp4-param-gather "
         "--first-last-layers-bf16 --reuse-grad-buf-for-mxfp8-param-ag --te-precision-config-file",
-    "removes or replaces the learned position embedding (Megatron's default, which remat would price without the "
-    "flag)": "--no-position-embedding --position-embedding-type",
+    # TE graph.py:866 / CUDAGraph replays: the graphed layers' saved tensors live in the graphs' private pool, which a
+    # replay reuses without allocating (remat.parallel.cuda_graphs): a steady step holds less than the eager one
+    "runs layers as CUDA graphs, whose replays allocate nothing (the eager step remat would price may hold more)":
+        "--enable-cuda-graph --external-cuda-graph --cuda-graph-scope --optimizer-cuda-graph",
+    "replaces the learned position embedding (Megatron's default, which remat would price without the flag)":
+        "--position-embedding-type",
+    # without it remat prices Megatron's default allgather dispatcher, which gathers the tokens of every
+    # expert-parallel rank (token_dispatcher.py MoEAllGatherTokenDispatcher): more than flex's exchange may keep
+    "replaces the token dispatcher (the allgather dispatcher remat would price without it may keep more)":
+        "--moe-token-dispatcher-type --moe-flex-dispatcher-backend",
     "splits or shards what a rank holds further": "--mlp-chunks-for-training --tensor-parallel-num-weight-shards "
         "--moe-extended-tp --decrease-batch-size-if-needed",
     "describes another model (remat's GPT would not bound it)": "--hybrid-layer-pattern --hybrid-override-pattern "
@@ -90,9 +98,6 @@ def unmodelled_flags(groups: Sequence[tuple[str, list[str]]]) -> dict[str, str]:
 
 def _saves_memory(flag: str, groups: Sequence[tuple[str, list[str]]] = ()) -> str | None:
     """Why leaving ``flag`` out would overstate the job, or None."""
-    if flag == "--no-position-embedding" and (("--position-embedding-type", ["rope"]) in groups or any(
-            name == "--use-rotary-position-embeddings" for name, _ in groups)):
-        return None  # with rotary embeddings there is no learned table: Megatron builds the same model without it
     return SAVES_MEMORY.get(flag) or next((r for p, r in SAVES_MEMORY_PREFIXES.items() if flag.startswith(p)), None)
 
 

@@ -64,8 +64,8 @@ def check_multi_token_prediction(model: ModelConfig, layout: str | None, policy:
     Megatron: rope (or no) positions only (megatron/training/arguments.py:882-886); a layout must place the MTP
     layers with ``m`` (pipeline_parallel_layer_layout.py:112; remat takes them before the loss, where it builds the MTP
     depths, :func:`remat.job_pipeline.parse_layout`). Recompute and offloading act on the MTP layers too in
-    Megatron: selective modules in their transformer layer (which :func:`remat.apply` follows), full recompute
-    through ``_checkpointed_forward`` (multi_token_prediction.py:1492) and the offload groups (which it does not
+    Megatron: selective modules and the offload groups in their transformer layer (which :func:`remat.apply`
+    follows), full recompute through ``_checkpointed_forward`` (multi_token_prediction.py:1492, which it does not
     yet: refused)."""
     if not model.mtp_num_layers:
         return
@@ -75,11 +75,11 @@ def check_multi_token_prediction(model: ModelConfig, layout: str | None, policy:
     if layout is not None and "m" not in layout:
         raise JobError("--mtp-num-layers with a --pipeline-model-parallel-layout that places no MTP layer: Megatron "
                        "needs them in the layout (m, before the loss: ...tmL); add them")
-    if policy.granularity == "full" or policy.offload_modules:
-        raise JobError("--mtp-num-layers with full recompute or fine-grained offloading: Megatron checkpoints "
-                       "(offloads) the MTP layers too (multi_token_prediction.py:1492 _checkpointed_forward), which "
-                       "remat does not model yet; use selective recompute (which remat applies to the MTP layers as "
-                       "Megatron does) or drop the --recompute-* / offloading flags")
+    if policy.granularity == "full":
+        raise JobError("--mtp-num-layers with full recompute: Megatron checkpoints the MTP layers too, projection and "
+                       "norms with them (multi_token_prediction.py:1492 _checkpointed_forward), which remat does not "
+                       "model yet; use selective recompute (which remat applies to the MTP layers as Megatron does) or "
+                       "drop the --recompute-* flags")
 
 
 def megatron_loss(model: ModelConfig) -> dict[str, str]:

@@ -18,7 +18,7 @@ import warnings
 from typing import Any
 
 from remat import job_loss
-from remat.config import ConfigError, ModelConfig
+from remat.config import ConfigError, ModelConfig, parse_layer_freq
 from remat.job_experts import check_op_fuser, moe_mla_fields
 from remat.job_flags import JobError
 
@@ -51,6 +51,12 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
     kv = None if kv is not None and h % a == 0 and kv == h // a else kv  # the default head dimension
     pe = "rope" if got.get("--use-rotary-position-embeddings") else got.get("--position-embedding-type",
                                                                             "learned_absolute")
+    if got.get("--no-position-embedding"):  # args.add_position_embedding: no megatron-core module reads it
+        if pe != "rope":  # (LanguageModelEmbedding derives its own from position_embedding_type, :47)
+            raise JobError("--no-position-embedding without rope: Megatron raises '--no-position-embedding is "
+                           "deprecated, use --position-embedding-type' (training/arguments.py:1633): use "
+                           "--position-embedding-type rope, or drop it")
+        ignored.append("--no-position-embedding")
     maxpos = got.get("--max-position-embeddings", s)
     if maxpos < s or (maxpos > s and pe == "learned_absolute"):
         raise JobError(f"--max-position-embeddings {maxpos} with --seq-length {s}: Megatron requires >= and its "
@@ -84,17 +90,119 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
         if not (got.get("--no-pad-vocab-size") or got.get("--disable-pad-vocab-size")):
             multiple = got.get("--make-vocab-size-divisible-by", 128) * tp  # build_tokenizer.vocab_size_with_padding
             vocab = -(-vocab // multiple) * multiple
+    activation = "swiglu" if swiglu else "quick_geglu" if got.get("--quick-geglu") else "gelu"
     try:
         model = ModelConfig(**job_loss.loss_fields(got, ignored),
             num_layers=L, hidden_size=h, num_attention_heads=a, num_query_groups=got.get("--num-query-groups", 1)
             if gqa else None, ffn_hidden_size=ffn, vocab_size=vocab, seq_length=s, micro_batch_size=mbs,
-            activation="swiglu" if swiglu else "gelu", normalization=got.get("--normalization", "LayerNorm").lower(),
+            activation=activation, normalization=got.get("--normalization", "LayerNorm").lower(),
             position="rope" if pe == "rope" else "learned", attention="math" if unfused else "sdpa",
             hidden_dropout=got.get("--hidden-dropout", 0.1), attention_dropout=got.get("--attention-dropout", 0.1),
             dtype=precision, tie_embeddings=not got.get("--untie-embeddings-and-output-weights"),
             add_bias_linear=not got.get("--disable-bias-linear"), kv_channels=kv, **local_fields,
-            **moe_mla_fields(got, tp=tp))
+            **moe_mla_fields(got, tp=tp), **gpt_oss_fields(got, ignored))
     except ConfigError as err:
         raise JobError(f"the model flags describe an invalid model: {err}") from None
     check_op_fuser(got, ignored, model)
+    check_gpt_oss_job(got, ignored, model)
     return model
+
+
+def gpt_oss_fields(got: dict[str, Any], ignored: list[str]) -> dict[str, Any]:
+    """The ModelConfig fields of NOTE [gpt-oss layers] (remat.models.blocks) ``got`` gives: ``--quick-geglu`` with
+    its offset, clamp and fusion (``--no-bias-gelu-fusion`` read from ``ignored``), ``--softmax-type``,
+    ``--window-size`` and ``--window-attn-skip-freq``; the ModelOpt builder's flags go to ``ignored``."""
+    for flag in ("--export-force-local-attention", "--enable-gpt-oss"):
+        if got.get(flag):
+            if "--load" in ignored:  # a ModelOpt checkpoint there switches the builder; remat cannot tell
+                raise JobError(f"{flag} with --load: when --load holds a ModelOpt checkpoint, pretrain_gpt.py builds "
+                               "ModelOpt's layer spec (model_provider.py:55, post_training/utils.py:25), which reads "
+                               f"{flag} (post_training/model_builder.py:298 YaRN rope, :353 local attention) and "
+                               "which remat does not model; without one it is never read: drop the flag")
+            ignored.append(flag)  # read only by post_training/model_builder.py; gpt_builder never reads it
+    fields: dict[str, Any] = {}
+    if got.get("--quick-geglu"):
+        if got.get("--swiglu"):
+            raise JobError("--quick-geglu with --swiglu: Megatron asserts not both (training/argument_utils.py:324): "
+                           "keep one")
+        fields = {"glu_linear_offset": got.get("--glu-linear-offset", 0.0),
+                  "activation_func_clamp_value": got.get("--activation-func-clamp-value"),
+                  "bias_activation_fusion": "--no-bias-gelu-fusion" not in ignored}  # argument_utils.py:320
+    else:
+        for flag in ("--glu-linear-offset", "--activation-func-clamp-value"):
+            if flag in got:
+                raise JobError(f"{flag} without --quick-geglu: remat models it for --quick-geglu only (SwiGLU's clamp "
+                               "and offset run other kernels): drop it, or add --quick-geglu")
+    fields["softmax_type"] = got.get("--softmax-type", "vanilla")
+    if "--window-size" in got:
+        text = got["--window-size"]
+        try:  # training/arguments.py:377 tuple_type
+            window = tuple(int(w) for w in text.strip("()").split(","))
+        except ValueError:
+            window = ()
+        if len(window) != 2 or min(window) < -1:
+            raise JobError(f"--window-size {text!r}: give two integers >= -1, left and right, e.g. 127,0")
+        fields["window_size"] = window
+        if "--window-attn-skip-freq" in got:
+            try:
+                fields["window_attn_skip_freq"] = parse_layer_freq(got["--window-attn-skip-freq"], got["--num-layers"])
+            except ConfigError as err:
+                raise JobError(f"--window-attn-skip-freq: {err}") from None
+    elif "--window-attn-skip-freq" in got:
+        ignored.append("--window-attn-skip-freq")  # utils.py:535: no window, no window layer
+    return fields
+
+
+def check_gpt_oss_job(got: dict[str, Any], ignored: list[str], model: ModelConfig) -> None:
+    """Refuse what Megatron or TransformerEngine 2.17.1 refuse for the gpt-oss layers, or what remat does not route."""
+    sink, window = model.softmax_type != "vanilla", model.window_size is not None
+    backend = got.get("--attention-backend", "auto")
+    if model.activation == "quick_geglu" and model.bias_activation_fusion and (
+            not all(model.moe_layer_pattern()) or model.moe_shared_expert_intermediate_size is not None):
+        raise JobError("--quick-geglu with the bias-gelu fusion on (Megatron's default) in a dense MLP: Megatron "
+                       "raises 'Only support fusion of gelu and swiglu' (transformer/mlp.py:297; remat models the "
+                       "fused quick-geglu of the routed experts only): add --no-bias-gelu-fusion")
+    if sink and backend == "flash":  # TE utils.py:1027: no FlashAttention for a sink; Megatron turns the rest off
+        raise JobError(f"--softmax-type {model.softmax_type} with --attention-backend flash: TransformerEngine has no "
+                       "flash kernel for attention sinks (dot_product_attention/utils.py:1027) and raises 'No dot "
+                       "product attention backend is available': use --attention-backend auto")
+    if window and backend == "fused" and model.attention_dropout > 0:  # utils.py:1257
+        raise JobError("--window-size with --attention-backend fused and attention dropout: TransformerEngine's fused "
+                       "attention takes a sliding window only without dropout (dot_product_attention/utils.py:1257) "
+                       "and raises 'No dot product attention backend is available': use --attention-backend auto or "
+                       "--attention-dropout 0")
+    if (sink or window) and got.get("--context-parallel-size", 1) > 1:
+        raise JobError("--softmax-type / --window-size with context parallelism: remat does not model TE's "
+                       "context-parallel attention with sinks or windows: drop one")
+    if sink and "--deterministic-mode" in ignored:  # utils.py:1431: the unfused attention then, which remat does not
+        raise JobError("--softmax-type with --deterministic-mode: TransformerEngine turns its fused attention off for "
+                       "sinks when deterministic (dot_product_attention/utils.py:1431), which remat does not route: "
+                       "drop one")
+
+
+def global_batch_size(got: dict[str, Any], mbs: int, dp: int) -> int:
+    """The global batch a step holds: ``--global-batch-size`` (default mbs x dp), or the largest batch of
+    ``--step-batch-size-schedule`` (core/num_microbatches_calculator.py:402: 'THRESHOLD:BS ...', K/M/B/T suffixes;
+    Megatron's global_batch_size is its last entry, :444), whose step runs the most microbatches."""
+    text = got.get("--step-batch-size-schedule")
+    if text is None:
+        return got.get("--global-batch-size", mbs * dp)
+    if "--global-batch-size" in got:
+        raise JobError("--step-batch-size-schedule with --global-batch-size: Megatron raises 'Cannot specify both "
+                       "--step-batch-size-schedule and --global-batch-size' (training/arguments.py:698): drop "
+                       "--global-batch-size (the schedule sets each step's batch)")
+    entries = [entry.partition(":") for entry in text.strip().replace(",", " ").split()]
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+    try:  # _parse_numeric_value (:484): int(float(value) * multiplier)
+        pairs = [tuple(int(float(v[:-1] if v[-1:] in scale else v) * scale.get(v[-1:], 1))
+                       for v in (t.strip().upper(), b.strip().upper())) for t, colon, b in entries if colon]
+    except (ValueError, OverflowError):
+        pairs = []
+    if not pairs or len(pairs) != len(entries) or min(pairs)[0] != 0 or min(b for _, b in pairs) < 1:
+        raise JobError(f"--step-batch-size-schedule {text!r}: write 'THRESHOLD:BATCH ...' starting at threshold 0 "
+                       "with positive batches, e.g. '0:16 2.4B:320 12B:1536'")
+    batch = max(b for _, b in pairs)
+    if batch % (mbs * dp):  # update(consistency_check=True), :590
+        raise JobError(f"--step-batch-size-schedule: its batch {batch} is not divisible by --micro-batch-size {mbs} x "
+                       f"data-parallel size {dp}: Megatron asserts whole microbatches; use multiples of {mbs * dp}")
+    return batch

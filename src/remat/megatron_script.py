@@ -10,7 +10,11 @@ it, but in a sandbox where nothing it calls runs (:func:`read_launch_script`):
   check that they exist) and read-only copies of the files it may ``source``: the files of its directory that
   its text names and the files its arguments name;
 * ``PATH`` holds one directory of shims: the launchers (:data:`LAUNCHERS`) record their command line (argv) and exit
-  0; ``dirname``/``basename`` compute their answer (they only edit a string). Any other command (``mkdir``,
+  0 (a launcher that runs a shell's command string, ``srun ... bash -c "CMD"``, has ``CMD`` read in place, in a
+  subshell of the same restricted shell, its launches recorded behind the launcher's words: ``srun ... python
+  pretrain_gpt.py ...``); ``sbatch`` submits nothing: the job script it would submit (``--wrap CMD``, a script file
+  the sandbox holds, or its standard input, e.g. a heredoc) is read in place the same way, and the answer says so;
+  ``dirname``/``basename`` compute their answer (they only edit a string). Any other command (``mkdir``,
   ``nvidia-smi``, ``scontrol``, ``rm``, ...) is not found: bash's ``command_not_found_handle`` records it as
   skipped and returns 0 without output; ``cd``/``pushd``/``popd`` are recorded and change nothing; the ``kill``,
   ``history`` and ``fc`` builtins are disabled; ``source FILE`` reads only the sandbox's copies; bash's own temporary
@@ -122,8 +126,10 @@ _RECORD = "\\036REC\\0%s\\0%s\\0%s\\0"  # printf format: marker, kind, where, nu
 
 # What the launchers, dirname and basename do: bash functions in the sandbox's startup file (nothing is started),
 # and the same in the PATH shims (for ``command torchrun``); {sink} is where the records go.
-_FUNCTIONS = """__remat_rec() {{
-  {{ printf '{fmt}' "$1" "${{REMAT_WHERE-}}" "$(( $# - 1 ))"; shift; (( $# )) && printf '%s\\0' "$@"; }} {sink}
+_FUNCTIONS = """__remat_rec() {{  # one printf, so one write: records of commands in one pipeline do not interleave
+  local __remat_fmt='{fmt}' __remat_k
+  for (( __remat_k = 1; __remat_k < $#; __remat_k++ )); do __remat_fmt+='%s\\0'; done
+  printf "$__remat_fmt" "$1" "${{REMAT_WHERE-}}" "$(( $# - 1 ))" "${{@:2}}" {sink}
 }}
 __remat_launch() {{  # a launcher: its command line and environment are recorded; nothing runs
   local __remat_e=() __remat_v
@@ -160,6 +166,51 @@ readonly __remat_self
 set -T
 {functions}{launchers}dirname() {{ __remat_dirname "$@"; }}
 basename() {{ __remat_basename "$@"; }}
+# a launcher that runs a shell's command string (srun ... bash -x -c "CMD"): CMD is read in place, in a subshell,
+# and the launches it makes are recorded behind the launcher's words (__remat_outer: srun ... python ...)
+__remat_outer=()
+__remat_run() {{
+  local __remat_w=("$@") __remat_i __remat_j __remat_c
+  for (( __remat_i = 1; __remat_i < $#; __remat_i++ )); do
+    case ${{__remat_w[__remat_i]##*/}} in bash|sh|dash|zsh|ksh) ;; *) continue ;; esac
+    __remat_c=
+    for (( __remat_j = __remat_i + 1; __remat_j < $#; __remat_j++ )); do
+      case ${{__remat_w[__remat_j]}} in --*) ;; -*c*) __remat_c=1 ;; -*) ;; *) break ;; esac
+    done
+    [[ -n $__remat_c && __remat_j -lt $# ]] || break
+    ( __remat_outer+=("${{__remat_w[@]:0:__remat_i}}"); eval "${{__remat_w[__remat_j]}}" )
+    return 0
+  done
+  __remat_launch "${{__remat_outer[@]}}" "$@"
+}}
+# sbatch submits nothing: the job script it would submit (--wrap CMD, a script file of the sandbox, or its standard
+# input: a heredoc) is read in place, in a subshell
+sbatch() {{
+  local __remat_a __remat_job= __remat_n=0 __remat_f=
+  for __remat_a in "$@"; do
+    __remat_n=$(( __remat_n + 1 ))
+    case $__remat_a in
+      --wrap=*) __remat_job=${{__remat_a#--wrap=}}; break ;;
+      --wrap) __remat_job=${{@:__remat_n+1:1}}; break ;;
+      -*) ;;
+      *) __remat_f=$(__remat_find "$__remat_a") && break; __remat_f= ;;
+    esac
+  done
+  if [[ -n $__remat_f ]]; then
+    __remat_rec submitted "$__remat_f" sbatch "$@"
+    ( shift "$__remat_n"; builtin source "$__remat_f" "$@" )
+    return 0
+  fi
+  [[ -n $__remat_job ]] || IFS= read -r -d '' __remat_job
+  if [[ -z $__remat_job ]]; then
+    __remat_rec skipped sbatch "$@"
+    printf '%s\\n' "remat: sbatch: no job script in the sandbox, no --wrap and nothing on its input: nothing read" >&2
+    return 0
+  fi
+  __remat_rec submitted "" sbatch "$@"
+  ( eval "$__remat_job" )
+  return 0
+}}
 # each command's file and line (REMAT_WHERE, read by the shims); a trap handler's own command counts too, so the
 # handlers report the line before it (__remat_prev)
 __remat_line() {{ __remat_prev=$REMAT_WHERE; REMAT_WHERE="${{BASH_SOURCE[1]##*/}}:$1"; }}
@@ -172,14 +223,19 @@ command_not_found_handle() {{ __remat_rec skipped "$@"; return 0; }}
 cd() {{ __remat_rec skipped cd "$@"; return 0; }}
 pushd() {{ __remat_rec skipped pushd "$@"; return 0; }}
 popd() {{ __remat_rec skipped popd "$@"; return 0; }}
-__remat_source() {{
-  (( $# )) || {{ builtin source; return; }}
-  local __remat_p=$1 __remat_k __remat_f=; shift
+__remat_find() {{  # the sandbox's copy of a file the script names (printed), or status 1
+  local __remat_p=$1 __remat_k __remat_f=
   __remat_k=${{__remat_p#"$PWD"/}}
   while [[ $__remat_k == ./* ]]; do __remat_k=${{__remat_k#./}}; done
   case $__remat_p in
 {cases}  esac
   if [[ -z $__remat_f && $__remat_k != */* && -f $__remat_k ]]; then __remat_f=$__remat_k; fi
+  [[ -n $__remat_f ]] && printf '%s\\n' "$__remat_f"
+}}
+__remat_source() {{
+  (( $# )) || {{ builtin source; return; }}
+  local __remat_p=$1 __remat_f; shift
+  __remat_f=$(__remat_find "$__remat_p")
   if [[ -z $__remat_f ]]; then
     __remat_rec skipped source "$__remat_p" "$@"
     printf '%s\\n' "remat: source $__remat_p: not in the sandbox (it holds copies of the script's own" \\
@@ -258,7 +314,7 @@ def _absolute(args: Sequence[str]) -> list[str]:
 
 def _startup(startup: Path, record: Path, files: dict[str, str]) -> str:
     cases = "".join(f"    {shlex.quote(key)}) __remat_f={shlex.quote(name)} ;;\n" for key, name in files.items())
-    launchers = "".join(f'{name}() {{ __remat_launch {name} "$@"; }}\n' for name in LAUNCHERS)
+    launchers = "".join(f'{name}() {{ __remat_run {name} "$@"; }}\n' for name in LAUNCHERS)
     return _STARTUP.format(record=shlex.quote(str(record)), startup=shlex.quote(str(startup)), cases=cases,
                            functions=_FUNCTIONS.format(fmt=_RECORD, sink=">&9"), launchers=launchers)
 
@@ -464,10 +520,16 @@ def read_launch_script(script: str | os.PathLike[str], args: Sequence[str] = (),
 
 def _launch(given: str, records: list[tuple[str, str, tuple[str, ...]]], names: dict[str, str], status: int | None,
             timed_out: bool, output: str, timeout: float) -> ScriptLaunch:
-    launches, skipped, reached, envs = [], [], None, {}
+    launches, skipped, reached, envs, submitted = [], [], None, {}, []
     for kind, where, argv in records:
         command = ScriptCommand(argv, _where(where, names))
-        if kind == "env" and launches:
+        if kind == "submitted" and argv:  # sbatch: (the sandbox's job script file or "", sbatch's own argv)
+            script_file = f"its job script {names.get(argv[0], argv[0])}" if argv[0] else (
+                "the job script given with --wrap" if any(a.startswith("--wrap") for a in argv[1:])
+                else "the job script on its input")
+            submitted.append(f"{ScriptCommand(argv[1:], '').text(60)} at {command.where}: nothing submitted; "
+                             f"{script_file} was read in place")
+        elif kind == "env" and launches:
             envs.setdefault(id(launches[-1]), dict(a.partition("=")[::2] for a in argv))
         elif kind == "launch":
             launches.append(command)
@@ -487,7 +549,7 @@ def _launch(given: str, records: list[tuple[str, str, tuple[str, ...]]], names: 
         if launches:
             raise
         raise ScriptError(f"{err}: {_last_output(output)}{skipped_text}") from None
-    notes = []
+    notes = submitted[:_SHOWN_SKIPPED]
     if timed_out or status:
         notes.append(f"after the launch, {Path(given).name} {ending}: {_last_output(output)}")
     return ScriptLaunch(given, chosen, tuple(others + skipped), tuple(notes), envs.get(id(chosen), {}))

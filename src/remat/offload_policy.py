@@ -8,9 +8,11 @@ The semantics (megatron-core 0.16.1, ``pipeline_parallel/fine_grained_activation
 is tagged; when the module's *group* commits (its forward ends; ``attn_norm`` and ``mlp_norm`` wait for the
 residual add after the attention / MLP, ``moe_act`` for the experts' fc2) each saved tensor of at least
 ``min_offloaded_tensor_size`` elements (parameters excepted) is copied to pinned host memory on a side stream and
-its device memory is released; smaller tensors stay on the device. In backward the group is copied back when
-backward reaches it, and the copies are freed once used. In Megatron's steady state (every iteration after the
-first) the last group of each module name is not offloaded, so that backward never waits for it.
+its device memory is released; smaller tensors stay on the device. In backward each group's start function brings
+back the top group of its forward's reload stack (or of the next backward's, once its own is empty), a tensor needed
+earlier comes back alone, and the copies are freed once used (NOTE [when offloaded groups come back] there). In
+Megatron's steady state (every iteration after the first) the last group of each module name is not offloaded, so
+that backward never waits for it.
 """
 
 from __future__ import annotations
@@ -96,18 +98,6 @@ def check_offload_combination(offload_modules: Sequence[str], granularity: str, 
         raise OffloadPolicyError(f"offload module {overlap[0]} is also recomputed, and the non-reentrant checkpoint "
                                  "keeps its inputs itself, so nothing would be offloaded: use the reentrant engine "
                                  f"(Megatron's; drop '@non-reentrant'), or stop offloading {overlap[0]}")
-
-
-def check_job_offload(offload_modules: Sequence[str], modules: Sequence[str]) -> None:
-    """Refuse, for a Megatron job, what remat traces (exactly on CPU) but does not yet predict a GPU's peak for."""
-    if "core_attn" in offload_modules and "mla_up_proj" in modules:
-        # moe/gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_no_mtp_no_a2a_ovlp_fine_grained_offloading (H100): 6.665 GiB
-        # measured, 6.216 predicted (NOTE [offloading a discarded output] and [which forwards keep their last offload
-        # group] took it from +82% to -6.7%); about 450 MiB at the attention's backward not found yet
-        raise OffloadPolicyError("--offload-modules core_attn with --recompute-modules mla_up_proj: remat predicts "
-                                 "Megatron's H100 test of it 6.7% under the measured peak (cause not found yet), so "
-                                 "it is refused rather than under-predicted; drop core_attn from the offload "
-                                 "modules, or mla_up_proj from the recompute modules")
 
 
 def format_offload(modules: Sequence[str], min_size: int) -> str:

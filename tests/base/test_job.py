@@ -271,7 +271,7 @@ def test_to_megatron_args_refuses_what_megatron_cannot_run(job, fragment):
 # --------------------------------------------------------------------------- refusals of the command line
 @pytest.mark.parametrize("extra, fragments", [
     ("--frobnicate 3", ["remat does not know whether --frobnicate changes memory", "remove it"]),
-    ("--fp8-format hybrid", ["--fp8-format", "FP8", "remove it"]),
+    ("--fp4-format e2m1", ["--fp4-format", "FP4", "remove it"]),
     ("--moe-router-topk 2", ["--moe-router-topk", "MoE", "add --num-experts"]),
     ("--num-experts 8 --moe-extended-tp", ["--moe-extended-tp", "does not model", "remove it"]),
     ("--num-experts 8 --moe-input-jitter-eps 0.1", ["--moe-input-jitter-eps", "remove it"]),
@@ -535,6 +535,10 @@ def test_moe_and_mla_flags_set_the_model_fields():
     ("--num-experts 8 --expert-model-parallel-size 4 --world-size 2 --moe-token-dispatcher-type alltoall",
      ["ep (--expert-model-parallel-size)=4", "raise dp", "multiple of 4"]),
     ("--num-experts 8 --moe-token-dispatcher-type flex", ["--moe-token-dispatcher-type flex", "alltoall"]),
+    # token_dispatcher.py:1809: DeepEP / HybridEP's fused dispatch and their buffers outside PyTorch's allocator
+    ("--num-experts 8 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep",
+     ["--moe-token-dispatcher-type flex runs Megatron's flex token dispatcher", "outside PyTorch's allocator",
+      "--moe-flex-dispatcher-backend runs Megatron's flex", "get_nvl_buffer_size_hint"]),
     ("--position-embedding-type rope --multi-latent-attention --qk-layernorm", ["needs --kv-lora-rank"]),
     ("--kv-lora-rank 32", ["--kv-lora-rank needs --multi-latent-attention"]),
     ("--recompute-granularity selective --recompute-modules mla_up_proj",
@@ -559,6 +563,13 @@ def test_moe_and_mla_refusals_name_the_flag_and_the_fix(extra, fragments):
     ("--verify-integrity --no-ckpt-fully-parallel-save --async-ckpt-use-cpu-shm --test-mode --te-rng-tracker",
      ["--verify-integrity", "--no-ckpt-fully-parallel-save", "--async-ckpt-use-cpu-shm", "--test-mode",
       "--te-rng-tracker"], lambda job: str(job.policy) == "none"),
+    # dist_utils.py:98 meta-device init: the same buffers once initialised; global_vars.py:168 --enable-experimental
+    # only switches kernels of refused flags (the flex dispatcher, --moe-router-padding-for-quantization)
+    # fsdp param_and_grad_buffer.py:2163-2260: how NCCL registers the buffers, not which buffers
+    ("--init-model-with-meta-device --enable-experimental --use-megatron-fsdp --world-size 2 --use-nccl-ub "
+     "--fsdp-manual-registration --disable-symmetric-registration",
+     ["--init-model-with-meta-device", "--enable-experimental", "--fsdp-manual-registration",
+      "--disable-symmetric-registration"], lambda job: job.fsdp is not None and job.fsdp.double_buffer),
 ])
 def test_flags_megatron_accepts_without_effect_are_listed_as_ignored(extra, ignored, check):
     job, listed = parse_megatron_args(f"{BASE} {extra}")
@@ -569,7 +580,7 @@ def test_flags_megatron_accepts_without_effect_are_listed_as_ignored(extra, igno
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    ("--cuda-graph-warmup-steps 3", "CUDA-graph"),
+    ("--external-cuda-graph", "CUDA-graph"),  # --cuda-graph-impl transformer_engine: tests/base/test_job_cuda_graphs.py
 ])
 def test_flags_that_change_memory_unmodelled_are_refused_by_name(extra, fragment):
     refused(extra, extra.split()[0], fragment, "remove it")
@@ -636,8 +647,8 @@ def test_a_launch_line_that_does_not_say_leaves_one_data_rank(launcher):
 
 
 def test_every_refused_flag_is_named_at_once():
-    msg = refused("--fp8-format hybrid --tp-comm-overlap --no-such-flag 3", "3 flags stop the prediction",
-                  "(1) --fp8-format", "(2) --tp-comm-overlap", "(3) remat does not know whether --no-such-flag")
+    msg = refused("--fp4-format e2m1 --tp-comm-overlap --no-such-flag 3", "3 flags stop the prediction",
+                  "(1) --fp4-format", "(2) --tp-comm-overlap", "(3) remat does not know whether --no-such-flag")
     assert "\n" not in msg
 
 

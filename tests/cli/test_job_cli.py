@@ -182,7 +182,7 @@ def _err(capsys, argv, *words):
      ["pp*vpp=8", "--num-layers", "use pp*vpp <= 4"]),
     ("--tensor-model-parallel-size 4 --world-size 6", ["--world-size 6", "use a multiple of 4"]),
     ("--global-batch-size 5", ["--global-batch-size 5", "use a multiple of 2"]),
-    ("--fp8-format hybrid", ["--fp8-format", "remove it"]),
+    ("--fp4-format e2m1", ["--fp4-format", "remove it"]),
     ("--no-such-flag", ["--no-such-flag", "remove it"]),
 ])
 def test_impossible_megatron_jobs_are_refused_naming_the_flag(capsys, extra, words):

@@ -13,7 +13,9 @@ from remat.job_fsdp import FsdpConfig
 from remat.memory.fsdp_state import (
     GATHER_MODULE,
     GRAD_BUCKET_MODULE,
+    POOL_MODULES,
     buffer_items,
+    double_buffer_units,
     fsdp_groups,
     fsdp_rank_state,
     megatron_params,
@@ -48,17 +50,17 @@ def test_flags_round_trip_and_refusals() -> None:
     assert job.fsdp == FsdpConfig(main_grads_dtype="fp32") and job.distributed_optimizer  # arguments.py:1128
     assert Job.from_megatron_args(job.to_megatron_args()) == job
     assert parse_megatron_args(BASE + "--use-megatron-fsdp --outer-dp-sharding-strategy no_shard")[0].fsdp
-    for extra in ("--fsdp-double-buffer", "--outer-dp-sharding-strategy optim",
+    for extra in ("--outer-dp-sharding-strategy optim",
                   "--data-parallel-sharding-strategy no_shard", "--megatron-fsdp-main-params-dtype bf16",
                   "--megatron-fsdp-max-pool-double-buffer"):
         with pytest.raises(JobError):
             parse_megatron_args(BASE + "--use-megatron-fsdp " + extra)
-    # MoE layers are modelled; the combined-1F1B overlap's per-submodule gathers (mcore_fsdp_adapter.py:221) are not
+    # MoE layers are modelled, with the combined-1F1B overlap's per-submodule gathers too (tests/memory/
+    # test_fsdp_ep_overlap.py)
     moe = (BASE + "--use-megatron-fsdp --num-experts 4 --expert-model-parallel-size 2 "
            "--moe-token-dispatcher-type alltoall ")
     assert parse_megatron_args(moe)[0].model.is_moe
-    with pytest.raises(JobError, match="--overlap-moe-expert-parallel-comm"):
-        parse_megatron_args(moe + "--overlap-moe-expert-parallel-comm")
+    assert parse_megatron_args(moe + "--overlap-moe-expert-parallel-comm")[0].overlap_moe_expert_parallel_comm
     with pytest.raises(JobError, match="without --use-megatron-fsdp"):
         parse_megatron_args(BASE + "--data-parallel-sharding-strategy optim")
 
@@ -154,3 +156,70 @@ def test_moe_dev_case_state_and_golden_run_dtype() -> None:
     end = parts_at(tl, tl.num_events - 1)
     assert abs(sum(end[p] for p in RESIDENT_PARTS) / resident - 1) < 0.002  # -0.7 MiB of 751 MiB
     assert -0.05 < rank.peak_bytes / peak - 1 < 0
+
+
+# ------------------------------------------------------------------------------------------------ double buffers
+def test_double_buffer_flags() -> None:
+    job = parse_megatron_args(BASE + "--use-megatron-fsdp --fsdp-double-buffer")[0]
+    assert job.fsdp == FsdpConfig(double_buffer=True) and Job.from_megatron_args(job.to_megatron_args()) == job
+    # arguments.py:1172-1176: --use-nccl-ub turns the double buffers on
+    job = parse_megatron_args(BASE + "--use-megatron-fsdp --use-nccl-ub")[0]
+    assert job.fsdp == FsdpConfig(double_buffer=True, nccl_ub=True)
+    assert Job.from_megatron_args(job.to_megatron_args()) == job
+    with pytest.raises(JobError, match="--fsdp-double-buffer without --use-megatron-fsdp"):
+        parse_megatron_args(BASE + "--fsdp-double-buffer")
+    # with Megatron's DDP, NCCL's pool holds the same param/grad buffers (param_and_grad_buffer.py:1136-1156)
+    assert parse_megatron_args(BASE + "--use-nccl-ub")[0].fsdp is None
+    with pytest.raises(JobError, match="needs double_buffer=True"):
+        FsdpConfig(nccl_ub=True)
+    with pytest.raises(JobError, match=r"--use-nccl-ub with --overlap-moe-expert-parallel-comm: .*refuses double "
+                                       r"buffers .*mcore_fsdp_adapter.py:177"):
+        parse_megatron_args(BASE + "--use-megatron-fsdp --use-nccl-ub --num-experts 4 --expert-model-parallel-size 2 "
+                            "--moe-token-dispatcher-type alltoall --overlap-moe-expert-parallel-comm")
+
+
+def _pool_rows(tl) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, module in enumerate(tl.module):
+        out.setdefault(module, []).append(i)
+    return out
+
+
+def test_double_buffers_hold_two_units_buckets_for_the_whole_step() -> None:
+    # 4 identical decoder layers: every unit double-buffered (param_and_grad_buffer.py:676-697)
+    base = BASE.replace("--num-layers 2", "--num-layers 4") + "--use-megatron-fsdp "
+    plain, pooled = (parse_megatron_args(base + extra)[0] for extra in ("", "--fsdp-double-buffer"))
+    groups = fsdp_rank_state(pooled, stage_parameters(pooled, 0)[0])[1]
+    assert double_buffer_units(groups) == {0, 1, 2, 3}
+    unit_bytes = sum(-(-g.size * 2 // 512) * 512 for g in groups if g.unit == 0)  # bf16 buckets, 512-byte blocks
+    tl0 = predict_stage(plain, 0, device="cuda", kernels="te").timeline
+    tl = predict_stage(pooled, 0, device="cuda", kernels="te").timeline
+    rows = _pool_rows(tl)
+    # no per-unit buckets left: they come from the pools; the non-unit ones are allocated as without it
+    assert GATHER_MODULE not in rows
+    assert [tl.nbytes[i] for i in rows[GRAD_BUCKET_MODULE]] == [tl0.nbytes[i] for i in _pool_rows(tl0)[
+        GRAD_BUCKET_MODULE] if tl0.nbytes[i] != unit_bytes]
+    for module in POOL_MODULES.values():  # two buffer groups of one unit's buckets, all step and after it
+        assert [(tl.nbytes[i], tl.alloc_at[i], tl.free_at[i]) for i in rows[module]] == [(unit_bytes, 0, -1)] * 2
+    end0, end = parts_at(tl0, tl0.num_events - 1), parts_at(tl, tl.num_events - 1)
+    assert sum(end[p] for p in RESIDENT_PARTS) - sum(end0[p] for p in RESIDENT_PARTS) == 4 * unit_bytes
+
+
+def test_double_buffers_take_the_largest_class_of_matching_units() -> None:
+    # a dense first layer, then 3 MoE layers (as DeepSeek-V3's [0]*3+[1]*58): the MoE layers are double-buffered,
+    # the dense one's buckets are allocated and freed as without double buffers (the fallback allocator, 740)
+    base = (BASE.replace("--num-layers 2", "--num-layers 4") + "--use-megatron-fsdp --num-experts 4 "
+            "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --moe-grouped-gemm "
+            "--moe-ffn-hidden-size 32 --moe-layer-freq [0]*1+[1]*3 ")
+    job = parse_megatron_args(base + "--fsdp-double-buffer")[0]
+    groups = fsdp_rank_state(job, stage_parameters(job, 0)[0])[1]
+    assert double_buffer_units(groups) == {1, 2, 3}
+    moe_bytes = sum(-(-g.size * 2 // 512) * 512 for g in groups if g.unit == 1)
+    dense_bytes = sum(-(-g.size * 2 // 512) * 512 for g in groups if g.unit == 0)
+    tl = predict_stage(job, 0, device="cuda", kernels="te").timeline
+    rows = _pool_rows(tl)
+    assert {tl.nbytes[i] for i in rows[GATHER_MODULE]} == {dense_bytes}  # layer 0's, each microbatch
+    assert [tl.nbytes[i] for i in rows[POOL_MODULES[GATHER_MODULE]]] == [g for g in [
+        -(-g.size * 2 // 512) * 512 for g in groups if g.unit == 1]] * 2
+    assert sum(tl.nbytes[i] for i in rows[POOL_MODULES[GATHER_MODULE]]) == 2 * moe_bytes
+

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from remat.config import ModelConfig
 from remat.memory.cuda_sdpa import select_backend
-from remat.memory.kernels import KernelWarning, kernel_trace, resolve_kernels, use_kernels
+from remat.memory.kernels import KernelWarning, kernel_trace, prepare_model, resolve_kernels, use_kernels
 from remat.memory.predict import predict, predict_config
 
 TINY = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2,
@@ -236,3 +236,83 @@ def test_te_softmax_kernel_availability_follows_is_kernel_available() -> None:
     assert not te_softmax_fusable(torch.bfloat16, 4, 8, 16, 16)      # 16 < s
     assert not te_softmax_fusable(torch.bfloat16, 4, 8, 16384, 16384)
     assert not te_softmax_fusable(torch.bfloat16, 4, 8, 8, 16)      # causal needs sq == sk
+
+
+def test_te_mla_layer_keeps_what_megatron_mla_keeps_under_unfused_attention() -> None:
+    # Megatron-LM d98e8a6 MLASelfAttention (TE spec, --qk-layernorm, --no-rope-fusion) with TE 2.17.1's unfused
+    # attention keeps, per layer: the down-projections' input (TELinear); linear_q_up_proj's and linear_kv_up_proj's
+    # (TELayerNormColumnParallelLinear, layernorm_linear.py:492-501) input (q_compressed; kv_compressed, a view of
+    # kv_combined) and ln_out, with an fp32 rsigma each; query and key [s, b, heads, qk + pos] (baddbmm,
+    # backends.py:567; made by torch.cat, multi_latent_attention.py:967, 975, so .contiguous() copies nothing);
+    # value made contiguous (:979; bmm); the fused softmax output (softmax.py:107; the bmm's input too: dropout 0
+    # returns it); the permuted context (linear_proj). The unfused rope (rope_utils.py:92-156) keeps only its
+    # cos/sin tables (the multiplies by a tensor that needs no gradient keep that tensor): no other [.., qk + pos]
+    # tensor is kept (issue 27: the memory_speed case's gap is not a missing MLA tensor)
+    from remat.models.gpt import rotary_tables
+    from remat.models.mla import MLASelfAttention
+
+    b, s, h, n, q_lora, kv_lora, qk, pos, v = 2, 32, 64, 4, 48, 16, 8, 4, 8
+    config = ModelConfig(num_layers=1, hidden_size=h, num_attention_heads=n, seq_length=s, micro_batch_size=b,
+                         vocab_size=64, multi_latent_attention=True, position="rope", normalization="rmsnorm",
+                         q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_head_dim=qk, qk_pos_emb_head_dim=pos,
+                         v_head_dim=v, dtype="bf16", attention="math", attention_dropout=0.0, qk_layernorm=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with FakeTensorMode(), kernel_trace("te"):
+            layer = MLASelfAttention(config)
+            prepare_model(layer, "te")
+            x = torch.empty(b, s, h, requires_grad=True)
+            rotary = rotary_tables(config, s, x.device)
+            out = layer(x, torch.ones(1, 1, s, s, dtype=torch.bool), rotary)
+            kept = kept_by_node(out, *layer.parameters(), *rotary)
+    finally:
+        torch.set_default_dtype(default)
+    assert kept["_TeScoresBackward"] == 2 * (2 * b * s * n * (qk + pos))        # query, key
+    assert kept["AttentionContextBackward"] == 2 * (b * n * s * s + b * s * n * v)  # the probabilities, value
+    assert "_TeMaskedSoftmaxBackward" not in kept  # the same probabilities: dropout 0 returns its input
+    # the rest, as listed above: the layer's input, q_compressed and its ln_out, kv_combined and kv's ln_out, the
+    # context (bf16), and the two fp32 rsigma
+    bf16 = 2 * b * s * (h + q_lora + q_lora + (kv_lora + pos) + kv_lora + n * v)
+    rest = sum(kept.values()) - kept["_TeScoresBackward"] - kept["AttentionContextBackward"]
+    assert rest == bf16 + 2 * 4 * b * s
+
+
+@pytest.mark.parametrize("normalization", ["layernorm", "rmsnorm"])
+def test_te_qk_norms_keep_a_contiguous_copy_of_the_query_and_key(normalization) -> None:
+    # Megatron's q/k norms under the TE spec are TENorm (te.pytorch LayerNorm / RMSNorm), whose op keeps
+    # input_.contiguous() (TE ops/basic/layer_norm.py:199, 221; rmsnorm.py:182, 202): the query and key are views of
+    # the QKV output (attention.py:1913-1936), so each norm keeps its own copy beside its fp32 statistics (issue 27:
+    # 2 x 1 MiB per layer in the qk_layernorm_test_mode case). PyTorch's CUDA norm keeps the view (no copy).
+    from remat.models.gpt import SelfAttention
+
+    b, s, n, d = 2, 32, 4, 16
+    config = ModelConfig(num_layers=1, hidden_size=n * d, num_attention_heads=n, num_query_groups=2, seq_length=s,
+                         micro_batch_size=b, vocab_size=64, dtype="bf16", normalization=normalization,
+                         qk_layernorm=True, attention_dropout=0.0)
+    heads = {"q": n, "k": 2}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    kept: dict[str, dict[str, list[torch.Tensor]]] = {}
+    try:
+        for kernels in ("te", "cuda"):
+            with FakeTensorMode(), kernel_trace(kernels):
+                layer = SelfAttention(config)
+                prepare_model(layer, kernels)
+                outs: dict[str, torch.Tensor] = {}
+                for name in heads:
+                    getattr(layer, f"{name}_layernorm").register_forward_hook(
+                        lambda _m, _i, out, name=name, outs=outs: outs.__setitem__(name, out))
+                layer(torch.empty(b, s, n * d, requires_grad=True), torch.ones(1, 1, s, s, dtype=torch.bool), None)
+                kept[kernels] = {name: [t for t in out.grad_fn.saved_tensors if t is not None and t.dim() == 4]
+                                 for name, out in outs.items()}
+    finally:
+        torch.set_default_dtype(default)
+    qkv_bytes = 2 * b * s * (n + 2 * 2) * d
+    stats = 1 if normalization == "rmsnorm" else 2
+    for name, h in heads.items():
+        x, *statistics = kept["te"][name]
+        assert x.is_contiguous() and x.untyped_storage().nbytes() == 2 * b * s * h * d  # its own copy
+        assert [(t.dtype, t.numel()) for t in statistics] == [(torch.float32, b * s * h)] * stats
+        view = kept["cuda"][name][0]
+        assert not view.is_contiguous() and view.untyped_storage().nbytes() == qkv_bytes  # the QKV output's

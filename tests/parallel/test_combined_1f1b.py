@@ -47,6 +47,16 @@ def test_the_forward_of_one_microbatch_runs_layer_by_layer_with_the_backward_of_
     assert plain.peak_bytes < combined.peak_bytes < plain.peak_bytes + one
 
 
+def test_one_microbatch_runs_its_forward_then_its_backward_alone():
+    # combined_1f1b.py:77-135: pp = 1 runs the first forward alone and the last backward alone; with one microbatch
+    # they are the same microbatch's, never one combined step
+    combined = predict_stage(_job(overlap_moe_expert_parallel_comm=True, num_microbatches=1), 0, kernels="cpu")
+    plain = predict_stage(_job(num_microbatches=1), 0, kernels="cpu")
+    kinds = [p.kind for p in combined.timeline.phases if "layer" in p.region]
+    assert kinds == sorted(kinds, reverse=True) and kinds.count("backward") == 4  # every forward, then backward
+    assert combined.peak_bytes == plain.peak_bytes
+
+
 def test_megatrons_rules_for_the_flag():
     base = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
             "--padded-vocab-size 128 --num-experts 4 --moe-grouped-gemm --swiglu --disable-bias-linear --bf16 "

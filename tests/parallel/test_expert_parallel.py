@@ -238,3 +238,47 @@ def test_predict_mixtral_with_ep_on_the_command_line(capsys):
     assert report["rows"][0]["peak_bytes"] == predict_job(job).worst.peak_bytes
     assert main(argv[:-1]) == 0
     assert "ep=4" in capsys.readouterr().out
+
+
+def _split_and_cat(x, sizes, order):  # Megatron's sort_chunks_by_idxs as written, autograd's own backward
+    chunks = x.split(list(sizes))
+    return torch.cat([chunks[i] for i in order])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("policy", ["none", "selective/moe", "selective/non_matmul", "full/uniform/1"])
+def test_sorting_chunks_makes_the_events_of_split_and_cat(monkeypatch, tp, policy):
+    # NOTE [sorting chunks]: one gradient tensor made directly, the same allocations and frees as autograd's chunk
+    # views and cat; 4 local experts of 8 at ep=2 (the received chunks sorted by expert and back), one tp rank of 2
+    import remat.models.expert_parallel as ep_module
+    import remat.models.tp_moe as tp_moe
+    from remat.memory.predict import rank_model_factory
+    from remat.models.gpt import sample_batch
+
+    config = MOE.replace(num_moe_experts=8, moe_routing_assumption="balanced", moe_grouped_gemm=True,
+                         expert_model_parallel_size=2, add_bias_linear=False)
+
+    def fake():
+        return trace(rank_model_factory(config, tp, tp > 1), policy, batch=sample_batch(config))
+    ours = fake()
+    monkeypatch.setattr(ep_module, "sort_chunks", _split_and_cat)
+    monkeypatch.setattr(tp_moe, "sort_chunks", _split_and_cat)
+    theirs = fake()
+    assert (ours.nbytes, ours.alloc_at, ours.free_at, ours.module, ours.category) == (
+        theirs.nbytes, theirs.alloc_at, theirs.free_at, theirs.module, theirs.category)
+    assert [(p.start, p.kind, p.region) for p in ours.phases] == [(p.start, p.kind, p.region) for p in theirs.phases]
+
+
+def test_sorted_chunks_and_their_gradient_are_split_and_cat_s():
+    from remat.models.expert_parallel import sort_chunks
+
+    x = torch.randn(10, 3, requires_grad=True)
+    sizes, order = [2, 0, 3, 1, 4], [3, 0, 4, 1, 2]
+    y = sort_chunks(x, sizes, order)
+    twin = x.detach().clone().requires_grad_()
+    expected = _split_and_cat(twin, sizes, order)
+    assert torch.equal(y, expected)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    expected.backward(grad)
+    assert torch.equal(x.grad, twin.grad)

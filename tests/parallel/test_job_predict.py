@@ -14,6 +14,8 @@ from remat.parallel.job_predict import (
     LIBRARY_BUFFERS,
     NOT_COUNTED,
     PARTS,
+    RESIDENT_PARTS,
+    parts_at,
     predict_job,
     predict_stage,
     ring_exchange_bytes,
@@ -156,3 +158,37 @@ def test_gradient_accumulation_fusion_makes_no_weight_gradient_and_keeps_te_dumm
     assert Job.from_megatron_args(plain.to_megatron_args()) == plain
     # a CPU job (gloo) cannot fuse: the cpu kernel profile keeps the transients and makes no dummy
     assert predict_stage(fused, 1, kernels="cpu").peak_bytes == predict_stage(plain, 1, kernels="cpu").peak_bytes
+
+
+def test_an_interleaved_stage_ends_the_step_holding_each_chunks_last_input_and_grad():
+    # NOTE [the model's last input] in remat.parallel.pipeline_runtime: each model chunk keeps the input of its latest
+    # forward (transformer_block.py:463) and its .grad (schedules.py:561, 591) after the step: one [s/tp, b, h] bf16
+    # received tensor and its gradient per chunk that receives its input (sequence parallelism shards them)
+    job = Job.build(MODEL.replace(num_layers=8), precision="bf16", tp=2, sp=True, pp=2, vpp=2, num_microbatches=4,
+                    dp=2, distributed_optimizer=True)
+    p2p = MODEL.seq_length // 2 * MODEL.micro_batch_size * MODEL.hidden_size * 2
+    for stage, receiving in ((0, 1), (1, 2)):  # stage 0 holds chunks 0 (the embedding's) and 2, stage 1 chunks 1, 3
+        rank = predict_stage(job, stage)
+        end = parts_at(rank.timeline, rank.timeline.num_events - 1)
+        assert end["activations"] == 2 * p2p * receiving
+        assert sum(end[p] for p in RESIDENT_PARTS) == rank.state.total + end["workspaces"] + 2 * p2p * receiving
+
+
+def test_the_mtp_eh_proj_is_a_fused_te_linear():
+    # each MTP depth's eh_proj is a TEColumnParallelLinear (multi_token_prediction.py:1174-1187 through
+    # transformer_engine_spec_provider.py:43; transformer_engine.py:1293 fuse_wgrad_accumulation): its weight gradient
+    # goes into main_grad and TE returns its cached dummy of the weight's shape [h / tp, 2h] (linear.py:1261-1275)
+    from remat.memory.wgrad_fusion import MODULE as DUMMY
+    from remat.memory.wgrad_fusion import dummy_wgrads, fused_weights
+    from remat.parallel.job_predict import stage_parameters
+
+    model = MODEL.replace(num_query_groups=None, activation="gelu", ffn_hidden_size=None, mtp_num_layers=1)
+    job = Job.build(model, precision="bf16", tp=2, sp=True, pp=2, num_microbatches=2)
+    params = [p for chunk in stage_parameters(job, 1) for p in chunk]
+    eh_proj = next(p for p in params if p.name.endswith("eh_proj.weight"))
+    assert eh_proj.shape == (32, 128) and eh_proj in fused_weights(params)
+    assert ((32, 128), 32 * 128 * 2) in dummy_wgrads(params, 2)
+    rank = predict_stage(job, 1, kernels="te")
+    dummies = [n for n, m in zip(rank.timeline.nbytes, rank.timeline.module) if m == DUMMY]
+    head = next(p for p in params if p.name.endswith("output_layer.weight"))
+    assert dummies == [n for _, n in dummy_wgrads(params, 2)] + [head.numel * 2]  # eh_proj's among them

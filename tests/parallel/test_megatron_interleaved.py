@@ -111,3 +111,31 @@ def test_last_stage_peak_holds_one_loss(vpp, m):
     heads = [mb for (mb, chunk), parts in flight.items() if chunk == last and parts.get("head_loss")]
     assert len(heads) == 1, (tl.meta["pipeline"]["order"], flight)
     assert tl.meta["pipeline"]["warmup_forwards"] == (vpp - 1) * 4
+
+
+
+def test_each_chunk_keeps_its_last_input_and_its_grad():
+    """NOTE [the model's last input]: every chunk's model keeps the input of its latest forward (set_input_tensor,
+    transformer_block.py:463) with its ``.grad`` (schedules.py:561, 591), so after the step each chunk that receives
+    its input (all but rank 0's first) still holds one input and one input gradient, and the step starts with the
+    previous step's until the chunk's first forward."""
+    pp, vpp, m = 4, 3, 4
+    act = TINY.micro_batch_size * TINY.seq_length * TINY.hidden_size * TINY.torch_dtype.itemsize
+    for rank, tl in enumerate(predict_pipeline(TINY, "none", pp, m, "interleaved", vpp, runtime="megatron")):
+        receiving = [c for c in range(rank, pp * vpp, pp) if c != 0]
+        # after the step: the parameters' .grad (no DDP here) and, per receiving chunk, its input and input grad
+        end = [i for i in tl.alive_at(tl.num_events - 1) if tl.category[i] not in ("parameters", "gradients")]
+        inputs = sorted(tl.module[i] for i in end if tl.module[i].endswith(".recv_activation"))
+        assert inputs == sorted(f"pipeline.stage{c}.recv_activation" for c in receiving), (rank, inputs)
+        grads = sorted(tl.module[i].split(".")[0] for i in end if not tl.module[i].startswith("pipeline."))
+        assert grads == sorted(f"chunk{c}" for c in receiving), (rank, grads)
+        assert all(tl.nbytes[i] == act for i in end)
+        # the previous step's: alive from the start, freed at the chunk's first forward (set_input_tensor)
+        stale = [i for i in range(len(tl.nbytes)) if tl.module[i].endswith(".input_grad")]
+        assert sorted(tl.module[i] for i in stale) == sorted(f"pipeline.stage{c}.input_grad" for c in receiving)
+        for i in stale:
+            chunk = int(tl.module[i].split(".")[1].removeprefix("stage"))
+            assert tl.phase_at(tl.alloc_at[i]).label == "setup pipeline"  # before the step's first action
+            assert tl.phase_at(tl.free_at[i]).label.endswith(f"[microbatch 0, chunk {chunk}]"), (
+                rank, chunk, tl.phase_at(tl.free_at[i]).label)
+        assert sum(tl.nbytes[i] for i in end) == 2 * act * len(receiving)

@@ -4,8 +4,11 @@ rank, and a real gloo run of the job holds the same bytes, device and host, to t
 
 from __future__ import annotations
 
+import pytest
+
 from remat.config import ModelConfig
 from remat.job import Job
+from remat.parallel.chunk_trace import trace_chunk
 from remat.parallel.job_measure import format_rows, measure_job, rank_rows
 from remat.parallel.job_predict import predict_stage
 from remat.parallel.schedule import offload_last_groups, schedule_actions
@@ -34,8 +37,10 @@ def test_host_peak_adds_the_microbatches_in_flight():
     assert one > 0
     assert hosts[0]["offloaded_bytes_by_layer"] == {"0": 3 * one, "1": 2 * one}
     assert hosts[1]["offloaded_bytes_by_layer"] == {"2": 3 * one}
-    # stage 0 holds microbatches 1 and 2, both layers each, after F2; stage 1 one microbatch's layer 2
-    assert [h["peak_bytes"] for h in hosts] == [4 * one, one]
+    # stage 1 holds one microbatch's layer 2. Stage 0: B0 kept layer 1's groups, so its last three start functions
+    # find its reload stack empty and bring back microbatch 1's layer 1 (pre_reload_last_layer, NOTE [when offloaded
+    # groups come back]): after F2 it holds microbatch 1's layer 0 and both layers of microbatch 2
+    assert [h["peak_bytes"] for h in hosts] == [3 * one, one]
     assert hosts[0]["series"][-1][1] == hosts[1]["series"][-1][1] == 0  # every byte comes back
 
 
@@ -73,3 +78,52 @@ def test_which_forwards_offload_their_last_groups():
     got = offload_last_groups(actions, lambda c: frozenset({"expert_fc1"} if c == 1 else ()))
     first = next((a.chunk, a.microbatch) for a in actions if a.kind == "B" and a.chunk == 1)
     assert (1, 0) == first and sorted(got) == [(1, 1), (1, 2), (1, 3)]
+
+
+def test_a_backward_brings_back_the_next_backwards_groups_once_its_own_stack_is_empty():
+    """Megatron's pre_reload_last_layer (NOTE [when offloaded groups come back]): stage 0 of pp=2 runs F0 F1 B0 F2 B1
+    B2; F0 kept layer 1's groups, so B0's own stack (layer 0) empties halfway and its last start functions bring back
+    microbatch 1's layer 1 before F2 runs: B0 ends with only microbatch 1's layer 0 on the host."""
+    job = Job.build(MODEL, precision="bf16", pp=2, num_microbatches=3, policy=OFFLOAD)
+    tl = predict_stage(job, 0, kernels="cpu").timeline
+    host = tl.meta["host_memory"]
+    one = host["offloaded_bytes_by_layer"]["0"] // 3  # one layer's groups of one microbatch
+    in_b0 = [b for label, b in host_steps(tl) if label.startswith("backward") and "microbatch 0," in label]
+    assert in_b0[-1] == one
+    # the groups brought back early are on the device through F2: its peak is one layer's groups above F1's
+    live = tl.live_bytes()
+    peaks = {}
+    for phase, start, end in tl.phase_spans():
+        if phase.kind == "forward" and phase.detail.startswith("microbatch"):
+            mb = phase.detail.split(",")[0]
+            peaks[mb] = max(peaks.get(mb, 0), int(live[start:end].max()))
+    assert peaks["microbatch 2"] > peaks["microbatch 1"]
+
+
+MTP_ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+            "--global-batch-size 8 --padded-vocab-size 128 --position-embedding-type rope --mtp-num-layers 1 "
+            "--pipeline-model-parallel-size 2 --world-size 2 --pipeline-model-parallel-layout ")
+MTP_OFFLOAD = (" --fine-grained-activation-offloading --offload-modules core_attn attn_norm "
+               "--min-offloaded-tensor-size 0")
+
+
+def test_mtp_layers_offload_their_groups_like_decoder_layers():
+    """Megatron's MTP layer is a TransformerLayer whose offload groups go to its chunk's handler after the decoder
+    layers' (multi_token_prediction.py:1361): on a last chunk 'tmL' the MTP layer holds the last group of each name
+    (kept: the last stage's 1F1B runs each forward's own backward next), so the decoder layer before it is offloaded;
+    a chunk of the MTP depth alone ('mL') offloads its groups when its forward offloads its last groups. Full
+    recompute with MTP stays refused."""
+    import shlex
+
+    plain, offloaded = (predict_stage(Job.from_megatron_args(shlex.split(MTP_ARGS + "Et|tmL" + extra)), 1,
+                                      kernels="cpu") for extra in ("", MTP_OFFLOAD))
+    host = offloaded.timeline.meta["host_memory"]
+    assert set(host["offloaded_bytes_by_layer"]) == {"1"} and host["series"][-1][1] == 0
+    assert offloaded.peak_bytes < plain.peak_bytes
+    job = Job.from_megatron_args(shlex.split(MTP_ARGS + "Ett|mL" + MTP_OFFLOAD))
+    trace = trace_chunk(job.model, (False, True, 0), job.policy, offload_last=frozenset({"core_attn", "attn_norm"}))
+    assert {module for _, delta, module, _ in trace.forward.host if delta > 0} == {"core_attn", "attn_norm"}
+    assert sum(h[1] for h in trace.forward.host) == -sum(h[1] for h in trace.backward_first.host) > 0
+    full = " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+    with pytest.raises(ValueError, match="--mtp-num-layers with full recompute"):
+        Job.from_megatron_args(shlex.split(MTP_ARGS + "Et|tmL" + full))

@@ -4,6 +4,7 @@ picks such a set where it is the cheapest fit."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +14,7 @@ from remat import apply, build_model, measure, sample_batch
 from remat.config import ModelConfig
 from remat.memory.predict import predict_config
 from remat.plan.api import plan
-from remat.plan.moe_modules import add_moe_units, job_policies, moe_mla_sets
+from remat.plan.moe_modules import MOE_MLA, TRACE_BATCH, add_moe_units, job_policies, moe_mla_sets
 from remat.plan.unit_model import unit_model
 from remat.policy import Policy
 from remat.recompute.plan_format import Unit
@@ -95,3 +96,21 @@ def test_a_plan_picks_core_attn_with_moe_where_it_is_the_cheapest_fit() -> None:
     torch.manual_seed(0)
     assert measure(model, sample_batch(MLA_MOE)).peak_bytes == chosen.peak_bytes <= budget
     assert chosen.cost <= result.megatron.cost
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_moe_units_traced_side_by_side_are_those_traced_here(monkeypatch: pytest.MonkeyPatch, workers: str) -> None:
+    # add_moe_units' batches in forked workers (REMAT_TRACE_WORKERS=2) or one after the other here: the same shapes,
+    # added in the same order; 28 sets in two batches
+    assert len(moe_mla_sets(MLA_MOE)) > TRACE_BATCH
+
+    def fresh():  # the unit model without any MoE/MLA set (unit_model's answer is shared: copied)
+        model = copy.deepcopy(unit_model(MLA_MOE))
+        model.shapes = {u: s for u, s in model.shapes.items() if not set(u.modules) & MOE_MLA}
+        return model
+    monkeypatch.setenv("REMAT_TRACE_WORKERS", "1")
+    here = add_moe_units(fresh(), MLA_MOE)
+    monkeypatch.setenv("REMAT_TRACE_WORKERS", workers)
+    there = add_moe_units(fresh(), MLA_MOE)
+    assert list(there.shapes.items()) == list(here.shapes.items())
+    assert all(Unit("selective", 1, s) in there.shapes for s in moe_mla_sets(MLA_MOE))

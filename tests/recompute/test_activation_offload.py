@@ -340,13 +340,73 @@ def test_a_leaf_input_is_offloaded_but_not_released() -> None:
     assert torch.equal(*grads)
 
 
-def test_a_megatron_job_offloading_core_attn_beside_mla_up_proj_is_refused() -> None:
-    """remat traces the pair exactly on CPU (above), but predicts Megatron's H100 test of it 6.7% under the measured
-    peak with the cause not found: a job is refused rather than under-predicted, naming both flags."""
-    args = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
-            "--padded-vocab-size 128 --position-embedding-type rope --multi-latent-attention --kv-lora-rank 16 "
-            "--qk-head-dim 8 --qk-pos-emb-head-dim 8 --v-head-dim 8 --recompute-granularity selective "
-            "--recompute-modules mla_up_proj --fine-grained-activation-offloading --offload-modules ")
-    with pytest.raises(ValueError, match="--offload-modules core_attn with --recompute-modules mla_up_proj"):
-        Job.from_megatron_args(shlex.split(args + "core_attn"))
-    assert Job.from_megatron_args(shlex.split(args + "attn_norm")).policy.offload_modules == ("attn_norm",)
+def test_a_megatron_job_offloading_core_attn_beside_mla_up_proj_is_predicted() -> None:
+    """The pair Megatron's H100 test ..._no_mtp_no_a2a_ovlp_fine_grained_offloading runs is predicted (no longer
+    refused), its core_attn group offloaded in every microbatch of the pipeline."""
+    args = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
+            "--global-batch-size 8 --padded-vocab-size 128 --position-embedding-type rope --multi-latent-attention "
+            "--kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 8 --v-head-dim 8 --recompute-granularity "
+            "selective --recompute-modules mla_up_proj --fine-grained-activation-offloading --offload-modules "
+            "core_attn attn_proj --min-offloaded-tensor-size 0 --pipeline-model-parallel-size 2 --world-size 2")
+    job = Job.from_megatron_args(shlex.split(args))
+    assert job.policy.offload_modules == ("core_attn", "attn_proj") and "mla_up_proj" in job.policy.modules
+    from remat.parallel.job_predict import predict_stage
+    host = predict_stage(job, 0, kernels="cpu").timeline.meta["host_memory"]
+    assert host["offloaded_bytes"]["core_attn"] > 0 and host["series"][-1][1] == 0
+
+
+class MarkRecorder:
+    """An observer of the offload's marks: ('commit' | 'start' | 'reload', module, layer) in order."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, str, int]] = []
+
+    def on_offload_mark(self, kind: str, module: str, layer: int) -> None:
+        self.marks.append((kind, module, layer))
+
+
+def test_groups_come_back_from_the_reload_stack_a_layer_ahead() -> None:
+    """NOTE [when offloaded groups come back]: each group's start function's backward brings back the top group of
+    its forward's reload stack (commit order: attn_norm commits after core_attn), so with the last layer's groups kept
+    the layer below comes back during the last layer's backward, before its own backward reads it; a tensor read
+    before its group came back is reloaded alone (tensor_pop: the last layer's, when that forward offloads them)."""
+    from remat.recompute.engines import observers
+
+    model = build_model(DENSE, seed=0)
+    apply(model, "none,offload:attn_norm+core_attn+mlp_norm,offload_min:0")
+    recorder = MarkRecorder()
+    observers.append(recorder)
+    try:
+        model(*sample_batch(DENSE)).backward()
+    finally:
+        observers.remove(recorder)
+        remove(model)
+    commits = [(m, g) for k, m, g in recorder.marks if k == "commit"]
+    assert commits == [(m, g) for g in (0, 1) for m in ("core_attn", "attn_norm", "mlp_norm")]  # layer 2 is kept
+    backward = recorder.marks[recorder.marks.index(("start", "mlp_norm", 2)):]
+    # layer 2's start functions bring back layer 1's groups, top of the stack first; nothing of layer 1 before
+    popped = {}
+    for k, (kind, module, layer) in enumerate(backward):
+        if kind == "start" and k + 1 < len(backward) and backward[k + 1][0] == "reload":
+            popped[(module, layer)] = backward[k + 1][1:]
+    assert [popped.get((m, 2)) for m in ("mlp_norm", "core_attn", "attn_norm")] == [
+        ("mlp_norm", 1), ("attn_norm", 1), ("core_attn", 1)]
+    reloads = [(m, g) for kind, m, g in backward if kind == "reload"]
+    assert set(reloads[:len([r for r in reloads if r[1] == 1])]) == {(m, 1) for m in ("mlp_norm", "attn_norm",
+                                                                                       "core_attn")}
+    # every offloaded group came back
+    assert sorted(set(reloads)) == sorted(commits)
+    # a forward that offloads its last layer too: that layer's mlp_norm tensors are read before any start function
+    # ran, so they come back one by one on demand, ahead of the stack's pops
+    apply(model, "none,offload:attn_norm+core_attn+mlp_norm,offload_min:0")
+    recorder = MarkRecorder()
+    observers.append(recorder)
+    try:
+        with offloading_last_groups(("attn_norm", "core_attn", "mlp_norm")):
+            model(*sample_batch(DENSE)).backward()
+    finally:
+        observers.remove(recorder)
+        remove(model)
+    first_start = next(k for k, mark in enumerate(recorder.marks) if mark[0] == "start")
+    first_reload = next(k for k, mark in enumerate(recorder.marks) if mark[0] == "reload")
+    assert first_reload < first_start and recorder.marks[first_reload] == ("reload", "mlp_norm", 2)

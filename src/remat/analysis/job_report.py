@@ -28,6 +28,8 @@ def describe_job(job: Job) -> str:
            f"{sum(m.moe_layer_pattern())} layers") if m.is_moe else ""
     mixed = " mixed precision (fp32 main grads" + (", fp32 master params)" if job.optimizer != "none" else ")") \
         if job.precision != "fp32" else ""
+    if m.fp8_recipe is not None:  # remat.memory.fp8: the transformer layers' linears
+        mixed += f", FP8 linears ({m.fp8_recipe} scaling" + (", FP8 parameters)" if job.fp8_param_gather else ")")
     opt = job.optimizer + (" distributed over dp x cp" if job.distributed_optimizer else "") + (
         " (experts' over the expert data-parallel ranks)" if job.distributed_optimizer and job.ep > 1 else "")
     return (f"{m.num_layers} layers, h={m.hidden_size}, {m.num_attention_heads} heads{gqa}, ffn={m.ffn_size}{moe}, "

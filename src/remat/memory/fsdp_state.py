@@ -29,11 +29,40 @@ param_and_grad_buffer.py unless said otherwise):
   :func:`add_fsdp_transients`); with sharded grads each group's first ``main_grad`` access
   allocates its unsharded bucket in the comm dtype (3094), reduce-scattered in place (4083) and freed when the
   reduce queue passes ``suggested_RS_queue_capacity`` (the same unit size, 3924) or at the end of the backward
-  (``_root_post_backward`` -> ``GradReducePipeline.reset``, megatron_fsdp.py:901).
+  (``_root_post_backward`` -> ``GradReducePipeline.reset``, megatron_fsdp.py:901). An untied output layer's
+  (unfused) weight gradient is its group's first ``main_grad`` access (``_grad_acc``, megatron_fsdp.py:635-682), so
+  that group's bucket is made there, not where the head's backward starts (a tied weight is shared: its gradient
+  waits for the root post-backward hook, 742, 867; its bucket keeps the phase-start upper bound);
+* with ``--overlap-param-gather`` the optimizer step ends in ``start_param_sync`` (distrib_optimizer.py:3181-3185,
+  megatron_fsdp.py:1284-1308): the first parameter's bucket (the embedding's non-unit one) and those it prefetches
+  in forward order (:func:`start_param_sync_buckets`) are gathered, and stay so after the step (the preserved
+  non-unit buckets refreshed in place); the next forward finds them gathered;
+* ``--overlap-moe-expert-parallel-comm``'s per-submodule hooks (mcore_fsdp_adapter.py:211-233,
+  megatron_fsdp.py:560-600) gather whole buckets with the same prefetch, and its schedule releases a layer's after
+  its forward and backward (``set_fsdp_reshard_hooks``, model_chunk_schedule_plan.py:178-221; after its
+  ``backward_dw`` with ``--delay-wgrad-compute``, models/common/utils.py:312-365): the units' phases here.
+
+NOTE [Megatron-FSDP double buffers] (``--fsdp-double-buffer``, or ``--use-nccl-ub`` which turns it on; same file):
+* ``FixedPoolAllocator`` (647-884, chosen at 2524-2576 for the weight and the gradient buckets): the units whose
+  buckets match one another (count, dtype and parameter elements of each bucket, ``_is_two_bucket_group_equal``)
+  form classes; the largest class (the first in unit order on a tie) is double-buffered
+  (:func:`double_buffer_units`); its buckets come from two buffer groups, each one persistent tensor per bucket
+  offset in Megatron's global memory buffer (``get_global_memory_buffer().get_tensor``, allocated at its first use
+  and never freed: a steady step holds the ones it uses from its first event to after its end; the first step, priced
+  the same, is an upper bound); the other units (and the non-unit buckets) are allocated and freed as without it
+  (the ``StorageResizeBasedBucketAllocator`` fallback, 740);
+* at most two double-buffered units at once: the all-gather's prefetch stops where the units it would hold (the
+  current one when double-buffered, then each prefetched one) pass two (``need_skip_prefetch``, 4475-4484), and a
+  unit's first ``main_grad`` access first waits for the reduces that would leave more than two units' gradient
+  buckets (``_enforce_double_buffer_limit``, 3956-3978, from 3099);
+* ``--use-nccl-ub`` (2046-2131): the buffers are allocated inside NCCL's ``torch.cuda.MemPool`` (a private pool of
+  PyTorch's caching allocator: counted in its allocated bytes like the others) and registered with NCCL; what NCCL
+  itself allocates for the registration is NCCL's (not counted, like its other buffers).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import re
@@ -45,12 +74,15 @@ import numpy as np
 from remat.config import DTYPES
 from remat.job import Job
 from remat.memory.rank_state import BufferLayout, ParamInfo, RankState, shard_elements_of
-from remat.timeline import Timeline
+from remat.timeline import Phase, Timeline
 
 GATHER_MODULE = "fsdp.unsharded_params"  # a unit's all-gathered weights
 PRESERVED_MODULE = "fsdp.unsharded_params.preserved"  # non-unit buckets, gathered once and kept
 GRAD_BUCKET_MODULE = "fsdp.unsharded_grads"
+# --fsdp-double-buffer's persistent pools (NOTE [Megatron-FSDP double buffers])
+POOL_MODULES = {GATHER_MODULE: "fsdp.double_buffer.params", GRAD_BUCKET_MODULE: "fsdp.double_buffer.grads"}
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+OUTPUT_WEIGHT = "head.output_layer.weight"
 
 
 @dataclass(frozen=True)
@@ -63,6 +95,7 @@ class FsdpGroup:
     size: int  # the bucket's padded size (elements)
     shards: int  # ranks it is sharded over
     items: tuple[tuple[int, int], ...]  # [start, end) of each parameter in the bucket
+    names: tuple[str, ...] = ()  # its parameters (Megatron-FSDP's names), in bucket order
 
     @property
     def shard(self) -> int:
@@ -179,7 +212,8 @@ def fsdp_groups(job: Job, params: list[ParamInfo], bucket_size: int | None = Non
         shards = job.expert_data_parallel if expert else job.dp * job.cp
         used, items = buffer_items(ordered, chunk)
         size = -(-used // (shards * chunk)) * shards * chunk  # _pad_if_needed (285)
-        out.append(FsdpGroup(unit, expert, sum(p.numel for p in group), size, shards, tuple(items)))
+        out.append(FsdpGroup(unit, expert, sum(p.numel for p in group), size, shards, tuple(items),
+                             tuple(p.name for p in group)))
     return out
 
 
@@ -188,6 +222,28 @@ def unit_size(groups: list[FsdpGroup], params: list[ParamInfo]) -> int:
     units = {g.unit for g in groups if g.unit is not None}
     in_units = sum(p.numel for p in params if _LAYER.match(p.name))
     return max(1_000_000_000, in_units // len(units) * 2 if units else 0)
+
+
+def double_buffer_units(groups: list[FsdpGroup]) -> frozenset[int]:
+    """The units ``FixedPoolAllocator`` double-buffers (param_and_grad_buffer.py:676-697): the largest class of units
+    whose buckets have the same parameter elements in the same order (every bucket of a rank has one dtype here),
+    the first such class in unit order on a tie.
+
+    Example:
+        >>> g = lambda unit, numel: FsdpGroup(unit, False, numel, numel, 1, ((0, numel),))
+        >>> sorted(double_buffer_units([g(0, 8), g(1, 4), g(2, 4), g(None, 2)]))
+        [1, 2]
+    """
+    buckets: dict[int, list[int]] = {}
+    for g in groups:
+        if g.unit is not None:
+            buckets.setdefault(g.unit, []).append(g.numel)
+    best: list[int] = []
+    for sizes in buckets.values():
+        same = [u for u, other in buckets.items() if other == sizes]
+        if len(same) > len(best):
+            best = same
+    return frozenset(best)
 
 
 def fsdp_rank_state(job: Job, params: list[ParamInfo]) -> tuple[RankState, list[FsdpGroup]]:
@@ -240,12 +296,25 @@ def add_fsdp_transients(timeline: Timeline, job: Job, groups: list[FsdpGroup], p
     def nbytes(n: int, size: int) -> int:
         return -(-n * size // block) * block
 
+    pooled = double_buffer_units(groups) if fsdp.double_buffer else frozenset()
     unit_elems: dict[int, int] = {}
     for g in groups:
         if g.unit is not None:
             unit_elems[g.unit] = unit_elems.get(g.unit, 0) + g.size
     order = sorted(unit_elems)
+    # the output layer's unfused weight gradient (parameters' dtype): where its group's grad bucket is first touched
+    out_weight = next((p for p in params if p.name == OUTPUT_WEIGHT), None)
+    wgrad_bytes = nbytes(out_weight.numel, w_size) if out_weight is not None else -1
+    wgrads_at = sorted(a for a, n in zip(timeline.alloc_at, timeline.nbytes) if n == wgrad_bytes)
     rows: list[tuple[int, str, int, int]] = []  # bytes, module, alloc event, free event (-1: never)
+    pool_spans: dict[str, list[tuple[int, int]]] = {GATHER_MODULE: [], GRAD_BUCKET_MODULE: []}
+
+    def unit_row(unit: int, module: str, at: int, free: int) -> None:  # a double-buffered unit's: its pool's
+        if unit in pooled:
+            pool_spans[module].append((at, free))
+        else:
+            rows.append((nbytes(unit_elems[unit], w_size if module == GATHER_MODULE else g_size), module, at, free))
+
     spans: dict[str, list[tuple[str, str, int, int]]] = {}  # microbatch -> (kind, region, start, end)
     for phase, start, end in timeline.phase_spans():
         mb = re.search(r"microbatch (\d+)", phase.detail)
@@ -267,35 +336,136 @@ def add_fsdp_transients(timeline: Timeline, job: Job, groups: list[FsdpGroup], p
                 ahead = order[order.index(unit) + 1:] if kind == "forward" else order[:order.index(unit)][::-1]
                 fetched = 0
                 alive[unit] = start
+                held = {unit} & pooled  # need_skip_prefetch (4475): at most two double-buffered units
                 for nxt in ahead:  # prefetch while the prefetched elements are under the limit (4480)
                     if fetched >= limit // 2:
+                        break
+                    held.add(nxt)
+                    if pooled and len(held) > 2:
                         break
                     fetched += unit_elems[nxt]
                     alive.setdefault(nxt, start)
             if kind == "backward" and grads and unit not in dict(queue):
+                if pooled:  # _enforce_double_buffer_limit (3956): keep the newest reduces of at most two units
+                    held, keep = {unit} & pooled, 0
+                    for u, _ in reversed(queue):
+                        held.add(u)
+                        if len(held) > 2:
+                            break
+                        keep += 1
+                    while len(queue) > keep:
+                        u, at = queue.pop(0)
+                        unit_row(u, GRAD_BUCKET_MODULE, at, max(start, at + 1))
                 queue.append((unit, start))
             if gather and unit in alive and _last_phase(phases, kind, region, end):
-                rows.append((nbytes(unit_elems[unit], w_size), GATHER_MODULE, alive.pop(unit), end))
+                unit_row(unit, GATHER_MODULE, alive.pop(unit), end)
             if kind == "backward" and grads and _last_phase(phases, kind, region, end):
                 while sum(unit_elems[u] for u, _ in queue) > limit:  # wait_for_previous_grad_reduce (3939)
                     u, at = queue.pop(0)
-                    rows.append((nbytes(unit_elems[u], g_size), GRAD_BUCKET_MODULE, at, end))
+                    unit_row(u, GRAD_BUCKET_MODULE, at, end)
         end_bwd = last_bwd if last_bwd is not None else timeline.num_events - 1
-        rows += [(nbytes(unit_elems[u], g_size), GRAD_BUCKET_MODULE, at, end_bwd) for u, at in queue]
-        rows += [(nbytes(unit_elems[u], w_size), GATHER_MODULE, at, end_bwd) for u, at in alive.items()]
+        for u, at in queue:
+            unit_row(u, GRAD_BUCKET_MODULE, at, end_bwd)
+        for u, at in alive.items():
+            unit_row(u, GATHER_MODULE, at, end_bwd)
         if grads and non_unit_grads is not None:
-            rows += [(nbytes(g.size, g_size), GRAD_BUCKET_MODULE, non_unit_grads, end_bwd)
+            first_grad = _output_layer_wgrad(phases, wgrads_at)
+            rows += [(nbytes(g.size, g_size), GRAD_BUCKET_MODULE,
+                      first_grad if first_grad is not None and OUTPUT_WEIGHT in g.names else non_unit_grads, end_bwd)
                      for g in groups if g.unit is None]
+    if pooled:  # the double-buffered units' buckets are the pools' (NOTE [Megatron-FSDP double buffers])
+        rows += pool_rows(groups, pooled, pool_spans, w_size, g_size, block)
     steps = [(s, e) for phases in spans.values() for _, _, s, e in phases]
     if gather and steps:
         # the non-unit buckets are gathered at the embedding's forward and kept (4339 PRESERVED); the golden H100
         # resident (mem-allocated-bytes after the step, gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor) holds none of
         # them, so they are counted over the forward-backward passes only
-        rows += [(nbytes(g.size, w_size), PRESERVED_MODULE, min(steps)[0], max(e for _, e in steps))
-                 for g in groups if g.unit is None]
+        # them, so they are counted over the forward-backward passes only; with --overlap-param-gather the step
+        # ends in start_param_sync (distrib_optimizer.py:3181-3185), which gathers the first parameter's bucket and
+        # prefetches the next ones (megatron_fsdp.py:1284-1308): those stay gathered after the step (NOTE)
+        kept = set(start_param_sync_buckets(groups, limit)) if job.overlap_param_gather else set()
+        rows += [(nbytes(g.size, w_size), PRESERVED_MODULE, min(steps)[0], -1 if i in kept else
+                  max(e for _, e in steps)) for i, g in enumerate(groups) if g.unit is None]
+        if kept:
+            timeline.phases.append(Phase(timeline.num_events, "setup", "fsdp start_param_sync", ""))
+            rows += [(nbytes(groups[i].size, w_size), GATHER_MODULE, timeline.num_events, -1)
+                     for i in sorted(kept) if groups[i].unit is not None and groups[i].unit not in pooled]
+            timeline.num_events += 1
     for n, module, at, free in rows:
         _add_row(timeline, n, module, at, free)
     timeline.validate()
+
+
+def start_param_sync_buckets(groups: list[FsdpGroup], limit: int) -> list[int]:
+    """The buckets Megatron-FSDP's ``start_param_sync`` gathers under ``--overlap-param-gather`` (megatron_fsdp.py:
+    1284-1308): the first parameter's (bucket 0: the groups are made in ``named_parameters`` order,
+    param_and_grad_buffer.py:1790-1825) and, in forward order, the next ones while the prefetched elements are under
+    ``suggested_AG_prefetch_size`` = ``limit`` // 2 (param_and_grad_buffer.py:4418-4516, megatron_fsdp.py:444).
+
+    Example:
+        >>> g = [FsdpGroup(None, False, 8, 8, 2, ()), FsdpGroup(0, False, 6, 6, 2, ()),
+        ...      FsdpGroup(1, False, 6, 6, 2, ())]
+        >>> start_param_sync_buckets(g, 2_000_000_000), start_param_sync_buckets(g, 12)
+        ([0, 1, 2], [0, 1])
+    """
+    taken, fetched = [0], 0
+    for nxt in range(1, len(groups)):
+        if fetched >= limit // 2:
+            break
+        taken.append(nxt)
+        fetched += groups[nxt].size
+    return taken if groups else []
+
+
+def _output_layer_wgrad(phases: list[tuple[str, str, int, int]], made_at: list[int]) -> int | None:
+    """The event where the output layer's weight gradient is made in this microbatch's head backward: the first of
+    ``made_at`` (the events allocating its bytes, sorted) there. Megatron-FSDP's post-accumulate-grad hook
+    ``_grad_acc`` copies that unfused gradient into the group's unsharded bucket, allocating the bucket on this
+    first ``main_grad`` access (megatron_fsdp.py:635-682, param_and_grad_buffer.py:3094). None when the head's
+    backward does not run here or makes no such tensor (fused into ``main_grad``); a weight tied to the embedding
+    is not looked for (shared: its gradient waits for the root post-backward hook, megatron_fsdp.py:742, 867)."""
+    span = next(((s, e) for k, r, s, e in phases if k == "backward" and r == "head"), None)
+    if span is None:
+        return None
+    k = bisect.bisect_left(made_at, span[0])
+    return made_at[k] if k < len(made_at) and made_at[k] < span[1] else None
+
+
+def pool_rows(groups: list[FsdpGroup], pooled: frozenset[int], spans: dict[str, list[tuple[int, int]]],
+              w_size: int, g_size: int, block: int = 1) -> list[tuple[int, str, int, int]]:
+    """The double buffers' rows (bytes, module, alloc event, free event -1: never) from the [start, end) spans of the
+    pooled units' all-gathered weights (``spans[GATHER_MODULE]``) and gradient buckets (``GRAD_BUCKET_MODULE``):
+    each pool's buffer group is one tensor per bucket offset (the size of a pooled unit's bucket there), made at its
+    first use and never freed (NOTE [Megatron-FSDP double buffers]), so a steady step holds the ones it uses
+    (:func:`buffers_used`) from its first event to its end.
+
+    Example:
+        >>> g = FsdpGroup(0, False, 6, 8, 2, ((0, 6),))
+        >>> rows = pool_rows([g], frozenset({0}), {GATHER_MODULE: [(1, 4), (3, 6)], GRAD_BUCKET_MODULE: [(5, 7)]},
+        ...                  2, 4)
+        >>> [(n, module.rsplit(".", 1)[1], at, free) for n, module, at, free in rows]
+        [(16, 'params', 0, -1), (16, 'params', 0, -1), (32, 'grads', 0, -1)]
+    """
+    offsets = [g for g in groups if g.unit == min(pooled)]  # every pooled unit's buckets match these
+    out = []
+    for module, size in ((GATHER_MODULE, w_size), (GRAD_BUCKET_MODULE, g_size)):
+        out += [(-(-g.size * size // block) * block, POOL_MODULES[module], 0, -1)
+                for _ in range(buffers_used(spans.get(module, []))) for g in offsets]
+    return out
+
+
+def buffers_used(spans: list[tuple[int, int]]) -> int:
+    """How many of a two-buffer pool's buffer groups the [start, end) spans it serves use: none without a span,
+    two when a span starts while another is held (``FixedPoolAllocator.allocate`` takes an idle group), else one.
+
+    Example:
+        >>> buffers_used([(0, 5), (5, 9), (7, 12)]), buffers_used([(0, 5), (5, 9)]), buffers_used([])
+        (2, 1, 0)
+    """
+    ordered = sorted(spans)
+    if any(e > s for i, (s, _) in enumerate(ordered) for _, e in ordered[:i]):
+        return 2
+    return 1 if spans else 0
 
 
 def _last_phase(phases: list[tuple[str, str, int, int]], kind: str, region: str, end: int) -> bool:
@@ -304,7 +474,7 @@ def _last_phase(phases: list[tuple[str, str, int, int]], kind: str, region: str,
 
 
 def _add_row(timeline: Timeline, nbytes: int, module: str, alloc: int, free: int) -> None:
-    category = "parameters" if module != GRAD_BUCKET_MODULE else "gradients"
+    category = "gradients" if module in (GRAD_BUCKET_MODULE, POOL_MODULES[GRAD_BUCKET_MODULE]) else "parameters"
     timeline.nbytes.append(nbytes)
     timeline.alloc_at.append(alloc)
     timeline.free_at.append(free if free < timeline.num_events else -1)

@@ -39,8 +39,9 @@ from torch.utils._pytree import tree_flatten
 
 from remat.config import ModelConfig
 from remat.memory.cuda_sdpa import HALF, cuda_sdpa
+from remat.memory.fp8 import prepare_fp8
 from remat.memory.local_layers import AttentionContext, heads_like, local_attention
-from remat.models.gpt import CoreAttention, SwiGLU
+from remat.models.gpt import CoreAttention, SelfAttention, SwiGLU
 
 KERNELS = ("cpu", "cuda", "te", "local")
 # the functions a profile replaces, as torch defines them (the replacements call these, never the patched names)
@@ -203,28 +204,36 @@ class _TeFusedAttention(torch.autograd.Function):
     csrc/extensions/attention.cpp:235). cuDNN's workspaces are not modelled."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                offset: torch.Tensor | None = None) -> torch.Tensor:
         b, h, sq, _ = q.shape
         out = heads_like(q, v.shape[-1])
         stats = q.new_empty((b, h, sq, 1), dtype=torch.float32)
         rng_state = q.new_empty((2,), dtype=torch.int64)
-        ctx.save_for_backward(q, k, v, out, stats, rng_state)
+        # an attention sink: dot_product_attention.py:1707 passes softmax_offset.reshape(1, -1, 1, 1).to(fp32),
+        # kept among aux_ctx_tensors (csrc/extensions/attention.cpp:274, 298)
+        sink = () if offset is None else (offset.reshape(1, -1, 1, 1).to(torch.float32),)
+        ctx.save_for_backward(q, k, v, out, stats, rng_state, *sink)
+        ctx.sink = offset is not None
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q, k, v, *_ = ctx.saved_tensors
-        return heads_like(q), heads_like(k), heads_like(v)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, *rest = ctx.saved_tensors
+        d_offset = rest[-1].new_empty(rest[-1].shape).view(-1) if ctx.sink else None  # attention.cpp:567
+        return heads_like(q), heads_like(k), heads_like(v), d_offset
 
 
-def _te_full_mask(sq: int, sk: int, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """``dpa_utils.get_full_mask`` for 'causal' (utils.py:1632), window (-1, 0) -> (sk, 0): int32 [1, 1, sq, sk]
-    position differences and the two window bounds (12 bytes per score, transient), their bool comparisons, or'ed
-    with the mask the caller passed (Megatron passes its dataloader's [b, 1, s, s]). Alive until the attention
-    returns, never saved."""
+def _te_full_mask(sq: int, sk: int, mask: torch.Tensor | None, device: torch.device,
+                  window: tuple[int, int] | None = None) -> torch.Tensor:
+    """``dpa_utils.get_full_mask`` for 'causal' (utils.py:1632), window (-1, 0) -> (sk, 0) or a sliding
+    ``window`` (left, 0): int32 [1, 1, sq, sk] position differences and the two window bounds (12 bytes per
+    score, transient), their bool comparisons, or'ed with the mask the caller passed (Megatron passes its
+    dataloader's [b, 1, s, s]). Alive until the attention returns, never saved."""
     diff = (torch.arange(sq, dtype=torch.int32, device=device).view(1, 1, sq, 1)
             - torch.arange(sk, dtype=torch.int32, device=device).view(1, 1, 1, sk))
-    swa_left, swa_right = diff - sk, diff + 0
+    left = sk if window is None or window[0] == -1 else window[0]
+    swa_left, swa_right = diff - left, diff + 0
     swa_mask = torch.logical_not((swa_left <= 0) & ~(swa_right < 0))
     return swa_mask if mask is None else torch.logical_or(swa_mask, mask)
 
@@ -264,45 +273,60 @@ class _TeMaskedSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.saved_tensors  # noqa: B018  the kernel reads the probabilities (an offloaded copy is reloaded for it)
         return grad.contiguous(), None
 
 
-def te_softmax_fusable(dtype: torch.dtype, b: int, h: int, sq: int, sk: int) -> bool:
-    """``FusedScaleMaskSoftmax.is_kernel_available`` (softmax.py:190) for the causal mask type and
-    NVTE_MASKED_SOFTMAX_FUSION=1 (TE's default; Megatron's --no-masked-softmax-fusion does not reach TE)."""
-    if dtype not in HALF or not 16 < sk < 16384 or sk % 8 or sq == 1 or sq != sk:
+def te_softmax_fusable(dtype: torch.dtype, b: int, h: int, sq: int, sk: int, causal: bool = True) -> bool:
+    """``FusedScaleMaskSoftmax.is_kernel_available`` (softmax.py:190) for the causal mask type (or 'arbitrary',
+    ``causal=False``, with a [1, 1, sq, sk] mask) and NVTE_MASKED_SOFTMAX_FUSION=1 (TE's default; Megatron's
+    --no-masked-softmax-fusion does not reach TE)."""
+    if dtype not in HALF or not 16 < sk < 16384 or sk % 8 or sq == 1 or (causal and sq != sk):
         return False
     pow2 = 1 << (sk - 1).bit_length()  # get_batch_per_block
     batch_per_block = (128 // min(pow2, 32)) * (2 if pow2 <= 128 else 1)
     return sq % 4 == 0 and (b * h) % 4 == 0 and sq % batch_per_block == 0
 
 
-def _te_torch_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _te_torch_softmax(scores: torch.Tensor, mask: torch.Tensor, causal: bool = True) -> torch.Tensor:
     """``FusedScaleMaskSoftmax.forward_torch_softmax`` (softmax.py:248) for 'causal': fp32 for 16-bit inputs
     (``softmax_in_fp32`` is TE's default True; UnfusedDotProductAttention never changes it), the cached causal
     mask or'ed in, ``masked_fill_`` in place (keeps the or'ed bool mask), softmax (keeps its fp32 output), cast
     back. TE caches the [sq, sk] causal mask for the process; here it is made per call (s² bytes)."""
     x = scores.float() if scores.dtype in HALF else scores
-    causal = torch.triu(torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device), diagonal=1)
-    probs = torch.softmax(x.masked_fill_(torch.logical_or(mask, causal), -10000.0), dim=-1)
+    if causal:  # 'arbitrary' (a window, a sink) takes the full mask as it is (softmax.py:265)
+        mask = torch.logical_or(mask, torch.triu(torch.ones(x.shape[-2:], dtype=torch.bool, device=x.device),
+                                                 diagonal=1))
+    probs = torch.softmax(x.masked_fill_(mask, -10000.0), dim=-1)
     return probs.to(scores.dtype)
 
 
 def te_unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float,
-                         scale: float) -> torch.Tensor:
+                         scale: float, window: tuple[int, int] | None = None,
+                         softmax_offset: torch.Tensor | None = None) -> torch.Tensor:
     """``UnfusedDotProductAttention.forward`` (backends.py:320), causal, no bias, q/k/v [b, heads, s, d]: keeps q and
     k (baddbmm), the softmax output (bf16/fp16 from TE's fused kernel, else fp32), dropout's bool mask, the
     dropped-out probabilities and v (bmm); K and V repeated under GQA. The scores and the full mask stay alive
-    until it returns (``matmul_result``, ``attention_mask`` locals)."""
+    until it returns (``matmul_result``, ``attention_mask`` locals). A sliding ``window`` makes the mask type
+    'arbitrary' (utils.py:1716); a sink (``softmax_offset``, backends.py:629-656) concatenates one more column of
+    logits (a new [b, h, sq, sk + 1]), pads the mask and softmaxes sk + 1 columns (never a fused kernel's multiple
+    of 8 when sk is), then drops the column (a view) before the dropout."""
     b, h, sq, _ = q.shape
-    full_mask = _te_full_mask(sq, k.shape[-2], mask, q.device)
+    full_mask = _te_full_mask(sq, k.shape[-2], mask, q.device, window)
     if k.shape[1] != h:  # GQA: repeat_interleave, the copies kept by the GEMMs
         k, v = (t.repeat_interleave(h // t.shape[1], dim=1) for t in (k, v))
     scores = _TeScores.apply(q, k, scale)
-    if te_softmax_fusable(scores.dtype, b, h, sq, k.shape[-2]):
+    causal = window is None
+    if softmax_offset is not None:
+        sink = softmax_offset.to(scores.dtype).view(1, -1, 1, 1).expand(b, -1, sq, -1)
+        scores = torch.cat((scores, sink), dim=-1)
+        full_mask, causal = F.pad(full_mask, (0, 1), mode="constant", value=False), False
+    if te_softmax_fusable(scores.dtype, b, h, sq, scores.shape[-1], causal):
         probs = _TeMaskedSoftmax.apply(scores, full_mask)  # 'causal' with a mask -> ScaledMaskedSoftmax
     else:
-        probs = _te_torch_softmax(scores, full_mask)
+        probs = _te_torch_softmax(scores, full_mask, causal)
+    if softmax_offset is not None:
+        probs = probs[..., :-1]
     return AttentionContext.apply(cuda_dropout(probs, p), v)  # torch.nn.Dropout (backends.py:660) -> native_dropout
 
 
@@ -322,11 +346,15 @@ def _te_core_attention(module: CoreAttention, q: torch.Tensor, k: torch.Tensor, 
                        attention_mask: torch.Tensor) -> torch.Tensor:
     """The reference model's core attention as Megatron's ``TEDotProductAttention`` (causal mask type): 'math'
     (``--attention-backend unfused``) and any fp32 model run TE's unfused attention, 'sdpa' (auto, flash, fused)
-    the fused one."""
+    the fused one. NOTE [gpt-oss layers] (remat.models.blocks): get_attention_backend (utils.py:1236-1266) turns
+    FusedAttention off for a sliding window with dropout, and FlashAttention off for a sink (utils.py:1027), so
+    such a layer runs the unfused attention; a window without a sink runs FlashAttention, which keeps what the fused
+    one keeps (q, k, v, out, fp32 softmax statistics, rng state); a sink on a full layer runs the fused one."""
     p = module.dropout if module.training else 0.0
-    if module.kind == "math" or q.dtype not in HALF:
-        return te_unfused_attention(q, k, v, attention_mask, p, module.scale)
-    return _TeFusedAttention.apply(q, k, v)
+    window, offset = module.window, module.softmax_offset
+    if module.kind == "math" or q.dtype not in HALF or (window is not None and p > 0 and offset is not None):
+        return te_unfused_attention(q, k, v, attention_mask, p, module.scale, window, offset)
+    return _TeFusedAttention.apply(q, k, v, offset)
 
 
 # TransformerEngine's fused SwiGLU (TE_VERSION)
@@ -346,6 +374,14 @@ class _TeSwiGLU(torch.autograd.Function):
 
 def _te_swiglu(module: SwiGLU, x: torch.Tensor) -> torch.Tensor:
     return _TeSwiGLU.apply(x)
+
+
+def _te_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Megatron's ``TENorm`` (te.pytorch ``LayerNorm`` / ``RMSNorm``: extensions/transformer_engine.py:1080-1092),
+    the standard attention's q/k norms under the TE spec (gpt_layer_specs.py:139-152). TE's op keeps
+    ``input_.contiguous()`` (TE ops/basic/layer_norm.py:199, 221; rmsnorm.py:182, 202): a copy of the query or key,
+    a non-contiguous view of the QKV output (attention.py:1913-1936), kept beside its fp32 statistics."""
+    return type(module).forward(module, x.contiguous())
 
 
 TE_ROUTES: dict[tuple[Any, str], Callable[..., Any]] = {
@@ -368,14 +404,20 @@ def prepare_model(model: nn.Module, kernels: str) -> int:
     Under ``te`` every :class:`~remat.models.gpt.CoreAttention` becomes TE's attention (unfused for 'math' and
     fp32, fused for 'sdpa'), under ``local`` Megatron's ``DotProductAttention`` (:mod:`remat.memory.local_layers`),
     and every :class:`~remat.models.gpt.SwiGLU` TE's fused SwiGLU (Megatron's ``bias_swiglu_impl`` keeps the same
-    fc1 output) (instance attributes:
-    recompute regions installed later wrap them). Other profiles change nothing. Call it on the fake model,
-    before :func:`remat.apply`.
+    fc1 output), and under ``te`` the standard attention's q/k norms keep TE's contiguous copy of their input
+    (``_te_norm``) (instance attributes: recompute regions installed later wrap them). Other profiles change
+    nothing. Under every profile, a model whose ``config`` trains in FP8 (``fp8_recipe``) runs its TE linears
+    through :func:`remat.memory.fp8.prepare_fp8`.
+    Call it on the fake model, before :func:`remat.apply`.
     """
-    if check_kernels(kernels) not in ("te", "local"):
-        return 0
-    changed = 0
     config = getattr(model, "config", None)  # the reference models keep theirs (local: the softmax flags)
+    # an FP8 model's linears (NOTE [FP8 linears on Hopper]), whatever the profile: TE's FP8 tensors
+    fp8 = 0
+    if isinstance(config, ModelConfig) and config.fp8_recipe is not None:
+        fp8 = prepare_fp8(model, config.fp8_recipe, config.fp8_bf16_layer_indices())
+    if check_kernels(kernels) not in ("te", "local"):
+        return fp8
+    changed = fp8
     for module in model.modules():
         if isinstance(module, CoreAttention) and kernels == "local":
             module.__dict__["forward"] = functools.partial(
@@ -384,6 +426,9 @@ def prepare_model(model: nn.Module, kernels: str) -> int:
             module.__dict__["forward"] = functools.partial(_te_core_attention, module)
         elif isinstance(module, SwiGLU):
             module.__dict__["forward"] = functools.partial(_te_swiglu, module)
+        elif isinstance(module, SelfAttention) and kernels == "te" and module.q_layernorm is not None:
+            for norm in (module.q_layernorm, module.k_layernorm):  # TE's q/k norms (_te_norm)
+                norm.__dict__["forward"] = functools.partial(_te_norm, norm)
         else:
             continue
         changed += 1

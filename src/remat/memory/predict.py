@@ -179,6 +179,8 @@ def predict_config(config: ModelConfig, policy: Policy | str, *, device: str = "
     per_layer = config.moe_routing_assumption is not None and \
         RoutingAssumption.parse(config.moe_routing_assumption).per_layer
     # offloading moves bytes to the host at moments the roles do not describe: traced in full
+    # so are window and full attention layers (NOTE [gpt-oss layers] in remat.models.blocks)
+    per_layer = per_layer or config.mixed_layers  # and FP8 beside bf16 layers (remat.memory.fp8)
     stand_in = None if not compose_layers or per_layer or policy.offloads else \
         _stand_in(config, policy, kinds, (device, tp, sp, resolve_kernels(None, device)))
     if stand_in is not None and stand_in[1] < config.num_layers:
@@ -319,6 +321,8 @@ def prepare_shallow_traces(config: ModelConfig, policies: Iterable[Policy], *, d
     policies = list(policies)
     kinds = layer_kinds(config)
     if config.moe_routing_assumption is not None and RoutingAssumption.parse(config.moe_routing_assumption).per_layer:
+        return 0
+    if config.mixed_layers:  # traced whole, as predict_config does
         return 0
     where = (device, tp, sp, resolve_kernels(None, device))
     planned: dict[tuple[Any, ...], tuple[tuple[Any, ...], frozenset[Role], tuple[str, ...] | None]] = {}

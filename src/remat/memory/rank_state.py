@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from remat.config import DTYPES, ModelConfig
 from remat.job import Job
 from remat.memory import disk_cache, muon
+from remat.memory.fp8 import is_fp8_weight
 from remat.models.gpt import Embedding, LMHead, MTPLayer, TransformerLayer, building
 from remat.models.tensor_parallel import SimulatedGroup
 from remat.models.tp_moe import simulated_expert_groups
@@ -72,6 +73,7 @@ class ParamInfo:
     shared_embedding: bool = False
     expert: bool = False  # a routed expert's weight under expert parallelism (NOTE [expert parameters])
     shape: tuple[int, ...] = ()  # as built (TE's dummy weight gradients are keyed by it: memory.wgrad_fusion)
+    fp8: bool = False  # a TE linear's weight in an FP8 layer (remat.memory.fp8: its FP8 copies, FP8 parameters)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class BufferLayout:
     params: tuple[tuple[int, int], ...]  # [start, end) of each parameter, in buffer order
     expert: bool = False  # the expert-parallel buffer, sharded over the expert data-parallel ranks
     muon_numel: int = 0  # elements of Muon's matrices in it (remat.memory.muon; the rest: its scalar Adam's)
+    fp8: bool = False  # FP8 parameters' buffer (--fp8-param-gather): uint8 param data (remat.memory.fp8)
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class RankState:
     ep_rank: int = 0  # the priced rank's expert-parallel rank, and its expert data-parallel shard
     expert_dp_rank: int = 0
     param_buffer: bool = False  # the parameters live in DDP's param_data buffers (the distributed optimizer)
+    param_itemsize: int = 0  # bytes per element of the parameters as built (0: parameters / num_parameters)
 
     @property
     def total(self) -> int:
@@ -117,8 +121,13 @@ class RankState:
     def parameter_tensor_bytes(self, block: int = 1) -> int:
         """The parameters' bytes as separate tensors, each rounded up to the allocator's ``block`` bytes (what a
         chunk trace records for them: the CUDA caching allocator rounds every tensor to 512 bytes)."""
-        size = self.parameters // self.num_parameters if self.num_parameters else 0
+        size = self._itemsize()
         return sum(_pad((end - start) * size, block) for lay in self.layouts for start, end in lay.params)
+
+    def _itemsize(self) -> int:
+        if self.param_itemsize:
+            return self.param_itemsize
+        return self.parameters // self.num_parameters if self.num_parameters else 0
 
     def allocated_parameter_bytes(self, block: int = 1) -> int:
         """The parameters' bytes as the rank allocates them, in ``block``-byte allocator blocks: one tensor per
@@ -127,8 +136,8 @@ class RankState:
         ``block`` is 1."""
         if not self.param_buffer:
             return self.parameter_tensor_bytes(block)
-        size = self.parameters // self.num_parameters if self.num_parameters else 0
-        return sum(_pad(lay.numel * size, block) for lay in self.layouts)
+        size = self._itemsize()
+        return sum(_pad(lay.numel * (1 if lay.fp8 else size), block) for lay in self.layouts)
 
 
 def _pad(n: int, divisor: int) -> int:
@@ -241,11 +250,19 @@ def chunk_layouts(job: Job, params: Sequence[ParamInfo], *, bucketed: bool) -> l
         layer_wise = bool(mats) and job.distributed_optimizer  # Muon's matrices: a buffer of their own after the rest
         if layer_wise:
             group = [p for p in group if not muon.is_muon_matrix(p.name, p.shape)]
-        if group or not expert:
+        # --fp8-param-gather: FP8 parameters are uint8 in a buffer of their own (param_and_grad_buffer.py:921)
+        fp8 = [p for p in group if job.fp8_param_gather and p.fp8]
+        if fp8:
+            group = [p for p in group if not (job.fp8_param_gather and p.fp8)]
+        if group or not (expert or fp8):
             lay = buffer_layout(group, distributed_optimizer=job.distributed_optimizer, dp_size=shards,
                                 bucket_size=bucket_size, pad_for_nccl_busbw=job.pad_buckets_for_high_nccl_busbw)
             muon_numel = 0 if layer_wise else sum(p.numel for p in mats)
             out.append(dataclasses.replace(lay, expert=expert, muon_numel=muon_numel))
+        if fp8:
+            lay = buffer_layout(fp8, distributed_optimizer=job.distributed_optimizer, dp_size=shards,
+                                bucket_size=bucket_size, pad_for_nccl_busbw=job.pad_buckets_for_high_nccl_busbw)
+            out.append(dataclasses.replace(lay, expert=expert, fp8=True))
         if layer_wise:  # remat.memory.muon: whole matrices in each of the shards
             sizes = [m for p in mats for m in muon.matrices(p.name, p.shape)]
             buckets, ranges = muon.layer_wise_layout(sizes, shards, bucket_size, job.pad_buckets_for_high_nccl_busbw)
@@ -353,7 +370,11 @@ def rank_state(job: Job, chunks: Sequence[Sequence[ParamInfo]], *, pipeline_rank
     elements, muon_elements = int(all_elements[best]), int(all_muon[best])
     best_rank, best_ep, best_edp = int(dense[best]), int(ep_of[best]), int(edp[best])
     p_size = size[job.param_dtype]
-    return RankState(num_parameters=n, parameters=n * p_size, parameter_padding=(padded - n) * p_size if dist else 0,
+    # FP8 parameters (--fp8-param-gather) are 1 byte per element in their own buffer
+    params_bytes = sum(lay.numel_unpadded * (1 if lay.fp8 else p_size) for lay in layouts)
+    padding = sum((lay.numel - lay.numel_unpadded) * (1 if lay.fp8 else p_size) for lay in layouts)
+    return RankState(num_parameters=n, parameters=params_bytes, parameter_padding=padding if dist else 0,
+                     param_itemsize=p_size,
                      gradients=padded * size[job.main_grad_dtype], master_parameters=master * elements,
                      optimizer_state=state * elements - 4 * muon_elements, dp_rank=best_rank, shard_elements=elements,
                      layouts=tuple(layouts), ep_rank=best_ep, expert_dp_rank=best_edp, param_buffer=dist)
@@ -439,8 +460,11 @@ def rank_parameters(config: ModelConfig, *, first: bool, last: bool, num_layers:
     before = [p for p in params if p.name.startswith(("embedding.", "mtp_embedding."))]
     after = [dataclasses.replace(p, expert=expert_parallel and ".mlp.experts." in p.name) for p in params
              if not p.name.startswith(("embedding.", "mtp_embedding.", "layers."))]
-    layers = [ParamInfo(f"layers.{i - layer_offset}." + p.name, p.numel, p.shared_embedding, p.expert, p.shape)
+    fp8 = cfg.fp8_layers or (1,) * cfg.num_layers  # NOTE [FP8 linears on Hopper]: the MTP layers always FP8
+    layers = [ParamInfo(f"layers.{i - layer_offset}." + p.name, p.numel, p.shared_embedding, p.expert, p.shape,
+                        fp8=bool(cfg.fp8_recipe and fp8[i] and is_fp8_weight(p.name)))
               for i in span for p in by_kind[pattern[i]]]
+    after = [dataclasses.replace(p, fp8=bool(cfg.fp8_recipe and is_fp8_weight(p.name))) for p in after]
     return before + layers + after
 
 

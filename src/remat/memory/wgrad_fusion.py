@@ -5,7 +5,8 @@ NOTE [gradient-accumulation fusion]
 * TransformerEngine's linears (``Linear``, ``LayerNormLinear``, ``GroupedLinear``: every ``linear_*`` weight of a
   layer, MLA's projections and the experts' included) run their weight-gradient GEMM with ``beta = 1`` straight into
   the parameter's fp32 ``main_grad`` (``fuse_wgrad_accumulation=gradient_accumulation_fusion``,
-  megatron/core/extensions/transformer_engine.py). No weight gradient in the parameter's dtype is ever made, so the
+  megatron/core/extensions/transformer_engine.py); so does each MTP depth's ``eh_proj``, a ``TEColumnParallelLinear``
+  (multi_token_prediction.py:1174-1187). No weight gradient in the parameter's dtype is ever made, so the
   transient ``.grad`` the unfused path allocates (and Megatron's DDP hook adds into ``main_grad`` and frees) is gone.
 * Instead, because Megatron's DDP marks its parameters ``grad_added_to_main_grad``, TE returns a *dummy* weight
   gradient from a process-wide cache (transformer_engine/pytorch/module/base.py ``get_dummy_wgrad``, TE 2.17.1): one
@@ -34,7 +35,9 @@ from torch import nn
 
 from remat.memory.rank_state import ParamInfo
 
-_FUSED = re.compile(r"(^|\.)linear_[a-z0-9_]+\.weight$")
+# a layer's linear_* and the MTP depths' eh_proj (a TEColumnParallelLinear: multi_token_prediction.py:1174-1187,
+# transformer_engine_spec_provider.py:43, transformer_engine.py:1293 fuse_wgrad_accumulation)
+_FUSED = re.compile(r"(^|\.)(linear_[a-z0-9_]+|eh_proj)\.weight$")
 OUTPUT_LAYER = re.compile(r"(^|\.)output_layer\.weight$")
 MODULE = "transformer_engine.dummy_wgrad"
 
@@ -122,7 +125,8 @@ def keep_fused_inputs(module: nn.Module) -> None:
     Megatron's output layer do whatever the fusion (see NOTE [gradient-accumulation fusion])."""
     fused = {id(p) for name, p in module.named_parameters() if traced_without_grad(name)}
     for sub in module.modules():
-        if any(id(p) in fused for p in sub.parameters(recurse=False)):
+        # an FP8 linear (remat.memory.fp8.prepare_fp8) saves its own FP8 copy of the input
+        if any(id(p) in fused for p in sub.parameters(recurse=False)) and not getattr(sub, "saves_fp8_input", False):
             sub.register_forward_pre_hook(_save_first_input)
     for p in module.parameters():
         if id(p) in fused:

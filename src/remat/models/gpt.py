@@ -22,7 +22,7 @@ __all__ = ["GPT", "MLP", "CoreAttention", "Embedding", "LMHead", "MTPLayer", "Se
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.heads = config.num_attention_heads
         self.groups = config.query_groups
@@ -30,7 +30,7 @@ class SelfAttention(nn.Module):
         qkv_size = (self.heads + 2 * self.groups) * self.head_dim
         self.linear_qkv = nn.Linear(config.hidden_size, qkv_size, bias=config.add_bias_linear)
         self.add_qk_norms(config)
-        self.core_attention = CoreAttention(config)
+        self.core_attention = CoreAttention(config, heads=self.heads, layer=layer)
         self.linear_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)
 
     def add_qk_norms(self, config: ModelConfig) -> None:
@@ -72,7 +72,8 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int = 0):
         super().__init__()
         self.input_layernorm = norm_layer(config)
-        self.self_attention = MLASelfAttention(config) if config.multi_latent_attention else SelfAttention(config)
+        self.self_attention = (MLASelfAttention(config) if config.multi_latent_attention
+                               else SelfAttention(config, layer_number))
         self.pre_mlp_layernorm = norm_layer(config)
         pattern = config.moe_layer_pattern()
         # an MoE layer replaces the dense MLP where moe_layer_freq says so (NOTE [MoE fields] in remat.config)

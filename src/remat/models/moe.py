@@ -13,15 +13,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.config import ModelConfig, RoutingAssumption
-from remat.models.blocks import LossAutoScaler, SwiGLU
+from remat.models.blocks import LossAutoScaler, QuickGeGLU, gated_activation
 from remat.models.expert_parallel import SimulatedExpertGroup, expert_group_for, host_values, run_experts_parallel
 
 
 def expert_activation(config: ModelConfig) -> nn.Module:
-    """The experts' activation function: SwiGLU for ``activation='swiglu'``, else GeLU."""
-    if config.activation == "swiglu":
-        return SwiGLU()
-    return nn.GELU()
+    """The experts' activation function: SwiGLU, QuickGeGLU (NOTE [gpt-oss layers] in remat.models.blocks) or
+    GeLU."""
+    return gated_activation(config)
 
 
 class RouterGatingLinear(torch.autograd.Function):
@@ -162,6 +161,8 @@ class ActivationWithProbs(nn.Module):
         self.activation = expert_activation(config)
 
     def forward(self, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.activation, QuickGeGLU) and self.activation.fused:  # experts.py:973 (fused kernel)
+            return self.activation.weighted(x, probs)
         act = self.activation(x)
         # Megatron's bias_act_func (experts.py): the product is cast back, so fp32 router probs (--moe-router-dtype)
         # make an fp32 [copies, ffn] temporary, not fp32 activations
@@ -173,7 +174,7 @@ class ExpertMLP(nn.Module):
 
     def __init__(self, config: ModelConfig, ffn_size: int):
         super().__init__()
-        gated = config.activation == "swiglu"
+        gated = config.gated
         self.linear_fc1 = nn.Linear(config.hidden_size, ffn_size * (2 if gated else 1), bias=config.add_bias_linear)
         self.activation = ActivationWithProbs(config)
         self.linear_fc2 = nn.Linear(ffn_size, config.hidden_size, bias=config.add_bias_linear)
@@ -256,7 +257,7 @@ class GroupedMLP(nn.Module):
 
     def __init__(self, config: ModelConfig, num_experts: int | None = None):
         super().__init__()
-        gated = config.activation == "swiglu"
+        gated = config.gated
         experts, h, f = num_experts or config.num_moe_experts, config.hidden_size, config.moe_ffn_size
         self.linear_fc1 = GroupedLinear(experts, h, f * (2 if gated else 1))
         self.activation = ActivationWithProbs(config)
@@ -273,7 +274,7 @@ class SharedExpertMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         size = int(config.moe_shared_expert_intermediate_size or 0)
-        gated = config.activation == "swiglu"
+        gated = config.gated
         self.linear_fc1 = nn.Linear(config.hidden_size, size * (2 if gated else 1), bias=config.add_bias_linear)
         self.activation = expert_activation(config)
         self.linear_fc2 = nn.Linear(size, config.hidden_size, bias=config.add_bias_linear)

@@ -36,7 +36,7 @@ __all__ = ["ColumnParallelLinear", "DistributedGroup", "RowParallelLinear", "Sim
 class TPSelfAttention(SelfAttention):
     """The reference attention (same head split and core) on this rank's heads."""
 
-    def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool):
+    def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool, layer: int = 0):
         nn.Module.__init__(self)  # not SelfAttention.__init__: its full-size linears are replaced, not built
         t = group.size
         self.heads, self.groups, self.head_dim = config.num_attention_heads // t, config.query_groups // t, \
@@ -44,7 +44,7 @@ class TPSelfAttention(SelfAttention):
         qkv = (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv, config.add_bias_linear, group, sp)
         self.add_qk_norms(config)
-        self.core_attention = CoreAttention(config)
+        self.core_attention = CoreAttention(config, heads=self.heads, layer=layer)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                              config.add_bias_linear, group, sp)
 
@@ -61,7 +61,7 @@ class TPTransformerLayer(nn.Module):
         super().__init__()
         self.input_layernorm = norm_layer(config)
         self.self_attention: nn.Module = (TPMLASelfAttention(config, group, sp) if config.multi_latent_attention
-                                          else TPSelfAttention(config, group, sp))
+                                          else TPSelfAttention(config, group, sp, layer_number))
         self.pre_mlp_layernorm = norm_layer(config)
         pattern = config.moe_layer_pattern()  # MoE where moe_layer_freq says so, as the reference layer
         self.mlp: nn.Module = (TPMoELayer(config, sum(pattern[:layer_number]), group, sp) if pattern[layer_number]

@@ -13,7 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.config import ModelConfig
-from remat.models.blocks import MLP, SwiGLU
+from remat.models.blocks import MLP, gated_activation
 from remat.models.collectives import released, run_collective, run_in_place_collective
 
 
@@ -317,7 +317,11 @@ class RowParallelLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
+        return self.reduce_partial(F.linear(x, self.weight))
+
+    def reduce_partial(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output summed over the group (reduce-scattered over the tokens under SP), plus the
+        bias."""
         if self.sp:
             out = ReduceScatterToSequence.apply(partial.reshape(-1, partial.shape[-1]), self.group)
         else:
@@ -331,9 +335,9 @@ class TPMLP(MLP):
 
     def __init__(self, config: ModelConfig, group: TensorParallelGroup, sp: bool, ffn_size: int | None = None):
         nn.Module.__init__(self)  # not MLP.__init__: its full-size linears are replaced, not built
-        gated = config.activation == "swiglu"
+        gated = config.gated
         ffn = config.ffn_size if ffn_size is None else ffn_size
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, ffn * (2 if gated else 1),
                                                config.add_bias_linear, group, sp)
-        self.activation: nn.Module = SwiGLU() if gated else nn.GELU()
+        self.activation: nn.Module = gated_activation(config)
         self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, config.add_bias_linear, group, sp)

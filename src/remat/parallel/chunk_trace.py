@@ -23,6 +23,7 @@ from remat.memory.compose import (
     shallow_stand_ins,
     shallow_stand_ins_of_kinds,
 )
+from remat.memory.delayed_wgrad import delay_wgrads
 from remat.memory.kernels import kernel_trace, model_kernels, prepare_model
 from remat.memory.wgrad_fusion import keep_fused_inputs
 from remat.models.expert_parallel import simulated_expert_rank
@@ -56,10 +57,13 @@ class TraceSegment:
     # fine-grained offloading: (offset, host bytes added (< 0: reloaded), offload module, chunk layer or -1); the
     # host holds the new total from that event on (offset == num_events: from the next segment's first event on)
     host: list[tuple[int, int, str, int]] = field(default_factory=list)
+    # and where its groups commit (forward), start their backward and reload a tensor (backward): (offset, 'commit' |
+    # 'start' | 'reload', offload module, chunk layer), for remat.parallel.composer's re-timing of reloads
+    marks: list[tuple[int, str, str, int]] = field(default_factory=list)
 
     def signature(self) -> tuple[Any, ...]:
         return (self.num_events, tuple(self.nbytes), tuple(self.category), tuple(self.alloc_offsets),
-                tuple((o, s, i) for o, s, i, _ in self.frees), self.keep, tuple(self.host))
+                tuple((o, s, i) for o, s, i, _ in self.frees), self.keep, tuple(self.host), tuple(self.marks))
 
 
 @dataclass
@@ -102,7 +106,8 @@ def traced_whole() -> Iterator[None]:
 def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy | Plan | str, device: str = "cpu",
                 tp: int = 1, sp: bool = False, *, batch_in_forward: bool = False,
                 compose_layers: bool = True, kernels: str = "cpu", drop_grads: bool = False,
-                fused_wgrad: bool = False, offload_last: frozenset[str] = frozenset()) -> ChunkTrace:
+                fused_wgrad: bool = False, offload_last: frozenset[str] = frozenset(),
+                delay_wgrad: bool = False) -> ChunkTrace:
     """Trace (fake) a chunk of ``kind`` = (has the embedding, has the head, layers) under ``policy``: two
     forwards whose outputs are kept, then their two backwards (each given the output gradient); cached.
 
@@ -123,25 +128,28 @@ def trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Polic
     :mod:`remat.memory.wgrad_fusion`: the trace runs those weights without ``requires_grad`` and keeps each fused
     linear's input saved, as TE does). ``offload_last``: offload modules of a policy that offloads whose last layer's
     group is offloaded too (the forwards of NOTE [which forwards keep their last offload group] in
-    :mod:`remat.parallel.schedule`)."""
+    :mod:`remat.parallel.schedule`). ``delay_wgrad``: Megatron's ``--delay-wgrad-compute``, TE's linears keep their
+    input and output gradient until their layer's ``backward_dw`` (NOTE [delayed weight gradients] in
+    :mod:`remat.memory.delayed_wgrad`)."""
     kernels = model_kernels(kernels, config)  # cuda/te of Megatron's local layers: their own kernels
     policy = Policy.parse(policy) if isinstance(policy, str) else policy
     batch_in_forward = batch_in_forward and (kind[0] or kind[1])  # a middle chunk has no batch
     compose_layers = compose_layers and _COMPOSE[0] and kind[2] > 0  # a chunk of no layers is traced as it is
     # the MTP layers after the loss chunk's layers are built as its last layer: a shallow stand-in's may differ
     compose_layers = compose_layers and not (config.mtp_num_layers and kind[1])
+    compose_layers = compose_layers and not config.mixed_layers  # window and full, FP8 and bf16: not interchangeable
     # tp/sp: one tp rank's chunk (models.tp_stage); the simulated expert-parallel rank its MoE layers play
     offload_last = frozenset(offload_last)
     key = (config, kind, policy, device, tp, sp, batch_in_forward, simulated_expert_rank(), compose_layers, kernels,
-           drop_grads, fused_wgrad, offload_last)
+           drop_grads, fused_wgrad, offload_last, delay_wgrad)
     if key not in _TRACES:
         if len(_TRACES) >= _TRACES_CAPACITY:
             del _TRACES[next(iter(_TRACES))]
         composed = (_composed_chunk(config, kind, policy, device, tp, sp, batch_in_forward, kernels, drop_grads,
-                                    fused_wgrad) if compose_layers else None)
+                                    fused_wgrad, delay_wgrad) if compose_layers else None)
         with offloading_last_groups(offload_last):
             _TRACES[key] = composed or _trace_chunk(config, kind, policy, device, tp, sp, batch_in_forward, kernels,
-                                                    drop_grads, fused_wgrad)
+                                                    drop_grads, fused_wgrad, delay_wgrad)
     return _TRACES[key]
 
 
@@ -207,9 +215,9 @@ def keep_shallow_chunks(found: Sequence[tuple[tuple[Any, ...], ChunkTrace]]) -> 
 
 def _composed_chunk(config: ModelConfig, kind: tuple[bool, bool, int], layout: Policy | Plan, device: str, tp: int,
                     sp: bool, batch_in_forward: bool, kernels: str = "cpu", drop_grads: bool = False,
-                    fused_wgrad: bool = False) -> ChunkTrace | None:
+                    fused_wgrad: bool = False, delay_wgrad: bool = False) -> ChunkTrace | None:
     """The chunk trace laid out from a shallow chunk's (NOTE [composing a chunk trace]), or None."""
-    where = (device, tp, sp, batch_in_forward, simulated_expert_rank(), kernels, drop_grads, fused_wgrad)
+    where = (device, tp, sp, batch_in_forward, simulated_expert_rank(), kernels, drop_grads, fused_wgrad, delay_wgrad)
     traced = _traced_plan_stand_in(config, kind, layout, where)
     if traced is not None:  # a plan laid out from a shallow plan traced already, when that one can stand in
         trace = _laid_out(config, kind, layout, traced, where)
@@ -245,14 +253,14 @@ def _laid_out(config: ModelConfig, kind: tuple[bool, bool, int], layout: Policy 
     """The chunk trace laid out from the shallow chunk ``found`` (its layout, depth and MoE pattern), traced first
     when it is not kept yet; None when composition refuses it."""
     first, last, layers = kind
-    device, tp, sp, batch_in_forward, _, kernels, drop_grads, fused_wgrad = where
+    device, tp, sp, batch_in_forward, _, kernels, drop_grads, fused_wgrad, delay_wgrad = where
     small_layout, depth, pattern = found
     small_config = config.with_depth(depth, pattern)
     key = (small_config, (first, last, depth), small_layout, *where)
     try:
         if key not in _SHALLOW:
             _keep_shallow(key, _trace_chunk(small_config, (first, last, depth), small_layout, device, tp, sp,
-                                            batch_in_forward, kernels, drop_grads, fused_wgrad))
+                                            batch_in_forward, kernels, drop_grads, fused_wgrad, delay_wgrad))
         shallow, traces, steps = _SHALLOW[key]
         kinds = layer_kinds(config.with_depth(layers))
         sources: list[list[int]] = [[], []]
@@ -273,7 +281,7 @@ def _laid_out(config: ModelConfig, kind: tuple[bool, bool, int], layout: Policy 
 
 def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy | Plan, device: str, tp: int = 1,
                  sp: bool = False, batch_in_forward: bool = False, kernels: str = "cpu",
-                 drop_grads: bool = False, fused_wgrad: bool = False) -> ChunkTrace:
+                 drop_grads: bool = False, fused_wgrad: bool = False, delay_wgrad: bool = False) -> ChunkTrace:
     if device not in ("cpu", "cuda"):
         raise PipelineError(f"device={device!r}: predict models 'cpu' (exact bytes) or 'cuda' (512-byte blocks)")
     first, last, layers = kind
@@ -290,8 +298,13 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
         prepare_model(module, kernels)  # te: TE's fused attention / SwiGLU forwards, before the policy wraps them
         if layers:
             apply(module, policy)
+        elif getattr(module, "mtp", None) is not None and getattr(policy, "granularity", "") != "full":
+            # a chunk of MTP depths only (layout ...|mL): their layers run the selective modules and offloading
+            apply(module, policy, layers=[depth.mtp_model_layer for depth in module.mtp])
         if fused_wgrad:  # the weight gradient goes into main_grad inside the GEMM: autograd makes none
             keep_fused_inputs(module)  # the linears still save their inputs (NOTE [gradient-accumulation fusion])
+        if delay_wgrad:  # --delay-wgrad-compute (NOTE [delayed weight gradients])
+            delay_wgrads(module)
         if drop_grads:  # Megatron's DDP hook (see trace_chunk); recomputation's inner backward runs it alike
             for p in module.parameters():
                 if p.requires_grad:
@@ -339,7 +352,8 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
     tl = recorder.timeline
     tl.meta["phase_flops"] = recorder.phase_flops
     bounds.append(tl.num_events)
-    trace = _cut(config, kind, policy, tl, bounds, n_params, kept, recorder.phase_flops, recorder.host_events)
+    trace = _cut(config, kind, policy, tl, bounds, n_params, kept, recorder.phase_flops, recorder.host_events,
+                 recorder.offload_marks)
     trace.batch_in_forward, trace.bounds, trace.kept_rows = batch_in_forward, tuple(bounds), tuple(kept)
     if batch_in_forward and first:  # no token ids among the setup inputs: one microbatch's, made in its forward
         trace.input_bytes = -(-tokens.nbytes // recorder.block_bytes) * recorder.block_bytes
@@ -353,7 +367,8 @@ def _drop_grad(param: torch.Tensor) -> None:
 
 def _cut(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, tl: Timeline, bounds: list[int],
          n_params: int, kept: list[int | None], flops: list[int],
-         host_events: Sequence[tuple[int, int, str, int]] = ()) -> ChunkTrace:
+         host_events: Sequence[tuple[int, int, str, int]] = (),
+         marks: Sequence[tuple[int, str, str, int, tuple[str, int] | None]] = ()) -> ChunkTrace:
     """Cut a chunk trace into segments; check the frees (each segment frees only what its own microbatch made) and
     that the host bytes fine-grained offloading moves (``host_events``, :class:`PipelineRecorder`) go out in a
     microbatch's forward and come back in its backward."""
@@ -415,6 +430,11 @@ def _cut(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, tl: 
                                    f"{'to' if delta > 0 else 'from'} the host at event {event}, outside a forward "
                                    "(offload) or backward (reload) of a microbatch")
         segments[index].host.append((event - spans[index][0], delta, module, layer))
+    for event, what, module, layer, op in marks:  # each in the forward or backward that made it
+        if op is not None:
+            index = ("forward", "backward").index(op[0]) * 2 + op[1]
+            lo, hi = spans[index]
+            segments[index].marks.append((min(max(event, lo), hi) - lo, what, module, layer))
     for fwd, bwd in ((forward0, backward0), (forward1, backward1)):
         if sum(h[1] for h in fwd.host) + sum(h[1] for h in bwd.host) != 0:
             raise CompositionError(f"chunk trace {kind} under {policy}: a microbatch's backward does not bring back "

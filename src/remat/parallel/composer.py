@@ -18,6 +18,7 @@ pp = 1 starts with a forward alone (combined_1f1b_schedule_for_no_pipelining): r
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,19 @@ from remat.parallel.chunk_trace import TraceSegment
 from remat.parallel.schedule import ChunkSpec
 from remat.parallel.stages import parse_phase_detail, phase_detail
 from remat.timeline import Phase, Timeline
+
+# NOTE [re-timing reloads]
+# A chunk trace's backward brings its offloaded groups back as Megatron does inside one forward's handler (NOTE [when
+# offloaded groups come back] in remat.recompute.activation_offload): each start function's backward pops its own
+# forward's reload stack, a tensor read earlier comes back alone, and start functions that find the stack empty do
+# nothing. Its segments mark where each group committed ('commit'), where each start function ran ('start') and which
+# allocation each reloaded tensor is ('reload'). Laying out a backward, the composer does what Megatron's handler queue
+# adds: the start functions that found this backward's stack empty bring back, one group each, the top groups of the
+# next backward whose chunk opens groups (megatron_runtime's next_backward) if its forward was laid out already
+# (pre_reload_last_layer): those tensors get events inserted at those start functions and are allocated there. The
+# next backward's own start functions then pop that many groups further down its stack, so a tensor of such a group is
+# moved to an event inserted at that earlier start function when the trace brought it back later. Each inserted event
+# belongs to the phase that ran when the start function did; the host series moves with the reloads.
 
 # one copied segment: (segment, chunk spec, microbatch, module prefix, 'F' or 'B', key of the tensor kept)
 Part = tuple[TraceSegment, ChunkSpec, int, str, str, Any]
@@ -43,6 +57,13 @@ class Composer:
         self.host_series: list[list[int]] = []
         self.offloaded: dict[str, int] = {}
         self.offloaded_by_layer: dict[str, int] = {}
+        # NOTE [re-timing reloads]: each laid-out forward's reload stack (its groups in commit order), the groups the
+        # backward before a forward's backward brought back for it ((chunk, microbatch) -> how many, ordinal ->
+        # (event, phase) of each tensor, segment offset -> event of its host change), and the runtime's next backward
+        # ((chunk, microbatch) -> (chunk, microbatch) and the backward segment it copies, or None)
+        self.offload_stacks: dict[tuple[int, int], list[tuple[str, int]]] = {}
+        self.prereloaded: dict[tuple[int, int], tuple[list[int], dict[int, tuple[int, int]], dict[int, int]]] = {}
+        self.next_backward: Callable[[tuple[int, int]], tuple[tuple[int, int], TraceSegment] | None] | None = None
 
     def phase(self, kind: str, region: str, detail: str = "", flops: int = 0) -> None:
         tl = self.tl
@@ -98,15 +119,40 @@ class Composer:
         base = cursor = tl.num_events
         marks: list[list[tuple[int, int]]] = [[] for _ in parts]  # (offset, phase id) of each part, in order
         starts: list[list[tuple[int, int]]] = [[] for _ in parts]  # (offset, its event) where each block starts
+        inserts = self._reload_plan(parts)
+        placed: list[dict[int, tuple[int, int]]] = [{} for _ in parts]  # ordinal -> (event, phase) re-timed
+        moved: list[dict[int, int]] = [{} for _ in parts]  # offset of a reload's host change -> its event
+        host: list[tuple[int, int, str, int, ChunkSpec]] = []
         for which, lo, hi in blocks:
             seg, spec, microbatch = parts[which][:3]
-            marks[which] += self._block_phases(seg, spec, microbatch, lo, hi, cursor)
-            starts[which].append((lo, cursor))
-            cursor += hi - lo
-        host: list[tuple[int, int, str, int, ChunkSpec]] = []
+            cuts = sorted({lo, *(o for o in inserts[which] if lo < o < hi or o == hi == seg.num_events)})
+            for a, b in zip(cuts, [*cuts[1:], hi]):  # pieces cut where reloads go in, each reload its own event
+                tokens = inserts[which].get(a, ())
+                if b > a:  # the phase running at a (its hook fired there) holds the reloads, then a's events
+                    phase_count = len(tl.phases)
+                    marks[which] += self._block_phases(seg, spec, microbatch, a, b, cursor + len(tokens))
+                    if tokens and len(tl.phases) > phase_count and tl.phases[phase_count].start == cursor + len(tokens):
+                        tl.phases[phase_count] = dataclasses.replace(tl.phases[phase_count], start=cursor)
+                    starts[which].append((a, cursor + len(tokens)))
+                phase = len(tl.phases) - 1
+                while phase > 0 and tl.phases[phase].start > cursor:
+                    phase -= 1
+                for token in tokens:
+                    where = (cursor, phase)
+                    if token[0] == "own":
+                        placed[which][token[1]] = where
+                        moved[which][token[2]] = cursor
+                    else:  # the next backward's group, brought back now (pre_reload_last_layer)
+                        _, ahead, ordinal, offset, delta, module = token
+                        self.prereloaded[ahead][1][ordinal] = where
+                        self.prereloaded[ahead][2][offset] = cursor
+                        if delta:
+                            host.append((cursor, delta, module, -1, spec))
+                    cursor += 1
+                cursor += b - a
         for which, part in enumerate(parts):
             seg = part[0]
-            if len(blocks) == 1:
+            if len(starts[which]) == 1 and starts[which][0] == (0, base):
                 at: Callable[[int], int] = base.__add__
             else:
                 offsets = [o for o, _ in starts[which]]
@@ -117,8 +163,18 @@ class Composer:
                         return cursor
                     lo, start = _starts[bisect.bisect_right(_offsets, offset) - 1]
                     return start + offset - lo
+            first_row = len(tl.nbytes)
             self._copy(part, at, marks[which])
-            host += [(at(offset), delta, module, layer, part[1]) for offset, delta, module, layer in seg.host]
+            if part[4] == "F" and seg.marks:
+                self.offload_stacks[(part[1].index, part[2])] = [(m, g) for _, k, m, g in seg.marks if k == "commit"]
+            done: dict[int, int] = {}  # host changes counted where the backward before brought them back
+            if part[4] == "B":
+                _, before, done = self.prereloaded.pop((part[1].index, part[2]), (0, {}, {}))
+                placed[which].update(before)
+            for ordinal, (event, phase) in placed[which].items():
+                tl.alloc_at[first_row + ordinal], tl.phase_index[first_row + ordinal] = event, phase
+            host += [(moved[which].get(offset, at(offset)) if delta < 0 else at(offset), delta, module, layer, part[1])
+                     for offset, delta, module, layer in seg.host if not (delta < 0 and offset in done)]
         for event, delta, module, layer, spec in sorted(host, key=lambda h: h[0]):
             held = (self.host_series[-1][1] if self.host_series else 0) + delta  # each microbatch its own bytes
             self.host_series.append([event, held])
@@ -127,6 +183,39 @@ class Composer:
                 where = str(layer + spec.layer_offset)
                 self.offloaded_by_layer[where] = self.offloaded_by_layer.get(where, 0) + delta
         tl.num_events = cursor
+
+    def _reload_plan(self, parts: Sequence[Part]) -> list[dict[int, list[tuple[Any, ...]]]]:
+        """Per part, the reloads to insert before a segment offset (NOTE [re-timing reloads]): ('own', ordinal, its
+        offset) a tensor of the backward's own group brought back at a start function's backward, ('pre', (chunk,
+        microbatch), ordinal, offset) one of the next backward's. Takes the stacks and pre-reloads it uses."""
+        ready = set(self.offload_stacks)  # forwards laid out before this step (a combined step's own is not yet)
+        out: list[dict[int, list[tuple[Any, ...]]]] = [{} for _ in parts]
+        for which, (seg, spec, microbatch, _, kind, _) in enumerate(parts):
+            key = (spec.index, microbatch)
+            if kind != "B" or not seg.marks:
+                continue
+            top = self.offload_stacks.pop(key, [])[::-1]
+            count, before, _ = self.prereloaded.get(key, ([0], {}, {}))
+            rows = _reload_rows(seg)
+            spare = []
+            for j, start in enumerate(o for o, k, _, _ in seg.marks if k == "start"):
+                if count[0] + j >= len(top):
+                    spare.append(start)  # its own stack is empty: the next backward's top group
+                    continue
+                for offset, ordinal in rows.get(top[count[0] + j], ()):  # the trace brought it back later
+                    if count[0] and start < offset and ordinal not in before:
+                        out[which].setdefault(start, []).append(("own", ordinal, offset))
+            ahead = self.next_backward(key) if self.next_backward is not None and spare else None
+            if ahead is None or ahead[0] not in ready or ahead[0] in self.prereloaded:
+                continue
+            stack, ahead_rows = self.offload_stacks[ahead[0]], _reload_rows(ahead[1])
+            self.prereloaded[ahead[0]] = ([min(len(spare), len(stack))], {}, {})
+            returned = {offset: (delta, module) for offset, delta, module, _ in ahead[1].host if delta < 0}
+            for k in range(self.prereloaded[ahead[0]][0][0]):
+                for offset, ordinal in ahead_rows.get(stack[-1 - k], ()):
+                    out[which].setdefault(spare[k], []).append(("pre", ahead[0], ordinal, offset,
+                                                                *returned.get(offset, (0, ""))))
+        return out
 
     def _block_phases(self, seg: TraceSegment, spec: ChunkSpec, microbatch: int, lo: int, hi: int,
                       start: int) -> list[tuple[int, int]]:
@@ -204,6 +293,17 @@ class Composer:
                                       self.offloaded_by_layer, "series": self.host_series}
         tl.validate()
         return tl
+
+
+def _reload_rows(seg: TraceSegment) -> dict[tuple[str, int], list[tuple[int, int]]]:
+    """A backward segment's reloaded tensors by group (offload module, chunk layer): (offset, allocation ordinal) of
+    each, in order (a reload's allocation is the event its mark names)."""
+    ordinal_at = {offset: k for k, offset in enumerate(seg.alloc_offsets)}
+    rows: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for offset, kind, module, layer in seg.marks:
+        if kind == "reload" and offset in ordinal_at:
+            rows.setdefault((module, layer), []).append((offset, ordinal_at[offset]))
+    return rows
 
 
 def combined_blocks(forward: TraceSegment, backward: TraceSegment) -> list[tuple[int, int, int]]:

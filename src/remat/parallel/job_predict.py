@@ -25,16 +25,27 @@ from typing import Any
 from remat.config import DTYPES, ModelConfig, RoutingAssumption
 from remat.job import Job, JobError
 from remat.memory.alloc_config import AllocatorConfig
+from remat.memory.fp8 import MODULE as FP8_MODULE
+from remat.memory.fp8 import check_fp8_gpu, fp8_state_bytes
 from remat.memory.fsdp_state import add_fsdp_transients, fsdp_rank_state, fsdp_summary
 from remat.memory.kernels import model_kernels, resolve_kernels
 from remat.memory.rank_state import ParamInfo, RankState, rank_parameters, rank_state
 from remat.memory.replay_pool import BackgroundReplays, replay_now
 from remat.memory.wgrad_fusion import MODULE as WGRAD_MODULE
 from remat.memory.wgrad_fusion import dummy_wgrads, output_layer_dummy
-from remat.memory.workspaces import MODULE_ALLGATHER, MODULE_TE, MODULE_TORCH, stage_workspaces
+from remat.memory.workspaces import (
+    MODULE_ALLGATHER,
+    MODULE_TE,
+    MODULE_TORCH,
+    cublas_workspace_bytes,
+    gpu_major,
+    stage_workspaces,
+)
 from remat.models.expert_parallel import received_per_rank
 from remat.models.tp_moe import simulated_expert_groups
 from remat.parallel.chunk_trace import trace_chunk
+from remat.parallel.cuda_graphs import MODULE as CUDA_GRAPH_MODULE
+from remat.parallel.cuda_graphs import add_cuda_graphs, torch_gemms_in_graphs
 from remat.parallel.deferred_wgrad import defer_output_layer_wgrad
 from remat.parallel.pipeline_predict import MAX_COMPOSED_MICROBATCHES, compose_stage
 from remat.parallel.pipeline_report import describe_stage
@@ -60,13 +71,16 @@ NOT_COUNTED = ("not counted: the CUDA context and kernels, NCCL's communicator b
                "the caching allocator's fragmentation (the reserved figures replay the allocator)")
 PARTS = ("parameters", "gradients", "master_parameters", "optimizer_state", "activations", "communication",
          "workspaces")
-RESIDENT_PARTS = ("parameters", "gradients", "master_parameters", "optimizer_state", "workspaces")
+# what a rank holds once the step is done (Megatron logs it as mem-allocated-bytes): the model state, the library
+# buffers and the tensors the step leaves behind (each pipeline chunk's last received input and its gradient: NOTE
+# [the model's last input] in remat.parallel.pipeline_runtime), not CP's ring buffers (an upper bound of a transient)
+RESIDENT_PARTS = ("parameters", "gradients", "master_parameters", "optimizer_state", "activations", "workspaces")
 PART_LABELS = {"parameters": "params", "gradients": "grads", "master_parameters": "master", "optimizer_state": "optim",
                "activations": "acts", "communication": "comm", "workspaces": "gemm ws"}  # short table headings
 MASTER_MODULE = "optimizer.master_parameters"
 OPTIMIZER_STATE_MODULE = "optimizer.state"
 # what the CUDA libraries and Megatron keep for the whole run: the "workspaces" part
-LIBRARY_BUFFERS = (MODULE_TORCH, MODULE_TE, MODULE_ALLGATHER, WGRAD_MODULE)
+LIBRARY_BUFFERS = (MODULE_TORCH, MODULE_TE, MODULE_ALLGATHER, WGRAD_MODULE, CUDA_GRAPH_MODULE)
 RING_MODULE = "cp.ring_attention.kv_exchange"
 MAIN_GRAD_COPY_MODULE = "optimizer.main_param_grads"
 
@@ -321,9 +335,14 @@ def chunk_config(config: ModelConfig, spec: ChunkSpec) -> ModelConfig:
     """The config a chunk is traced with: its own layers' kinds (dense or MoE) when the model mixes them, so that
     the chunk built from layer 0 has them (a chunk trace is cached by config and kind)."""
     pattern = config.moe_layer_pattern()
+    layers = slice(spec.layer_offset, spec.layer_offset + spec.num_layers)
+    if config.mixed_layers and spec.num_layers:  # its layers' windows (NOTE [gpt-oss layers], remat.models.blocks)
+        window = config.window_pattern()[layers] if config.mixed_attention else None  # and bf16 layers (FP8 jobs)
+        fp8 = config.fp8_layers[layers] if config.fp8_layers is not None else None
+        return config.with_depth(spec.num_layers, pattern[layers], window, fp8)
     if len(set(pattern)) == 1 or spec.num_layers == 0:  # one kind of layer, or none (an embedding/loss chunk)
         return config
-    return config.with_depth(spec.num_layers, pattern[spec.layer_offset:spec.layer_offset + spec.num_layers])
+    return config.with_depth(spec.num_layers, pattern[layers])
 
 
 def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | None = None,
@@ -380,14 +399,17 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     specs = {s.index: s for s in chunks}
     configs = {c: chunk_config(config, s) for c, s in specs.items()}
     policies = {c: chunk_policy(recompute, configs[c], s.num_layers) for c, s in specs.items()}
-    offloaded = {c: frozenset(offload_modules_of(policies[c]) if s.num_layers else ()) for c, s in specs.items()}
+    # the chunks whose layers open offload groups: decoder layers, or the last chunk's MTP depths (their layers offload)
+    offloaded = {c: frozenset(offload_modules_of(policies[c]) if s.num_layers or (s.is_last and config.mtp_num_layers)
+                              else ()) for c, s in specs.items()}
     trace_keys: dict[tuple[int, int], Any] = dict(checkpointed_forwards(actions, None, window))
     # the forwards that offload their last offload groups too (NOTE [which forwards keep their last offload group])
     trace_keys.update(offload_last_groups(actions, offloaded.__getitem__))
     with simulated_expert_groups(tp, job.ep, job.expert_tp, ep_rank):  # the rank's ep and etp positions
         traces = {(c, key): trace_chunk(configs[c], specs[c].kind, policies[c], device,
                                         tp, sp, batch_in_forward=True, kernels=kernels, drop_grads=True,
-                                        fused_wgrad=fused, offload_last=frozenset() if key is True else key)
+                                        fused_wgrad=fused, offload_last=frozenset() if key is True else key,
+                                        delay_wgrad=job.delay_wgrad_compute and kernels == "te")
                   for c, key in sorted({(c, key) for (c, _), key in trace_keys.items()}, key=str)}
     plan = ShardedStagePlan(config, pp, job.num_microbatches, vpp, stage, schedule, "megatron", chunks, actions,
                             trace_keys, traces,
@@ -404,13 +426,26 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
         params = [p for chunk in stage_parameters(job, stage) for p in chunk]
         workspaces += [(WGRAD_MODULE, nbytes) for _, nbytes in
                        dummy_wgrads(params, itemsize) + output_layer_dummy(params, itemsize)]
+    fp8 = 0
+    if config.fp8_recipe is not None:  # the FP8 weights' copies and scaling state (NOTE [FP8 linears on Hopper])
+        check_fp8_gpu(gpu)
+        fp8 = fp8_state_bytes([p for chunk in stage_parameters(job, stage) for p in chunk if p.fp8], config.fp8_recipe,
+                              param_gather=job.fp8_param_gather, amax_history=job.fp8_amax_history_len,
+                              block=plan.block)
     add_model_state(timeline, state, ring_exchange_bytes(job), workspaces, block=plan.block,
-                    main_grad_copies=main_grad_copy_bytes(job, state))
+                    main_grad_copies=main_grad_copy_bytes(job, state), fp8_weights=fp8)
     if job.fsdp is not None:  # its unsharded weight and gradient buckets, by phase
         params = stage_parameters(job, stage)[0]
         groups = fsdp_rank_state(job, params)[1]
         add_fsdp_transients(timeline, job, groups, params, block=plan.block)
         timeline.meta["fsdp"] = fsdp_summary(groups)
+    if job.cuda_graph_modules is not None:  # the capture, then a step whose graphs allocate nothing (NOTE there)
+        capture = actions if pp > 1 else schedule_actions(schedule, pp, 1, vpp, stage, runtime="megatron", group=group)
+        cublas = (cublas_workspace_bytes((env or {}).get("CUBLAS_WORKSPACE_CONFIG"), gpu_major(gpu))
+                  if torch_gemms_in_graphs(job) and (device == "cuda" or kernels != "cpu") else 0)
+        timeline = add_cuda_graphs(timeline, job, chunks, capture, block=plan.block,
+                                   moments_module=OPTIMIZER_STATE_MODULE, cublas_workspace=cublas,
+                                   cublas_module=MODULE_TORCH)
     timeline.meta["job"] = {"stage": stage, "tp": tp, "sp": sp, "cp": cp, "dp": job.dp, "pp": pp, "vpp": job.vpp,
                             "ep": job.ep, "ep_rank": state.ep_rank, "expert_dp_rank": state.expert_dp_rank,
                             "precision": job.precision, "optimizer": job.optimizer,
@@ -434,7 +469,8 @@ def main_grad_copy_bytes(job: Job, state: RankState) -> int:
 
 
 def add_model_state(timeline: Timeline, state: RankState, ring_bytes: int = 0,
-                    workspaces: Sequence[tuple[str, int]] = (), *, block: int = 1, main_grad_copies: int = 0) -> None:
+                    workspaces: Sequence[tuple[str, int]] = (), *, block: int = 1, main_grad_copies: int = 0,
+                    fp8_weights: int = 0) -> None:
     """Put a rank's model state into its stage timeline (in place).
 
     The chunks are traced with Megatron's DDP hook (``trace_chunk(drop_grads=True)``: each ``param.grad`` is
@@ -444,7 +480,8 @@ def add_model_state(timeline: Timeline, state: RankState, ring_bytes: int = 0,
     gradient a trace still keeps becomes a transient, and the buffers that
     live all step are added at the first event: the main-gradient buffer, the parameter buffer (its padding), the
     master parameters and the optimizer state, context parallelism's ring buffers and the CUDA libraries' GEMM
-    workspaces (``workspaces``: ``(module, bytes)``, NOTE [GEMM workspaces]).
+    workspaces (``workspaces``: ``(module, bytes)``, NOTE [GEMM workspaces]) and the FP8 linears' weight copies
+    and scaling state (``fp8_weights``, :func:`remat.memory.fp8.fp8_state_bytes`).
 
     The trace rounds each parameter to the allocator's ``block`` bytes, as a separate tensor is on CUDA; with the
     distributed optimizer Megatron moves the parameters into its param_data buffer (they become views of it), so
@@ -474,6 +511,7 @@ def add_model_state(timeline: Timeline, state: RankState, ring_bytes: int = 0,
             (missing, "ddp.param_buffer" if state.param_buffer else "parameters.untraced", "parameters"),
             (state.master_parameters, MASTER_MODULE, "optimizer_state"),
             (state.optimizer_state, OPTIMIZER_STATE_MODULE, "optimizer_state"),
+            (fp8_weights, FP8_MODULE, "parameters"),
             (ring_bytes, RING_MODULE, "other"), *((n, module, "other") for module, n in workspaces)]
     for nbytes, module, category in rows:
         if nbytes > 0:

@@ -24,7 +24,7 @@ from remat.models.collectives import released
 from remat.models.tp_stage import hidden_shape
 from remat.parallel.schedule import ChunkSpec
 from remat.parallel.stages import PipelineRecorder
-from remat.recompute.activation_offload import offloading_last_groups
+from remat.recompute.activation_offload import offload_runtime, offloading_last_groups
 
 # Module names of the model state rows: the same names remat.parallel.job_predict gives its rows.
 GRAD_BUFFER = "ddp.grad_buffer"
@@ -385,6 +385,7 @@ class RankStep:
         self.model_input: torch.Tensor | None = None  # TransformerBlock.input_tensor (set_input_tensor)
         # microbatch -> the offload modules whose last group its forward offloads too (schedule.offload_last_groups)
         self.offload_last: dict[int, frozenset[str]] = {}
+        self.forwarded: set[int] = set()  # microbatches whose forward ran this step (their groups can be pre-reloaded)
 
     # -- forward / backward of one microbatch ---------------------------------------------------------------
     def _ids(self, mb: int, which: int) -> torch.Tensor:
@@ -399,8 +400,9 @@ class RankStep:
         self.model_input = input_tensor  # set_input_tensor: the model keeps it until the next forward step
         x = self._ids(mb, 0) if self.spec.is_first else input_tensor
         labels = self._ids(mb, 1) if self.spec.is_last else None
-        with offloading_last_groups(self.offload_last.get(mb, ())):
+        with offloading_last_groups(self.offload_last.get(mb, ())), offload_runtime(forward=mb):
             output = self.module(x, labels) if labels is not None else self.module(x)
+        self.forwarded.add(mb)
         del x, labels
         if self.spec.is_last:
             store.append(output.detach().clone())  # forward_data_store: the loss reported for logging
@@ -414,7 +416,12 @@ class RankStep:
             self.recorder.begin_op("backward", self.spec, mb)
         if input_tensor is not None:
             input_tensor.retain_grad()
-        custom_backward(output_tensor, output_tensor_grad)
+        # the next backward is the next microbatch's (1F1B): once its forward ran, a backward whose own reload stack is
+        # empty brings back its groups (NOTE [when offloaded groups come back] in remat.recompute.activation_offload)
+        with offload_runtime(next_backward=mb + 1 if mb + 1 in self.forwarded else None):
+            custom_backward(output_tensor, output_tensor_grad)
+        if mb == self.m - 1:
+            self.forwarded.clear()
         grad = input_tensor.grad if input_tensor is not None else None
         if self.recorder is not None:
             self.recorder.end_op()

@@ -9,7 +9,7 @@ from typing import Any
 
 from remat.config import ModelConfig
 from remat.memory.compose import CompositionError
-from remat.parallel.chunk_trace import ChunkTrace
+from remat.parallel.chunk_trace import ChunkTrace, TraceSegment
 from remat.parallel.composer import Composer, Part
 from remat.parallel.schedule import Action, ChunkSpec, warmup_forwards
 from remat.parallel.stages import phase_detail
@@ -303,10 +303,30 @@ def megatron_runtime(plan: StagePlan, composer: Composer) -> None:
                 raise CompositionError(f"chunk {chunk}: runtime='megatron' makes each microbatch's token ids / "
                                        "labels inside its forward; trace the chunk with "
                                        "trace_chunk(..., batch_in_forward=True)")
+    composer.next_backward = _next_backwards(plan).get  # NOTE [re-timing reloads] in remat.parallel.composer
     if plan.vpp > 1 or plan.combined:
         _megatron_by_action(plan, composer)
     else:
         _MegatronSchedule(plan, composer).run()
+
+
+def _next_backwards(plan: StagePlan) -> dict[tuple[int, int], tuple[tuple[int, int], TraceSegment] | None]:
+    """(chunk, microbatch) of each backward -> the next backward whose chunk opens offload groups (Megatron's
+    front_backward_chunk skips the empty handlers) and the segment it copies (as :func:`_backward_part` picks it)."""
+    seen: set[int] = set()
+    order: list[tuple[tuple[int, int], TraceSegment]] = []
+    for a in plan.actions:
+        if a.kind == "B":
+            trace = plan.trace(a)
+            order.append(((a.chunk, a.microbatch), trace.backward_next if a.chunk in seen else trace.backward_first))
+            seen.add(a.chunk)
+    out: dict[tuple[int, int], tuple[tuple[int, int], TraceSegment] | None] = {}
+    after: tuple[tuple[int, int], TraceSegment] | None = None
+    for key, seg in reversed(order):
+        out[key] = after
+        if any(kind == "start" for _, kind, _, _ in seg.marks):
+            after = (key, seg)
+    return out
 
 
 class _MegatronSchedule:
@@ -433,7 +453,8 @@ class _MegatronSchedule:
 def _megatron_by_action(plan: StagePlan, composer: Composer) -> None:
     """The interleaved schedule, action by action: a received activation is a fresh tensor from just before the
     forward until the microbatch's backward ends, a stage output is freed once sent, a received output gradient
-    lives through its backward, an input gradient is freed once sent; the losses are kept until the step ends.
+    lives through its backward, an input gradient is freed once sent; the losses are kept until the step ends. A
+    chunk's latest input and its gradient stay until the chunk's next forward (NOTE [the model's last input]).
     With ``plan.combined`` each forward followed by a backward runs with it as one combined 1F1B step (NOTE [the
     combined 1F1B schedule] in :mod:`remat.parallel.composer`)."""
     first_backward: set[int] = set()
@@ -441,11 +462,28 @@ def _megatron_by_action(plan: StagePlan, composer: Composer) -> None:
     composer.phase("setup", "pipeline")
     tokens = ("total_num_tokens", plan.rank)  # the schedule's token counter, alive until it returns
     composer.alloc(tokens, _storage_bytes(4, plan.block), "pipeline.total_num_tokens")
+    # NOTE [the model's last input]: each chunk's model keeps the input of its latest forward (set_input_tensor,
+    # schedules.py:506-507 and combined_1f1b.py:372-373 -> transformer_block.py:455-463 ``self.input_tensor``) and
+    # with it that input's ``.grad`` (backward_step's retain_grad, schedules.py:561, 591; combined_1f1b.py:421, 504),
+    # so a received input and its gradient outlive the backward until the chunk's next forward: the last ones
+    # outlive the step (the resident state after it), the previous step's are held until the first forward
+    held: dict[int, int] = {}  # chunk -> the microbatch whose input its model holds (-1: the previous step's)
+    finished: set[tuple[int, int]] = set()  # (chunk, microbatch) whose backward has run
+    for spec in plan.chunks:
+        if not spec.is_first:
+            held[spec.index] = -1
+            composer.alloc(("recv_act", (spec.index, -1)), act, f"pipeline.stage{spec.index}.recv_activation",
+                           plan.trace(Action("F", spec.index, plan.microbatches - 1)).input_category)
+            composer.alloc(("igrad", spec.index, -1), act, f"pipeline.stage{spec.index}.input_grad")
+            finished.add((spec.index, -1))
     k = 0
     while k < len(actions):
         a = actions[k]
+        # a forward runs beside the backward after it, never its own microbatch's: with pp = 1 the last forward
+        # runs alone and so does the last backward (combined_1f1b.py:77-135; one microbatch: F0 then B0)
         pair = [a, actions[k + 1]] if plan.combined and a.kind == "F" and k + 1 < len(actions) and \
-            actions[k + 1].kind == "B" else [a]
+            actions[k + 1].kind == "B" and (actions[k + 1].chunk, actions[k + 1].microbatch) != \
+            (a.chunk, a.microbatch) else [a]
         k += len(pair)
         composer.phase("setup", "pipeline", phase_detail(a.microbatch, a.chunk))
         for x in pair:  # what is received before the step
@@ -455,6 +493,12 @@ def _megatron_by_action(plan: StagePlan, composer: Composer) -> None:
                                plan.trace(x).input_category)
             elif x.kind == "B" and not spec.is_last:
                 composer.alloc(("recv_grad", mb), act, f"pipeline.stage{spec.index}.recv_grad")
+        for x in pair:  # set_input_tensor: the model lets go of its previous input (once its backward has run)
+            if x.kind == "F" and x.chunk in held:
+                old, held[x.chunk] = (x.chunk, held[x.chunk]), x.microbatch
+                if old in finished:
+                    composer.free(("recv_act", old))
+                    composer.free(("igrad", *old))
         parts = [_forward_part(plan, x) if x.kind == "F" else _backward_part(plan, x, first_backward) for x in pair]
         if len(parts) == 2:
             composer.combined(parts[0], parts[1])
@@ -469,7 +513,9 @@ def _megatron_by_action(plan: StagePlan, composer: Composer) -> None:
                 else:  # forward_data_store: the loss reported for logging, kept until the step ends
                     composer.alloc(("loss_copy", *mb), plan.trace(x).output_bytes, "pipeline.forward_data_store")
             else:
-                for key in (part[-1], ("recv_grad", mb), ("recv_act", mb)):
+                finished.add(mb)
+                kept = held.get(x.chunk) == x.microbatch  # the model still holds it, and its grad
+                for key in (("recv_grad", mb),) if kept else (part[-1], ("recv_grad", mb), ("recv_act", mb)):
                     composer.free(key)
     composer.phase("setup", "pipeline")
     for key in [key for key in composer.keys if key[0] in ("out", "loss_copy")] + [tokens]:

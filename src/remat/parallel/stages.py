@@ -137,6 +137,10 @@ class PipelineRecorder(StepRecorder):
         self.context: tuple[int, int] | None = None
         # fine-grained offloading: (event, host bytes added (< 0: reloaded), offload module, stack layer or -1)
         self.host_events: list[tuple[int, int, str, int]] = []
+        # and its reload marks (event, 'commit' | 'start' | 'reload', module, stack layer, (op kind, microbatch)): NOTE
+        # [when offloaded groups come back] in remat.recompute.activation_offload
+        self.offload_marks: list[tuple[int, str, str, int, tuple[str, int] | None]] = []
+        self.op: tuple[str, int] | None = None
         super().__init__(model, [layer for chunk in chunks for layer in chunk.layers], block_bytes=block_bytes)
         self.chunks = list(chunks)
         self.layer_index = {}
@@ -158,6 +162,7 @@ class PipelineRecorder(StepRecorder):
     def begin_op(self, kind: str, spec: ChunkSpec, microbatch: int) -> None:
         """A forward or backward of ``spec``'s chunk on ``microbatch`` starts."""
         self.context = (microbatch, spec.index)
+        self.op = (kind, microbatch)
         if kind == "forward":
             self.set_phase("forward", "embedding" if spec.is_first else "")
         else:
@@ -171,9 +176,12 @@ class PipelineRecorder(StepRecorder):
         self.host_events.append((self.timeline.num_events, -nbytes, module, -1))
         super().on_reload(module, tensors, nbytes)
 
+    def on_offload_mark(self, kind: str, module: str, layer: int) -> None:
+        self.offload_marks.append((self.timeline.num_events, kind, module, layer, self.op))
+
     def end_op(self) -> None:
         """The current forward or backward ended; what follows is the pipeline runtime's own work."""
-        self.context = None
+        self.context = self.op = None
         self.set_phase("setup", "pipeline")
 
     def _default_module(self) -> str:

@@ -9,10 +9,11 @@ import sys
 from collections.abc import Callable, Sequence
 
 from remat.config import ModelConfig
+from remat.memory.trace_pool import idle_workers, run_forked
 from remat.plan.costs import CostModel
 from remat.plan.megatron import MOE_MLA_MODULES, megatron_modules, megatron_policies
 from remat.plan.options import PlanOptions
-from remat.plan.unit_model import UnitModel, add_traced_units
+from remat.plan.unit_model import UnitModel, UnitShape, add_traced_units
 from remat.policy import SELECTIVE_MODULES, Policy
 from remat.recompute.plan_format import KEEP, Unit
 
@@ -114,15 +115,22 @@ def add_moe_units(model: UnitModel, config: ModelConfig) -> UnitModel:
     of :data:`TRACE_BATCH`); a set that does less on this layer is priced as what it does there (the unit of that
     set, or a kept layer).
 
-    The traces run in this process: nothing they leave changes a later trace since mla_up_proj's saved-tensor hooks
-    are popped after a core_attn layer (:class:`remat.recompute.discard.OutputDiscardingRegion`; left pushed, they
-    made a DeepSeek-V3 stage's later full/block/1 trace 67 MB over its own, which is why these traces ran in a
-    forked process before).
+    The traces run in this process, or where cores stand idle (:func:`remat.memory.trace_pool.idle_workers`) each
+    batch in a forked worker, its shapes sent back and added in the order it added them: the same shapes, since
+    nothing a trace leaves changes a later trace now that mla_up_proj's saved-tensor hooks are popped after a
+    core_attn layer (:class:`remat.recompute.discard.OutputDiscardingRegion`; left pushed, they made a DeepSeek-V3
+    stage's later full/block/1 trace 67 MB over its own, which is why these traces ran in a forked process before).
     """
     sets = moe_mla_sets(config)
     own = [Unit("selective", 1, s) for s in sets if on_layer(s, model.config) == s]
-    for start in range(0, len(own), TRACE_BATCH):
-        add_traced_units(model, own[start:start + TRACE_BATCH])
+    batches = [own[start:start + TRACE_BATCH] for start in range(0, len(own), TRACE_BATCH)]
+    workers = min(idle_workers(), len(batches))
+    if workers > 1:  # side by side where cores stand idle: each batch's stack is traced alone (see above)
+        for shapes in run_forked([_traced_batch(model, batch) for batch in batches], workers):
+            model.shapes.update(shapes)
+    else:
+        for batch in batches:
+            add_traced_units(model, batch)
     # a unit add_traced_units leaves out of its batch (its bytes depend on its neighbours) is traced alone, and left
     # out (not searched) if still so; none is for the models of the tests and DeepSeek-V3 since mla_up_proj's hooks
     # are popped (left pushed, they kept every later router's scores, 2 MiB a DeepSeek-V3 layer, and the sets with
@@ -140,6 +148,16 @@ def add_moe_units(model: UnitModel, config: ModelConfig) -> UnitModel:
                     continue
             model.shapes[unit] = model.shapes[same]
     return model
+
+
+def _traced_batch(model: UnitModel, batch: list[Unit]) -> Callable[[], dict[Unit, UnitShape]]:
+    """A task (remat.memory.trace_pool.run_forked) adding ``batch``'s shapes to ``model`` as
+    :func:`~remat.plan.unit_model.add_traced_units` does, and returning those it added, in the order it added them."""
+    def task() -> dict[Unit, UnitShape]:
+        before = set(model.shapes)
+        add_traced_units(model, batch)
+        return {u: shape for u, shape in model.shapes.items() if u not in before}
+    return task
 
 
 def layer_moe_units(model: UnitModel, options: PlanOptions | None = None) -> list[Unit]:

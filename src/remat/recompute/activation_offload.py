@@ -4,7 +4,6 @@ backward wait in host memory between forward and backward (:class:`ActivationOff
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
 import itertools
@@ -62,21 +61,36 @@ DELAYED_COMMIT = {"attn_norm": "mlp_norm", "mlp_norm": "", "moe_act": "mlp.exper
 # which the model's code still holds; remat swaps the input tensor's data for an empty tensor (so a recorder sees
 # the storage go when its last view goes), and only when the module saved that very storage and it was offloaded,
 # so nothing can read a freed input, and the input is not a leaf (a tensor the caller gave, e.g. a pipeline stage's
-# input, which backward gives a .grad of its shape). In backward, the first time a handle of a group is unpacked
-# the whole group is copied back (one allocation per saved tensor) and the group started just before it in the same
-# forward is prefetched (Megatron issues that prefetch when the group's backward ends, remat when it starts, so
-# remat holds it a little longer); the copies go when autograd releases the handles, after their node ran. Observers
-# (the step recorder) are told the host bytes as they come and go (on_offload / on_reload) and see each reloaded
-# copy allocated when it is made. Inside other saved-tensor hooks (a non-reentrant checkpoint's) nothing is tagged
-# (an output-discarding region's excepted: NOTE [offloading a discarded output]).
+# input, which backward gives a .grad of its shape). In backward the groups come back as NOTE [when offloaded groups
+# come back] says; the copies go when autograd releases the handles, after their node ran. Observers (the step
+# recorder) are told the host bytes as they come and go (on_offload / on_reload, one call per reloaded tensor), see
+# each reloaded copy allocated when it is made, and a pipeline recorder the marks the composer re-times reloads by
+# (on_offload_mark: 'commit', 'start', 'reload'). Inside other saved-tensor hooks (a non-reentrant checkpoint's)
+# nothing is tagged (an output-discarding region's excepted: NOTE [offloading a discarded output]).
+#
+# NOTE [when offloaded groups come back]
+# Megatron (pipeline_parallel/fine_grained_activation_offload.py at d98e8a64) pushes each group it offloads on its
+# forward handler's reload stack when the group commits (bulk_offload:1229, commit order: a delayed attn_norm after
+# attn_proj, mlp_norm last), and every group it opened, offloaded or kept, has a start function on its first input
+# (FineGrainedOffloadingGroupStartFunction:1439) whose backward (on_group_start_backward:1332 -> bulk_reload:1271)
+# brings back the top group of that handler's stack, or, once the stack is empty, the top group of the next backward
+# handler whose forward has ended (pre_reload_last_layer:1198: a pipeline's next backward, laid out by
+# remat.parallel.composer, or the measured runtime's offload_runtime(next_backward=...)). A tensor backward needs
+# before its group came back is reloaded alone (tensor_pop:1063). So the reloads run ahead of backward by as many
+# groups as the forward kept or had brought back by the backward before it: with its last layer's groups kept, a
+# forward's backward reloads the layer below during its last layer and the next backward's last layer after that.
+# remat hooks the group's first tensor input (its gradient hook runs when the start function's backward would) and
+# pops the forward's own stack; the next handler's groups are the runtime's (remat.parallel.composer for a
+# prediction, offload_runtime for a measured rank: a chunk trace has none, so its segments are re-timed per action).
 #
 # NOTE [offloading in a pipeline]
 # Under pipeline parallelism each model chunk has its own ActivationOffload (remat.apply runs per chunk), and every
 # forward of a microbatch offloads its groups independently: a rank holds on the host the groups of every
-# microbatch in flight (its host peak adds them up), each brought back by its own backward (the prefetch stays
-# within one forward). remat.parallel.job_predict composes this from the chunk trace (each forward/backward
-# segment carries its host changes, remat.parallel.chunk_trace.TraceSegment.host) and a gloo run of the job measures
-# the same, device and host bytes to the byte (tests/parallel/test_offload_pipeline.py).
+# microbatch in flight (its host peak adds them up), each brought back by its own backward or, for its top groups,
+# by the backward before it (NOTE [when offloaded groups come back]). remat.parallel.job_predict composes this from
+# the chunk trace (each forward/backward segment carries its host changes and reload marks,
+# remat.parallel.chunk_trace.TraceSegment, re-timed by NOTE [re-timing reloads] in remat.parallel.composer) and a gloo
+# run of the job measures the same, device and host bytes to the byte (tests/parallel/test_offload_pipeline.py).
 # Which forwards keep their last layer's groups on the device follows Megatron's rule (NOTE [which forwards keep
 # their last offload group] in remat.parallel.schedule): a forward keeps them when it is the step's first backward's
 # or its own backward runs next, and offloads them inside offloading_last_groups (which the Megatron runtimes, traced
@@ -94,6 +108,22 @@ DELAYED_COMMIT = {"attn_norm": "mlp_norm", "mlp_norm": "", "moe_act": "mlp.exper
 # value are offloaded, not replaced by placeholders) and the region refills from a hook on the consumer's output
 # (remat.recompute.discard.OutputDiscardingRegion).
 _LAST_GROUPS_OFFLOADED: list[frozenset[str]] = [frozenset()]
+# the measured pipeline runtime's names (NOTE [when offloaded groups come back]): the running forward's microbatch, and
+# during a backward the microbatch of the next backward whose forward has ended (its groups are pre-reloaded)
+_RUNTIME: dict[str, Any] = {"forward": None, "next_backward": None}
+
+
+@contextlib.contextmanager
+def offload_runtime(forward: Any = None, next_backward: Any = None) -> Iterator[None]:
+    """Inside the block, groups a forward opens carry ``forward`` (its microbatch), and a backward whose own reload
+    stack is empty brings back the groups of the forward named ``next_backward`` (Megatron's pre_reload_last_layer
+    into the next backward handler, NOTE [when offloaded groups come back])."""
+    before = dict(_RUNTIME)
+    _RUNTIME.update(forward=forward, next_backward=next_backward)
+    try:
+        yield
+    finally:
+        _RUNTIME.update(before)
 
 
 @contextlib.contextmanager
@@ -125,8 +155,8 @@ class _Saved:
 def _unpack(saved: _Saved) -> torch.Tensor:
     if saved.tensor is not None:
         return saved.tensor
-    if saved.device is None:
-        saved.group.owner.reload(saved.group)
+    if saved.device is None:  # not brought back by its group's reload yet: this tensor alone, now (tensor_pop)
+        saved.group.reload([saved])
     tensor = saved.device
     if saved.event is not None:  # the compute stream waits for the copy only when it needs the tensor
         current = torch.cuda.current_stream(tensor.device)
@@ -157,12 +187,14 @@ class OffloadGroup:
     def __init__(self, owner: ActivationOffload, name: str, layer: int, seq: int, forward: int,
                  params: set[StorageWeakRef], released: list[torch.Tensor]):
         self.owner, self.name, self.layer, self.seq, self.forward = owner, name, layer, seq, forward
+        self.tag = _RUNTIME["forward"]  # the runtime's name for this forward (its microbatch), or None
         self.params = params
         self.released = [weakref.ref(t) for t in released]
         self.saved: list[weakref.ref[_Saved]] = []
         self.host_bytes = 0
         self.device: torch.device | None = None
         self.reloaded = False
+        self.on_host: dict[int, int] = {}  # id of an offloaded handle not back yet -> its host bytes
 
     def pack(self, tensor: torch.Tensor) -> _Saved:
         saved = _Saved(self, tensor.detach())  # detached: a saved output would otherwise hold its own grad_fn
@@ -179,6 +211,9 @@ class OffloadGroup:
         for saved in moving:
             saved.host = offload_to_host(saved.tensor)
             self.host_bytes += saved.tensor.numel() * saved.tensor.element_size()
+            # a handle autograd lets go of unread (its node never runs) takes its host copy with it
+            self.on_host[id(saved)] = saved.host.numel() * saved.host.element_size()
+            weakref.finalize(saved, self._dropped, id(saved))
         self.device = moving[0].tensor.device
         for observer in observers:
             if hasattr(observer, "on_offload"):
@@ -194,20 +229,29 @@ class OffloadGroup:
             tensor.data = tensor.new_empty(0)
         self.released = []
 
-    def reload(self) -> None:
-        """Bring every offloaded tensor of the group back to the device (once)."""
-        if self.reloaded:
-            return
-        self.reloaded = True
-        back = []
-        for saved in (ref() for ref in self.saved):
-            if saved is not None and saved.host is not None:
-                saved.device, saved.event = _to_device(saved.host, self.device)
-                saved.host = None
-                back.append(saved.device)
-        for observer in observers:
+    def _dropped(self, key: int) -> None:
+        """A handle died with its tensor still on the host: its bytes leave the host, none come to the device."""
+        nbytes = self.on_host.pop(key, 0)
+        for observer in observers if nbytes else ():
             if hasattr(observer, "on_reload"):
-                observer.on_reload(self.name, back, self.host_bytes)
+                observer.on_reload(self.name, [], nbytes)
+
+    def reload(self, only: Sequence[_Saved] | None = None) -> None:
+        """Bring the group's offloaded tensors back to the device (``only``: those handles alone, Megatron's
+        ``tensor_pop`` of one tensor that backward needs before its group came back), one allocation each."""
+        if only is None:
+            self.reloaded = True
+        for saved in (ref() for ref in self.saved) if only is None else only:
+            if saved is None or saved.host is None:
+                continue
+            nbytes = self.on_host.pop(id(saved), 0)
+            saved.device, saved.event = _to_device(saved.host, self.device)
+            saved.host = None
+            for observer in observers:
+                if hasattr(observer, "on_offload_mark"):
+                    observer.on_offload_mark("reload", self.name, self.layer)
+                if hasattr(observer, "on_reload"):
+                    observer.on_reload(self.name, [saved.device], nbytes)
 
 
 class ActivationOffload:
@@ -311,18 +355,25 @@ class ActivationOffload:
         discarding = top is not None and isinstance(getattr(top[0], "__self__", None), DiscardHandle)
         kept = i == self.last_of[name] and name not in _LAST_GROUPS_OFFLOADED[0]  # stays on the device
         if in_backward() or not torch.is_grad_enabled() or any(entry is not None for entry in stack) or \
-                (top is not None and not discarding) or kept:
+                (top is not None and not discarding):
             # a recomputation, a checkpoint's no-grad forward, a nested call: nothing to tag; inside other saved-tensor
             # hooks (a non-reentrant checkpoint's) the saved tensors are theirs, as in Megatron's checkpoints
             stack.append(None)
             return
-        layer = self.stack[i]
-        params = {StorageWeakRef(t.untyped_storage()) for t in itertools.chain(layer.parameters(), layer.buffers())}
-        inputs = [leaf for leaf in tree_flatten(args)[0] if isinstance(leaf, torch.Tensor)][:RELEASED_INPUTS[name]]
         place = (i, OFFLOAD_MODULES.index(name))  # groups start in this order within one forward
         if place <= self.last_start:
             self.forward += 1
         self.last_start = place
+        tensors = [leaf for leaf in tree_flatten(args)[0] if isinstance(leaf, torch.Tensor)]
+        first = next((t for t in tensors if t.requires_grad), None)
+        if first is not None:  # the group's start function: its backward pops a reload (kept groups' too)
+            first.register_hook(functools.partial(self._start_backward, i, name, self.forward, _RUNTIME["forward"]))
+        if kept:
+            stack.append(None)
+            return
+        layer = self.stack[i]
+        params = {StorageWeakRef(t.untyped_storage()) for t in itertools.chain(layer.parameters(), layer.buffers())}
+        inputs = tensors[:RELEASED_INPUTS[name]]
         group = OffloadGroup(self, name, i, next(self.counter), self.forward, params, inputs)
         hooks = torch.autograd.graph.saved_tensors_hooks(group.pack, _unpack)
         hooks.__enter__()
@@ -352,21 +403,26 @@ class ActivationOffload:
 
     def _commit(self, group: OffloadGroup) -> None:
         group.commit(self.min_size)
-        if group.host_bytes:
-            self.waiting = [g for g in self.waiting if any(ref() is not None for ref in g.saved)]  # forgotten steps
-            bisect.insort(self.waiting, group, key=lambda g: g.seq)
+        # Megatron's reload stack takes every group it offloads, in commit order, also one with nothing large enough
+        self.waiting = [g for g in self.waiting if not g.saved or any(ref() is not None for ref in g.saved)]
+        self.waiting.append(group)
+        for observer in observers:
+            if hasattr(observer, "on_offload_mark"):
+                observer.on_offload_mark("commit", group.name, group.layer)
 
     # -- backward -----------------------------------------------------------------------------------------
-    def reload(self, group: OffloadGroup) -> None:
-        """Bring ``group`` back and prefetch the group that started just before it in the same forward (the next
-        one backward needs; a pipeline's other microbatches are not prefetched)."""
-        k = next((k for k, g in enumerate(self.waiting) if g is group), None)
-        group.reload()
-        if k is None:
-            return
-        del self.waiting[k]
-        if k > 0 and self.waiting[k - 1].forward == group.forward:
-            self.waiting.pop(k - 1).reload()
+    def _start_backward(self, i: int, name: str, forward: int, tag: Any, grad: torch.Tensor) -> None:
+        """A group's start function's backward (NOTE [when offloaded groups come back]): bring back the top group of
+        its forward's reload stack, or once that is empty the top group of the runtime's next backward."""
+        for observer in observers:
+            if hasattr(observer, "on_offload_mark"):
+                observer.on_offload_mark("start", name, i)
+        own = [g for g in self.waiting if g.forward == forward]
+        if not own and _RUNTIME["next_backward"] is not None and _RUNTIME["next_backward"] != tag:
+            own = [g for g in self.waiting if g.tag == _RUNTIME["next_backward"]]
+        if own:
+            self.waiting.remove(own[-1])
+            own[-1].reload()
 
 
 def offload_modules_of(policy: Any) -> tuple[str, ...]:

@@ -271,7 +271,8 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
         grouped.update(group)
     # Megatron's MTP depths build their transformer layer from the decoder's config, so it runs the same selective
     # modules (multi_token_prediction.py:1655-1736 at d98e8a64): as the last decoder layer's
-    extra = [(len(stack) - 1, layer, name) for name, layer in _mtp_layers(model)] if hf is None and stack else []
+    mtp = [(name, layer) for name, layer in _mtp_layers(model) if all(layer is not s for s in stack)]
+    extra = [(len(stack) - 1, layer, name) for name, layer in mtp] if hf is None and stack else []
     for i, layer, layer_name in [(i, layer, names[i]) for i, layer in enumerate(stack)] + extra:
         modules = policy.selective_modules(i)
         if modules and i in grouped and layer is stack[i]:
@@ -306,7 +307,11 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
                              "so it runs layer by layer, and its input cannot be offloaded: drop the offload "
                              "segment, or make groups of layers of one type")
     _refuse_shared_modules(regions, stack, stack_path)
-    offload = prepare_offload(policy, stack, names)  # the policy's offload_modules (remat.recompute.activation_offload)
+    # the policy's offload_modules (remat.recompute.activation_offload), in the MTP depths' layers too: Megatron's MTP
+    # layer is a TransformerLayer whose groups go to the same chunk handler, after the decoder's
+    # (multi_token_prediction.py:1361 _proj_and_transformer_layer at d98e8a64)
+    offload = prepare_offload(policy, stack + [layer for _, layer in mtp] if hf is None else stack,
+                              names + [name for name, _ in mtp] if hf is None else names)
     remove(model)
     installed: list[Region] = []
     try:
