@@ -42,10 +42,6 @@ NOTES = {
         "no missing tensor found; balanced routing is assumed and --moe-aux-loss-coeff is 0 (nothing balances the "
         "experts): the logged running peak climbs from 1.0649 GiB (iteration 2, remat -1.6%) to 1.0707 GiB "
         "(iteration 26) with the routing; routing 60% of the copies to this rank's experts predicts -0.3%",
-    "moe/gpt3_mcore_te_tp2_zp_z3_resume_torch_dist_te_8experts2parallel_top2router":
-        "53 MiB at the backward-head peak not found, and the embedding's fp32 grad bucket (51 MiB) counted there is an "
-        "upper bound (the tied weight's gradient reaches it at the embedding's backward): without it -4.2%, 104 MiB "
-        "missing, of which 9 MiB also in the dense Megatron-FSDP case and ~96 MiB the size of its 12 expert buckets",
     "moe/gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed":
         "no missing tensor: the logged running peak stays at 53.94 GiB from iteration 3 to 29 (remat +1.3%) and "
         "climbs to 55.98 GiB only at iterations 30-39, with a flat resident state: data-dependent, i.e. dropless "

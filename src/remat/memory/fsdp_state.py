@@ -32,7 +32,17 @@ param_and_grad_buffer.py unless said otherwise):
   (``_root_post_backward`` -> ``GradReducePipeline.reset``, megatron_fsdp.py:901). An untied output layer's
   (unfused) weight gradient is its group's first ``main_grad`` access (``_grad_acc``, megatron_fsdp.py:635-682), so
   that group's bucket is made there, not where the head's backward starts (a tied weight is shared: its gradient
-  waits for the root post-backward hook, 742, 867; its bucket keeps the phase-start upper bound);
+  waits for the root post-backward hook, 742, 867: the group's bucket is then made by the final norm's weight
+  gradient, the head backward's last, through its post-accumulate-grad hook, 1136-1143);
+* the process's first forward: a non-unit module's pre-forward hook (registered on every module outside a unit,
+  megatron_fsdp.py:1086) gathers its direct parameters' bucket with forward prefetch unless its state is
+  PRE_BACKWARD (794-813); the root pre-backward sets every module's state to PRE_BACKWARD (936-953) and only the
+  units' return to IDLE (704), so the non-units prefetch in the first forward only; there the final norm's hook
+  prefetches, from the non-unit bucket 0 on, the units' buckets their post-forward released (param_and_grad_buffer.py
+  4441-4516, up to the prefetch limit; a non-unit gather prefetches nothing with ``--fsdp-double-buffer``, 4441-4449):
+  they are gathered again at the head's forward and held to each unit's backward release (the measured peak is the
+  run's maximum, so the first step's first microbatch counts; priced in the modelled step, beside Adam's moments:
+  an upper bound where the first step has none yet);
 * with ``--overlap-param-gather`` the optimizer step ends in ``start_param_sync`` (distrib_optimizer.py:3181-3185,
   megatron_fsdp.py:1284-1308): the first parameter's bucket (the embedding's non-unit one) and those it prefetches
   in forward order (:func:`start_param_sync_buckets`) are gathered, and stay so after the step (the preserved
@@ -83,6 +93,7 @@ GRAD_BUCKET_MODULE = "fsdp.unsharded_grads"
 POOL_MODULES = {GATHER_MODULE: "fsdp.double_buffer.params", GRAD_BUCKET_MODULE: "fsdp.double_buffer.grads"}
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 OUTPUT_WEIGHT = "head.output_layer.weight"
+FINAL_NORM = "head.final_layernorm.weight"
 
 
 @dataclass(frozen=True)
@@ -320,6 +331,7 @@ def add_fsdp_transients(timeline: Timeline, job: Job, groups: list[FsdpGroup], p
         mb = re.search(r"microbatch (\d+)", phase.detail)
         if mb and phase.kind in ("forward", "backward"):
             spans.setdefault(mb.group(1), []).append((phase.kind, phase.region, start, end))
+    first_forward = gather and not pooled  # the process's first forward's non-unit prefetch (NOTE)
     for phases in spans.values():
         alive: dict[int, int] = {}  # unit -> gathered at
         queue: list[tuple[int, int]] = []  # (unit, bucket alloc) in reduce order
@@ -329,6 +341,16 @@ def add_fsdp_transients(timeline: Timeline, job: Job, groups: list[FsdpGroup], p
             m = re.fullmatch(r"layer (\d+)", region)
             if kind == "backward" and non_unit_grads is None and region in ("head", "embedding"):
                 non_unit_grads = start
+            if first_forward and kind == "forward" and region == "head":
+                # the final norm's pre-forward (megatron_fsdp.py:794-813) prefetches from the non-unit bucket 0 in
+                # forward order while its state is not PRE_BACKWARD, i.e. only before the first root pre-backward
+                # (936-953; only units return to IDLE, 704): every unit re-gathered, kept to its backward's release
+                first_forward, fetched = False, 0
+                for nxt in order:
+                    if fetched >= limit // 2:
+                        break
+                    fetched += unit_elems[nxt]
+                    alive.setdefault(nxt, start)
             if m is None or int(m.group(1)) not in unit_elems:
                 continue
             unit = int(m.group(1))
@@ -370,8 +392,10 @@ def add_fsdp_transients(timeline: Timeline, job: Job, groups: list[FsdpGroup], p
             unit_row(u, GATHER_MODULE, at, end_bwd)
         if grads and non_unit_grads is not None:
             first_grad = _output_layer_wgrad(phases, wgrads_at)
+            norm_grad = _final_norm_wgrad(phases)
             rows += [(nbytes(g.size, g_size), GRAD_BUCKET_MODULE,
-                      first_grad if first_grad is not None and OUTPUT_WEIGHT in g.names else non_unit_grads, end_bwd)
+                      first_grad if first_grad is not None and OUTPUT_WEIGHT in g.names else
+                      norm_grad if norm_grad is not None and FINAL_NORM in g.names else non_unit_grads, end_bwd)
                      for g in groups if g.unit is None]
     if pooled:  # the double-buffered units' buckets are the pools' (NOTE [Megatron-FSDP double buffers])
         rows += pool_rows(groups, pooled, pool_spans, w_size, g_size, block)
@@ -429,6 +453,16 @@ def _output_layer_wgrad(phases: list[tuple[str, str, int, int]], made_at: list[i
         return None
     k = bisect.bisect_left(made_at, span[0])
     return made_at[k] if k < len(made_at) and made_at[k] < span[1] else None
+
+
+def _final_norm_wgrad(phases: list[tuple[str, str, int, int]]) -> int | None:
+    """The event where the final norm's weight gradient is made: the last of the head's backward (the head runs
+    final_layernorm -> output_layer -> loss, so its backward ends with the norm's). Its post-accumulate-grad hook is
+    the first ``main_grad`` access of the non-unit group when the output weight is tied (a shared weight's gradient
+    waits for the root post-backward hook, megatron_fsdp.py:742, 867), allocating the bucket there
+    (megatron_fsdp.py:635-682, 1136-1143; param_and_grad_buffer.py:3094). None when no head backward runs here."""
+    ends = [e for k, r, _, e in phases if k == "backward" and r == "head"]
+    return max(ends) - 1 if ends else None
 
 
 def pool_rows(groups: list[FsdpGroup], pooled: frozenset[int], spans: dict[str, list[tuple[int, int]]],
