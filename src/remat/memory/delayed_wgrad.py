@@ -54,13 +54,17 @@ class _Stash(torch.autograd.Function):
         return grad, None
 
 
-class _StashGrad(torch.autograd.Function):
-    """Identity on a linear's output: its backward (right before the linear's) keeps the output's gradient."""
+class _OnStore(torch.autograd.Function):
+    """Identity that hands its backward the ``store`` (the subclasses say what the backward does with it)."""
 
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, store: list[torch.Tensor]) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, store: list[torch.Tensor]) -> torch.Tensor:
         ctx.store = store
-        return y.view_as(y)
+        return x.view_as(x)
+
+
+class _StashGrad(_OnStore):
+    """Identity on a linear's output: its backward (right before the linear's) keeps the output's gradient."""
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -68,14 +72,9 @@ class _StashGrad(torch.autograd.Function):
         return grad, None
 
 
-class _BackwardDw(torch.autograd.Function):
+class _BackwardDw(_OnStore):
     """Identity on a node's input: when the backward reaches it the node's ``backward_dw`` runs, dropping what its
     linears kept."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, store: list[torch.Tensor]) -> torch.Tensor:
-        ctx.store = store
-        return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

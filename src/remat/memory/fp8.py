@@ -39,7 +39,6 @@ tensors of the same shapes) around the same GEMM; the persistent weight copies a
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,10 +49,14 @@ from torch import nn
 from remat.job_flags import JobError
 from remat.memory.workspaces import gpu_major
 from remat.models.moe import GroupedLinear, grouped_mm
-from remat.models.tp_layers import ColumnParallelLinear, CopyToRegion, RowParallelLinear, TensorParallelGroup
+from remat.models.tp_layers import (
+    ColumnParallelLinear,
+    CopyToRegion,
+    RowParallelLinear,
+    TensorParallelGroup,
+    is_te_linear_weight,
+)
 
-# a TE linear's weight: the layers' linear_* and the MTP's eh_proj (output_layer, embeddings and router are not)
-_FP8_WEIGHT = re.compile(r"(^|\.)(linear_[a-z0-9_]+|eh_proj)\.weight$")
 SCALE_BYTES = 4  # a Float8Tensor's fp32 scale_inv: one element
 MODULE = "transformer_engine.fp8_weights"  # the timeline row of fp8_state_bytes
 
@@ -72,13 +75,13 @@ def check_fp8_gpu(gpu: str | None) -> None:
 
 def is_fp8_weight(name: str) -> bool:
     """Whether the parameter ``name`` is the weight of a TE linear Megatron runs in FP8 (NOTE [FP8 linears on
-    Hopper]): every ``linear_*`` weight of a transformer or MTP layer, and the MTP's ``eh_proj``.
+    Hopper]): every TE linear (:func:`remat.models.tp_layers.is_te_linear_weight`) of a transformer or MTP layer.
 
     Example:
         >>> is_fp8_weight("layers.0.mlp.linear_fc1.weight"), is_fp8_weight("head.output_layer.weight")
         (True, False)
     """
-    return _FP8_WEIGHT.search(name) is not None
+    return is_te_linear_weight(name)
 
 
 def _gemm_shape(p: Any) -> tuple[int, int, int]:

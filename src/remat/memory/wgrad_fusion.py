@@ -34,10 +34,10 @@ import torch
 from torch import nn
 
 from remat.memory.rank_state import ParamInfo
+from remat.models.tp_layers import is_te_linear_weight
 
 # a layer's linear_* and the MTP depths' eh_proj (a TEColumnParallelLinear: multi_token_prediction.py:1174-1187,
 # transformer_engine_spec_provider.py:43, transformer_engine.py:1293 fuse_wgrad_accumulation)
-_FUSED = re.compile(r"(^|\.)(linear_[a-z0-9_]+|eh_proj)\.weight$")
 OUTPUT_LAYER = re.compile(r"(^|\.)output_layer\.weight$")
 MODULE = "transformer_engine.dummy_wgrad"
 
@@ -45,7 +45,7 @@ MODULE = "transformer_engine.dummy_wgrad"
 def is_fused_weight(name: str) -> bool:
     """Whether the parameter ``name`` (a module path) is a TE linear's weight, whose gradient the fusion adds into
     ``main_grad`` (see :func:`fused_weights`)."""
-    return _FUSED.search(name) is not None
+    return is_te_linear_weight(name)
 
 
 def fused_weights(params: Sequence[ParamInfo]) -> list[ParamInfo]:

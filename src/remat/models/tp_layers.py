@@ -4,6 +4,7 @@ groups (real or simulated), the mappings between parallel regions, column/row-pa
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,20 @@ from torch._subclasses.fake_tensor import FakeTensor
 from remat.config import ModelConfig
 from remat.models.blocks import MLP, gated_activation
 from remat.models.collectives import released, run_collective, run_in_place_collective
+
+# Megatron's TransformerEngine linears, as the reference models name them: every layer's linear_* and the MTP depths'
+# eh_proj (a TEColumnParallelLinear); the output layer (Megatron's own linear), embeddings, norms and router are not
+_TE_LINEAR_WEIGHT = re.compile(r"(^|\.)(linear_[a-z0-9_]+|eh_proj)\.weight$")
+
+
+def is_te_linear_weight(name: str) -> bool:
+    """Whether the parameter ``name`` (a module path) is the weight of one of Megatron's TransformerEngine linears.
+
+    Example:
+        >>> is_te_linear_weight("layers.0.mlp.linear_fc1.weight"), is_te_linear_weight("head.output_layer.weight")
+        (True, False)
+    """
+    return _TE_LINEAR_WEIGHT.search(name) is not None
 
 
 class TensorParallelGroup:

@@ -421,21 +421,19 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     state = stage_state(job, stage, ep_rank if job.ep > 1 else None)
     workspaces = (stage_workspaces(job, stage, env=env, gpu=gpu, kernels=kernels)
                   if device == "cuda" or kernels != "cpu" else [])
+    params = [p for chunk in stage_parameters(job, stage) for p in chunk]
     if fused:  # TE's cached dummy weight gradients, one per distinct weight shape (NOTE [gradient-accumulation fusion])
         itemsize = DTYPES[job.param_dtype].itemsize
-        params = [p for chunk in stage_parameters(job, stage) for p in chunk]
         workspaces += [(WGRAD_MODULE, nbytes) for _, nbytes in
                        dummy_wgrads(params, itemsize) + output_layer_dummy(params, itemsize)]
     fp8 = 0
     if config.fp8_recipe is not None:  # the FP8 weights' copies and scaling state (NOTE [FP8 linears on Hopper])
         check_fp8_gpu(gpu)
-        fp8 = fp8_state_bytes([p for chunk in stage_parameters(job, stage) for p in chunk if p.fp8], config.fp8_recipe,
-                              param_gather=job.fp8_param_gather, amax_history=job.fp8_amax_history_len,
-                              block=plan.block)
+        fp8 = fp8_state_bytes([p for p in params if p.fp8], config.fp8_recipe, param_gather=job.fp8_param_gather,
+                              amax_history=job.fp8_amax_history_len, block=plan.block)
     add_model_state(timeline, state, ring_exchange_bytes(job), workspaces, block=plan.block,
                     main_grad_copies=main_grad_copy_bytes(job, state), fp8_weights=fp8)
-    if job.fsdp is not None:  # its unsharded weight and gradient buckets, by phase
-        params = stage_parameters(job, stage)[0]
+    if job.fsdp is not None:  # its unsharded weight and gradient buckets, by phase (one chunk: pp = 1)
         groups = fsdp_rank_state(job, params)[1]
         add_fsdp_transients(timeline, job, groups, params, block=plan.block)
         timeline.meta["fsdp"] = fsdp_summary(groups)
