@@ -79,13 +79,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--base", help="another tree's src directory, run side by side as the baseline")
+    parser.add_argument("--new", help="the measured tree's src directory (default: the installed remat)")
     parser.add_argument("--only", default="", help="commands whose name contains this (case-insensitive)")
     parser.add_argument("--deepseek-plan", action="store_true", help="also the DeepSeek-V3 plan (minutes a run)")
     parser.add_argument("--no-warm", action="store_true", help="cold runs only")
     args = parser.parse_args()
     commands = {**COMMANDS, **(DEEPSEEK_PLAN if args.deepseek_plan else {})}
     commands = {n: c for n, c in commands.items() if args.only.lower() in n.lower()}
-    trees = ([("base", args.base)] if args.base else []) + [("new", None)]
+    trees = ([("base", args.base)] if args.base else []) + [("new", args.new)]
     folders = {tree: tempfile.mkdtemp(prefix=f"remat-bench-{tree}-") for tree, _ in trees}
     times: dict[tuple[str, str, str], list[float]] = {}
     try:

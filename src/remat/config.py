@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from remat.config_routing import ConfigError, RoutingAssumption, parse_layer_freq
 from remat.limits import CEILINGS, ceiling_problem, shorten
-from remat.units import ascii_float, ascii_int
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACTIVATIONS = ("gelu", "swiglu", "quick_geglu")  # quick_geglu: Megatron's --quick-geglu (remat.models.blocks)
@@ -25,12 +24,8 @@ POSITIONS = ("learned", "rope")
 ATTENTIONS = ("math", "sdpa")
 ROUTER_SCORES = ("softmax", "sigmoid")
 CROSS_ENTROPY = ("torch", "megatron", "megatron_fused", "te")  # remat.models.cross_entropy
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise")  # Megatron's --fp8-recipe values remat models (remat.memory.fp8)
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")  # the --fp8-recipe values remat models (memory.fp8)
 TRANSFORMER_IMPLS = ("transformer_engine", "local")  # Megatron's --transformer-impl (remat.memory.local_layers)
-
-
-class ConfigError(ValueError):
-    """A model configuration that cannot be built; the message names the field and the fix."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +79,9 @@ class ModelConfig:
     dtype: str = "fp32"
     tie_embeddings: bool = False
     add_bias_linear: bool = True
+    # Megatron's --add-qkv-bias: a bias on linear_qkv only (attention.py:1698 bias=add_bias_linear or add_qkv_bias;
+    # MLA's projections ignore it, multi_latent_attention.py:226, 517-611); see qkv_bias
+    add_qkv_bias: bool = False
     kv_channels: int | None = None
     # mixture of experts
     num_moe_experts: int | None = None
@@ -94,11 +92,15 @@ class ModelConfig:
     moe_layer_freq: int | tuple[int, ...] = 1
     moe_router_score_function: str = "softmax"
     moe_expert_capacity_factor: float | None = None
+    # Megatron's --moe-pad-expert-input-to-capacity: every expert takes exactly its capacity from every rank, whatever
+    # the routing (moe_utils.py:1074-1076 apply_router_token_dropping, token_dispatcher.py:517-539); remat.models.moe
+    moe_pad_expert_input_to_capacity: bool = False
     moe_aux_loss_coeff: float = 0.0
     moe_routing_assumption: str | None = None
     # Megatron's --moe-token-dispatcher-type (remat.models.allgather_dispatch) and --moe-router-dtype (None: the
     # model's dtype; 'fp32'/'fp64': the router's logits and probabilities in that dtype)
     moe_token_dispatcher_type: str = "alltoall"
+    moe_flex_dispatcher_backend: str = "deepep"  # with 'flex' (Megatron's default): remat.models.flex_dispatch
     moe_router_dtype: str | None = None
     # Megatron's --moe-router-pre-softmax (softmax over all experts before the top-k), --moe-router-enable-expert-bias
     # (the fp32 expert_bias and local_tokens_per_expert buffers, bias added to sigmoid scores for the choice) and
@@ -132,6 +134,11 @@ class ModelConfig:
     # bf16), None: every layer (the MTP layers always run in FP8)
     fp8_recipe: str | None = None
     fp8_layers: tuple[int, ...] | None = None
+    # the compute capability (major) whose FP8 GEMMs TE runs (NOTE [FP8 linears on Blackwell]): 9 Hopper, 10
+    # Blackwell (mxfp8 needs it); set from the job's GPU by remat.parallel.job_predict
+    fp8_sm: int = 9
+    # --tp-comm-overlap's changes in the TE linears (remat.memory.tp_overlap; set from Job.tp_comm_overlap)
+    tp_comm_overlap: tuple[str, ...] = ()
     # NOTE [gpt-oss layers] in remat.models.blocks: --quick-geglu's offset, clamp and fused kernel
     # (--no-bias-gelu-fusion turns it off), --softmax-type, --window-size and --window-attn-skip-freq (an int N:
     # every Nth layer is full attention; or one 0/1 per layer, 1 = sliding window)
@@ -160,11 +167,19 @@ class ModelConfig:
         if self.fp8_recipe not in (None, *FP8_RECIPES):
             raise ConfigError(f"fp8_recipe={self.fp8_recipe!r}: must be None (no FP8) or one of "
                               f"{', '.join(FP8_RECIPES)} (the FP8 recipes remat models)")
+        if self.fp8_sm not in (9, 10) or (self.fp8_recipe == "mxfp8" and self.fp8_sm != 10):
+            raise ConfigError(f"fp8_sm={self.fp8_sm!r}: 9 (Hopper) or 10 (Blackwell); fp8_recipe='mxfp8' needs 10 (TE: "
+                              "'Device compute capability 10.0 or higher required for MXFP8 execution')")
         layers = self.fp8_layers
         if layers is not None and (self.fp8_recipe is None or not isinstance(layers, tuple) or len(layers) !=
                                    self.num_layers or any(v not in (0, 1) or isinstance(v, bool) for v in layers)):
             raise ConfigError(f"fp8_layers={self.fp8_layers!r}: one 0 (bf16) or 1 (FP8) per layer ({self.num_layers}), "
                               "with an fp8_recipe; or None (every layer in FP8)")
+        if isinstance(self.tp_comm_overlap, list):  # read back from JSON / YAML
+            object.__setattr__(self, "tp_comm_overlap", tuple(self.tp_comm_overlap))
+        if not isinstance(self.tp_comm_overlap, tuple) or set(self.tp_comm_overlap) - {"ag", "bulk_dgrad",
+                                                                                         "bulk_wgrad"}:
+            raise ConfigError(f"tp_comm_overlap={self.tp_comm_overlap!r}: a tuple of 'ag', 'bulk_dgrad', 'bulk_wgrad'")
         if self.qk_layernorm not in (None, True, False):
             raise ConfigError(f"qk_layernorm={self.qk_layernorm!r}: must be True, False or None (the attention's "
                               "default: MLA's q/kv norms, none for standard attention)")
@@ -195,6 +210,12 @@ class ModelConfig:
         """Whether attention normalises queries and keys (``qk_layernorm``; None: MLA keeps DeepSeek's q/kv norms,
         the standard attention has none)."""
         return self.multi_latent_attention if self.qk_layernorm is None else self.qk_layernorm
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the standard attention's ``linear_qkv`` has a bias: Megatron's ``add_bias_linear or add_qkv_bias``
+        (megatron/core/transformer/attention.py:1698)."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     @property
     def gated(self) -> bool:
@@ -359,13 +380,16 @@ def check_moe_fields(config: ModelConfig) -> None:
                               ("moe_routing_assumption", None), ("expert_model_parallel_size", 1),
                               ("moe_token_dispatcher_type", "alltoall"), ("moe_router_dtype", None),
                               ("moe_router_pre_softmax", False), ("moe_router_enable_expert_bias", False),
-                              ("moe_z_loss_coeff", None)):
+                              ("moe_z_loss_coeff", None), ("moe_pad_expert_input_to_capacity", False)):
             if getattr(config, name) != default:
                 raise ConfigError(f"{name}={getattr(config, name)!r} needs experts: set num_moe_experts, or drop it")
         return
-    if config.moe_token_dispatcher_type not in ("alltoall", "allgather"):
-        raise ConfigError(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: remat models 'alltoall' "
-                          "and 'allgather'")
+    if config.moe_token_dispatcher_type not in ("alltoall", "allgather", "flex"):
+        raise ConfigError(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: remat models 'alltoall', "
+                          "'allgather' and 'flex'")
+    if config.moe_flex_dispatcher_backend not in ("deepep", "hybridep"):
+        raise ConfigError(f"moe_flex_dispatcher_backend={config.moe_flex_dispatcher_backend!r}: write 'deepep' or "
+                          "'hybridep' (--moe-flex-dispatcher-backend)")
     if config.moe_router_dtype not in (None, "fp32", "fp64"):
         raise ConfigError(f"moe_router_dtype={config.moe_router_dtype!r}: write None, 'fp32' or 'fp64'")
     if config.moe_router_enable_expert_bias and config.moe_router_score_function != "sigmoid":
@@ -373,6 +397,11 @@ def check_moe_fields(config: ModelConfig) -> None:
         raise ConfigError("moe_router_enable_expert_bias needs moe_router_score_function='sigmoid' (Megatron raises "
                           "'Expert bias for aux-loss-free routing only supports sigmoid and sqrtsoftplus'): add "
                           "--moe-router-score-function sigmoid")
+    if config.moe_pad_expert_input_to_capacity and config.moe_expert_capacity_factor is None:
+        # transformer_config.py:1862-1866
+        raise ConfigError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor (Megatron raises "
+                          "'moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity'): add "
+                          "--moe-expert-capacity-factor F")
     if config.moe_router_topk > config.num_moe_experts:
         raise ConfigError(f"moe_router_topk={config.moe_router_topk} exceeds num_moe_experts="
                           f"{config.num_moe_experts}: route each token to at most every expert")
@@ -387,120 +416,6 @@ def check_moe_fields(config: ModelConfig) -> None:
                                   f"{len(layer_counts)} counts for {config.num_moe_experts} experts: give one count "
                                   "per expert")
         object.__setattr__(config, "moe_routing_assumption", str(routing))
-
-
-ROUTING_KINDS = ("balanced", "capacity", "counts")
-_ROUTING_FORMS = "'balanced', 'capacity:1.25' or 'counts:6,2,4,4' (';' between MoE layers)"
-
-
-@dataclass(frozen=True)
-class RoutingAssumption:
-    """How the tokens of a micro-batch are routed to the experts, which sets how many routed tokens each expert
-    holds (the routed-token memory).
-
-    ``balanced``: the ``tokens x topk`` assignments spread evenly (the first experts take one more when it does
-    not divide); ``capacity``: every expert receives its capacity ``ceil(tokens x topk / experts x factor)``, the
-    worst case ``moe_expert_capacity_factor`` allows; ``counts``: tokens per expert, given for every MoE layer
-    (one tuple) or for each MoE layer in order.
-
-    Example::
-
-        >>> RoutingAssumption.parse("capacity:1.5").tokens_per_expert(16, 4, 2, layer=0)
-        [12, 12, 12, 12]
-    """
-
-    kind: str = "balanced"
-    capacity_factor: float | None = None
-    counts: tuple[tuple[int, ...], ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.kind not in ROUTING_KINDS:
-            raise ConfigError(f"RoutingAssumption kind={self.kind!r}: use one of {', '.join(ROUTING_KINDS)}")
-        factor = self.capacity_factor
-        if self.kind == "capacity" and (factor is None or not 0 < factor < float("inf")):
-            raise ConfigError("routing 'capacity' needs a capacity_factor > 0 (e.g. 'capacity:1.25')")
-        if self.kind == "counts" and (not self.counts or any(not layer or min(layer) < 0 for layer in self.counts)):
-            raise ConfigError("routing 'counts' needs one count >= 0 per expert (e.g. 'counts:6,2,4,4')")
-
-    @classmethod
-    def parse(cls, text: str) -> RoutingAssumption:
-        """``balanced``, ``capacity:<factor>`` or ``counts:<c0>,<c1>,...[;<next MoE layer>...]``."""
-        if not isinstance(text, str):
-            raise ConfigError(f"moe_routing_assumption={shorten(text)}: write {_ROUTING_FORMS}")
-        kind, _, arg = text.strip().lower().partition(":")
-        try:
-            if kind == "capacity":  # numbers in digits 0-9 (NOTE [ASCII digits] in remat.units)
-                factor = ascii_float(arg.strip())
-                if factor is None or not factor > 0 or factor == float("inf"):
-                    raise ValueError
-                return cls("capacity", capacity_factor=factor)
-            if kind == "counts":
-                read = [[ascii_int(c.strip(), signed=False) for c in layer.split(",")] for layer in arg.split(";")]
-                counts = tuple(tuple(c for c in layer if c is not None) for layer in read)
-                if [len(layer) for layer in counts] != [len(layer) for layer in read]:
-                    raise ValueError
-                return cls("counts", counts=counts)
-        except ValueError:
-            raise ConfigError(f"moe_routing_assumption={shorten(text)}: write {_ROUTING_FORMS}") from None
-        if arg or kind != "balanced":
-            raise ConfigError(f"moe_routing_assumption={shorten(text)}: write {_ROUTING_FORMS}")
-        return cls()
-
-    def __str__(self) -> str:
-        if self.kind == "capacity":
-            return f"capacity:{self.capacity_factor:g}"
-        if self.kind == "counts":
-            return "counts:" + ";".join(",".join(map(str, layer)) for layer in self.counts)
-        return "balanced"
-
-    @property
-    def per_layer(self) -> bool:
-        """Whether the MoE layers receive different counts (so they are not interchangeable)."""
-        return len(set(self.counts)) > 1
-
-    def tokens_per_expert(self, tokens: int, experts: int, topk: int, layer: int = 0) -> list[int]:
-        """Tokens each of ``experts`` experts receives in MoE layer ``layer`` (0 = the first MoE layer; with one
-        count list, every MoE layer) from ``tokens`` tokens routed to ``topk`` experts each."""
-        if self.kind == "counts":
-            if layer >= len(self.counts) and len(self.counts) > 1:
-                raise ConfigError(f"moe_routing_assumption gives counts for {len(self.counts)} MoE layers; MoE layer "
-                                  f"{layer} has none: give one list per MoE layer, or one for all")
-            counts = list(self.counts[min(layer, len(self.counts) - 1)])
-            if len(counts) != experts:
-                raise ConfigError(f"moe_routing_assumption={shorten(str(self))}: {len(counts)} counts, but the model "
-                                  f"has {experts} experts: give one count per expert")
-        elif self.kind == "capacity":
-            counts = [math.ceil(tokens * topk / experts * float(self.capacity_factor or 1.0))] * experts
-        else:
-            base, extra = divmod(tokens * topk, experts)
-            counts = [base + (e < extra) for e in range(experts)]
-        if any(c > tokens for c in counts):
-            raise ConfigError(f"moe_routing_assumption={shorten(str(self))}: an expert would receive {max(counts)} "
-                              f"tokens, more than the {tokens} of the micro-batch; lower the factor or the counts")
-        return counts
-
-
-def parse_layer_freq(text: str, num_layers: int) -> int | tuple[int, ...]:
-    """Megatron's ``--moe-layer-freq`` text: an integer, or a list written ``([0]*3+[1]*58)`` or ``[0,1,1]``
-    (read without evaluating anything)."""
-    body = text.strip()
-    if re.fullmatch(r"[0-9]{1,18}", body):
-        return int(body)
-    body = body.removeprefix("(").removesuffix(")").replace(" ", "")
-    runs: list[tuple[list[int], int]] = []
-    length = 0  # counted before anything is repeated: ([1]*500000000) is refused without building it
-    for term in body.split("+"):
-        match = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*([0-9]+))?", term)
-        if not match:
-            raise ConfigError(f"moe_layer_freq={shorten(text)}: write an integer or a list such as ([0]*3+[1]*"
-                              f"{max(num_layers - 3, 1)})")
-        items, times = [int(x) for x in match.group(1).split(",")], match.group(2) or "1"
-        runs.append((items, int(times) if len(times) <= 18 else num_layers + 1))
-        length += len(items) * runs[-1][1]
-        if length > num_layers:
-            raise ConfigError(f"moe_layer_freq={shorten(text)} lists more than num_layers={num_layers} layers: a list "
-                              f"needs one 0 (dense) or 1 (MoE) per layer, e.g. [0]*3+[1]*{max(num_layers - 3, 1)}")
-    return tuple(x for items, times in runs for x in items * times)
 
 
 def check_size_ceilings(config: ModelConfig) -> None:

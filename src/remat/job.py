@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from remat import job_loss, job_pipeline
+from remat import job_fsdp, job_loss, job_pipeline
 from remat.config import DTYPES, ModelConfig
 from remat.job_argv import megatron_argv
 from remat.job_cuda_graphs import check_cuda_graphs, cuda_graph_fields
@@ -56,7 +56,9 @@ from remat.job_fsdp import FsdpConfig, check_fsdp, fsdp_from_flags
 from remat.job_launch import launcher_world_size
 from remat.job_model import global_batch_size, model_from_flags
 from remat.job_optimizer import check_muon
+from remat.job_tp_overlap import TpCommOverlap, check_tp_overlap, tp_overlap_fields
 from remat.limits import ceiling_problem
+from remat.offload_policy import cpu_offload_job_problem
 from remat.policy import Policy, PolicyError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -150,6 +152,8 @@ class Job:
     """``--ddp-pad-buckets-for-high-nccl-busbw``: with the distributed optimizer, bucket ends pad to 2^16 too."""
     fsdp: FsdpConfig | None = None
     """``--use-megatron-fsdp`` and its sharding flags (:mod:`remat.job_fsdp`); None: Megatron's DDP."""
+    torch_fsdp2: job_fsdp.TorchFsdp2Config | None = None
+    """``--use-torch-fsdp2`` (:mod:`remat.memory.torch_fsdp2`); None: not torch FSDP2."""
     # Uneven pipeline splits, as Megatron's flags of these names (remat.job_pipeline); all unset: an even split.
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
@@ -176,6 +180,8 @@ class Job:
     """``--cuda-graph-warmup-steps`` (Megatron's default 3; here 0, the capture before the first step): the eager
     steps that run before the graphs are captured (training.py:4632-4645)."""
     """``--fp8-amax-history-len``: rows of each FP8 module's amax history (the delayed recipe only)."""
+    tp_comm_overlap: TpCommOverlap | None = None
+    """``--tp-comm-overlap`` and its options (:mod:`remat.job_tp_overlap`); None: no TE userbuffers."""
     policy: Policy = field(default_factory=lambda: Policy.parse("none"))
     """Activation recompute policy (the ``--recompute-*`` flags)."""
 
@@ -185,8 +191,11 @@ class Job:
         check_fsdp(self.fsdp, precision=self.precision, pp=self.pp, vpp=self.vpp, cp=self.cp,
                    instances=self.distributed_optimizer_instances,
                    moe_overlap=self.overlap_moe_expert_parallel_comm)
+        job_fsdp.check_torch_fsdp2(self)  # Megatron's assertions on --use-torch-fsdp2 (arguments.py:1031-1045)
         _require(isinstance(self.policy, Policy), f"policy must be a Policy (e.g. Policy.parse('full/uniform/1')), "
                  f"got {self.policy!r}")
+        problem = cpu_offload_job_problem(self.policy.cpu_offloading_num_layers, self.model.num_layers, self.pp)
+        _require(problem is None, str(problem))  # TE's layer offloading (remat.recompute.layer_offload)
         for name in ("tp", "pp", "cp", "dp", "ep", "num_microbatches", "vpp", "etp", "ddp_bucket_size",
                      "distributed_optimizer_instances"):
             v, optional = getattr(self, name), name in ("vpp", "etp", "ddp_bucket_size")
@@ -223,6 +232,9 @@ class Job:
             canon["num_query_groups"] = None
         if m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size == m.ffn_size:
             canon["moe_ffn_hidden_size"] = None
+        ub = check_tp_overlap(self.tp_comm_overlap, m, tp=self.tp, sp=self.sp, precision=prec,
+                              delay_wgrad=self.delay_wgrad_compute)  # the linears' modes (remat.job_tp_overlap)
+        canon |= {"tp_comm_overlap": ub} if ub != m.tp_comm_overlap else {}
         if canon := canon | job_loss.megatron_loss(m):  # and Megatron's cross-entropy, at every tp
             set_(self, "model", m := m.replace(**canon))
 
@@ -579,5 +591,6 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
                pad_buckets_for_high_nccl_busbw=bool(got.get("--ddp-pad-buckets-for-high-nccl-busbw")), policy=policy,
                overlap_moe_expert_parallel_comm=bool(got.get("--overlap-moe-expert-parallel-comm")),
                delay_wgrad_compute=bool(got.get("--delay-wgrad-compute")),
-               fsdp=fsdp_from_flags(got), **fp8_job, **cuda_graph_fields(got, ignored),
+               fsdp=fsdp_from_flags(got), torch_fsdp2=job_fsdp.torch_fsdp2_from_flags(got, ignored), **fp8_job,
+               **cuda_graph_fields(got, ignored), **tp_overlap_fields(got, ignored),
                **split)

@@ -8,7 +8,8 @@ from remat import job_loss, job_pipeline
 from remat.job_cuda_graphs import cuda_graph_args
 from remat.job_experts import moe_mla_args
 from remat.job_flags import JobError
-from remat.job_fsdp import fsdp_args
+from remat.job_fsdp import fsdp_args, torch_fsdp2_args
+from remat.job_tp_overlap import tp_overlap_args
 from remat.policy import PolicyError
 
 
@@ -40,7 +41,8 @@ def megatron_argv(job: Any, include_world_size: bool = True) -> list[str]:
              "--hidden-dropout", repr(float(m.hidden_dropout)),
              "--attention-dropout", repr(float(m.attention_dropout))]
     args += ["--swiglu"] * (m.activation == "swiglu") + ["--untie-embeddings-and-output-weights"] * (
-        not m.tie_embeddings) + ["--disable-bias-linear"] * (not m.add_bias_linear)
+        not m.tie_embeddings) + ["--disable-bias-linear"] * (not m.add_bias_linear) + ["--add-qkv-bias"] * (
+        m.add_qkv_bias and not m.add_bias_linear)
     args += ["--attention-backend", "unfused"] * (m.attention == "math")
     if m.activation == "quick_geglu":  # NOTE [gpt-oss layers] in remat.models.blocks
         args += ["--quick-geglu", "--glu-linear-offset", repr(float(m.glu_linear_offset))]
@@ -85,9 +87,9 @@ def megatron_argv(job: Any, include_world_size: bool = True) -> list[str]:
             end = next(i for i, v in enumerate(m.fp8_layers[::-1] + (1,)) if v)
             args += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(start),
                      "--num-layers-at-end-in-bf16", str(end)]
-    args += ["--delay-wgrad-compute"] * job.delay_wgrad_compute
+    args += ["--delay-wgrad-compute"] * job.delay_wgrad_compute + tp_overlap_args(job.tp_comm_overlap)
     args += cuda_graph_args(job.cuda_graph_modules, job.cuda_graph_warmup_steps)  # remat.job_cuda_graphs
     args += ["--overlap-param-gather"] * job.overlap_param_gather
     if job.ddp_bucket_size is not None:
         args += ["--ddp-bucket-size", str(job.ddp_bucket_size)]
-    return args + fsdp_args(job.fsdp) + job_loss.loss_args(m) + recompute
+    return args + fsdp_args(job.fsdp) + torch_fsdp2_args(job.torch_fsdp2) + job_loss.loss_args(m) + recompute

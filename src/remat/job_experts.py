@@ -28,10 +28,17 @@ from typing import Any
 from remat.config import ConfigError, ModelConfig, parse_layer_freq
 from remat.job_flags import JobError
 
+# ranks HybridEP / DeepEP reach over NVLink on an H100/H200 node (DeepEP configs.cuh:3 NUM_MAX_NVL_PEERS; HybridEP
+# detects the peers it can map, hybrid_ep_buffer.py:61-72): beyond them both add RDMA buffers remat does not model
+NVLINK_DOMAIN = 8
+DEEPEP_GROUPS = (2, 4, 8)  # DeepEP hybrid-ep@94a9f8f6 deep_ep/buffer.py:240-253: the intranode configs
+
 _MOE_FLAGS = ("--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
               "--moe-grouped-gemm", "--moe-layer-freq", "--moe-router-score-function",
               "--moe-expert-capacity-factor", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type",
-              "--moe-router-dtype", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias", "--moe-z-loss-coeff")
+              "--moe-router-dtype", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias", "--moe-z-loss-coeff",
+              "--moe-flex-dispatcher-backend",
+              "--moe-pad-expert-input-to-capacity")
 _MLA_FLAGS = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
 
 
@@ -49,6 +56,9 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
             raise JobError(f"{stray[0]} needs MoE layers: add --num-experts N, or drop {stray[0]}")
     else:
         out.update(moe_token_dispatcher_type=got.get("--moe-token-dispatcher-type", "allgather"),
+                   # read by Megatron only under flex (token_dispatcher.py:1831-1860); its default is deepep
+                   moe_flex_dispatcher_backend=got.get("--moe-flex-dispatcher-backend", "deepep")
+                   if got.get("--moe-token-dispatcher-type") == "flex" else "deepep",
                    moe_router_dtype=got.get("--moe-router-dtype"),
                    num_moe_experts=experts, moe_router_topk=got.get("--moe-router-topk", 2),
                    moe_ffn_hidden_size=got.get("--moe-ffn-hidden-size"),
@@ -57,6 +67,7 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
                    moe_layer_freq=_layer_freq(got.get("--moe-layer-freq", 1), got["--num-layers"]),
                    moe_router_score_function=got.get("--moe-router-score-function", "softmax"),
                    moe_expert_capacity_factor=got.get("--moe-expert-capacity-factor"),
+                   moe_pad_expert_input_to_capacity=bool(got.get("--moe-pad-expert-input-to-capacity")),
                    moe_aux_loss_coeff=got.get("--moe-aux-loss-coeff", 0.0),
                    moe_router_pre_softmax=bool(got.get("--moe-router-pre-softmax")),
                    moe_router_enable_expert_bias=bool(got.get("--moe-router-enable-expert-bias")),
@@ -114,6 +125,8 @@ def moe_mla_args(model: ModelConfig) -> list[str]:
         args += ["--num-experts", str(m.num_moe_experts), "--moe-router-topk", str(m.moe_router_topk),
                  "--moe-ffn-hidden-size", str(m.moe_ffn_size), "--moe-token-dispatcher-type",
                  m.moe_token_dispatcher_type]
+        if m.moe_token_dispatcher_type == "flex":
+            args += ["--moe-flex-dispatcher-backend", m.moe_flex_dispatcher_backend]
         if m.moe_router_dtype is not None:
             args += ["--moe-router-dtype", m.moe_router_dtype]
         if m.moe_shared_expert_intermediate_size is not None:
@@ -125,6 +138,7 @@ def moe_mla_args(model: ModelConfig) -> list[str]:
             args += ["--moe-router-score-function", m.moe_router_score_function]
         if m.moe_expert_capacity_factor is not None:
             args += ["--moe-expert-capacity-factor", repr(float(m.moe_expert_capacity_factor))]
+        args += ["--moe-pad-expert-input-to-capacity"] * m.moe_pad_expert_input_to_capacity
         if m.moe_aux_loss_coeff:
             args += ["--moe-aux-loss-coeff", repr(float(m.moe_aux_loss_coeff))]
         args += ["--moe-router-pre-softmax"] * m.moe_router_pre_softmax
@@ -200,12 +214,50 @@ def check_expert_layout(model: ModelConfig, *, ep: int, etp: int, tp: int, cp: i
     if model.moe_ffn_size % etp:
         raise JobError(f"etp (--expert-tensor-parallel-size)={etp} does not divide the experts' FFN size "
                        f"{model.moe_ffn_size} (--moe-ffn-hidden-size): use an etp that divides it")
+    check_flex_dispatcher(model, ep=ep, etp=etp)
     inner = tp * cp * dp
     if inner % (ep * etp):
         raise JobError(f"ep (--expert-model-parallel-size)={ep} x expert tensor-parallel size {etp} does not divide "
                        f"tp x cp x dp = {inner}: Megatron lays the expert-parallel groups out inside the data-parallel "
                        f"ranks; raise dp (--data-parallel-size/--world-size) to a multiple of "
                        f"{ep * etp // math.gcd(ep * etp, tp * cp)}")
+
+
+def check_flex_dispatcher(model: ModelConfig, *, ep: int, etp: int) -> None:
+    """What remat models of Megatron's flex token dispatcher (NOTE [the flex dispatcher] in
+    remat.models.flex_dispatch), each other case refused naming the flag and the fix."""
+    if model.moe_token_dispatcher_type != "flex":
+        return
+    flag = "--moe-token-dispatcher-type flex"
+    group = ep * etp
+    if model.moe_flex_dispatcher_backend == "deepep" and group not in DEEPEP_GROUPS:  # Megatron's default backend
+        raise JobError(f"{flag} with DeepEP (--moe-flex-dispatcher-backend deepep, Megatron's default) over {group} "
+                       "ranks (--expert-model-parallel-size x --expert-tensor-parallel-size): Megatron asserts TPxEP > "
+                       "1 (token_dispatcher.py:1831), DeepEP has configs for 2, 4 and 8 ranks in one NVLink domain "
+                       "(deep_ep/buffer.py:240-253; beyond, RDMA buffers remat does not model): use ep 2, 4 or 8, or "
+                       "--moe-flex-dispatcher-backend hybridep")
+    if etp != 1:
+        raise JobError(f"{flag} with --expert-tensor-parallel-size {etp}: remat models the flex dispatcher with "
+                       "--expert-tensor-parallel-size 1 (its tp x ep group then is the ep ranks); set it")
+    if ep * etp > NVLINK_DOMAIN:
+        raise JobError(f"{flag} over {ep * etp} ranks (--expert-model-parallel-size x --expert-tensor-parallel-size): "
+                       f"beyond one NVLink domain ({NVLINK_DOMAIN} GPUs) HybridEP adds RDMA buffers (csrc/hybrid_ep/"
+                       "buffer/internode*.cu) that remat does not model; use at most "
+                       f"--expert-model-parallel-size {NVLINK_DOMAIN}")
+    if model.moe_expert_capacity_factor is not None:
+        raise JobError(f"{flag} with --moe-expert-capacity-factor: the flex dispatcher then drops tokens by capacity "
+                       "(HybridEP sizes its outputs from it, token_dispatcher.py:1115-1127; DeepEP masks them, "
+                       ":1301-1303), which remat does not model; drop the capacity factor")
+
+
+def check_flex_graphs(job: Any) -> None:
+    """Refuse ``--cuda-graph-modules moe_preprocess`` with the flex dispatcher: its graph then ends with the
+    dispatch manager's routing map and probabilities as static outputs (token_dispatcher.py:1840, 1848
+    ``cudagraph_attrs``), which remat's CUDA-graph model (the alltoall dispatcher's preprocess) does not hold."""
+    if job.model.moe_token_dispatcher_type == "flex" and "moe_preprocess" in (job.cuda_graph_modules or ()):
+        raise JobError("--cuda-graph-modules moe_preprocess with --moe-token-dispatcher-type flex: the graphed "
+                       "dispatch preprocess keeps the flex manager's routing map and probabilities as static "
+                       "outputs, which remat does not model; graph moe_router only, or drop moe_preprocess")
 
 
 # recompute module -> (what the model needs, the flag that adds it)
@@ -265,7 +317,8 @@ def check_op_fuser(got: dict[str, Any], ignored: list[str], model: ModelConfig) 
 def check_moe_overlap(job: Any) -> None:
     """Megatron's rules for ``--overlap-moe-expert-parallel-comm`` (transformer_config.py:3002-3046 at d98e8a64),
     each refused naming the flag and the fix; and for ``--delay-wgrad-compute`` (transformer_config.py:3073-3077,
-    training/arguments.py:1903-1905)."""
+    training/arguments.py:1903-1905); and :func:`check_flex_graphs`, the other MoE rule that needs the whole job."""
+    check_flex_graphs(job)
     if job.delay_wgrad_compute:
         if not job.overlap_moe_expert_parallel_comm:
             raise JobError("--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm (Megatron asserts it: the "
@@ -284,7 +337,7 @@ def check_moe_overlap(job: Any) -> None:
         (job.pp > 1 and job.vpp is None, "with --pipeline-model-parallel-size > 1 needs the interleaved schedule "
          "(--num-virtual-stages-per-pipeline-rank or a --pipeline-model-parallel-layout)"),
         (model.is_moe and model.moe_token_dispatcher_type != "alltoall", "needs the alltoall token dispatcher "
-         "(--moe-token-dispatcher-type alltoall; flex is not modelled)"),
+         "(--moe-token-dispatcher-type alltoall; remat models the overlap with it only, not with flex)"),
         (policy.granularity == "full", "refuses full recompute (--recompute-granularity full)"),
         ("moe" in (policy.modules or ()), "refuses 'moe' in --recompute-modules"),
         (job.precision == "fp32", "needs --bf16 or --fp16"),

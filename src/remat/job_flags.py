@@ -25,36 +25,36 @@ def _table(groups: dict[str, str]) -> dict[str, str]:
 
 
 FLEX_REASON = (
-    "runs Megatron's flex token dispatcher (token_dispatcher.py:1809 MoEFlexTokenDispatcher): DeepEP / HybridEP "
-    "permute and exchange the tokens in fused kernels (fused_a2a.py) that keep their routing handle for the "
-    "backward (not the alltoall dispatcher's permutation maps), from communication buffers allocated outside "
-    "PyTorch's allocator (DeepEP's Buffer of Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint bytes, "
-    "HybridEP's cuMemCreate / cudaMalloc buffers, fused_a2a.py:36-69, 285-348); remat models the alltoall and "
-    "allgather dispatchers only")
+    "runs Megatron's flex token dispatcher with NCCL EP (token_dispatcher.py:1471 _NCCLEPManager: TE's ep_bootstrap "
+    "and symmetric-memory buffers); remat models the flex dispatcher with --moe-flex-dispatcher-backend hybridep or "
+    "deepep (remat.models.flex_dispatch, remat.models.deepep_dispatch)")
 # Flags that change a rank's memory in a way remat cannot model yet: refused by name, with the reason.
 REFUSED_FLAGS: dict[str, str] = _table({
     "changes the MoE layers in a way remat's reference MoE (Megatron's all-to-all or allgather dispatcher, dropless "
     "or capacity routing, probabilities applied in the experts' activation) does not model":
-        "--moe-pad-expert-input-to-capacity --moe-extended-tp --moe-apply-probs-on-input --moe-enable-deepep "
+        "--moe-extended-tp --moe-apply-probs-on-input --moe-enable-deepep "
         "--moe-input-jitter-eps --moe-router-padding-for-quantization --moe-use-legacy-grouped-gemm",
     "trains in FP8/FP4 (quantised copies of weights and activations)":
         "--fp4-format --fp4-recipe --fp4-param-gather --reuse-grad-buf-for-mxfp8-param-ag --te-precision-config-file",
     # remat.memory.fp8 models the layers' linears in FP8 (attention and the output layer in bf16); not these
     "runs FP8 attention or an FP8 output layer (remat models the layers' linears in FP8, attention and the output "
     "layer in bf16)": "--fp8-dot-product-attention --fp8-multi-head-attention --fp8-output-proj",
+    # training/arguments.py:2320 leaves cpu_offloading out of the generated flags, :120 allow_abbrev=False
+    "is not a flag of Megatron-LM at d98e8a64 (training/arguments.py:2320 leaves cpu_offloading out of the flags it "
+    "generates and the parser takes no abbreviation, :120: Megatron stops with 'unrecognized arguments'; "
+    "--cpu-offloading-num-layers N turns TransformerEngine's layer offloading on, :1950-1951: remat models it, "
+    "remat.recompute.layer_offload)": "--cpu-offloading",
     "offloads activations or optimizer state to host memory":
-        "--cpu-offloading --cpu-offloading-num-layers --cpu-offloading-retain-pinned-cpu-buffers "
         "--activation-offload-fraction --delta-offload-bytes-across-pp-ranks --optimizer-cpu-offload "
         "--optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d",
-    # remat.job_fsdp models Megatron-FSDP (--use-megatron-fsdp and its strategy/dtype flags); not these:
-    "shards parameters and gradients with torch FSDP2, or Megatron-FSDP's hybrid (outer data-parallel) sharding":
-        "--use-torch-fsdp2 --outer-dp-sharding-strategy --torch-fsdp2-no-reshard-after-forward",
+    # remat.job_fsdp models Megatron-FSDP (--use-megatron-fsdp and its strategy/dtype flags) and torch FSDP2
+    # (--use-torch-fsdp2, --torch-fsdp2-no-reshard-after-forward); not this:
+    "shards parameters and gradients with Megatron-FSDP's hybrid (outer data-parallel) sharding":
+        "--outer-dp-sharding-strategy",
     # fsdp param_and_grad_buffer.py:835-836: a bucket outside the double buffers gets its own persistent tensor
     "keeps the buckets of the FSDP units outside the double buffers (and the non-unit ones) persistently, which "
     "remat does not model (it models --fsdp-double-buffer's fallback: allocated and freed per use)":
         "--fsdp-db-use-persist-buf-on-alloc-fail",
-    # token_dispatcher.py:1809 MoEFlexTokenDispatcher hands permute + all-to-all to DeepEP / HybridEP (fused_a2a.py)
-    FLEX_REASON: "--moe-flex-dispatcher-backend",
     "sets the gradient buckets from the parameter count (each bucket is padded; give --ddp-bucket-size)":
         "--ddp-num-buckets",
     "changes the optimizer's state layout": "--use-precision-aware-optimizer "
@@ -68,12 +68,11 @@ REFUSED_FLAGS: dict[str, str] = _table({
     # remat.job_cuda_graphs models --cuda-graph-impl transformer_engine with --cuda-graph-modules; not these
     "keeps static CUDA-graph buffers": "--enable-cuda-graph --external-cuda-graph "
         "--cuda-graph-scope --optimizer-cuda-graph",
-    "allocates Transformer Engine userbuffers for TP overlap": "--tp-comm-overlap --tp-comm-overlap-cfg",
     "changes the logits/cross-entropy working set": "--fp16-lm-cross-entropy --output-logit-dtype",
     "changes context-parallel attention (remat models the p2p ring)": "--cp-comm-type "
         "--hierarchical-context-parallel-sizes --hybrid-context-parallel --max-seqlen-per-dp-cp-rank",
     "describes layers remat's reference GPT does not have":
-        "--qk-l2-norm --attention-output-gate --add-qkv-bias --squared-relu "
+        "--qk-l2-norm --attention-output-gate --squared-relu "
         "--openai-gelu --experimental-attention-variant "
         "--apply-residual-connection-post-layernorm --fp32-residual-connection "
         "--hybrid-layer-pattern --hybrid-override-pattern --is-hybrid-model --enable-mhc-connections "
@@ -93,10 +92,13 @@ REFUSED_PREFIXES: dict[str, str] = {
     # hidden-state mixing) in ways remat does not model
     "--fp4-": REFUSED_FLAGS["--fp4-format"], "--mtp-": "changes the multi-token-prediction block",
     "--mla-": REFUSED_FLAGS["--spec"], "--mamba-": REFUSED_FLAGS["--spec"], "--dsa-": REFUSED_FLAGS["--spec"],
-    "--mhc-": REFUSED_FLAGS["--spec"], "--megatron-fsdp-": REFUSED_FLAGS["--use-torch-fsdp2"],
+    "--mhc-": REFUSED_FLAGS["--spec"],
+    "--megatron-fsdp-": "is a Megatron-FSDP option remat does not model (remat.job_fsdp models --use-megatron-fsdp "
+                        "with its sharding strategy, dtype and double-buffer flags)",
 }
 # Values of modelled flags refused with their own reason.
-REFUSED_CHOICES: dict[tuple[str, str], str] = {("--moe-token-dispatcher-type", "flex"): FLEX_REASON, **{
+REFUSED_CHOICES: dict[tuple[str, str], str] = {("--moe-flex-dispatcher-backend", "ncclep"): FLEX_REASON,
+                                               **{
     ("--cuda-graph-impl", impl): "keeps static CUDA-graph buffers (remat models --cuda-graph-impl transformer_engine)"
     for impl in ("local", "full_iteration")}}
 # Accepted (and reported as ignored) only with Megatron's default value.
@@ -178,9 +180,19 @@ IGNORED_FLAGS: dict[str, str] = _table({
     "runs with are the same, only initialisation's transient memory is smaller": "--init-model-with-meta-device",
     # training/global_vars.py:168-169 set_experimental_flag: at d98e8a64 the flag only unlocks experimental APIs and,
     # with --moe-permute-fusion, fused kernels of the flex dispatcher and of --moe-router-padding-for-quantization
-    # (token_dispatcher.py:651, 1415, 1425), both refused on their own flags
-    "unlocks Megatron's experimental code paths: at this commit only fused kernels of the flex dispatcher and of "
-    "--moe-router-padding-for-quantization, both refused on their own flags": "--enable-experimental",
+    # (token_dispatcher.py:651, 1415, 1425): DeepEP's multihot conversion (remat.models.deepep_dispatch prices the
+    # fused one) and --moe-router-padding-for-quantization (refused on its own flag)
+    "unlocks Megatron's experimental code paths: at this commit only the DeepEP flex backend's fused multihot "
+    "conversion (the one remat prices) and kernels of --moe-router-padding-for-quantization (refused on its own "
+    "flag)": "--enable-experimental",
+    # fused_a2a.py:383-435, hybrid_ep.cu:313-317: the fused permute-dispatch writes the same pre-allocated outputs;
+    # token_dispatcher.py:1073-1091 pads to the group's largest token count, which every rank has in remat's model
+    "changes HybridEP's kernels (block counts, fused permute), not its tensors or buffers":
+        "--moe-hybridep-num-blocks-permute --moe-hybridep-num-blocks-unpermute --moe-permute-fusion-into-hybridep "
+        "--moe-hybridep-pad-uneven-dispatch-inputs",
+    # TE cpu_offload.py:286-304, 446-452: reuses the pinned host copies from one iteration to the next
+    "keeps TransformerEngine's pinned host copies of offloaded activations between iterations (host memory only; "
+    "without --cpu-offloading-num-layers nothing is offloaded)": "--cpu-offloading-retain-pinned-cpu-buffers",
     # megatron/core/tensor_parallel/random.py: TE's tracker keeps each RNG state as a few 16-byte CUDA tensors
     "the RNG tracker's implementation (a few bytes of generator state either way)": "--te-rng-tracker",
 })
@@ -207,7 +219,7 @@ _SWITCHES = ("--group-query-attention --swiglu --untie-embeddings-and-output-wei
              "--attention-softmax-in-fp32 --apply-query-key-layer-scaling --moe-grouped-gemm --multi-latent-attention "
              "--qk-layernorm --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
              "--no-gradient-accumulation-fusion --overlap-moe-expert-parallel-comm --delay-wgrad-compute "
-             "--overlap-param-gather")
+             "--overlap-param-gather --add-qkv-bias")
 # MoE and MLA (remat.config's NOTE [MoE fields]; Megatron's names)
 _MOE_MLA_INT = ("--num-experts --moe-router-topk --moe-ffn-hidden-size --moe-shared-expert-intermediate-size "
                 "--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim")
@@ -215,12 +227,15 @@ MODELLED_FLAGS: dict[str, Any] = {
     **dict.fromkeys(_POSITIVE_INT.split(), int), **dict.fromkeys(_SWITCHES.split(), bool),
     **dict.fromkeys(_MOE_MLA_INT.split(), int), "--moe-layer-freq": str, "--pipeline-model-parallel-layout": str,
     **dict.fromkeys(("--moe-expert-capacity-factor", "--moe-aux-loss-coeff"), float),
-    "--moe-router-score-function": ("softmax", "sigmoid"), "--moe-token-dispatcher-type": ("alltoall", "allgather"),
+    "--moe-router-score-function": ("softmax", "sigmoid"),
+    "--moe-token-dispatcher-type": ("alltoall", "allgather", "flex"),  # remat.models.flex_dispatch
+    "--moe-flex-dispatcher-backend": ("deepep", "hybridep"),
     "--moe-router-dtype": ("fp32", "fp64"),  # remat.models.moe.RouterGatingLinear
     # the last stage's deferred output-layer weight gradients (remat.job_pipeline.check_wgrad_deferral)
     "--defer-embedding-wgrad-compute": bool, "--wgrad-deferral-limit": lambda v: ascii_int(v, signed=False),
     # remat.models.moe.Router.top_k / z_loss
     "--moe-router-pre-softmax": bool, "--moe-router-enable-expert-bias": bool, "--moe-z-loss-coeff": float,
+    "--moe-pad-expert-input-to-capacity": bool,  # remat.models.moe NOTE [padding to capacity]
     **dict.fromkeys(("--hidden-dropout", "--attention-dropout", "--sgd-momentum"), float),
     "--normalization": ("LayerNorm", "RMSNorm"), "--position-embedding-type": ("learned_absolute", "rope"),
     "--attention-backend": ("auto", "flash", "fused", "unfused", "local"),
@@ -235,8 +250,8 @@ MODELLED_FLAGS: dict[str, Any] = {
     # builder's flags, the batch schedule (its largest batch is priced)
     "--no-position-embedding": bool, "--export-force-local-attention": bool, "--enable-gpt-oss": bool,
     "--step-batch-size-schedule": str,
-    # FP8 linears (remat.job_fp8, remat.memory.fp8): Hopper's recipes (mxfp8 and custom refused)
-    "--fp8-format": ("e4m3", "hybrid"), "--fp8-recipe": ("delayed", "tensorwise", "blockwise"),
+    # FP8 linears (remat.job_fp8, remat.memory.fp8): Hopper's and Blackwell's recipes (custom refused)
+    "--fp8-format": ("e4m3", "hybrid"), "--fp8-recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
     "--fp8-param-gather": bool, "--first-last-layers-bf16": bool,
     **dict.fromkeys(("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"),
                     lambda v: ascii_int(v, signed=False)),
@@ -245,11 +260,18 @@ MODELLED_FLAGS: dict[str, Any] = {
     # TE CUDA graphs (remat.job_cuda_graphs; --cuda-graph-modules takes words, read by flag_value)
     "--cuda-graph-impl": ("none", "transformer_engine"), "--cuda-graph-modules": str,
     "--cuda-graph-warmup-steps": lambda v: ascii_int(v, signed=False),
+    # TP communication overlap (remat.job_tp_overlap): TE's userbuffers and what they change in the linears
+    "--tp-comm-overlap": bool, "--tp-comm-overlap-cfg": str, "--tp-comm-overlap-rs-dgrad": bool,
+    **{f"--{p}-tp-comm-{n}": bool for p in ("no", "disable")
+       for n in ("bulk-wgrad", "bulk-dgrad", "overlap-ag", "overlap-rs", "split-ag", "split-rs")},
+    "--tp-comm-bootstrap-backend": ("nccl", "mpi", "gloo"),
     # Megatron-FSDP (remat.job_fsdp); no_shard and low-precision main weights are refused by the choices
     "--use-megatron-fsdp": bool, "--data-parallel-sharding-strategy": ("optim", "optim_grads", "optim_grads_params"),
     "--megatron-fsdp-main-params-dtype": ("fp32",), "--fsdp-double-buffer": bool, "--use-nccl-ub": bool,
     **dict.fromkeys(("--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype"),
                     ("fp32", "bf16", "fp16", "auto")),
+    # torch FSDP2 (remat.job_fsdp, remat.memory.torch_fsdp2); --ckpt-format is read for Megatron's checks on it
+    "--use-torch-fsdp2": bool, "--torch-fsdp2-no-reshard-after-forward": bool, "--ckpt-format": str,
 }
 # The size each integer flag sets (a key of remat.limits.CEILINGS): refused above its ceiling as it is read
 SIZE_OF_FLAG: dict[str, str] = {
@@ -276,7 +298,9 @@ RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--rec
               "--recompute-modules": "+", "--recompute-activations": 0, "--distribute-saved-activations": 0,
               "--checkpoint-activations": 0, "--moe-layer-recompute": 0,
               # Megatron's fine-grained activation offloading is a part of the Policy too (remat.offload_policy)
-              "--fine-grained-activation-offloading": 0, "--offload-modules": "+", "--min-offloaded-tensor-size": 1}
+              "--fine-grained-activation-offloading": 0, "--offload-modules": "+", "--min-offloaded-tensor-size": 1,
+              # and TransformerEngine's layer offloading (remat.recompute.layer_offload)
+              "--cpu-offloading-num-layers": 1}
 
 
 def classify_megatron_flag(name: str, values: Sequence[str] | None = None) -> tuple[str, str]:
@@ -292,7 +316,7 @@ def classify_megatron_flag(name: str, values: Sequence[str] | None = None) -> tu
         value, refused otherwise), ``ignored``, ``refused`` or ``unknown`` (refused too).
 
     Example:
-        >>> classify_megatron_flag("--fp4-format")[0], classify_megatron_flag("--fp8-recipe", ["mxfp8"])[0]
+        >>> classify_megatron_flag("--fp4-format")[0], classify_megatron_flag("--fp8-recipe", ["custom"])[0]
         ('refused', 'refused')
     """
     name = name.partition("=")[0]

@@ -5,7 +5,8 @@
 ``fp8_param_gather`` / ``fp8_amax_history_len`` (what a rank keeps for the whole run).
 
 Facts from Megatron-LM d98e8a64: ``--fp8-format`` (e4m3 or hybrid) turns FP8 on (arguments.py: ``args.fp8``); the
-recipe defaults to ``delayed``; ``--fp8-param-gather`` needs the distributed optimizer or FSDP (arguments.py:1095);
+recipe defaults to ``delayed``; ``mxfp8`` is TE's ``MXFP8BlockScaling`` (transformer_engine.py:279), Blackwell
+only; ``--fp8-param-gather`` needs the distributed optimizer or FSDP (arguments.py:1095);
 ``--fp8-amax-history-len`` defaults to 1 and sizes delayed scaling's amax history (``TEDelayedScaling``); the
 compute algorithm, margin and interval change values only. The FP8 formats hold one byte per element either way.
 """
@@ -37,7 +38,9 @@ def fp8_fields(got: dict[str, Any], ignored: list[str]) -> tuple[dict[str, Any],
         ignored += given  # Megatron reads them only under --fp8-format (args.fp8 is None otherwise)
         return {}, {}
     recipe = got.get("--fp8-recipe", "delayed")
-    model: dict[str, Any] = {"fp8_recipe": recipe}
+    # mxfp8 runs on Blackwell only (TE check_mxfp8_support): its GEMM layouts are Blackwell's (NOTE [FP8 linears on
+    # Blackwell]); the other recipes take the job's GPU when it is predicted
+    model: dict[str, Any] = {"fp8_recipe": recipe} | ({"fp8_sm": 10} if recipe == "mxfp8" else {})
     counts = [got.get(f"--num-layers-at-{end}-in-bf16", 1) for end in ("start", "end")]
     if got.get("--first-last-layers-bf16"):
         # transformer_config.py:1529-1556: not with delayed scaling; each count within one stage's layers
@@ -79,6 +82,11 @@ def check_fp8(model: ModelConfig, *, param_gather: bool, amax_history_len: int, 
         raise JobError("--fp8-format with --use-megatron-fsdp: Megatron-FSDP's FP8 parameter and workspace handling "
                        "is not modelled yet; price the job without FSDP, or without FP8 as a lower bound of the "
                        "activations")
+    if param_gather and model.fp8_recipe == "mxfp8":
+        raise JobError("--fp8-param-gather with --fp8-recipe mxfp8 is not modelled: Megatron's DDP buffer then shares "
+                       "the MXFP8 parameters' all-gather with the gradient buffer (param_and_grad_buffer.py:1160-1176, "
+                       "--reuse-grad-buf-for-mxfp8-param-ag); drop --fp8-param-gather to price bf16 weights with TE's "
+                       "cached MXFP8 copies")
     if param_gather and not distributed_optimizer:
         raise JobError("--fp8-param-gather needs --use-distributed-optimizer (Megatron asserts it: "
                        "arguments.py:1095): add it or drop --fp8-param-gather")

@@ -123,3 +123,103 @@ def check_fsdp(fsdp: FsdpConfig | None, *, precision: str, pp: int, vpp: int | N
         # param_and_grad_buffer.py:4058: an unsharded grad buffer in another comm dtype gets a bucket copy
         raise JobError("--data-parallel-sharding-strategy optim with --megatron-fsdp-grad-comm-dtype unlike the "
                        "main grads': the copy for the all-reduce is not modelled; drop the comm dtype")
+
+
+@dataclass(frozen=True)
+class TorchFsdp2Config:
+    """torch FSDP2 (``--use-torch-fsdp2``): Megatron-LM wraps each TransformerLayer, the embedding, the rotary
+    embedding and (TE layers) the output layer, then the root, with ``fully_shard(mesh=dp x cp,
+    reshard_after_forward=...)`` and no mixed-precision policy (torch_fully_sharded_data_parallel.py:60-148); the
+    bytes are :mod:`remat.memory.torch_fsdp2`'s."""
+
+    reshard_after_forward: bool = True
+    """False with ``--torch-fsdp2-no-reshard-after-forward`` (arguments.py:3218, training.py:2627-2629): each unit
+    keeps its all-gathered parameters from its forward to its backward."""
+    cpu_initialization: bool = False
+    """``--use-cpu-initialization``: the model is built on the host and ``fully_shard`` moves one unit at a time to
+    the GPU (training.py:2457-2465); without it each rank first builds the whole model on its GPU."""
+
+
+FSDP2_CKPT_FORMATS = ("torch_dist", "torch_dcp")  # arguments.py:1042; training_config.py:486: torch_dist is the default
+
+
+def torch_fsdp2_from_flags(got: dict[str, Any], ignored: list[str]) -> TorchFsdp2Config | None:
+    """The :class:`TorchFsdp2Config` of the parsed flags ``got`` (None without ``--use-torch-fsdp2``); reads
+    ``--ckpt-format`` (which changes no memory: appended to ``ignored``) for Megatron's checks on it."""
+    ckpt = got.get("--ckpt-format", "torch_dist")
+    if "--ckpt-format" in got:
+        ignored.append("--ckpt-format")
+    if not got.get("--use-torch-fsdp2"):
+        if ckpt == "torch_dcp":  # arguments.py:1667-1668
+            raise JobError("--ckpt-format torch_dcp without --use-torch-fsdp2: Megatron asserts 'torch_dcp is only "
+                           "tested with FSDP'; use --ckpt-format torch_dist or add --use-torch-fsdp2")
+        if got.get("--torch-fsdp2-no-reshard-after-forward"):
+            raise JobError("--torch-fsdp2-no-reshard-after-forward without --use-torch-fsdp2: add --use-torch-fsdp2 "
+                           "or drop it")
+        return None
+    if got.get("--use-megatron-fsdp"):  # training/models/dist_utils.py:294-295
+        raise JobError("--use-torch-fsdp2 with --use-megatron-fsdp: Megatron raises 'Using use_megatron_fsdp and "
+                       "use_torch_fsdp2 at the same time is not supported'; keep one")
+    if ckpt not in FSDP2_CKPT_FORMATS:  # arguments.py:1042-1043
+        raise JobError(f"--use-torch-fsdp2 with --ckpt-format {ckpt}: Megatron asserts '--use-torch-fsdp2 requires "
+                       "--ckpt-format torch_dist or torch_dcp'; use --ckpt-format torch_dist")
+    if ckpt == "torch_dcp" and got.get("--tensor-model-parallel-size", 1) > 1:  # arguments.py:1669-1670
+        raise JobError("--ckpt-format torch_dcp with --tensor-model-parallel-size > 1: Megatron asserts it is not "
+                       "tested with tensor parallelism; use --ckpt-format torch_dist")
+    if "--init-model-with-meta-device" in ignored:  # training.py:2472-2474 materialises meta models only without it
+        raise JobError("--init-model-with-meta-device with --use-torch-fsdp2: FSDP2 shards the meta parameters and "
+                       "Megatron materialises meta models only without FSDP (training.py:2472-2474); not modelled, "
+                       "drop it (or use --use-cpu-initialization)")
+    return TorchFsdp2Config(reshard_after_forward=not got.get("--torch-fsdp2-no-reshard-after-forward"),
+                            cpu_initialization="--use-cpu-initialization" in ignored)
+
+
+def torch_fsdp2_args(cfg: TorchFsdp2Config | None) -> list[str]:
+    """Megatron flags for ``cfg`` (the untied embeddings and --no-gradient-accumulation-fusion it needs are the
+    job's own flags)."""
+    if cfg is None:
+        return []
+    return ["--use-torch-fsdp2"] + ["--torch-fsdp2-no-reshard-after-forward"] * (not cfg.reshard_after_forward) + [
+        "--use-cpu-initialization"] * cfg.cpu_initialization
+
+
+def check_torch_fsdp2(job: Any) -> None:
+    """Refuse a torch-FSDP2 :class:`remat.job.Job` Megatron refuses (arguments.py:1031-1045, 1739; the message
+    names the flag and the fix) or remat does not model."""
+    cfg = job.torch_fsdp2
+    if cfg is None:
+        return
+    if not isinstance(cfg, TorchFsdp2Config):
+        raise JobError(f"Job.torch_fsdp2={cfg!r}: give a remat.job_fsdp.TorchFsdp2Config or None")
+    m = job.model
+    megatron = (  # (refused, flag, Megatron's assertion)
+        (job.fsdp is not None, "--use-megatron-fsdp", "'Using use_megatron_fsdp and use_torch_fsdp2 at the same time "
+         "is not supported' (dist_utils.py:295); keep one"),
+        (job.pp > 1 or job.vpp is not None, "--pipeline-model-parallel-size > 1",
+         "'--use-torch-fsdp2 is not supported with pipeline parallelism' (arguments.py:1034); use pp=1"),
+        (job.ep > 1, "--expert-model-parallel-size > 1",
+         "'--use-torch-fsdp2 is not supported with expert parallelism' (arguments.py:1036); use ep=1"),
+        (job.distributed_optimizer, "--use-distributed-optimizer", "'--use-torch-fsdp2 is not supported with MCore's "
+         "distributed optimizer' (arguments.py:1038); drop it (FSDP2 shards the optimizer state itself)"),
+        (job.gradient_accumulation_fusion, "gradient-accumulation fusion (Megatron's default)", "'--use-torch-fsdp2 "
+         "is not supported with gradient accumulation fusion' (arguments.py:1040); add "
+         "--no-gradient-accumulation-fusion (Job(gradient_accumulation_fusion=False))"),
+        (m.tie_embeddings, "tied embeddings (Megatron's default)", "'--use-torch-fsdp2 requires "
+         "--untie-embeddings-and-output-weights' (arguments.py:1044); add it (model.replace(tie_embeddings=False))"),
+        (job.optimizer in ("muon", "dist_muon"), "--optimizer muon", "'Emerging optimizer does not support "
+         "Torch-FSDP2 for now' (arguments.py:1739); use adam or sgd"),
+        (job.overlap_param_gather, "--overlap-param-gather", "'--overlap-param-gather only supported with "
+         "distributed optimizer, megatron fsdp, or dist_muon' (arguments.py:1024-1026); drop it"),
+    )
+    unmodelled = (
+        (m.fp8_recipe is not None, "--fp8-format", "FSDP2's all-gather of TE's FP8 parameters and their transposes"),
+        (job.cuda_graph_modules is not None, "--cuda-graph-impl", "FSDP2's gathers inside or between CUDA graphs"),
+        (bool(m.mtp_num_layers), "--mtp-num-layers", "the MTP block's FSDP units"),
+        (job.delay_wgrad_compute, "--delay-wgrad-compute", "weight gradients made after FSDP2's post-backward"),
+    )
+    for bad, flag, why in megatron:
+        if bad:
+            raise JobError(f"--use-torch-fsdp2 with {flag}: Megatron asserts {why}")
+    for bad, flag, what in unmodelled:
+        if bad:
+            raise JobError(f"--use-torch-fsdp2 with {flag}: {what} is not modelled yet; drop {flag} or FSDP2")

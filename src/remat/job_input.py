@@ -43,10 +43,8 @@ def _table(groups: dict[str, str]) -> dict[str, str]:
 # not be a lower bound of the job's memory, so --allow-unmodelled refuses them.
 SAVES_MEMORY: dict[str, str] = _table({
     "offloads activations or optimizer state to host memory (the device holds less)":
-        "--cpu-offloading --cpu-offloading-num-layers --cpu-offloading-retain-pinned-cpu-buffers "
-        "--activation-offload-fraction --delta-offload-bytes-across-pp-ranks --optimizer-cpu-offload "
+        "--cpu-offloading --activation-offload-fraction --delta-offload-bytes-across-pp-ranks --optimizer-cpu-offload "
         "--optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d",
-    "shards parameters and gradients (torch FSDP2)": "--use-torch-fsdp2",
     "keeps optimizer state, main gradients or main parameters in lower precision":
         "--use-precision-aware-optimizer --main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype "
         "--megatron-fsdp-main-params-dtype",

@@ -91,6 +91,10 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
             multiple = got.get("--make-vocab-size-divisible-by", 128) * tp  # build_tokenizer.vocab_size_with_padding
             vocab = -(-vocab // multiple) * multiple
     activation = "swiglu" if swiglu else "quick_geglu" if got.get("--quick-geglu") else "gelu"
+    qkv_bias = bool(got.get("--add-qkv-bias"))  # attention.py:1698: linear_qkv's bias only
+    if qkv_bias and got.get("--multi-latent-attention"):  # MLA's projections read add_bias_linear only (:226, 517-611)
+        ignored.append("--add-qkv-bias")
+        qkv_bias = False
     try:
         model = ModelConfig(**job_loss.loss_fields(got, ignored),
             num_layers=L, hidden_size=h, num_attention_heads=a, num_query_groups=got.get("--num-query-groups", 1)
@@ -99,7 +103,8 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
             position="rope" if pe == "rope" else "learned", attention="math" if unfused else "sdpa",
             hidden_dropout=got.get("--hidden-dropout", 0.1), attention_dropout=got.get("--attention-dropout", 0.1),
             dtype=precision, tie_embeddings=not got.get("--untie-embeddings-and-output-weights"),
-            add_bias_linear=not got.get("--disable-bias-linear"), kv_channels=kv, **local_fields,
+            add_bias_linear=not got.get("--disable-bias-linear"), add_qkv_bias=qkv_bias, kv_channels=kv,
+            **local_fields,
             **moe_mla_fields(got, tp=tp), **gpt_oss_fields(got, ignored))
     except ConfigError as err:
         raise JobError(f"the model flags describe an invalid model: {err}") from None

@@ -28,18 +28,43 @@ FINE_GRAINED_FLAG = "--fine-grained-activation-offloading"
 MODULES_FLAG = "--offload-modules"
 MIN_SIZE_FLAG = "--min-offloaded-tensor-size"
 OFFLOAD_FLAGS = (FINE_GRAINED_FLAG, MODULES_FLAG, MIN_SIZE_FLAG)
+# TransformerEngine's layer-level CPU offloading: Megatron's --cpu-offloading-num-layers N > 0 sets cpu_offloading
+# (training/arguments.py:1950-1951); remat.recompute.layer_offload runs it (NOTE [TE's layer offloading] there)
+CPU_OFFLOAD_FLAG = "--cpu-offloading-num-layers"
 
 OFFLOAD_GRAMMAR = """\
 ',offload:M1+M2+...'   Megatron's fine-grained activation offloading of modules M from attn_norm, qkv_linear,
                         core_attn, attn_proj, mlp_norm, expert_fc1, moe_act (attn_proj needs core_attn),
                         e.g. selective/core_attn,offload:attn_norm+qkv_linear or none,offload:core_attn+attn_proj
 ',offload_min:N'        with offload: tensors under N elements stay on the device (--min-offloaded-tensor-size,
-                        default 1048576)"""
+                        default 1048576)
+',cpu_offload:N'        TransformerEngine's CPU offloading of the first N layers (--cpu-offloading-num-layers N;
+                        granularity none, no offload modules)"""
 
 
 class OffloadPolicyError(ValueError):
     """An offload setting Megatron-LM (or remat) refuses; :class:`~remat.policy.Policy` re-raises it as a
     :class:`~remat.policy.PolicyError` with the same message."""
+
+
+# the example value each integer flag's error shows, and what it counts
+_INT_FLAGS = {CPU_OFFLOAD_FLAG: ("2", "layers"), MIN_SIZE_FLAG: ("1048576", "elements")}
+
+
+def _value(tokens: Sequence[str], i: int, name: str) -> str:
+    """The value after flag ``name`` (``tokens[i]``), refused when there is none."""
+    if i >= len(tokens) or tokens[i].startswith("--"):
+        raise OffloadPolicyError(f"{name} needs a value, e.g. {name} {_INT_FLAGS[name][0]}")
+    return tokens[i]
+
+
+def _count(text: str, name: str) -> int:
+    """An integer flag's value: digits 0-9 only."""
+    if not re.fullmatch(r"[0-9]{1,18}", text.strip()):
+        example, unit = _INT_FLAGS[name]
+        raise OffloadPolicyError(f"{name} needs an integer >= 0 ({unit}, digits 0-9), got {text!r}: e.g. "
+                                 f"{name} {example}")
+    return int(text.strip())
 
 
 def normalise_offload_modules(value: object) -> tuple[str, ...]:
@@ -100,9 +125,43 @@ def check_offload_combination(offload_modules: Sequence[str], granularity: str, 
                                  f"(Megatron's; drop '@non-reentrant'), or stop offloading {overlap[0]}")
 
 
-def format_offload(modules: Sequence[str], min_size: int) -> str:
+def check_cpu_offload(layers: object, offload_modules: Sequence[str], granularity: str) -> int:
+    """``cpu_offloading_num_layers`` as an int >= 0 (0: none), refused where Megatron refuses it: beside recompute
+    (transformer_config.py:1896-1899) or fine-grained offloading (:2127-2129). The layer count and the pipeline
+    are the job's to check (:1884-1894)."""
+    if isinstance(layers, bool) or not isinstance(layers, numbers.Integral) or layers < 0:
+        raise OffloadPolicyError(f"cpu_offloading_num_layers must be an integer >= 0 (layers), got {layers!r}: e.g. "
+                                 f"{CPU_OFFLOAD_FLAG} 2")
+    if layers and granularity != "none":
+        raise OffloadPolicyError(f"{CPU_OFFLOAD_FLAG} with activation recompute: Megatron raises 'CPU offloading does "
+                                 "not work when activation recomputation is enabled' (transformer_config.py:1896): "
+                                 "drop the recompute flags, or the offloading")
+    if layers and offload_modules:
+        raise OffloadPolicyError(f"{CPU_OFFLOAD_FLAG} with {FINE_GRAINED_FLAG}: Megatron asserts "
+                                 "'fine_grained_activation_offloading cannot be enabled with cpu_offloading' "
+                                 "(transformer_config.py:2127-2129): keep one")
+    return int(layers)
+
+
+def cpu_offload_job_problem(layers: int, num_layers: int, pp: int) -> str | None:
+    """Why Megatron refuses ``--cpu-offloading-num-layers layers`` in a job of ``num_layers`` layers over ``pp``
+    pipeline stages (transformer_config.py:1884-1894), or None."""
+    if layers and layers >= num_layers:
+        return (f"{CPU_OFFLOAD_FLAG} {layers} with --num-layers {num_layers}: Megatron raises 'CPU offloading can be "
+                f"done only for layers less than {num_layers}' (transformer_config.py:1884-1889; TransformerEngine "
+                f"keeps the last layer on the device, cpu_offload.py:843-847): use at most {num_layers - 1}")
+    if layers and pp > 1:
+        return (f"{CPU_OFFLOAD_FLAG} with pipeline parallelism (pp={pp}): Megatron raises 'Currently there is no "
+                "support for Pipeline parallelism with CPU offloading' (transformer_config.py:1891-1894): use "
+                "--pipeline-model-parallel-size 1, or drop the offloading")
+    return None
+
+
+def format_offload(modules: Sequence[str], min_size: int, cpu_layers: int = 0) -> str:
     """The short-form options of an offload setting: ``''`` without modules, else ``,offload:M1+M2`` and, when
-    ``min_size`` is not Megatron's default, ``,offload_min:N``."""
+    ``min_size`` is not Megatron's default, ``,offload_min:N``; ``,cpu_offload:N`` for TE's layer offloading."""
+    if cpu_layers:
+        return f",cpu_offload:{cpu_layers}"
     if not modules:
         return ""
     text = ",offload:" + "+".join(modules)
@@ -113,13 +172,15 @@ def parse_offload_option(option: str, fields: dict) -> bool:
     """Read one short-form option (``offload:M1+M2`` or ``offload_min:N``) into ``fields``
     (``offload_modules`` / ``min_offloaded_tensor_size``); False when ``option`` is not an offload option."""
     name, colon, value = option.partition(":")
-    if name not in ("offload", "offload_min"):
+    if name not in ("offload", "offload_min", "cpu_offload"):
         return False
-    key = "offload_modules" if name == "offload" else "min_offloaded_tensor_size"
+    key = {"offload": "offload_modules", "offload_min": "min_offloaded_tensor_size",
+           "cpu_offload": "cpu_offloading_num_layers"}[name]
     if key in fields:
         raise OffloadPolicyError(f"',{name}:' is given twice: keep one")
     if not colon or not value:
-        example = "offload:core_attn+attn_proj" if name == "offload" else "offload_min:1048576"
+        example = {"offload": "offload:core_attn+attn_proj", "offload_min": "offload_min:1048576",
+                   "cpu_offload": "cpu_offload:2"}[name]
         raise OffloadPolicyError(f"',{name}' needs a value after ':', e.g. ',{example}'")
     if name == "offload":
         mods = value.split("+")
@@ -128,8 +189,8 @@ def parse_offload_option(option: str, fields: dict) -> bool:
         fields[key] = tuple(mods)
     else:
         if not re.fullmatch(r"[0-9]{1,18}", value):
-            raise OffloadPolicyError(f"',offload_min:{value}': write the minimum size in elements with digits 0-9, "
-                                     "e.g. ',offload_min:1048576'")
+            what, example = ("layer count", 2) if name == "cpu_offload" else ("minimum size in elements", 1048576)
+            raise OffloadPolicyError(f"',{name}:{value}': write the {what} with digits 0-9, e.g. ',{name}:{example}'")
         fields[key] = int(value)
     return True
 
@@ -146,6 +207,7 @@ def offload_from_megatron(tokens: Sequence[str]) -> dict:
     switch = cpu = False
     modules: list[str] | None = None
     min_size: int | None = None
+    cpu_layers = 0
     i = 0
     while i < len(tokens):
         name, eq, inline = tokens[i].partition("=")
@@ -160,24 +222,20 @@ def offload_from_megatron(tokens: Sequence[str]) -> dict:
                 values.append(tokens[i])
                 i += 1
             modules = values
-        elif name == MIN_SIZE_FLAG:
+        elif name in (CPU_OFFLOAD_FLAG, MIN_SIZE_FLAG):
             if not eq:
-                if i >= len(tokens) or tokens[i].startswith("--"):
-                    raise OffloadPolicyError(f"{MIN_SIZE_FLAG} needs a value, e.g. {MIN_SIZE_FLAG} 1048576")
-                inline, i = tokens[i], i + 1
-            if not re.fullmatch(r"[0-9]{1,18}", inline.strip()):
-                raise OffloadPolicyError(f"{MIN_SIZE_FLAG} needs an integer >= 0 (elements, digits 0-9), got "
-                                         f"{inline!r}: e.g. {MIN_SIZE_FLAG} 1048576")
-            min_size = int(inline.strip())
+                inline, i = _value(tokens, i, name), i + 1
+            count = _count(inline, name)
+            cpu_layers, min_size = (count, min_size) if name == CPU_OFFLOAD_FLAG else (cpu_layers, count)
     if not switch:
         if modules is not None or min_size is not None:
             given = MODULES_FLAG if modules is not None else MIN_SIZE_FLAG
             raise OffloadPolicyError(f"{given} without {FINE_GRAINED_FLAG} offloads nothing (Megatron ignores it): add "
                                      f"{FINE_GRAINED_FLAG}, or drop {given}")
-        return {}
+        return {"cpu_offloading_num_layers": cpu_layers} if cpu_layers else {}
     if cpu:
         raise OffloadPolicyError(f"{FINE_GRAINED_FLAG} cannot be combined with --cpu-offloading (Megatron refuses it): "
-                                 "drop --cpu-offloading (remat models only the fine-grained offloading)")
+                                 "drop --cpu-offloading (transformer_config.py:2127-2129)")
     if not modules:
         raise OffloadPolicyError(f"{FINE_GRAINED_FLAG} needs {MODULES_FLAG} with at least one module (Megatron "
                                  f"asserts it), e.g. {MODULES_FLAG} core_attn attn_proj; valid modules are "
@@ -185,11 +243,16 @@ def offload_from_megatron(tokens: Sequence[str]) -> dict:
     fields: dict = {"offload_modules": tuple(modules)}
     if min_size is not None:
         fields["min_offloaded_tensor_size"] = min_size
+    if cpu_layers:
+        fields["cpu_offloading_num_layers"] = cpu_layers  # refused beside the modules by check_cpu_offload
     return fields
 
 
-def offload_to_megatron(modules: Sequence[str], min_size: int) -> list[str]:
-    """Megatron-LM flags of an offload setting ([] without modules); the minimum size only when not the default."""
+def offload_to_megatron(modules: Sequence[str], min_size: int, cpu_layers: int = 0) -> list[str]:
+    """Megatron-LM flags of an offload setting ([] without modules); the minimum size only when not the default;
+    ``--cpu-offloading-num-layers N`` for TE's layer offloading."""
+    if cpu_layers:
+        return [CPU_OFFLOAD_FLAG, str(cpu_layers)]
     if not modules:
         return []
     args = [FINE_GRAINED_FLAG, MODULES_FLAG, *modules]

@@ -13,6 +13,7 @@ from remat.offload_policy import (
     MIN_OFFLOADED_TENSOR_SIZE,
     OFFLOAD_GRAMMAR,
     OffloadPolicyError,
+    check_cpu_offload,
     check_min_size,
     check_offload_combination,
     format_offload,
@@ -202,7 +203,8 @@ class Policy:
         True
         >>> Policy("selective", modules=("mlp", "core_attn"))
         Policy(granularity='selective', method=None, num_layers=None, modules=('core_attn', 'mlp'), \
-engine='reentrant', distribute_saved_activations=False, offload_modules=(), min_offloaded_tensor_size=1048576)
+engine='reentrant', distribute_saved_activations=False, offload_modules=(), min_offloaded_tensor_size=1048576, \
+cpu_offloading_num_layers=0)
         >>> str(Policy("selective", modules=("core_attn",), offload_modules=("attn_norm", "core_attn")))
         'selective/core_attn,offload:attn_norm+core_attn'
     """
@@ -215,6 +217,7 @@ engine='reentrant', distribute_saved_activations=False, offload_modules=(), min_
     distribute_saved_activations: bool = False  # full only
     offload_modules: tuple[str, ...] = ()  # Megatron's fine-grained activation offloading; OFFLOAD_MODULES order
     min_offloaded_tensor_size: int = MIN_OFFLOADED_TENSOR_SIZE  # elements; smaller saved tensors stay
+    cpu_offloading_num_layers: int = 0  # TE's layer offloading of the first N layers (remat.recompute.layer_offload)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -240,6 +243,8 @@ engine='reentrant', distribute_saved_activations=False, offload_modules=(), min_
             set_(self, "min_offloaded_tensor_size", check_min_size(self.min_offloaded_tensor_size,
                                                                    self.offload_modules))
             check_offload_combination(self.offload_modules, g, self.method, self.modules, self.engine)
+            set_(self, "cpu_offloading_num_layers", check_cpu_offload(self.cpu_offloading_num_layers,
+                                                                       self.offload_modules, g))
         except OffloadPolicyError as err:
             raise PolicyError(str(err)) from None
 
@@ -287,12 +292,12 @@ engine='reentrant', distribute_saved_activations=False, offload_modules=(), min_
     @property
     def is_none(self) -> bool:
         """True for the plain model: nothing is recomputed (granularity ``none``) and nothing offloaded."""
-        return self.granularity == "none" and not self.offload_modules
+        return self.granularity == "none" and not self.offloads
 
     @property
     def offloads(self) -> bool:
-        """True when some modules' saved tensors are offloaded to host memory (``offload_modules``)."""
-        return bool(self.offload_modules)
+        """True when saved tensors are offloaded to host memory (``offload_modules``, ``cpu_offloading_num_layers``)."""
+        return bool(self.offload_modules or self.cpu_offloading_num_layers)
 
     @property
     def recomputes_layers(self) -> bool:
@@ -314,7 +319,7 @@ engine='reentrant', distribute_saved_activations=False, offload_modules=(), min_
             text = "none"
         if self.distribute_saved_activations:
             text += ",distribute"
-        text += format_offload(self.offload_modules, self.min_offloaded_tensor_size)
+        text += format_offload(self.offload_modules, self.min_offloaded_tensor_size, self.cpu_offloading_num_layers)
         return text if self.engine == "reentrant" else f"{text}@{self.engine}"
 
     @classmethod
@@ -349,7 +354,8 @@ engine='reentrant', distribute_saved_activations=False, offload_modules=(), min_
 
             >>> Policy.parse("full/uniform/2")
             Policy(granularity='full', method='uniform', num_layers=2, modules=(), engine='reentrant', \
-distribute_saved_activations=False, offload_modules=(), min_offloaded_tensor_size=1048576)
+distribute_saved_activations=False, offload_modules=(), min_offloaded_tensor_size=1048576, \
+cpu_offloading_num_layers=0)
             >>> str(Policy.parse(" Selective / MLP + core_attn @ non-reentrant "))
             'selective/core_attn+mlp@non-reentrant'
             >>> Policy.parse("none, offload: attn_proj + core_attn").offload_modules
@@ -376,7 +382,7 @@ distribute_saved_activations=False, offload_modules=(), min_offloaded_tensor_siz
             except OffloadPolicyError as err:
                 raise bad(str(err)) from None
             if not known and (opt != "distribute" or distribute):
-                raise bad(f"unknown option {opt!r} after ',' (distribute, offload:M1+M2, offload_min:N)"
+                raise bad(f"unknown option {opt!r} after ',' (distribute, offload:M1+M2, offload_min:N, cpu_offload:N)"
                           if opt != "distribute" else "',distribute' is given twice")
             distribute = distribute or opt == "distribute"
         parts = body.split("/")
@@ -529,8 +535,8 @@ distribute_saved_activations=False, offload_modules=(), min_offloaded_tensor_siz
         flags of its reentrant twin. Raises :class:`PolicyError` for the ``act`` module, which
         Megatron has only for MoE experts, and for ``non_matmul`` (operator-level, remat's own).
         """
-        return self._recompute_megatron_args() + offload_to_megatron(self.offload_modules,
-                                                                      self.min_offloaded_tensor_size)
+        return self._recompute_megatron_args() + offload_to_megatron(
+            self.offload_modules, self.min_offloaded_tensor_size, self.cpu_offloading_num_layers)
 
     def _recompute_megatron_args(self) -> list[str]:
         if self.granularity == "none":

@@ -58,6 +58,10 @@ GPU_PRESETS: dict[str, int] = {
     "h100-94g": 95830 * MIB,
     "h200": 143771 * MIB,
     "h200-141g": 143771 * MIB,
+    # Blackwell (sm100): nvidia-smi's memory.total on an HGX B200 (183359MiB) and a GB200 NVL72 tray's GPU
+    # (189471MiB), as published nvidia-smi outputs of both show it
+    "b200": 183359 * MIB,
+    "gb200": 189471 * MIB,
 }
 DEFAULT_RESERVE = "10%"
 

@@ -198,7 +198,7 @@ def test_an_unwritable_html_is_refused_before_the_work(monkeypatch, capsys, argv
     def work(*args, **kwargs):
         raise AssertionError("the work ran before --html was checked")
 
-    monkeypatch.setattr(cli_job, "predict_job", work)
+    monkeypatch.setattr(cli_job, "predict_policies", work)
     monkeypatch.setattr(cli_job, "plan_job", work)
     assert main(argv) == 2
     err = capsys.readouterr().err

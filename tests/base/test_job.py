@@ -275,8 +275,8 @@ def test_to_megatron_args_refuses_what_megatron_cannot_run(job, fragment):
     ("--moe-router-topk 2", ["--moe-router-topk", "MoE", "add --num-experts"]),
     ("--num-experts 8 --moe-extended-tp", ["--moe-extended-tp", "does not model", "remove it"]),
     ("--num-experts 8 --moe-input-jitter-eps 0.1", ["--moe-input-jitter-eps", "remove it"]),
-    ("--cpu-offloading-num-layers 2", ["--cpu-offloading-num-layers", "host memory"]),
-    ("--use-torch-fsdp2", ["--use-torch-fsdp2", "FSDP"]),
+    ("--cpu-offloading", ["--cpu-offloading", "unrecognized arguments", "--cpu-offloading-num-layers N"]),
+    ("--use-torch-fsdp2", ["--use-torch-fsdp2", "add --no-gradient-accumulation-fusion"]),
     ("--fp16-lm-cross-entropy", ["--fp16-lm-cross-entropy", "cross-entropy"]),
     ("--cross-entropy-loss-fusion --cross-entropy-fusion-impl te", ["--cross-entropy-fusion-impl te", "stability"]),
     ("--cp-comm-type a2a", ["--cp-comm-type", "--cp-comm-type p2p"]),
@@ -534,11 +534,24 @@ def test_moe_and_mla_flags_set_the_model_fields():
      ["ep (--expert-model-parallel-size)=4", "num_moe_experts=6", "use ep from 1, 2, 3, 6"]),
     ("--num-experts 8 --expert-model-parallel-size 4 --world-size 2 --moe-token-dispatcher-type alltoall",
      ["ep (--expert-model-parallel-size)=4", "raise dp", "multiple of 4"]),
-    ("--num-experts 8 --moe-token-dispatcher-type flex", ["--moe-token-dispatcher-type flex", "alltoall"]),
-    # token_dispatcher.py:1809: DeepEP / HybridEP's fused dispatch and their buffers outside PyTorch's allocator
-    ("--num-experts 8 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep",
-     ["--moe-token-dispatcher-type flex runs Megatron's flex token dispatcher", "outside PyTorch's allocator",
-      "--moe-flex-dispatcher-backend runs Megatron's flex", "get_nvl_buffer_size_hint"]),
+    # the flex dispatcher: Megatron's default backend (deepep), NCCL EP, and what remat does not model with HybridEP
+    ("--num-experts 8 --moe-token-dispatcher-type flex", ["--moe-token-dispatcher-type flex with DeepEP",
+                                                          "over 1 ranks", "TPxEP > 1", "use ep 2, 4 or 8"]),
+    ("--num-experts 16 --moe-token-dispatcher-type flex --expert-model-parallel-size 16 --world-size 16",
+     ["DeepEP", "over 16 ranks", "RDMA buffers", "--moe-flex-dispatcher-backend hybridep"]),
+    ("--num-experts 8 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend ncclep",
+     ["--moe-flex-dispatcher-backend", "NCCL EP", "hybridep"]),
+    ("--num-experts 16 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep "
+     "--expert-model-parallel-size 16 --world-size 16", ["over 16 ranks", "NVLink domain", "RDMA"]),
+    ("--num-experts 8 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep "
+     "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --expert-tensor-parallel-size 2 "
+     "--sequence-parallel --world-size 4 --disable-bias-linear",
+     ["--expert-tensor-parallel-size 2", "--expert-tensor-parallel-size 1"]),
+    ("--num-experts 8 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep "
+     "--moe-expert-capacity-factor 1.0", ["--moe-expert-capacity-factor", "drop the capacity factor"]),
+    ("--num-experts 8 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep "
+     "--cuda-graph-impl transformer_engine --cuda-graph-modules moe_router moe_preprocess",
+     ["--cuda-graph-modules moe_preprocess with --moe-token-dispatcher-type flex", "graph moe_router only"]),
     ("--position-embedding-type rope --multi-latent-attention --qk-layernorm", ["needs --kv-lora-rank"]),
     ("--kv-lora-rank 32", ["--kv-lora-rank needs --multi-latent-attention"]),
     ("--recompute-granularity selective --recompute-modules mla_up_proj",
@@ -647,8 +660,8 @@ def test_a_launch_line_that_does_not_say_leaves_one_data_rank(launcher):
 
 
 def test_every_refused_flag_is_named_at_once():
-    msg = refused("--fp4-format e2m1 --tp-comm-overlap --no-such-flag 3", "3 flags stop the prediction",
-                  "(1) --fp4-format", "(2) --tp-comm-overlap", "(3) remat does not know whether --no-such-flag")
+    msg = refused("--fp4-format e2m1 --squared-relu --no-such-flag 3", "3 flags stop the prediction",
+                  "(1) --fp4-format", "(2) --squared-relu", "(3) remat does not know whether --no-such-flag")
     assert "\n" not in msg
 
 
@@ -665,3 +678,27 @@ def test_a_misspelled_megatron_flag_names_the_flag_meant(flag, meant):
     message = str(err.value)
     assert "\n" not in message and f"remat does not know whether {shown_flag(flag)} changes memory" in message
     assert (f"did you mean {meant}?" in message) == (meant is not None)
+
+
+def test_add_qkv_bias_is_linear_qkvs_bias_and_round_trips():
+    # training/arguments.py:1609-1610 (add_bias_linear turns add_qkv_bias on) and attention.py:1698 (linear_qkv's bias
+    # is add_bias_linear or add_qkv_bias); MLA's projections read add_bias_linear only (multi_latent_attention.py:226)
+    job, ignored = parse_megatron_args(f"{BASE} --disable-bias-linear --add-qkv-bias")
+    assert job.model.add_qkv_bias and job.model.qkv_bias and not job.model.add_bias_linear and ignored == []
+    assert parse_megatron_args(job.to_megatron_args())[0] == job
+    assert parse().model.qkv_bias and not parse("--disable-bias-linear").model.qkv_bias
+    mla = ("--multi-latent-attention --kv-lora-rank 64 --q-lora-rank 96 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+           "--v-head-dim 16 --disable-bias-linear")
+    mla_job, mla_ignored = parse_megatron_args(f"{BASE} {mla} --add-qkv-bias")
+    assert "--add-qkv-bias" in mla_ignored and mla_job == parse(mla)
+
+
+@pytest.mark.parametrize("backend", ["hybridep", "deepep"])
+def test_the_flex_dispatcher_is_read_with_its_backend_and_round_trips(backend):
+    # transformer_config.py:891-902: --moe-token-dispatcher-type flex with --moe-flex-dispatcher-backend
+    flags = (f"{BASE} --num-experts 4 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend {backend} "
+             "--expert-model-parallel-size 2 --world-size 2 --moe-permute-fusion-into-hybridep")
+    job, ignored = parse_megatron_args(flags)
+    assert (job.model.moe_token_dispatcher_type, job.model.moe_flex_dispatcher_backend) == ("flex", backend)
+    assert "--moe-permute-fusion-into-hybridep" in ignored
+    assert parse_megatron_args(job.to_megatron_args())[0] == job

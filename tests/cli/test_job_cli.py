@@ -253,3 +253,40 @@ def test_compare_of_a_moe_job_says_its_routing_and_predicts_the_runs_own_counts_
     assert all(r["predicted_bytes"] == r["measured_bytes"] for r in again["rows"])
     assert main(["predict", *TINY, "--moe-routing", "counts:1,x"]) == 2
     assert "--moe-routing 'counts:1,x': write" in capsys.readouterr().err
+
+
+def test_a_qwen2_job_with_add_qkv_bias_is_predicted(capsys):
+    # issue 26: every Qwen2 launch line has --add-qkv-bias. MODEL_ARGS of Megatron-LM's own Qwen2.5-7B config
+    # (examples/post_training/modelopt/conf/Qwen/Qwen2.5-7B-Instruct.sh at d98e8a64), 4 of its 28 layers, 1024 tokens
+    model_args = ("--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion --disable-bias-linear "
+                  "--add-qkv-bias --position-embedding-type rope --no-rope-fusion --normalization RMSNorm --swiglu "
+                  "--num-layers 4 --hidden-size 3584 --ffn-hidden-size 18944 --num-attention-heads 28 "
+                  "--group-query-attention --num-query-groups 4 --kv-channels 128 --seq-length 1024 "
+                  "--max-position-embeddings 32768 --tokenizer-type HuggingFaceTokenizer --padded-vocab-size 152064 "
+                  "--make-vocab-size-divisible-by 1 --use-mcore-models --rotary-percent 1.0 --rotary-base 1000000 "
+                  "--no-bias-swiglu-fusion --untie-embeddings-and-output-weights")
+    qwen2 = (f"torchrun --nproc_per_node 8 pretrain_gpt.py {model_args} --global-batch-size 16 "
+             "--tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 2 "
+             "--use-distributed-optimizer --lr 1e-5")
+    report = _json(capsys, ["predict", "--megatron-args", qwen2])
+    assert report["job"]["tp"] == 4 and report["job"]["dp"] == 1 and "--add-qkv-bias" not in report["ignored_flags"]
+    job = Job.from_megatron_args(qwen2)
+    assert job.model.add_qkv_bias and not job.model.add_bias_linear
+    # the flag changes only the parameters (and their gradients, master copies and moments): 2 layers per stage,
+    # (28 + 2 x 4) heads x 128 / tp 4 = 1152 bias values per layer on a rank
+    without = predict_job(Job.from_megatron_args(qwen2.replace(" --add-qkv-bias", "")))
+    for rank, other in zip(predict_job(job).ranks, without.ranks, strict=True):
+        assert rank.state.num_parameters - other.state.num_parameters == 2 * 1152
+
+
+def test_a_tp_comm_overlap_job_is_predicted_with_its_userbuffers(capsys):
+    # issue 26: --tp-comm-overlap is accepted; TE's userbuffers are named beside the peak (outside PyTorch's
+    # allocator): 12 bf16 buffers of [seq x mbs, hidden] = [64, 64] (8 KiB each, 2 MiB once rounded for cuMemCreate)
+    line = (f"torchrun --nproc_per_node 4 pretrain_gpt.py {MEGATRON} --tensor-model-parallel-size 2 "
+            "--sequence-parallel --tp-comm-overlap")
+    assert main(["predict", "--megatron-args", line]) == 0
+    out = capsys.readouterr().out
+    assert "outside PyTorch's allocator" in out and "TE userbuffers (--tp-comm-overlap): 12 GEMM buffers [64, 64] " \
+        "(bf16) 24.00 MiB" in out
+    assert main(["predict", "--megatron-args", line.replace(" --sequence-parallel", "")]) == 2
+    assert "--tp-comm-overlap needs --sequence-parallel" in capsys.readouterr().err

@@ -90,7 +90,7 @@ def test_an_unwritable_snapshot_is_refused_before_the_work(monkeypatch, capsys, 
     def work(*args, **kwargs):
         raise AssertionError("the work ran before --snapshot was checked")
 
-    monkeypatch.setattr(cli_job, "predict_job", work)
+    monkeypatch.setattr(cli_job, "predict_policies", work)
     monkeypatch.setattr(cli_job, "plan_job_reserved", work)
     assert main([*argv, "--snapshot", "/proc/x.pickle"]) == 2
     err = capsys.readouterr().err

@@ -204,21 +204,20 @@ def test_an_unknown_world_size_is_assumed_in_the_first_line(capsys):
 
 # ------------------------------------------------------------------------------------------------ lower bounds
 def test_allow_unmodelled_stamps_every_line_and_row(tmp_path, capsys):
-    # both only add memory (userbuffers; weight-gradient inputs kept longer): priced without them, a lower bound
-    script = _script(tmp_path, f'torchrun --nproc_per_node 2 pretrain_gpt.py {TINY} --tp-comm-overlap '
-                               '--tp-comm-overlap-cfg ub.yaml\n')
+    # layers remat's reference GPT does not have, which save no memory: priced without them, a lower bound
+    script = _script(tmp_path, f'torchrun --nproc_per_node 2 pretrain_gpt.py {TINY} --qk-l2-norm --squared-relu\n')
     assert main(["predict", "--megatron-script", str(script)]) == 2
     err = capsys.readouterr().err
-    assert "2 flags stop the prediction" in err and "--allow-unmodelled --tp-comm-overlap,--tp-comm-overlap-cfg" in err
-    argv = ["predict", "--allow-unmodelled", "tp-comm-*", "--megatron-script", str(script)]
+    assert "2 flags stop the prediction" in err and "--allow-unmodelled --qk-l2-norm,--squared-relu" in err
+    argv = ["predict", "--allow-unmodelled", "qk-l2-*,squared-*", "--megatron-script", str(script)]
     assert main(argv) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert all(line.startswith(LOWER_BOUND_TAG) for line in lines)
-    assert "LOWER BOUND: priced without --tp-comm-overlap, --tp-comm-overlap-cfg" in "\n".join(lines[:3])
+    assert "LOWER BOUND: priced without --qk-l2-norm, --squared-relu" in "\n".join(lines[:3])
     assert main(["predict", "--json", *argv[1:]]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["lower_bound"]["unmodelled_flags"] == ["--tp-comm-overlap", "--tp-comm-overlap-cfg"]
-    assert report["input"]["unmodelled_flags"] == ["--tp-comm-overlap", "--tp-comm-overlap-cfg"]
+    assert report["lower_bound"]["unmodelled_flags"] == ["--qk-l2-norm", "--squared-relu"]
+    assert report["input"]["unmodelled_flags"] == ["--qk-l2-norm", "--squared-relu"]
     assert report["rows"] and all(row["lower_bound"] is True for row in report["rows"])
 
 
@@ -251,8 +250,8 @@ def test_allow_unmodelled_names_what_cannot_be_left_out(extra, allow, message):
 
 def test_allow_unmodelled_leaves_out_unmodelled_values_and_rope_position_flags():
     read = read_megatron_job(f"{TINY} --position-embedding-type rope --no-position-embedding "
-                             "--tp-comm-overlap --num-experts 2", allow_unmodelled=["--tp-comm-overlap"])
-    assert read.unmodelled == ("--tp-comm-overlap",)
+                             "--qk-l2-norm --num-experts 2", allow_unmodelled=["--qk-l2-norm"])
+    assert read.unmodelled == ("--qk-l2-norm",)
     assert read.job.model.num_moe_experts == 2
     assert "--no-position-embedding" in read.ignored  # beside rope Megatron builds the same model (remat.job_model)
 
@@ -260,10 +259,10 @@ def test_allow_unmodelled_leaves_out_unmodelled_values_and_rope_position_flags()
 def test_every_refusal_comes_with_megatrons_own_refusal_of_the_rest():
     with pytest.raises(JobError) as err:
         read_megatron_job(f"{TINY.replace('--num-layers 2', '--num-layers 3')} --pipeline-model-parallel-size 2 "
-                          "--tp-comm-overlap --squared-relu")
+                          "--qk-l2-norm --squared-relu")
     message = str(err.value)
-    assert message.startswith("2 flags stop the prediction: (1) --tp-comm-overlap")
-    assert "or price the job without them as a lower bound: --allow-unmodelled --tp-comm-overlap,--squared-relu" \
+    assert message.startswith("2 flags stop the prediction: (1) --qk-l2-norm")
+    assert "or price the job without them as a lower bound: --allow-unmodelled --qk-l2-norm,--squared-relu" \
         in message
     assert "and without them, the job is still refused: num_layers=3 (--num-layers) is not divisible by pp=2" in message
 
@@ -332,3 +331,27 @@ def test_the_gpt3_mixtral_and_gpt_oss_example_scripts_are_read():
     with pytest.raises(JobError, match=r"num_layers=12 \(--num-layers\) is not divisible by pp=8.*use pp from 1, 2, "
                                        r"3, 4, 6, 12, or an uneven split"):
         read_megatron_job(_without_fp8(launch.argv))
+
+
+DEEPSEEK = SCRIPTS / "examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh"
+
+
+def test_the_deepseek_v3_script_reads_as_the_flex_dispatcher_with_hybridep():
+    from remat.memory.flex_buffers import flex_kept_bytes, flex_outside_buffers
+
+    read = read_megatron_job(read_launch_script(DEEPSEEK, timeout=5).argv, world_size=256)
+    m = read.job.model
+    assert (m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend, read.job.ep) == ("flex", "hybridep", 8)
+    # HybridEP's buffers for T = 4 x 4096 tokens, G = 8 ranks, L = 32 local experts, h = 7168 (M = 131,072 tokens)
+    buffers = flex_outside_buffers(read.job, 0)
+    assert [b.nbytes for b in buffers[:4]] == [131072 * 7168 * 2, 131072 * 256 * 4, 131072 * 56 * 4, 256 * 16384 * 8]
+    # 58 MoE layers and the MTP depth keep routing map + fp32 probabilities [T, 256] and fp32 probabilities [T x 8]
+    assert flex_kept_bytes(read.job, 0) == 59 * (16384 * 256 * 5 + 16384 * 8 * 4)
+
+
+def test_the_deepseek_v3_script_is_predicted_as_written(capsys):
+    assert main(["predict", "--world-size", "256", "--megatron-script", str(DEEPSEEK)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "world size 256 (--world-size)"
+    assert "outside PyTorch's allocator: rank" in out and "HybridEP expert token buffer (dispatch and combine) " \
+        "1.75 GiB (DeepEP hybrid-ep@94a9f8f6 csrc/hybrid_ep/buffer/intranode.cu:126-129, 204-208, 255-260)" in out

@@ -26,12 +26,15 @@ GOLDEN = Path(__file__).parents[2] / "benchmarks" / "data" / "megatron_golden_h1
 
 
 def test_cublas_workspace_follows_the_environment_and_the_gpu():
-    # CublasHandlePool.cpp parseChosenWorkspaceSize: the sum of :SIZE_KIB:COUNT pairs, else 32 MiB on sm90
+    # CublasHandlePool.cpp parseChosenWorkspaceSize: the sum of :SIZE_KIB:COUNT pairs, else 32 MiB on Hopper and
+    # Blackwell (use32mb: majors 9-12), 8.125 MiB before
     assert cublas_workspace_bytes(":4096:8") == 4096 * 1024 * 8 == 32 * MIB
     assert cublas_workspace_bytes(":4096:2:16:8") == 4096 * 1024 * 2 + 16 * 1024 * 8
     assert cublas_workspace_bytes(":16:8") == 16 * 1024 * 8  # the deterministic setting PyTorch documents
     assert cublas_workspace_bytes(None, 9) == 32 * MIB
-    assert cublas_workspace_bytes(None, 8) == cublas_workspace_bytes(None, 10) == 4096 * 1024 * 2 + 16 * 1024 * 8
+    assert cublas_workspace_bytes(None, 8) == 4096 * 1024 * 2 + 16 * 1024 * 8
+    assert cublas_workspace_bytes(None, gpu_major("b200")) == cublas_workspace_bytes(None, gpu_major("gb200")) \
+        == 32 * MIB
     assert cublas_workspace_bytes("nonsense", 9) == 32 * MIB  # torch warns and takes the default
     assert te_workspace_bytes(9) == te_workspace_bytes(10) == 32 * MIB + 1024 and te_workspace_bytes(8) == 4 * MIB
     assert gpu_major("h100-80g") == gpu_major("H200") == gpu_major(None) == 9 and gpu_major("a100-80g") == 8

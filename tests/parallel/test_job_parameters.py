@@ -79,3 +79,28 @@ def test_functional_test_configs_hold_megatrons_parameters(name: str) -> None:
     if name.startswith("tp1_pp4"):
         assert [r.state.num_parameters for r in sorted(prediction.ranks, key=lambda r: r.stage)] == [
             35_640_704, 9_360_768, 9_360_768, 35_117_440]
+
+
+# A Qwen2-style layer (issue 26): no linear biases but --add-qkv-bias, GQA, SwiGLU, RMSNorm, rope
+QWEN2 = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --group-query-attention --num-query-groups 2 "
+         "--seq-length 512 --max-position-embeddings 512 --micro-batch-size 1 --global-batch-size 8 --vocab-size 1024 "
+         "--bf16 --swiglu --disable-bias-linear --normalization RMSNorm --position-embedding-type rope "
+         "--untie-embeddings-and-output-weights --tensor-model-parallel-size 2 --sequence-parallel --world-size 4")
+
+
+def test_add_qkv_bias_holds_megatrons_qkv_bias_and_its_state() -> None:
+    # attention.py:1698: linear_qkv gets bias=add_bias_linear or add_qkv_bias, a column-parallel [(q + 2 kv) x
+    # head_dim / tp] per layer; TE's linear saves the bias parameter itself, no activation (layernorm_linear.py:492)
+    plain, biased = (predict_job(Job.from_megatron_args(f"{QWEN2}{extra}".split()), device="cuda", kernels="te")
+                     for extra in ("", " --add-qkv-bias"))
+    heads, groups, head_dim, tp, layers = 8, 2, 512 // 8, 2, 4
+    per_layer = (heads + 2 * groups) * head_dim // tp  # 384 on each tp rank
+    for a, b in zip(plain.ranks, biased.ranks, strict=True):
+        assert b.state.num_parameters - a.state.num_parameters == layers * per_layer
+        growth = {part: b.parts[part] - a.parts[part] for part in a.parts}
+        # bf16 parameters, one tensor each (768 bytes in a 1024-byte block); fp32 main grads in the contiguous
+        # grad buffer, fp32 master copies and Adam's two fp32 moments (dp = 2, no distributed optimizer)
+        assert growth == {**dict.fromkeys(a.parts, 0), "parameters": layers * 1024,
+                          "gradients": layers * per_layer * 4, "master_parameters": layers * per_layer * 4,
+                          "optimizer_state": layers * per_layer * 8}
+        assert b.peak_bytes - a.peak_bytes == sum(growth.values())

@@ -24,10 +24,14 @@ def describe_job(job: Job) -> str:
         f" cp={job.cp} dp={job.dp}" + (f" ep={job.ep}" if job.ep > 1 else "") + f" ({job.world_size} ranks)"
     if len(set(job.chunk_layers)) > 1:  # Megatron's uneven split: every chunk's decoder layers, in global order
         layout += " with chunks of " + "+".join(map(str, job.chunk_layers)) + " layers"
+    layout += ", TP communication overlap (TE userbuffers)" * (job.tp_comm_overlap is not None)
     moe = (f", {m.num_moe_experts} experts (top-{m.moe_router_topk}, ffn={m.moe_ffn_size}) in "
            f"{sum(m.moe_layer_pattern())} layers") if m.is_moe else ""
     mixed = " mixed precision (fp32 main grads" + (", fp32 master params)" if job.optimizer != "none" else ")") \
         if job.precision != "fp32" else ""
+    if job.torch_fsdp2 is not None:  # remat.memory.torch_fsdp2: no MixedPrecisionPolicy (NOTE [torch FSDP2])
+        mixed = (f", torch FSDP2 over dp x cp ({job.precision} sharded parameters and gradients, "
+                 f"{'resharded' if job.torch_fsdp2.reshard_after_forward else 'kept gathered'} after forward)")
     if m.fp8_recipe is not None:  # remat.memory.fp8: the transformer layers' linears
         mixed += f", FP8 linears ({m.fp8_recipe} scaling" + (", FP8 parameters)" if job.fp8_param_gather else ")")
     opt = job.optimizer + (" distributed over dp x cp" if job.distributed_optimizer else "") + (
@@ -59,11 +63,9 @@ def not_counted_line(budget: str | None = None, reserve: str | float | None = DE
 
 
 def rank_row(r: RankPrediction, **extra: Any) -> dict[str, Any]:
-    """One JSON row: ``rank``, ``stage``, peak and every part (:data:`PARTS`), and ``reserved``: the rank's
-    caching-allocator replay (:func:`remat.memory.reserved.reserved_figures`; None when not replayed)."""
-    return {**extra, "rank": r.rank, "stage": r.stage, "ranks_alike": r.ranks, "peak_bytes": r.peak_bytes,
-            "peak_phase": r.timeline.peak_phase.label, **r.parts, "num_parameters": r.state.num_parameters,
-            "dp_shard": r.state.dp_rank, "reserved": r.reserved}
+    """One JSON row: ``extra`` (e.g. ``policy``), then :meth:`RankPrediction.row` (rank, stage, peak, every part of
+    :data:`PARTS`, ``reserved``: the caching-allocator replay or None, ``outside_allocator``)."""
+    return {**extra, **r.row()}
 
 
 def _rank_lines(ranks: Sequence[RankPrediction]) -> list[str]:
@@ -102,7 +104,18 @@ def format_job_prediction(prediction: JobPrediction, policy: str) -> str:
     if replayed:  # the rank a GPU runs out of first: the most reserved, not always the worst allocated
         most = max(replayed, key=lambda pair: pair[0])[1]
         lines.append(f"  most reserved: rank {most.rank} (stage {most.stage}), {format_reserved(most.reserved or {})}")
+    outside = max(prediction.ranks, key=lambda r: r.outside_bytes)
+    if outside.outside:
+        lines.append(outside_line(outside))
     return "\n".join(lines + _rank_lines(prediction.ranks))
+
+
+def outside_line(r: RankPrediction) -> str:
+    """The library buffers a rank holds outside PyTorch's allocator (in no peak or reserved figure above)."""
+    parts = "; ".join(f"{b.name} {format_bytes(b.nbytes)} ({b.source})" for b in r.outside)
+    return (f"  outside PyTorch's allocator: rank {r.rank} (stage {r.stage}) also holds "
+            f"{format_bytes(r.outside_bytes)} for the whole run, not in the peak or reserved figures (a GPU must have "
+            f"room for both): {parts}")
 
 
 def budgeted_line(budgeted: dict[str, Any], fits: bool = True) -> str:
@@ -151,7 +164,10 @@ def format_job_plan(result: JobPlan) -> str:
                      f"{format_bytes(worst.state.total)}, before any activation: {format_state(worst.state)}")
         dp = smallest_dp(job, worst, budget)
         fix = "shard the model state: more --tp/--pp, or a larger budget"
-        if dp is not None and (not job.distributed_optimizer or dp > job.dp):
+        if job.torch_fsdp2 is not None:  # every part of it is sharded over dp x cp (remat.memory.torch_fsdp2)
+            fix = (f"shard it further: FSDP2 with --dp >= {-(-worst.state.total * job.dp // budget)} leaves room for "
+                   "the model state (then activations), or more --tp, or a larger budget")
+        elif dp is not None and (not job.distributed_optimizer or dp > job.dp):
             fix = (f"shard it: --distributed-optimizer with --dp >= {dp} leaves "
                    "room for the model state (then activations), or more --tp/--pp, or a larger budget")
         lines.append(f"  fix: {fix}")

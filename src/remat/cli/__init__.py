@@ -33,6 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # busy process the spinning held the core it needed (remat explain's answer 31 s -> 22 s on 2 cores, and
         # 50 s -> 19 s beside a test run); alone the sleeps cost about 3 s of its 15
         os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+    if console:  # the whole compiler only for a command that compiles (remat.lazy_dynamo)
+        from remat.lazy_dynamo import defer_dynamo
+
+        defer_dynamo()
     from remat.cli.commands import run
 
     with recording(key) as result:

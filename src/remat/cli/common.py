@@ -195,7 +195,8 @@ def parse_policy_list(text: str | None) -> list[str] | None:
     for piece in pieces:
         if not piece:
             continue
-        if re.fullmatch(r"(distribute|offload\s*:[\w+\s]*|offload_min\s*:[\s\w]*)(\s*@[\w-]+)?", piece) and out:
+        if re.fullmatch(r"(distribute|offload\s*:[\w+\s]*|(offload_min|cpu_offload)\s*:[\s\w]*)(\s*@[\w-]+)?",
+                        piece) and out:
             out[-1] += "," + piece
         else:
             out.append(piece)

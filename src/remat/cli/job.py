@@ -37,8 +37,9 @@ from remat.job_flags import JobError
 from remat.job_input import stamp_report, stamp_text
 from remat.memory.replay_pool import BackgroundReplays
 from remat.parallel.job_measure import check_measurable, compare_job, format_rows, routing_counts
-from remat.parallel.job_predict import job_kernels, predict_job
+from remat.parallel.job_predict import job_kernels
 from remat.parallel.launch import DEFAULT_TIMEOUT
+from remat.plan.job_exact import predict_policies
 from remat.plan.job_plan import plan_job
 from remat.plan.job_reserved import add_plan_reserved, plan_job_reserved
 from remat.plan.options import PlanOptions
@@ -58,6 +59,7 @@ def job_requested(args: argparse.Namespace, *, mixed_precision_model: bool = Fal
 def _job_dict(source: JobSource) -> dict[str, Any]:
     job = source.job
     out = {f.name: getattr(job, f.name) for f in dataclasses.fields(job) if f.name not in ("model", "policy")}
+    out.update({k: dataclasses.asdict(v) for k, v in out.items() if dataclasses.is_dataclass(v)})  # FSDP configs
     out.update(model=job.model.to_dict(), world_size=job.world_size, global_batch_size=job.global_batch_size,
                chunk_layers=list(job.chunk_layers),  # decoder layers of every model chunk, in global order
                bytes_per_param_static=float(job.bytes_per_param_static()))
@@ -107,8 +109,10 @@ def run_predict_job(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     allocator, alloc_source = job_allocator(args, source)
     replays = BackgroundReplays(allocator)  # each policy's ranks replayed beside the next policy's prediction
-    predictions = [(p, predict_job(source.job.replace(policy=p), device=args.device, gpu=getattr(args, "gpu", None),
-                                   allocator=allocator, replay=replays)) for p in job_policies(args, source)]
+    policies = job_policies(args, source)
+    predictions = list(zip(policies, predict_policies(source.job, policies, device=args.device,
+                                                      gpu=getattr(args, "gpu", None), allocator=allocator,
+                                                      replay=replays)))
     replays.wait()
     report = {"format": "remat.predict-job", "version": 1, "job": _job_dict(source), "device": args.device,
               "kernels": job_kernels(),  # --kernels, default cuda: a job runs on GPUs

@@ -36,7 +36,7 @@ INT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
 FLOAT_FIELDS = ("hidden_dropout", "attention_dropout", "moe_expert_capacity_factor", "layernorm_epsilon")
 CHOICE_FIELDS = {"recompute_granularity": ("full", "selective"), "recompute_method": ("uniform", "block"),
                  "normalization": ("LayerNorm", "RMSNorm"), "moe_token_dispatcher_type": ("allgather",)}
-SWITCH_FIELDS = ("sequence_parallel", "multi_latent_attention", "qk_layernorm", "moe_grouped_gemm")
+SWITCH_FIELDS = ("sequence_parallel", "multi_latent_attention", "qk_layernorm", "moe_grouped_gemm", "add_qkv_bias")
 # flag -> the config field it sets, where the names differ
 RENAMED = {"--num-experts": "num_moe_experts", "--norm-epsilon": "layernorm_epsilon"}
 # flags of the job around the model: -> StepShape / predict_megatron_core keyword

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 
+from remat.lazy_dynamo import load_dynamo
 from remat.megatron.compat import MegatronSettingError
 from remat.megatron.cpu_patches import replaced
 from remat.memory.measure import StepRecorder
@@ -251,7 +252,7 @@ def record_megatron_step(model: nn.Module, layers: list[nn.Module], step: Callab
     Returns:
         The step's :class:`Timeline`.
     """
-    import torch._dynamo  # noqa: F401  (imported before recording; see remat.memory.measure.record_step)
+    load_dynamo()  # before recording; see remat.memory.measure.record_step
 
     model.zero_grad(set_to_none=True)
     recorder = MegatronStepRecorder(model, layers, block_bytes=block_bytes)

@@ -41,7 +41,9 @@ from remat.config import ModelConfig
 from remat.memory.cuda_sdpa import HALF, cuda_sdpa
 from remat.memory.fp8 import prepare_fp8
 from remat.memory.local_layers import AttentionContext, heads_like, local_attention
+from remat.memory.tp_overlap import prepare_tp_overlap
 from remat.models.gpt import CoreAttention, SelfAttention, SwiGLU
+from remat.recompute.layer_offload import mark_offload_base
 
 KERNELS = ("cpu", "cuda", "te", "local")
 # the functions a profile replaces, as torch defines them (the replacements call these, never the patched names)
@@ -206,6 +208,7 @@ class _TeFusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 offset: torch.Tensor | None = None) -> torch.Tensor:
+        mark_offload_base(q, k, v)  # backends.py:1338-1339 (NOTE [TE's layer offloading])
         b, h, sq, _ = q.shape
         out = heads_like(q, v.shape[-1])
         stats = q.new_empty((b, h, sq, 1), dtype=torch.float32)
@@ -412,9 +415,11 @@ def prepare_model(model: nn.Module, kernels: str) -> int:
     """
     config = getattr(model, "config", None)  # the reference models keep theirs (local: the softmax flags)
     # an FP8 model's linears (NOTE [FP8 linears on Hopper]), whatever the profile: TE's FP8 tensors
-    fp8 = 0
+    fp8 = 0  # and before them, --tp-comm-overlap's userbuffers (NOTE [TP communication overlap]), read by prepare_fp8
+    if isinstance(config, ModelConfig) and config.tp_comm_overlap:
+        fp8 = prepare_tp_overlap(model, config.tp_comm_overlap)
     if isinstance(config, ModelConfig) and config.fp8_recipe is not None:
-        fp8 = prepare_fp8(model, config.fp8_recipe, config.fp8_bf16_layer_indices())
+        fp8 += prepare_fp8(model, config.fp8_recipe, config.fp8_bf16_layer_indices(), config.fp8_sm)
     if check_kernels(kernels) not in ("te", "local"):
         return fp8
     changed = fp8

@@ -18,6 +18,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.config import ModelConfig
+from remat.lazy_dynamo import import_for_steps
 from remat.memory.fake_keys import fast_cache_keys
 from remat.memory.kernels import UntranslatedObserver
 from remat.memory.step_checks import Batch, check_loss, check_real_step, check_reference_batch, check_step, loss_of
@@ -378,9 +379,7 @@ def record_step(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimi
     else:
         stack = find_layer_stack(model, layers)[1]
     model.zero_grad(set_to_none=True)
-    # Tensor.register_hook imports torch._dynamo on first use; imported inside the recorded step, its module code
-    # would leave that step's frames (and their tensors) in reference cycles, so import it before.
-    import torch._dynamo  # noqa: F401
+    import_for_steps()  # not inside the step: module code run there leaves its frames in reference cycles
 
     recorder = StepRecorder(model, stack, block_bytes=block_bytes)
     # Python's cycle collector runs at moments that depend on how many Python objects were made, which differs

@@ -6,8 +6,9 @@ NOTE [GEMM workspaces]
   (cuBLAS handle, CUDA stream) pair, allocated on first use from the caching allocator and never freed
   (``setWorkspaceForHandle``). Handles are per thread (``DeviceThreadHandlePool``), so the forward (the Python
   thread) and the backward (autograd's device thread) of the same GEMMs on the same stream hold one workspace each.
-  Its size is the sum of ``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KIB:COUNT`` pairs, by default 32 MiB on sm90
-  (``4096 * 8 * 1024``) and ``4096 KiB * 2 + 16 KiB * 8`` elsewhere (``parseChosenWorkspaceSize``). cuBLASLt calls
+  Its size is the sum of ``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KIB:COUNT`` pairs, by default 32 MiB on Hopper and
+  Blackwell (``4096 * 8 * 1024``: ``parseChosenWorkspaceSize``'s ``use32mb``, compute capability major 9, 10, 11 or
+  12) and ``4096 KiB * 2 + 16 KiB * 8`` elsewhere. cuBLASLt calls
   (GEMMs with a fused bias) take a second, 1 MiB workspace per pair unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1``;
   no torch GEMM of a Megatron GPT has a bias (the output layer, unfused attention's bmm), so none is counted.
 * Which torch GEMMs a rank runs: with TransformerEngine's layers every linear (and the MoE router:
@@ -36,12 +37,14 @@ import re
 from collections.abc import Mapping
 
 from remat.job import Job, JobError
+from remat.memory.flex_buffers import flex_kept_bytes
 from remat.memory.local_layers import local_scores_bytes
 from remat.models.allgather_dispatch import global_buffer_bytes
 
 MODULE_TORCH = "cuda.cublas_workspace"
 MODULE_TE = "transformer_engine.cublas_workspace"
 MODULE_ALLGATHER = "megatron.global_memory_buffer"
+MODULE_FLEX = "megatron.flex_dispatcher"  # the flex dispatch managers' kept attributes (remat.memory.flex_buffers)
 # Compute capability (major) of the GPU presets remat knows (remat.units.GPU_PRESETS): what sizes the workspaces.
 GPU_MAJOR = {"a100": 8, "h100": 9, "h200": 9, "gb200": 10, "b200": 10}
 TE_GROUPED_GEMM_STREAMS = 4
@@ -57,7 +60,8 @@ def cublas_workspace_bytes(config: str | None, sm_major: int = 9) -> int:
         (33554432, 8519680)
     """
     if config is None:
-        return 4096 * 8 * _KIB if sm_major == 9 else 4096 * _KIB * 2 + 16 * _KIB * 8
+        # CublasHandlePool.cpp parseChosenWorkspaceSize: use32mb on majors 9-12 (Hopper, Blackwell)
+        return 4096 * 8 * _KIB if 9 <= sm_major <= 12 else 4096 * _KIB * 2 + 16 * _KIB * 8
     pairs = re.findall(r":([0-9]+):([0-9]+)", config)
     if not pairs:  # torch warns and falls back to the default
         return cublas_workspace_bytes(None, sm_major)
@@ -114,7 +118,8 @@ def stage_workspaces(job: Job, stage: int, *, env: Mapping[str, str] | None = No
     gathered, attributes = _allgather_parts(job, stage)
     requests = global_buffer_requests(job, stage) + [(("mpu", _dtype_bytes(job)), gathered)] * (gathered > 0)
     kept = global_memory_buffer_bytes(requests) + attributes
-    return out + [(MODULE_ALLGATHER, kept)] * (kept > 0)
+    flex = flex_kept_bytes(job, stage)
+    return out + [(MODULE_ALLGATHER, kept)] * (kept > 0) + [(MODULE_FLEX, flex)] * (flex > 0)
 
 
 def _dtype_bytes(job: Job) -> int:

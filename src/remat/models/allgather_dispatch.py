@@ -71,6 +71,18 @@ def tp_ep_group(group: Any, size: int, rank: int) -> TensorParallelGroup:
     return SimulatedGroup(size, rank)
 
 
+def dense_routing(tokens: torch.Tensor, probs: torch.Tensor, topk: int,
+                  experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's dense outputs (moe_utils.topk_routing_with_score_function): the routed copies' ``probs``
+    ([T * topk]) scattered into probabilities [T, E] (autograd's ``scatter``: only the indices saved) and the bool
+    routing map [T, E], both made from a [T, topk] long index."""
+    rows = tokens.shape[0]
+    slot = host_values([i % experts for i in range(rows * topk)], torch.long, tokens).view(rows, topk)
+    dense = torch.zeros(rows, experts, dtype=probs.dtype, device=tokens.device).scatter(1, slot, probs.view(rows, topk))
+    routing_map = torch.zeros(rows, experts, dtype=torch.bool, device=tokens.device).scatter_(1, slot, True)
+    return dense, routing_map
+
+
 def run_experts_allgather(experts: nn.Module, group: TensorParallelGroup, tokens: torch.Tensor,
                           probs: torch.Tensor, counts: list[int], topk: int, ep_rank: int,
                           local: int) -> tuple[torch.Tensor, list[int]]:
@@ -83,12 +95,7 @@ def run_experts_allgather(experts: nn.Module, group: TensorParallelGroup, tokens
     lo = ep_rank * local
     received = [size * c for c in counts[lo:lo + local]]
     copies = sum(received)
-    # the router's dense outputs (moe_utils.topk_routing_with_score_function): probs and routing map [T, E]
-    slot = host_values([i % experts_n for i in range(rows * topk)], torch.long, tokens).view(rows, topk)
-    dense = torch.zeros(rows, experts_n, dtype=probs.dtype, device=tokens.device).scatter(
-        1, slot, probs.view(rows, topk))
-    routing_map = torch.zeros(rows, experts_n, dtype=torch.bool, device=tokens.device).scatter_(1, slot, True)
-    del slot
+    dense, routing_map = dense_routing(tokens, probs, topk, experts_n)
     with torch.no_grad():
         gathered_map = group.all_gather(routing_map)                           # [N, E] bool
     gathered_probs = GatherFromSequence.apply(dense, group, None)              # [N, E]

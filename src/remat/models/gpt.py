@@ -28,7 +28,7 @@ class SelfAttention(nn.Module):
         self.groups = config.query_groups
         self.head_dim = config.head_dim
         qkv_size = (self.heads + 2 * self.groups) * self.head_dim
-        self.linear_qkv = nn.Linear(config.hidden_size, qkv_size, bias=config.add_bias_linear)
+        self.linear_qkv = nn.Linear(config.hidden_size, qkv_size, bias=config.qkv_bias)  # attention.py:1698
         self.add_qk_norms(config)
         self.core_attention = CoreAttention(config, heads=self.heads, layer=layer)
         self.linear_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)

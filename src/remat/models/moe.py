@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from remat.config import ModelConfig, RoutingAssumption
+from remat.config import ConfigError, ModelConfig, RoutingAssumption
 from remat.models.blocks import LossAutoScaler, QuickGeGLU, gated_activation
 from remat.models.expert_parallel import SimulatedExpertGroup, expert_group_for, host_values, run_experts_parallel
 
@@ -55,6 +55,16 @@ class RouterGatingLinear(torch.autograd.Function):
 # prediction with the counts a real run reported allocates what that run allocated, byte for byte. Under an
 # assumption, expert e takes the next c_e token copies in token order (wrapping round when the counts add up to
 # more than tokens x topk, as a capacity assumption does), with the probabilities the router gave those copies.
+# NOTE [padding to capacity]
+# --moe-pad-expert-input-to-capacity (with --moe-expert-capacity-factor F): the router's token dropping keeps, for
+# each expert, the capacity = ceil(T x topk / E x F) tokens of highest probability, chosen or not, so every column
+# of its routing map holds exactly that many (moe_utils.py:1050-1076 apply_router_token_dropping, pad_to_capacity:
+# final_map = capacity_mask; router.py:793-800); the alltoall dispatcher then sends capacity tokens to every expert
+# from every rank (token_dispatcher.py:517-539: num_out_tokens = capacity x E, capacity x tp x ep per local expert;
+# :758-786 sorts them by local expert as fixed [tp x ep, local, capacity] blocks), and the allgather dispatcher
+# gathers the same map (:290-330). So the permuted tokens and every expert's activations are sized by the
+# capacity, whatever the scores: the counts are [capacity] x E, the routing assumption does not apply. The padding
+# copies carry probability 0 in Megatron; here the wrapped copies keep the router's, which allocates the same.
 class Router(nn.Module):
     """Scores each token against every expert and picks ``moe_router_topk`` of them (Megatron's TopKRouter)."""
 
@@ -65,6 +75,8 @@ class Router(nn.Module):
         self.topk = config.moe_router_topk
         self.score_function = config.moe_router_score_function
         self.capacity_factor = config.moe_expert_capacity_factor
+        self.pad_to_capacity = config.moe_pad_expert_input_to_capacity  # NOTE [padding to capacity]
+        self.alltoall = config.moe_token_dispatcher_type == "alltoall"
         self.aux_loss_coeff = config.moe_aux_loss_coeff
         self.moe_index = moe_index
         self.router_dtype = {None: None, "fp32": torch.float32, "fp64": torch.float64}[config.moe_router_dtype]
@@ -121,6 +133,8 @@ class Router(nn.Module):
         :func:`~remat.models.expert_parallel.host_values` reads of it there (a Python list of tokens x topk
         copies per MoE layer was most of the router's time in a prediction)."""
         copies = choice.numel()
+        if self.pad_to_capacity:
+            return self.padded_order(choice, experts)
         assumption = self.assumption
         if assumption is None and isinstance(choice, FakeTensor):
             assumption = RoutingAssumption()
@@ -142,6 +156,26 @@ class Router(nn.Module):
             order = [p for e in range(experts) for p in order[starts[e]:starts[e] + min(counts[e], capacity)]]
             counts = [min(c, capacity) for c in counts]
         return counts, order
+
+    def padded_order(self, choice: torch.Tensor, experts: int) -> tuple[list[int], Sequence[int]]:
+        """(tokens per expert, the copies in expert order) under ``--moe-pad-expert-input-to-capacity`` (NOTE
+        [padding to capacity]): every expert takes its capacity, whatever the scores or the routing assumption."""
+        tokens, copies = choice.shape[0], choice.numel()
+        capacity = math.ceil(copies / experts * float(self.capacity_factor or 0))  # moe_utils.py:248 get_capacity
+        if capacity > tokens:
+            if self.alltoall:
+                factor = f"{self.capacity_factor:g}"
+                raise ConfigError(f"--moe-pad-expert-input-to-capacity with --moe-expert-capacity-factor {factor}: "
+                                  f"each expert's capacity, {capacity} = ceil({tokens} tokens x topk {self.topk} / "
+                                  f"{experts} experts x {factor}), exceeds the {tokens} tokens a rank routes, which "
+                                  "Megatron's drop-and-pad permute cannot fill (moe_utils.py:439-459 views the "
+                                  "probabilities as [experts, capacity]): lower --moe-expert-capacity-factor")
+            capacity = tokens  # moe_utils.py:1058-1060: no token dropped, every token in every expert's column
+        counts = [capacity] * experts
+        self.last_source = f"padded to capacity {capacity} per expert (--moe-pad-expert-input-to-capacity)"
+        if isinstance(choice, FakeTensor):
+            return counts, range(sum(counts))
+        return counts, [p % copies for p in range(sum(counts))]
 
     def aux_loss(self, logits: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Megatron's switch load-balancing loss: experts x sum_e(mean score_e x tokens_e) x coeff / (T x topk)."""
@@ -308,16 +342,22 @@ class MoELayer(nn.Module):
             if not isinstance(self.ep_group, SimulatedExpertGroup):
                 tp_ep_group(self.ep_group, 1, 0)  # refuses a real group, naming the dispatcher
             self.allgather = tp_ep_group(None, self.ep_group.size, self.ep_group.rank)
+        self.flex: tuple[str, int, int] | None = None  # the flex dispatcher: (backend, G, rank), flex_group
+        if config.moe_token_dispatcher_type == "flex":
+            from remat.models.flex_dispatch import flex_group
+            self.flex = flex_group(config, self.ep_group)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
         probs, order, counts = self.router(tokens)
-        if self.allgather is not None:
+        if self.allgather is not None or self.flex is not None:
             from remat.models.allgather_dispatch import run_experts_allgather
-            output, self.last_received = run_experts_allgather(
-                self.experts, self.allgather, tokens, probs, counts, self.topk, self.allgather.rank,
-                len(counts) // self.allgather.size)
+            from remat.models.deepep_dispatch import run_experts_flex
+            output, self.last_received = (
+                run_experts_flex(self.experts, tokens, probs, counts, self.topk, *self.flex) if self.flex else
+                run_experts_allgather(self.experts, self.allgather, tokens, probs, counts, self.topk,
+                                      self.allgather.rank, len(counts) // self.allgather.size))
             if self.shared_experts is not None:
                 output = output + self.shared_experts(tokens)
             return output.view(shape)

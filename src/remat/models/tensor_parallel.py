@@ -42,7 +42,7 @@ class TPSelfAttention(SelfAttention):
         self.heads, self.groups, self.head_dim = config.num_attention_heads // t, config.query_groups // t, \
             config.head_dim
         qkv = (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
-        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv, config.add_bias_linear, group, sp)
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv, config.qkv_bias, group, sp)
         self.add_qk_norms(config)
         self.core_attention = CoreAttention(config, heads=self.heads, layer=layer)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,

@@ -44,6 +44,7 @@ from torch import nn
 
 from remat.config import ConfigError, ModelConfig
 from remat.models.allgather_dispatch import run_experts_allgather, tp_ep_group
+from remat.models.deepep_dispatch import run_experts_flex
 from remat.models.expert_parallel import (
     AllToAll,
     ExpertParallelGroup,
@@ -54,6 +55,7 @@ from remat.models.expert_parallel import (
     expert_tensor_parallel_group,
     sort_chunks,
 )
+from remat.models.flex_dispatch import flex_group
 from remat.models.moe import GroupedMLP, MoELayer, Router, SequentialMLP
 from remat.models.tp_layers import (
     TPMLP,
@@ -137,11 +139,17 @@ class TPMoELayer(MoELayer):
         self.allgather = None  # Megatron's allgather dispatcher over the etp x ep ranks (ep-major, as counts)
         if config.moe_token_dispatcher_type == "allgather" and counts is not None:
             self.allgather = tp_ep_group(None if isinstance(etp, SimulatedGroup) else etp, counts.size, counts.rank)
+        self.flex = flex_group(config, self.ep_group, etp.size) if config.moe_token_dispatcher_type == "flex" else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])  # this rank's token shard under sequence parallelism
         probs, order, counts = self.router(tokens)
+        if self.flex is not None:  # the tp x ep group is the ep ranks (etp = 1: flex_group)
+            output, self.last_received = run_experts_flex(self.experts, tokens, probs, counts, self.topk, *self.flex)
+            if self.shared_experts is not None:
+                output = output + self.shared_experts(tokens)
+            return output.view(shape)
         if self.allgather is not None:
             ep_rank = 0 if self.ep_group is None else self.ep_group.rank
             output, self.last_received = run_experts_allgather(

@@ -69,6 +69,8 @@ def check_measurable(job: Job) -> None:
                      "such a job (its MoE layers route the rank's s/cp tokens); measure with cp=1"),
         (job.vpp is not None, f"vpp={job.vpp}: the real run runs Megatron's non-interleaved 1F1B; use vpp=None"),
         (job.overlap_grad_reduce, "overlap_grad_reduce=True: the real run keeps one bucket per buffer; use False"),
+        (job.torch_fsdp2 is not None, "torch_fsdp2 (--use-torch-fsdp2): the real run builds Megatron's DDP buffers, "
+                                      "not FSDP2's shards; remat predict (predict_job) prices it"),
         (job.optimizer == "muon", "optimizer='muon': the real run steps Adam or SGD (megatron_rank.MegatronOptimizer); "
                                   "remat predict (predict_job) prices Muon; measure with adam"),
         (job.world_size > MAX_WORLD, f"tp*pp*cp*dp = {job.world_size} processes: the real run starts one CPU "

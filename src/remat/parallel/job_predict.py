@@ -18,6 +18,7 @@ separate expert buffers (:mod:`remat.memory.rank_state`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,16 +26,21 @@ from typing import Any
 from remat.config import DTYPES, ModelConfig, RoutingAssumption
 from remat.job import Job, JobError
 from remat.memory.alloc_config import AllocatorConfig
+from remat.memory.flex_buffers import flex_outside_buffers
 from remat.memory.fp8 import MODULE as FP8_MODULE
 from remat.memory.fp8 import check_fp8_gpu, fp8_state_bytes
 from remat.memory.fsdp_state import add_fsdp_transients, fsdp_rank_state, fsdp_summary
 from remat.memory.kernels import model_kernels, resolve_kernels
+from remat.memory.outside_allocator import OutsideBuffer, outside_bytes
 from remat.memory.rank_state import ParamInfo, RankState, rank_parameters, rank_state
 from remat.memory.replay_pool import BackgroundReplays, replay_now
+from remat.memory.torch_fsdp2 import COMMUNICATION_MODULES, add_fsdp2_transients, fsdp2_rank_state
+from remat.memory.tp_overlap import userbuffer_parts
 from remat.memory.wgrad_fusion import MODULE as WGRAD_MODULE
 from remat.memory.wgrad_fusion import dummy_wgrads, output_layer_dummy
 from remat.memory.workspaces import (
     MODULE_ALLGATHER,
+    MODULE_FLEX,
     MODULE_TE,
     MODULE_TORCH,
     cublas_workspace_bytes,
@@ -80,7 +86,7 @@ PART_LABELS = {"parameters": "params", "gradients": "grads", "master_parameters"
 MASTER_MODULE = "optimizer.master_parameters"
 OPTIMIZER_STATE_MODULE = "optimizer.state"
 # what the CUDA libraries and Megatron keep for the whole run: the "workspaces" part
-LIBRARY_BUFFERS = (MODULE_TORCH, MODULE_TE, MODULE_ALLGATHER, WGRAD_MODULE, CUDA_GRAPH_MODULE)
+LIBRARY_BUFFERS = (MODULE_TORCH, MODULE_TE, MODULE_ALLGATHER, MODULE_FLEX, WGRAD_MODULE, CUDA_GRAPH_MODULE)
 RING_MODULE = "cp.ring_attention.kv_exchange"
 MAIN_GRAD_COPY_MODULE = "optimizer.main_param_grads"
 
@@ -110,12 +116,28 @@ class RankPrediction:
     # the caching-allocator replay of the step (remat.memory.reserved.reserved_figures: max_memory_reserved, ...);
     # None: not replayed (a CPU prediction). Set by predict_job (add_reserved).
     reserved: dict[str, Any] | None = None
+    # library buffers held outside PyTorch's allocator (remat.memory.outside_allocator): in no figure of the timeline
+    outside: tuple[OutsideBuffer, ...] = ()
 
-    @property
+    # the timeline is complete when a RankPrediction is made: its peak and parts are computed once (a report asks
+    # for them per row, per table and per sort; each is a pass over every allocation of the step)
+    @functools.cached_property
     def peak_bytes(self) -> int:
         return self.timeline.peak_bytes
 
+    def row(self) -> dict[str, Any]:
+        """This rank as one JSON-ready row (:meth:`JobPrediction.rows`)."""
+        return {"rank": self.rank, "stage": self.stage, "ranks_alike": self.ranks, "peak_bytes": self.peak_bytes,
+                "peak_phase": self.timeline.peak_phase.label, **self.parts,
+                "num_parameters": self.state.num_parameters, "dp_shard": self.state.dp_rank, "reserved": self.reserved,
+                "outside_allocator": [b.to_dict() for b in self.outside]}
+
     @property
+    def outside_bytes(self) -> int:
+        """Bytes of :attr:`outside`: what the GPU holds beside the allocator's figures."""
+        return outside_bytes(self.outside)
+
+    @functools.cached_property
     def parts(self) -> dict[str, int]:
         """Bytes alive at the peak by part (:data:`PARTS`); they add up to :attr:`peak_bytes`."""
         return parts_at(self.timeline, self.timeline.peak_event)
@@ -148,11 +170,9 @@ class JobPrediction:
     def rows(self) -> list[dict[str, Any]]:
         """One JSON-ready row per distinct rank, worst first: ``rank``, ``stage``, ``ranks_alike``, ``peak_bytes``,
         ``peak_phase``, the parts at the peak (:data:`PARTS`, each a key of its own, adding up to ``peak_bytes``),
-        ``num_parameters``, ``dp_shard`` and ``reserved`` (:func:`add_reserved`'s figures, or None)."""
-        return [{"rank": r.rank, "stage": r.stage, "ranks_alike": r.ranks, "peak_bytes": r.peak_bytes,
-                 "peak_phase": r.timeline.peak_phase.label, **r.parts,
-                 "num_parameters": r.state.num_parameters, "dp_shard": r.state.dp_rank, "reserved": r.reserved}
-                for r in self.ranks]
+        ``num_parameters``, ``dp_shard``, ``reserved`` (:func:`add_reserved`'s figures, or None) and
+        ``outside_allocator`` (:attr:`RankPrediction.outside`, each buffer's name, bytes and source)."""
+        return [r.row() for r in self.ranks]
 
 
 def parts_at(timeline: Timeline, event: int) -> dict[str, int]:
@@ -162,7 +182,7 @@ def parts_at(timeline: Timeline, event: int) -> dict[str, int]:
         category, module, nbytes = timeline.category[row], timeline.module[row], timeline.nbytes[row]
         if module == MASTER_MODULE:
             parts["master_parameters"] += nbytes
-        elif module == RING_MODULE:
+        elif module == RING_MODULE or module in COMMUNICATION_MODULES:  # (torch FSDP2's buffers)
             parts["communication"] += nbytes
         elif module in LIBRARY_BUFFERS:  # kept from setup or the first step on
             parts["workspaces"] += nbytes
@@ -234,12 +254,26 @@ def predict_job(job: Job, *, device: str = "cpu", kernels: str | None = None, en
     kernels = job_kernels(kernels)
     out = [predict_stage(job, stage, device=device, kernels=kernels, env=env, gpu=gpu) for stage in range(job.pp)]
     out.sort(key=lambda r: (-r.peak_bytes, r.stage))
+    add_replays(out, kernels, device, allocator, replay)
+    return JobPrediction(job, out)
+
+
+def outside_allocator_buffers(job: Job, stage: int) -> tuple[OutsideBuffer, ...]:
+    """The library buffers pipeline stage ``stage``'s ranks hold outside PyTorch's allocator
+    (:mod:`remat.memory.outside_allocator`): HybridEP's or DeepEP's (the flex dispatcher), TE's userbuffers
+    (``--tp-comm-overlap``, every stage alike); empty when the job runs none."""
+    return (*flex_outside_buffers(job, stage), *userbuffer_parts(job))
+
+
+def add_replays(ranks: Sequence[RankPrediction], kernels: str, device: str, allocator: AllocatorConfig | None,
+                replay: bool | BackgroundReplays) -> None:
+    """:func:`add_reserved` to ``ranks`` when their bytes are GPU bytes (GPU kernels or ``device='cuda'``) and
+    ``replay`` asks for it; a :class:`BackgroundReplays` gets them to replay beside what comes next."""
     if (kernels != "cpu" or device == "cuda") and replay:  # GPU bytes: what the allocator reserves for them too
         if isinstance(replay, BackgroundReplays):
-            replay.add(out)
+            replay.add(ranks)
         else:
-            add_reserved(out, allocator)
-    return JobPrediction(job, out)
+            add_reserved(ranks, allocator)
 
 
 def add_reserved(ranks: Sequence[RankPrediction], allocator: AllocatorConfig | None = None) -> None:
@@ -302,6 +336,8 @@ def stage_state(job: Job, stage: int, ep_rank: int | None = None) -> RankState:
         raise JobError(f"stage={stage}: the job has pipeline stages 0..{job.pp - 1}")
     if job.fsdp is not None:  # Megatron-FSDP's buffers (remat.memory.fsdp_state; one chunk: job_fsdp.check_fsdp)
         return fsdp_rank_state(job, stage_parameters(job, stage)[0])[0]
+    if job.torch_fsdp2 is not None:  # torch FSDP2's padded shards (remat.memory.torch_fsdp2; pp = 1)
+        return fsdp2_rank_state(job, stage_parameters(job, stage)[0])
     return rank_state(job, stage_parameters(job, stage), pipeline_rank=stage, ep_rank=ep_rank)
 
 
@@ -377,6 +413,8 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     model, tp, sp, pp, cp = job.model, job.tp, job.sp, job.pp, job.cp
     vpp = job.vpp or 1
     config = model.replace(seq_length=model.seq_length // cp)  # each rank holds s/cp tokens of every sequence
+    if config.fp8_recipe is not None:  # the GPU's FP8 GEMM layouts (NOTE [FP8 linears on Blackwell])
+        config = config.replace(fp8_sm=check_fp8_gpu(gpu, config.fp8_recipe, config.tp_comm_overlap))
     if pp * vpp > 1 and config.tie_embeddings:
         config = config.replace(tie_embeddings=False)  # the last stage keeps its own copy of the tied embedding
     group = job.microbatch_group_size  # Megatron's microbatch groups of the interleaved schedule (None: pp)
@@ -428,15 +466,16 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
                        dummy_wgrads(params, itemsize) + output_layer_dummy(params, itemsize)]
     fp8 = 0
     if config.fp8_recipe is not None:  # the FP8 weights' copies and scaling state (NOTE [FP8 linears on Hopper])
-        check_fp8_gpu(gpu)
         fp8 = fp8_state_bytes([p for p in params if p.fp8], config.fp8_recipe, param_gather=job.fp8_param_gather,
-                              amax_history=job.fp8_amax_history_len, block=plan.block)
+                              amax_history=job.fp8_amax_history_len, block=plan.block, sm=config.fp8_sm)
     add_model_state(timeline, state, ring_exchange_bytes(job), workspaces, block=plan.block,
                     main_grad_copies=main_grad_copy_bytes(job, state), fp8_weights=fp8)
     if job.fsdp is not None:  # its unsharded weight and gradient buckets, by phase (one chunk: pp = 1)
         groups = fsdp_rank_state(job, params)[1]
         add_fsdp_transients(timeline, job, groups, params, block=plan.block)
         timeline.meta["fsdp"] = fsdp_summary(groups)
+    if job.torch_fsdp2 is not None:  # its gathers, gradients and reduce-scatters, by phase (NOTE [torch FSDP2])
+        add_fsdp2_transients(timeline, job, params, block=plan.block)
     if job.cuda_graph_modules is not None:  # the capture, then a step whose graphs allocate nothing (NOTE there)
         capture = actions if pp > 1 else schedule_actions(schedule, pp, 1, vpp, stage, runtime="megatron", group=group)
         cublas = (cublas_workspace_bytes((env or {}).get("CUBLAS_WORKSPACE_CONFIG"), gpu_major(gpu))
@@ -452,7 +491,7 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     timeline.meta["not_counted"] = NOT_COUNTED
     describe_stage(timeline)
     rank = state.dp_rank * tp + stage * tp * cp * job.dp  # tp rank 0 of the priced dp x cp shard
-    return RankPrediction(stage, rank, tp * cp * job.dp, state, timeline)
+    return RankPrediction(stage, rank, tp * cp * job.dp, state, timeline, outside=outside_allocator_buffers(job, stage))
 
 
 def main_grad_copy_bytes(job: Job, state: RankState) -> int:
@@ -463,6 +502,8 @@ def main_grad_copy_bytes(job: Job, state: RankState) -> int:
     main grads: ``.float()`` returns the buffer's own view, no copy)."""
     if job.fsdp is not None:  # fsdp param_and_grad_buffer.py:3376 ``optimizer_grad.to(param.dtype)``, per shard
         return 4 * state.shard_elements if job.fsdp.grads_dtype(job.precision) != "fp32" else 0
+    if job.torch_fsdp2 is not None:  # ``model_param.grad.float()`` of each bf16/fp16 sharded gradient
+        return 4 * state.shard_elements if job.precision != "fp32" else 0
     return state.master_parameters if job.main_grad_dtype != "fp32" else 0
 
 

@@ -5,15 +5,25 @@ are free."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from remat.job import Job
 from remat.memory import disk_cache
+from remat.memory.alloc_config import AllocatorConfig
 from remat.memory.rank_state import RankState
+from remat.memory.replay_pool import BackgroundReplays
 from remat.memory.trace_pool import idle_workers, run_forked
 from remat.parallel.chunk_trace import keep_shallow_chunks, shallow_chunk_keys, shallow_chunks_since
-from remat.parallel.job_predict import RankPrediction, job_kernels, predict_stage
+from remat.parallel.job_predict import (
+    JobPrediction,
+    RankPrediction,
+    add_replays,
+    job_kernels,
+    outside_allocator_buffers,
+    predict_stage,
+    stage_state,
+)
 from remat.plan.job_stages import stage_chunks
 from remat.policy import Policy
 from remat.recompute.plan_format import Plan
@@ -24,14 +34,16 @@ class ExactStages:
     """Exact whole-rank predictions of (stage, plan or policy), each computed once, and kept on disk
     (:mod:`remat.memory.disk_cache`, keyed by the job, the stage and the plan) for the next run."""
 
-    def __init__(self, job: Job, device: str, engine: str, states: Sequence[RankState]):
+    def __init__(self, job: Job, device: str, engine: str, states: Sequence[RankState], *, kernels: str | None = None,
+                 env: Mapping[str, str] | None = None, gpu: str | None = None, disk: bool = True):
         self.job, self.device, self.engine, self.states = job, device, engine, states
+        self.env, self.gpu, self.disk = env, gpu, disk  # disk: read and keep predictions in the disk cache
         self.done: dict[tuple[int, str], RankPrediction] = {}
         self.made: set[tuple[int, str]] = set()  # of those, predicted here (not read from the disk cache)
         self.spare: dict[tuple[int, str], Any] = {}  # made ahead in forked workers (prefetch), taken when asked for
         self.side_by_side = True  # whether forked workers may predict (not when the disk cache answers: warm runs)
         self.job_key = repr(job.replace(policy=Policy()))
-        self.kernels = job_kernels()  # plan_job's profile (one for the search and every exact prediction)
+        self.kernels = job_kernels(kernels)  # plan_job's profile (one for the search and every exact prediction)
 
     def __call__(self, stage: int, plan: Plan | Policy) -> RankPrediction:
         key, policy = self.key(stage, plan)
@@ -107,18 +119,41 @@ class ExactStages:
 
     def _predict(self, stage: int, plan: Plan | Policy, policy: Policy | None, layout: str) -> RankPrediction:
         disk_key = {"job": self.job_key, "stage": stage, "layout": layout, "device": self.device,
-                    "kernels": self.kernels}
-        stored = disk_cache.load("job_stage", disk_key)
+                    "kernels": self.kernels, **({"env": dict(self.env)} if self.env else {}),
+                    **({"gpu": self.gpu} if self.gpu else {})}
+        stored = disk_cache.load("job_stage", disk_key) if self.disk else None
         if stored is not None:
             try:
                 return RankPrediction(stage, int(stored["rank"]), int(stored["ranks"]), self.states[stage],
-                                      Timeline.from_dict(stored["timeline"]))
+                                      Timeline.from_dict(stored["timeline"]),
+                                      outside=outside_allocator_buffers(self.job, stage))
             except (KeyError, TypeError, ValueError, TimelineError) as err:
                 warnings.warn(f"remat cache: a stored stage prediction is malformed ({err}); predicting it again",
                               stacklevel=2)
         self.made.add((stage, layout))
-        pred = predict_stage(self.job.replace(policy=policy), stage, device=self.device) if policy is not None \
-            else predict_stage(self.job, stage, device=self.device, layout=plan)
-        disk_cache.store("job_stage", disk_key, {"rank": pred.rank, "ranks": pred.ranks,
-                                                 "timeline": pred.timeline.to_dict()})
+        where = {"device": self.device, "kernels": self.kernels, "env": self.env, "gpu": self.gpu}
+        pred = predict_stage(self.job.replace(policy=policy), stage, **where) if policy is not None \
+            else predict_stage(self.job, stage, layout=plan, **where)
+        if self.disk:
+            disk_cache.store("job_stage", disk_key, {"rank": pred.rank, "ranks": pred.ranks,
+                                                     "timeline": pred.timeline.to_dict()})
         return pred
+
+
+def predict_policies(job: Job, policies: Sequence[Policy], *, device: str = "cpu", kernels: str | None = None,
+                     env: Mapping[str, str] | None = None, gpu: str | None = None,
+                     allocator: AllocatorConfig | None = None,
+                     replay: bool | BackgroundReplays = True) -> list[JobPrediction]:
+    """:func:`remat.parallel.job_predict.predict_job` of ``job`` under each of ``policies``, the same predictions,
+    made side by side: the distinct (stage, policy) pairs are predicted in forked workers where cores stand idle
+    (:meth:`ExactStages.prefetch`; stages whose chunks are alike are then laid out here from the same shallow
+    traces), the rest here. Arguments as :func:`~remat.parallel.job_predict.predict_job`'s."""
+    exact = ExactStages(job, device, "", [stage_state(job, s) for s in range(job.pp)], kernels=kernels, env=env,
+                        gpu=gpu, disk=False)
+    exact.prefetch([(stage, policy) for policy in policies for stage in range(job.pp)])
+    out = []
+    for policy in policies:
+        ranks = sorted((exact(stage, policy) for stage in range(job.pp)), key=lambda r: (-r.peak_bytes, r.stage))
+        add_replays(ranks, exact.kernels, device, allocator, replay)
+        out.append(JobPrediction(job.replace(policy=policy), ranks))
+    return out

@@ -18,10 +18,19 @@ from typing import Any
 
 from remat.job import Job
 from remat.memory.kernels import use_kernels
+from remat.memory.outside_allocator import outside_bytes
 from remat.memory.trace_pool import idle_cores, idle_workers, run_forked
 from remat.offload_policy import MIN_OFFLOADED_TENSOR_SIZE
 from remat.parallel.chunk_trace import keep_shallow_chunks, shallow_chunk_keys, shallow_chunks_since
-from remat.parallel.job_predict import RankPrediction, check_job, chunk_config, job_kernels, predict_stage, stage_state
+from remat.parallel.job_predict import (
+    RankPrediction,
+    check_job,
+    chunk_config,
+    job_kernels,
+    outside_allocator_buffers,
+    predict_stage,
+    stage_state,
+)
 from remat.parallel.schedule import ChunkSpec, max_in_flight, schedule_actions
 from remat.parallel.stages import chunk_policy, cut_plan
 from remat.plan.costs import CostModel, candidate_units
@@ -39,6 +48,7 @@ from remat.plan.unit_model import UnitModel
 from remat.plan.unit_prefetch import cancel_prefetches, prefetch_pending, prefetch_unit_model
 from remat.policy import Policy
 from remat.recompute.plan_format import KEEP, Plan, PlanError, Unit
+from remat.units import format_bytes
 
 # NOTE [the job search]: a rank's model state is the same whatever is recomputed, so each stage's recompute is
 # planned by the extended planner (remat.plan.solver: per-layer keep / selective sets / checkpoint and offload
@@ -132,7 +142,8 @@ def _one_kernel_profile(plan: Callable[..., JobPlan]) -> Callable[..., JobPlan]:
 
 
 @_one_kernel_profile
-def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) -> JobPlan:
+def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None, *,
+             outside_counted: bool = False) -> JobPlan:
     """The cheapest recompute plan of every pipeline stage of ``job`` whose whole rank fits ``budget``.
 
     Args:
@@ -141,6 +152,8 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) ->
             minus ``options.reserve``).
         options: what to search and how to price it (:class:`PlanOptions`: objective, engine, device, offload,
             selective sets, measured times (tp = cp = 1 only), throughput, bandwidths, max_resolves).
+        outside_counted: ``budget`` already leaves out the library buffers the job holds outside PyTorch's
+            allocator (:mod:`remat.memory.outside_allocator`); by default they are taken off it here.
 
     Returns:
         A :class:`JobPlan`: per stage the extended plan and the best Megatron setting, and one Megatron setting for
@@ -159,6 +172,13 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None) ->
         raise PlanError(f"options={options!r}: give a PlanOptions (remat.plan.PlanOptions(...)) or None")
     budget_bytes, budget_text = options.budget(budget)
     check_job(job)
+    outside = 0 if outside_counted else max(outside_bytes(outside_allocator_buffers(job, s)) for s in range(job.pp))
+    if outside:  # held for the whole run beside every allocation: what the allocator may use is the rest
+        if outside >= budget_bytes:
+            raise PlanError(f"budget {budget_text}: the job's library buffers outside PyTorch's allocator alone take "
+                            f"{format_bytes(outside)}; give a larger --budget")
+        budget_bytes -= outside
+        budget_text += f" minus {format_bytes(outside)} of library buffers outside PyTorch's allocator"
     check_job_options(job, options)
     engine = options.engine
     states = [stage_state(job, stage) for stage in range(job.pp)]

@@ -104,7 +104,7 @@ def plan_job_reserved(job: Job, budget: int | str, options: PlanOptions | None =
         if not low + GRAIN <= lower <= high - GRAIN:
             break
         allocated_budget, rounds = lower, rounds + 1
-        result = plan_job(job, allocated_budget, options)
+        result = plan_job(job, allocated_budget, options, outside_counted=True)
     for st in result.stages:
         if st.stage in settled:
             continue

@@ -14,6 +14,7 @@ from remat.models.moe import MoELayer
 from remat.policy import CONTRACTION_PREFIX, NON_MATMUL_INCLUDES, OUTPUT_DISCARDING_MODULES, Policy, contraction_limit
 from remat.recompute.activation_offload import prepare_offload
 from remat.recompute.discard import OutputDiscardingRegion
+from remat.recompute.layer_offload import prepare_layer_offload
 from remat.recompute.plan_format import KEEP_OPS, kept_operators
 from remat.recompute.region import (
     DISCARD_TARGETS,
@@ -176,6 +177,9 @@ def remove(model: nn.Module) -> None:
     offload = model.__dict__.pop("_remat_offload", None)  # fine-grained activation offloading
     if offload is not None:
         offload.uninstall()
+    layer_offload = model.__dict__.pop("_remat_layer_offload", None)  # TE's layer offloading
+    if layer_offload is not None:
+        layer_offload.uninstall()
 
 
 def apply(model: nn.Module, policy: RecomputeLayout | str,
@@ -312,6 +316,8 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
     # (multi_token_prediction.py:1361 _proj_and_transformer_layer at d98e8a64)
     offload = prepare_offload(policy, stack + [layer for _, layer in mtp] if hf is None else stack,
                               names + [name for name, _ in mtp] if hf is None else names)
+    # TE's layer offloading runs the decoder's layers only (transformer_block.py:714-742; not the MTP depths)
+    layer_offload = prepare_layer_offload(policy, stack, names)
     remove(model)
     installed: list[Region] = []
     try:
@@ -321,6 +327,9 @@ def apply(model: nn.Module, policy: RecomputeLayout | str,
         if offload is not None:  # after the regions: its saved-tensor hooks wrap a checkpoint's saved inputs
             offload.install()
             model.__dict__["_remat_offload"] = offload
+        if layer_offload is not None:
+            layer_offload.install()
+            model.__dict__["_remat_layer_offload"] = layer_offload
     except BaseException:
         for region in installed:
             region.uninstall()
