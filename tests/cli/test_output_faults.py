@@ -82,8 +82,14 @@ def test_sigint_while_measure_writes_its_folder_keeps_the_previous_one(tmp_path,
         return written
 
     monkeypatch.setattr(Timeline, "save", save)
+    # Python's ^C handler, whatever this process inherited (a shell's background job starts with SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     capsys.readouterr()
-    assert main(argv) == 130
+    try:
+        code = main(argv)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 130
     assert capsys.readouterr().err.strip() == "remat: interrupted"
     assert _files(folder) == before and _aside(folder) == []
 
