@@ -31,7 +31,6 @@ from remat.job_flags import JobError
 # ranks HybridEP / DeepEP reach over NVLink on an H100/H200 node (DeepEP configs.cuh:3 NUM_MAX_NVL_PEERS; HybridEP
 # detects the peers it can map, hybrid_ep_buffer.py:61-72): beyond them both add RDMA buffers remat does not model
 NVLINK_DOMAIN = 8
-DEEPEP_GROUPS = (2, 4, 8)  # DeepEP hybrid-ep@94a9f8f6 deep_ep/buffer.py:240-253: the intranode configs
 
 _MOE_FLAGS = ("--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
               "--moe-grouped-gemm", "--moe-layer-freq", "--moe-router-score-function",
@@ -229,13 +228,17 @@ def check_flex_dispatcher(model: ModelConfig, *, ep: int, etp: int) -> None:
     if model.moe_token_dispatcher_type != "flex":
         return
     flag = "--moe-token-dispatcher-type flex"
-    group = ep * etp
-    if model.moe_flex_dispatcher_backend == "deepep" and group not in DEEPEP_GROUPS:  # Megatron's default backend
-        raise JobError(f"{flag} with DeepEP (--moe-flex-dispatcher-backend deepep, Megatron's default) over {group} "
-                       "ranks (--expert-model-parallel-size x --expert-tensor-parallel-size): Megatron asserts TPxEP > "
-                       "1 (token_dispatcher.py:1831), DeepEP has configs for 2, 4 and 8 ranks in one NVLink domain "
-                       "(deep_ep/buffer.py:240-253; beyond, RDMA buffers remat does not model): use ep 2, 4 or 8, or "
-                       "--moe-flex-dispatcher-backend hybridep")
+    if model.moe_flex_dispatcher_backend == "deepep":  # Megatron's default backend
+        raise JobError(f"{flag} with DeepEP (--moe-flex-dispatcher-backend deepep, Megatron's default): its "
+                       "permutation maps are not modelled yet (with --moe-permute-fusion TE's int32 row_id_map "
+                       "[received rows, 2 x local experts + 1], kept from each dispatch to the layer's next forward, "
+                       "token_dispatcher.py:1437-1447, TE triton/permutation.py:52; without it the multihot "
+                       "conversion's int64 temporaries); use --moe-flex-dispatcher-backend hybridep")
+    if model.fp8_recipe is not None:
+        raise JobError(f"{flag} with FP8 (--fp8-format): each local expert's tokens are then padded to the FP8 "
+                       "GEMM alignment (pad_multiple 16, 32 for mxfp8: token_dispatcher.py:1142-1144, "
+                       "fp8_utils.py:356-361), which remat does not model; train in bf16 or use "
+                       "--moe-token-dispatcher-type alltoall")
     if etp != 1:
         raise JobError(f"{flag} with --expert-tensor-parallel-size {etp}: remat models the flex dispatcher with "
                        "--expert-tensor-parallel-size 1 (its tp x ep group then is the ep ranks); set it")

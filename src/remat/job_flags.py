@@ -180,10 +180,10 @@ IGNORED_FLAGS: dict[str, str] = _table({
     "runs with are the same, only initialisation's transient memory is smaller": "--init-model-with-meta-device",
     # training/global_vars.py:168-169 set_experimental_flag: at d98e8a64 the flag only unlocks experimental APIs and,
     # with --moe-permute-fusion, fused kernels of the flex dispatcher and of --moe-router-padding-for-quantization
-    # (token_dispatcher.py:651, 1415, 1425): DeepEP's multihot conversion (remat.models.deepep_dispatch prices the
-    # fused one) and --moe-router-padding-for-quantization (refused on its own flag)
+    # (token_dispatcher.py:651, 1415, 1425): DeepEP's multihot conversion (a DeepEP job is refused:
+    # remat.job_experts.check_flex_dispatcher) and --moe-router-padding-for-quantization (refused on its own flag)
     "unlocks Megatron's experimental code paths: at this commit only the DeepEP flex backend's fused multihot "
-    "conversion (the one remat prices) and kernels of --moe-router-padding-for-quantization (refused on its own "
+    "conversion (DeepEP jobs are refused) and kernels of --moe-router-padding-for-quantization (refused on its own "
     "flag)": "--enable-experimental",
     # fused_a2a.py:383-435, hybrid_ep.cu:313-317: the fused permute-dispatch writes the same pre-allocated outputs;
     # token_dispatcher.py:1073-1091 pads to the group's largest token count, which every rank has in remat's model

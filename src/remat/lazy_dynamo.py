@@ -123,9 +123,13 @@ def load_dynamo() -> None:
     or compiles."""
     module = sys.modules.get(NAME)
     if isinstance(module, _DeferredDynamo) and not _DeferredDynamo.loaded:
-        _DeferredDynamo.loaded = True
+        _DeferredDynamo.loaded = True  # first: the __init__'s own submodule imports must not load it again
         assert module.__spec__ is not None and module.__spec__.loader is not None
-        module.__spec__.loader.exec_module(module)
+        try:
+            module.__spec__.loader.exec_module(module)
+        except BaseException:
+            _DeferredDynamo.loaded = False  # half run: the next use tries again and raises the same error
+            raise
     else:
         import torch._dynamo  # noqa: F401
 

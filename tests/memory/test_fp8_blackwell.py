@@ -167,3 +167,14 @@ def test_remat_predict_prices_an_mxfp8_job_on_b200(capsys):
     assert ModelConfig(num_layers=1, fp8_recipe="mxfp8", fp8_sm=10).fp8_sm == 10
     with pytest.raises(ValueError, match="fp8_sm=9.*mxfp8.*needs 10"):
         ModelConfig(num_layers=1, fp8_recipe="mxfp8")
+
+
+def test_remat_plan_refuses_mxfp8_naming_predict_gpu():
+    from remat.job import parse_megatron_args
+    from remat.plan.job_plan import plan_job
+    from remat.recompute.plan_format import PlanError
+
+    job = parse_megatron_args("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 "
+                              "--micro-batch-size 1 --vocab-size 256 --bf16 --fp8-format e4m3 --fp8-recipe mxfp8")[0]
+    with pytest.raises(PlanError, match="remat predict --gpu b200"):
+        plan_job(job, "80GiB")

@@ -245,3 +245,19 @@ def test_chunks_and_buffers_are_torch_fsdp2s_own(tmp_path) -> None:
     assert real["flat"] == [unit.flat_bytes(1)] * 2  # forward and backward, bf16 elements
     assert real["reduce_scatter_input"] == [unit.flat_bytes(1)]
     assert real["grad_storage"] == [2 * unit.shard_elements] and real["grad_dtype"] == "torch.bfloat16"
+
+
+def test_the_root_units_flat_buffer_is_gathered_in_forward_and_backward() -> None:
+    # with the local layers the output layer is the root's (no fully_shard of its own): its flat all-gather buffer
+    # is made at the root's pre-forward and again at its pre-backward, like every unit's (_fsdp_param_group.py:417)
+    job = _job("--transformer-impl local")
+    units = {u.name: u for u in fsdp2_units(job, stage_parameters(job, 0)[0])}
+    root = units["root"].flat_bytes(2)
+    assert root >= 2 * 1024 * 64  # the padded vocab's output layer, at least
+    tl = predict_stage(job, 0).timeline
+    spans = [(ph.kind, s) for ph, s, _ in tl.phase_spans()]
+    forward = {s for k, s in spans if k == "forward"}
+    backward = {s for k, s in spans if k == "backward"}
+    made = [a for n, a, _ in _rows(tl, ALL_GATHER_MODULE) if n == root]
+    assert len(made) == 2 * 2 and len([a for a in made if a in forward]) == 2  # forward and backward, 2 microbatches
+    assert all(a in forward | backward for a in made)

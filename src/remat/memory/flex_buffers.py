@@ -24,12 +24,15 @@ PyTorch's allocator:
 
 from __future__ import annotations
 
+import math
+
 from remat.job import Job
 from remat.memory.outside_allocator import OutsideBuffer
+from remat.models.flex_dispatch import HYBRIDEP_CHUNK, hybridep_handle_shapes
 
 _INTRANODE = "DeepEP hybrid-ep@94a9f8f6 csrc/hybrid_ep/buffer/intranode.cu"
 PREPROCESSING_SMS = 108  # Megatron's moe_hybridep_num_sms_preprocessing (transformer_config.py:987)
-COMBINE_CHUNK = 64  # config.cuh:384 NUM_OF_TOKENS_PER_CHUNK_COMBINE_API (and the dispatch chunk, :383)
+COMBINE_CHUNK = HYBRIDEP_CHUNK  # config.cuh:383-384: the dispatch and combine chunks, 64 tokens as the preprocessing
 
 
 def _flex_moe_layers(job: Job, stage: int) -> int:
@@ -108,7 +111,7 @@ def flex_outside_buffers(job: Job, stage: int) -> tuple[OutsideBuffer, ...]:
     if not _flex_moe_layers(job, stage):
         return ()
     m = job.model
-    if m.moe_flex_dispatcher_backend == "deepep":  # its activations are refused (remat.job_experts); its buffers:
+    if m.moe_flex_dispatcher_backend == "deepep":  # (a job with DeepEP is refused: remat.job_experts) its buffers:
         return deepep_buffers(m.hidden_size * (4 if job.precision == "fp32" else 2), job.ep)
     return hybridep_buffers(tokens_per_rank(job), m.hidden_size, job.ep, int(m.num_moe_experts or 1) // job.ep)
 
@@ -119,6 +122,9 @@ def flex_kept_bytes(job: Job, stage: int) -> int:
 
     * ``_HybridEPManager`` (token_dispatcher.py:1093-1094, 1168-1176; its combine drops only the handle,
       :1203-1210): the routing map [T, E] bool, the fp32 probabilities [T, E], the dispatched fp32 probabilities [n];
+      and the handle autograd keeps to the end of the micro-batch's backward (fused_a2a.py ``ctx.handle``), which
+      the trace frees at each layer's backward: one micro-batch's, held for the step (an upper bound: NOTE [the
+      flex dispatcher] in remat.models.flex_dispatch);
     * ``_DeepepManager`` (:1299, 1449-1457; its combine drops the handle and the dispatched indices and
       probabilities, :1386-1391): the top-k fp32 probabilities and int64 indices [T, k], the received tokens'
       multihot map bool [R, L] and the permutation's int64 indices [n] (R: remat.models.deepep_dispatch.deepep_rows).
@@ -130,4 +136,6 @@ def flex_kept_bytes(job: Job, stage: int) -> int:
     if m.moe_flex_dispatcher_backend == "deepep":
         rows = job.ep * min(tokens, copies // job.ep)  # deepep_rows under balanced routing
         return layers * (tokens * topk * (4 + 8) + rows * (experts // job.ep) + copies * 8)
-    return layers * (tokens * experts * (1 + 4) + copies * 4)
+    local = experts // job.ep
+    handles = sum(math.prod(shape) * dtype.itemsize for shape, dtype in hybridep_handle_shapes(tokens, job.ep, local))
+    return layers * (tokens * experts * (1 + 4) + copies * 4 + handles)

@@ -155,8 +155,9 @@ def fsdp2_rank_state(job: Job, params: list[ParamInfo]) -> RankState:
     layouts = tuple(BufferLayout(padded_shard(p, u.shards), p.numel, ((0, padded_shard(p, u.shards)),),
                                  ((0, p.numel),)) for u in units for p in u.params)
     moments = {"adam": 8, "sgd": 4 if job.sgd_momentum > 0 else 0, "none": 0}[job.optimizer]
+    master = 4 * shard if job.precision != "fp32" and job.optimizer != "none" else 0  # no optimizer: no copies
     return RankState(num_parameters=n, parameters=n * size, parameter_padding=(shard - n) * size, gradients=0,
-                     master_parameters=4 * shard if job.precision != "fp32" else 0, optimizer_state=moments * shard,
+                     master_parameters=master, optimizer_state=moments * shard,
                      dp_rank=0, shard_elements=shard, layouts=layouts, param_buffer=True, param_itemsize=size)
 
 
@@ -204,13 +205,16 @@ def add_fsdp2_transients(timeline: Timeline, job: Job, params: list[ParamInfo], 
         row(root.gathered_bytes(size, block), GATHERED_MODULE, "parameters", f_all[0],
             f_all[1] if reshard else b_all[1])
         flats.append((f_all[0], 0, f_all[0], f_all[1]))
+        # the root's own flat buffer, copied out at once (the embedding's copy-out follows): held for one event
+        row(root.flat_bytes(size, block) * (root.shards > 1), ALL_GATHER_MODULE, "other", f_all[0], f_all[0] + 1)
         for u in order:
             start, end = fwd[u.name]
             flats.append((start, u.flat_bytes(size, block) * (u.shards > 1), start, f_all[1]))
             row(u.gathered_bytes(size, block), GATHERED_MODULE, "parameters", start, end if reshard else bwd[u.name][1])
         # backward, in reverse order: the root's pre-backward gathers it and prefetches the last unit
-        if reshard:
+        if reshard:  # its flat all-gather buffer, freed at its copy-out (as each unit's below)
             row(root.gathered_bytes(size, block), GATHERED_MODULE, "parameters", b_all[0], b_all[1])
+            row(root.flat_bytes(size, block) * (root.shards > 1), ALL_GATHER_MODULE, "other", b_all[0], b_all[0] + 1)
         back = order[::-1]
         for j, u in enumerate(back):
             start, end = bwd[u.name]  # gathered at its recompute (FORWARD state) or at its pre-backward hook
@@ -328,8 +332,3 @@ def _keep_traced_grad(timeline: Timeline, nbytes: int, start: int, end: int) -> 
             timeline.category[i], timeline.module[i] = "gradients", UNSHARDED_GRADS_MODULE
             return True
     return False
-
-
-def fsdp2_summary(units: list[Fsdp2Unit]) -> dict[str, object]:
-    """JSON-ready: each unit's name, parameters, padded shard elements and shards."""
-    return {"units": [[u.name, len(u.params), u.shard_elements, u.shards] for u in units]}

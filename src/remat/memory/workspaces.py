@@ -48,6 +48,7 @@ MODULE_FLEX = "megatron.flex_dispatcher"  # the flex dispatch managers' kept att
 # Compute capability (major) of the GPU presets remat knows (remat.units.GPU_PRESETS): what sizes the workspaces.
 GPU_MAJOR = {"a100": 8, "h100": 9, "h200": 9, "gb200": 10, "b200": 10}
 TE_GROUPED_GEMM_STREAMS = 4
+TE_UB_STREAMS = 3  # TE cpp_extensions/gemm.py:31 _NUM_MAX_UB_STREAMS: one workspace of 3 for the userbuffer GEMMs
 _KIB = 1024
 
 
@@ -115,6 +116,8 @@ def stage_workspaces(job: Job, stage: int, *, env: Mapping[str, str] | None = No
         out.append((MODULE_TE, te_workspace_bytes(major)))
     if job.model.is_moe and job.model.moe_grouped_gemm and not local:
         out += [(MODULE_TE, te_workspace_bytes(major))] * TE_GROUPED_GEMM_STREAMS
+    if job.tp_comm_overlap is not None and not local:  # the userbuffer GEMMs' own: TE cpp_extensions/gemm.py:43-53
+        out.append((MODULE_TE, te_workspace_bytes(major) * TE_UB_STREAMS))
     gathered, attributes = _allgather_parts(job, stage)
     requests = global_buffer_requests(job, stage) + [(("mpu", _dtype_bytes(job)), gathered)] * (gathered > 0)
     kept = global_memory_buffer_bytes(requests) + attributes

@@ -29,9 +29,9 @@ ep), T tokens per rank, E experts, L = E / ep local experts, n the routed copies
   the gradient: [n, h].
 
 Megatron's ``ctx.handle`` lives until autograd frees the micro-batch's graph (the end of its backward); remat
-drops it at each Function's backward, as its chunk traces need (a layer's tensors freed within its backward), so a
-step that keeps the MoE layers' graphs (no ``moe`` recompute) holds up to a micro-batch's handles more at the end of
-its backward than remat prices.
+drops it at each Function's backward, as its chunk traces need (a layer's tensors freed within its backward), and
+prices the difference as an upper bound: one micro-batch's handles of every MoE layer of the rank held for the
+whole step (:func:`remat.memory.flex_buffers.flex_kept_bytes`).
 
 The manager keeps ``routing_map``, ``token_probs`` and ``dispatched_probs`` until the layer's next forward (priced
 by :func:`remat.memory.flex_buffers.flex_kept_bytes`); the buffers HybridEP allocates outside PyTorch's allocator
@@ -53,19 +53,25 @@ from remat.models.expert_parallel import ExpertParallelGroup, SimulatedExpertGro
 HYBRIDEP_CHUNK = 64  # config.cuh:420 NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API's default
 
 
-def hybridep_handle(rows: int, group: int, local: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The GPU tensors of HybridEP's handle for ``rows`` tokens per rank over ``group`` ranks of one NVLink domain
-    with ``local`` experts each, in ``metadata_preprocess_core``'s order (executor.cu:93-131)."""
-    i32, b, dev = torch.int32, torch.bool, like.device
+def hybridep_handle_shapes(rows: int, group: int, local: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The shapes and dtypes of HybridEP's handle tensors for ``rows`` tokens per rank over ``group`` ranks of one
+    NVLink domain with ``local`` experts each, in ``metadata_preprocess_core``'s order (executor.cu:93-131)."""
+    i32, b = torch.int32, torch.bool
     chunks = (rows - 1) // HYBRIDEP_CHUNK + 1
-    return (torch.empty(rows, group, dtype=i32, device=dev),                     # sparse_to_dense_map
-            torch.empty((rows - 1) // 16 * 16 + 16, 1, dtype=b, device=dev),    # rdma_to_attn_map
-            torch.empty(rows, 0, dtype=b, device=dev),                           # attn_to_rdma_map
-            torch.empty(rows * group, local, dtype=b, device=dev),               # local_expert_routing_map
-            torch.empty(1, dtype=i32, device=dev),                               # overflow_flag
-            torch.empty(chunks * group, dtype=i32, device=dev),                  # dense_chunk_layout
-            torch.empty(rows * group, local, dtype=i32, device=dev),             # dense_to_expert_map
-            torch.empty(local, dtype=i32, device=dev))                           # tokens_per_expert
+    return [((rows, group), i32),                        # sparse_to_dense_map
+            (((rows - 1) // 16 * 16 + 16, 1), b),        # rdma_to_attn_map
+            ((rows, 0), b),                              # attn_to_rdma_map
+            ((rows * group, local), b),                  # local_expert_routing_map
+            ((1,), i32),                                 # overflow_flag
+            ((chunks * group,), i32),                    # dense_chunk_layout
+            ((rows * group, local), i32),                # dense_to_expert_map
+            ((local,), i32)]                             # tokens_per_expert
+
+
+def hybridep_handle(rows: int, group: int, local: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """HybridEP's handle tensors (:func:`hybridep_handle_shapes`) on ``like``'s device."""
+    return tuple(torch.empty(shape, dtype=dtype, device=like.device)
+                 for shape, dtype in hybridep_handle_shapes(rows, group, local))
 
 
 def fill_rows(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

@@ -503,7 +503,7 @@ def main_grad_copy_bytes(job: Job, state: RankState) -> int:
     if job.fsdp is not None:  # fsdp param_and_grad_buffer.py:3376 ``optimizer_grad.to(param.dtype)``, per shard
         return 4 * state.shard_elements if job.fsdp.grads_dtype(job.precision) != "fp32" else 0
     if job.torch_fsdp2 is not None:  # ``model_param.grad.float()`` of each bf16/fp16 sharded gradient
-        return 4 * state.shard_elements if job.precision != "fp32" else 0
+        return 4 * state.shard_elements if job.precision != "fp32" and job.optimizer != "none" else 0
     return state.master_parameters if job.main_grad_dtype != "fp32" else 0
 
 

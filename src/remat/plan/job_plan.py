@@ -172,6 +172,10 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None, *,
         raise PlanError(f"options={options!r}: give a PlanOptions (remat.plan.PlanOptions(...)) or None")
     budget_bytes, budget_text = options.budget(budget)
     check_job(job)
+    if job.model.fp8_recipe == "mxfp8":  # its predictions need a Blackwell GPU (remat.memory.fp8.check_fp8_gpu)
+        raise PlanError("--fp8-recipe mxfp8 runs on Blackwell GPUs only, and remat plan prices Hopper's (it has no "
+                        "--gpu): price each setting with remat predict --gpu b200 --policy ..., or plan another "
+                        "--fp8-recipe")
     outside = 0 if outside_counted else max(outside_bytes(outside_allocator_buffers(job, s)) for s in range(job.pp))
     if outside:  # held for the whole run beside every allocation: what the allocator may use is the rest
         if outside >= budget_bytes:

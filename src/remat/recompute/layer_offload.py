@@ -217,8 +217,9 @@ class LayerOffload:
         entry = saved.pushed
         tensor = entry.device if entry.device is not None else entry.back
         if tensor is None:
-            raise ApplyError("cpu offloading: a layer's saved tensor was let go of before its backward (a layer run "
-                             "twice in one forward?)")
+            raise ApplyError("cpu offloading (--cpu-offloading-num-layers): a layer's saved tensor was let go of "
+                             "before its backward (a layer run twice in one forward?); run each offloaded layer once "
+                             "per forward, or offload fewer layers")
         return tensor if saved.view is None else tensor.as_strided(*saved.view)
 
     # -- backward -----------------------------------------------------------------------------------------
