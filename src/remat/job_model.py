@@ -109,6 +109,8 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
     except ConfigError as err:
         raise JobError(f"the model flags describe an invalid model: {err}") from None
     check_op_fuser(got, ignored, model)
+    if "--moe-flex-dispatcher-backend" in got and model.moe_token_dispatcher_type != "flex":
+        ignored.append("--moe-flex-dispatcher-backend")  # read only under flex (token_dispatcher.py:1831-1860)
     check_gpt_oss_job(got, ignored, model)
     return model
 

@@ -703,3 +703,10 @@ def test_the_flex_dispatcher_is_read_with_its_backend_and_round_trips(backend):
     assert (job.model.moe_token_dispatcher_type, job.model.moe_flex_dispatcher_backend) == ("flex", backend)
     assert "--moe-permute-fusion-into-hybridep" in ignored
     assert parse_megatron_args(job.to_megatron_args())[0] == job
+
+
+def test_a_flex_backend_without_the_flex_dispatcher_is_listed_as_ignored():
+    # Megatron reads --moe-flex-dispatcher-backend only under --moe-token-dispatcher-type flex
+    job, ignored = parse_megatron_args(f"{BASE} --num-experts 4 --moe-token-dispatcher-type alltoall "
+                                       "--moe-flex-dispatcher-backend hybridep")
+    assert job.model.moe_token_dispatcher_type == "alltoall" and "--moe-flex-dispatcher-backend" in ignored

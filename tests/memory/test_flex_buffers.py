@@ -76,3 +76,11 @@ def test_a_deepep_job_is_refused_for_its_permutation_maps():
     with pytest.raises(JobError, match="row_id_map"):
         Job.build(FLEX.replace(expert_model_parallel_size=2, moe_flex_dispatcher_backend="deepep"),
                   precision="bf16", ep=2, dp=2)
+
+
+def test_the_kept_probabilities_follow_the_routing_assumption():
+    # the dispatched fp32 probabilities [n]: n the copies the busiest ep rank receives (every rank routing alike)
+    balanced = Job.build(FLEX.replace(expert_model_parallel_size=2), precision="bf16", ep=2, dp=2)
+    skewed = balanced.replace(model=balanced.model.replace(
+        moe_routing_assumption="counts:400,400,400,400,100,100,100,100"))  # rank 0's experts: 1600 of 2000 copies
+    assert flex_kept_bytes(skewed, 0) - flex_kept_bytes(balanced, 0) == 2 * (2 * 1600 - 2000) * 4

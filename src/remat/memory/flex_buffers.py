@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+from remat.config import RoutingAssumption
 from remat.job import Job
 from remat.memory.outside_allocator import OutsideBuffer
 from remat.models.flex_dispatch import HYBRIDEP_CHUNK, hybridep_handle_shapes
@@ -116,9 +117,22 @@ def flex_outside_buffers(job: Job, stage: int) -> tuple[OutsideBuffer, ...]:
     return hybridep_buffers(tokens_per_rank(job), m.hidden_size, job.ep, int(m.num_moe_experts or 1) // job.ep)
 
 
+def received_copies_at_most(job: Job) -> int:
+    """n: the most routed copies an ep rank receives in one MoE layer under the job's routing assumption (T x topk
+    when balanced), the largest over the ranks and the MoE layers the assumption lists."""
+    m = job.model
+    tokens, experts, topk = tokens_per_rank(job), int(m.num_moe_experts or 1), m.moe_router_topk
+    routing, local = RoutingAssumption.parse(m.moe_routing_assumption or "balanced"), experts // job.ep
+    return max(job.ep * sum(counts[r * local:(r + 1) * local])
+               for layer in range(max(len(routing.counts), 1))
+               for counts in [routing.tokens_per_expert(tokens, experts, topk, layer=layer)]
+               for r in range(job.ep))
+
+
 def flex_kept_bytes(job: Job, stage: int) -> int:
     """What each MoE layer's dispatch manager keeps from one forward until its next on a rank of ``stage``, summed
-    over the stage's MoE layers (0 without the flex dispatcher), under balanced routing (n = T x topk copies):
+    over the stage's MoE layers (0 without the flex dispatcher), n the most copies a rank receives
+(:func:`received_copies_at_most`: T x topk under balanced routing):
 
     * ``_HybridEPManager`` (token_dispatcher.py:1093-1094, 1168-1176; its combine drops only the handle,
       :1203-1210): the routing map [T, E] bool, the fp32 probabilities [T, E], the dispatched fp32 probabilities [n];
@@ -130,9 +144,11 @@ def flex_kept_bytes(job: Job, stage: int) -> int:
       multihot map bool [R, L] and the permutation's int64 indices [n] (R: remat.models.deepep_dispatch.deepep_rows).
     """
     layers = _flex_moe_layers(job, stage)
+    if not layers:
+        return 0
     m = job.model
     tokens, experts, topk = tokens_per_rank(job), int(m.num_moe_experts or 1), m.moe_router_topk
-    copies = tokens * topk
+    copies = received_copies_at_most(job)
     if m.moe_flex_dispatcher_backend == "deepep":
         rows = job.ep * min(tokens, copies // job.ep)  # deepep_rows under balanced routing
         return layers * (tokens * topk * (4 + 8) + rows * (experts // job.ep) + copies * 8)
