@@ -225,6 +225,11 @@ def parse_reserve(reserve: str | float | None, total: int) -> int:
 _FIXED_UNITS = {"B": 1, "KiB": KIB, "MiB": MIB, "GiB": GIB, "TiB": TIB}
 
 
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (an allocation's padding, a block size)."""
+    return -(-n // multiple) * multiple
+
+
 def format_bytes(n: float) -> str:
     """A byte count in the largest binary unit it reaches, with two decimals.
 

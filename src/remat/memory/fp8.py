@@ -90,6 +90,7 @@ from remat.models.tp_layers import (
     TensorParallelGroup,
     is_te_linear_weight,
 )
+from remat.units import round_up
 
 SCALE_BYTES = 4  # a Float8Tensor's fp32 scale_inv: one element
 MODULE = "transformer_engine.fp8_weights"  # the timeline row of fp8_state_bytes
@@ -181,15 +182,15 @@ def scale_bytes(rows: int, cols: int, recipe: str, *, columnwise: bool, block_di
     """
     if recipe == "mxfp8":  # 1-byte E8M0 scales per 1x32 block (quantizer.cpp:1710-1740, weights too)
         if columnwise:
-            return _pad(-(-rows // 32), 4) * _pad(cols, 128)
-        return _pad(rows, 128) * _pad(-(-cols // 32), 4)
+            return round_up(-(-rows // 32), 4) * round_up(cols, 128)
+        return round_up(rows, 128) * round_up(-(-cols // 32), 4)
     if recipe != "blockwise":
         return SCALE_BYTES
     blocks = -(-cols // 128), -(-rows // 128)
     if block_dim == 2:
-        shape = (blocks[0], _pad(blocks[1], 4)) if columnwise else (blocks[1], _pad(blocks[0], 4))
+        shape = (blocks[0], round_up(blocks[1], 4)) if columnwise else (blocks[1], round_up(blocks[0], 4))
     else:
-        shape = (blocks[1], _pad(cols, 4)) if columnwise else (blocks[0], _pad(rows, 4))
+        shape = (blocks[1], round_up(cols, 4)) if columnwise else (blocks[0], round_up(rows, 4))
     return 4 * shape[0] * shape[1]
 
 
@@ -223,15 +224,11 @@ def fp8_state_bytes(params: Sequence[Any], recipe: str, *, param_gather: bool, a
     for p in params:
         gemms, out, inp = _gemm_shape(p)
         numel = out * inp
-        scales = [_pad(scale_bytes(out, inp, recipe, columnwise=c, block_dim=2), block) for c in usages]
-        total += gemms * ((len(usages) - param_gather) * _pad(numel, block) + sum(scales))
+        scales = [round_up(scale_bytes(out, inp, recipe, columnwise=c, block_dim=2), block) for c in usages]
+        total += gemms * ((len(usages) - param_gather) * round_up(numel, block) + sum(scales))
         if recipe == "delayed":
-            total += sum(_pad(4 * n * rows, block) for n in (3 * gemms, 2 * gemms) for rows in (1, amax_history))
+            total += sum(round_up(4 * n * rows, block) for n in (3 * gemms, 2 * gemms) for rows in (1, amax_history))
     return total
-
-
-def _pad(n: int, block: int) -> int:
-    return -(-n // block) * block
 
 
 def _quantized(x: torch.Tensor, recipe: str, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,7 +273,7 @@ def _gemm_scales(recipe: str, like: torch.Tensor, gemm: str, rows: int, inp: int
            "wgrad": [(x, True), (grad, True)]}[gemm]
     if recipe == "blockwise":
         data = [(c, r) if colwise else (r, c) for (r, c), colwise in ops]  # the column-wise data is transposed
-        sizes = [_pad(d0, 128) * -(-d1 // 128) * 4 for d0, d1 in data]
+        sizes = [round_up(d0, 128) * -(-d1 // 128) * 4 for d0, d1 in data]
     else:
         keep = [op for op in ops if op[0] is weight or (gathered and op[0] is x)]
         sizes = [scale_bytes(r, c, recipe, columnwise=colwise) for (r, c), colwise in keep]

@@ -60,6 +60,7 @@ from remat.job import Job
 from remat.memory.fsdp_state import OUTPUT_WEIGHT, megatron_params
 from remat.memory.rank_state import BufferLayout, ParamInfo, RankState
 from remat.timeline import Phase, Timeline
+from remat.units import round_up
 
 GATHERED_MODULE = "torch_fsdp2.unsharded_params"  # a unit's all-gathered parameters (one tensor each)
 ALL_GATHER_MODULE = "torch_fsdp2.all_gather_output"  # the flat all-gather buffer
@@ -85,10 +86,6 @@ def padded_shard(p: ParamInfo, shards: int) -> int:
     return -(-d0 // shards) * (p.numel // d0 if d0 else 0)
 
 
-def _pad(n: int, block: int) -> int:
-    return -(-n // block) * block
-
-
 @dataclass(frozen=True)
 class Fsdp2Unit:
     """One ``fully_shard`` call's parameter group (NOTE [torch FSDP2])."""
@@ -105,15 +102,15 @@ class Fsdp2Unit:
 
     def gathered_bytes(self, itemsize: int, block: int = 1) -> int:
         """The unsharded parameters: one all-gather output per parameter, shards x its padded chunk."""
-        return sum(_pad(padded_shard(p, self.shards) * self.shards * itemsize, block) for p in self.params)
+        return sum(round_up(padded_shard(p, self.shards) * self.shards * itemsize, block) for p in self.params)
 
     def flat_bytes(self, itemsize: int, block: int = 1) -> int:
         """The flat all-gather output, or the reduce-scatter input: shards x the padded shards, one tensor."""
-        return _pad(self.shard_elements * self.shards * itemsize, block)
+        return round_up(self.shard_elements * self.shards * itemsize, block)
 
     def grad_bytes(self, itemsize: int, block: int = 1, skip: frozenset[str] = frozenset()) -> int:
         """Autograd's unsharded weight gradients (one per parameter, its shape), but those named in ``skip``."""
-        return sum(_pad(p.numel * itemsize, block) for p in self.params if p.name not in skip)
+        return sum(round_up(p.numel * itemsize, block) for p in self.params if p.name not in skip)
 
 
 def fsdp2_units(job: Job, params: list[ParamInfo]) -> list[Fsdp2Unit]:
@@ -227,7 +224,7 @@ def add_fsdp2_transients(timeline: Timeline, job: Job, params: list[ParamInfo], 
                     row(u.flat_bytes(size, block) * (u.shards > 1), ALL_GATHER_MODULE, "other", at, start)
                 row(u.gathered_bytes(size, block), GATHERED_MODULE, "parameters", start, end)
             kept = frozenset(p.name for p in u.params if p.name in VOCAB_WEIGHTS and
-                             _keep_traced_grad(timeline, _pad(p.numel * size, block), hook[u.name][0], end))
+                             _keep_traced_grad(timeline, round_up(p.numel * size, block), hook[u.name][0], end))
             row(u.grad_bytes(size, block, kept), UNSHARDED_GRADS_MODULE, "gradients", hook[u.name][0], end)
             # freed by the next unit's post-backward; the last's (the embedding's, whose inputs need no gradient, so
             # its post-backward runs in the root's final callback: _fsdp_state.py:395-431) right after it
@@ -278,8 +275,8 @@ def model_init_bytes(job: Job, units: list[Fsdp2Unit], itemsize: int, block: int
     """
     assert job.torch_fsdp2 is not None
     order = units[1:] + units[:1]
-    full = [sum(_pad(p.numel * itemsize, block) for p in u.params) for u in order]
-    chunks = [sum(_pad(padded_shard(p, u.shards) * itemsize, block) for p in u.params) for u in order]
+    full = [sum(round_up(p.numel * itemsize, block) for p in u.params) for u in order]
+    chunks = [sum(round_up(padded_shard(p, u.shards) * itemsize, block) for p in u.params) for u in order]
     if job.torch_fsdp2.cpu_initialization:
         return max(sum(chunks[:k]) + full[k] + chunks[k] for k in range(len(order)))
     return max(sum(full[k:]) + sum(chunks[:k + 1]) for k in range(len(order)))
@@ -307,7 +304,7 @@ def _reduced(row: Callable[[int, str, str, int, int], None], u: Fsdp2Unit, size:
              index: int, last: int, precision: str) -> None:
     """The reduce-scatter's flat output: the first microbatch's is the sharded gradients (until the optimizer step
     copies them to fp32, or for good in an fp32 job), a later one's is added to them and freed."""
-    nbytes = _pad(u.shard_elements * size, block)
+    nbytes = round_up(u.shard_elements * size, block)
     if index == 0:
         row(nbytes, SHARDED_GRADS_MODULE, "gradients", at, last if precision != "fp32" else -1)
     else:

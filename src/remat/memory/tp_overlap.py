@@ -54,7 +54,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 from remat.job import Job
 from remat.job_tp_overlap import quantization_modes, ub_gemms
 from remat.memory.outside_allocator import OutsideBuffer
-from remat.models.tp_layers import ColumnParallelLinear, RowParallelLinear, TensorParallelGroup
+from remat.models.tp_layers import (
+    ColumnParallelLinear,
+    ReduceScatterToSequence,
+    RowParallelLinear,
+    TensorParallelGroup,
+)
+from remat.units import round_up
 
 # the driver's minimum granularity of a cuMemCreate / multicast binding (cuMemGetAllocationGranularity and
 # cuMulticastGetGranularity with CU_MULTICAST_GRANULARITY_MINIMUM, userbuffers-host.cpp:536-551): 2 MiB on Hopper
@@ -69,10 +75,6 @@ SOURCE = ("Megatron-LM initialize.py:223-246; TE 2.17.1 module/base.py:311-547, 
           "805-830, userbuffers-host.cpp:514-650")
 COMM_SOURCE = "TE 2.17.1 userbuffers-host.cpp:355-377, userbuffers.h:30-57"
 _LINEAR = re.compile(r"^layers\.\d+\.(self_attention\.linear_(qkv|proj)|mlp\.(shared_experts\.)?linear_fc[12])$")
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // UB_GRANULARITY) * UB_GRANULARITY
 
 
 def userbuffer_parts(job: Job) -> list[OutsideBuffer]:
@@ -100,14 +102,15 @@ def userbuffer_parts(job: Job) -> list[OutsideBuffer]:
             nbytes = rows * hidden * (1 if gemm.fp8_buf else 2)
             if gemm.method == "ring_exchange" and gemm.is_reduce_scatter:  # 2 tp - 1 chunks (cpp:816-821)
                 nbytes = nbytes // tp * (2 * tp - 1)
-            total += _aligned(nbytes)
+            total += round_up(nbytes, UB_GRANULARITY)
         uint8 = sum(g.fp8_buf for g in gemms)
         kinds = f"{uint8} uint8, {len(gemms) - uint8} bf16" if uint8 else "bf16"
         parts.append(OutsideBuffer(f"TE userbuffers (--tp-comm-overlap{', FP8' * (mode == 'fp8')}): {len(gemms)} GEMM "
                                    f"buffers [{rows}, {hidden}] ({kinds})", total, SOURCE))
     # region 0, the flags (2 x 64 KiB) and the send / receive ids (nranks and NVTE_MAX_REGIONS x nranks ints)
     parts.append(OutsideBuffer("TE userbuffers communicator: region 0, flags, peer ids",
-                               _aligned(UB_REGION0_BYTES) + 2 * 65536 + 4 * job.world_size * (1 + 32), COMM_SOURCE))
+                               round_up(UB_REGION0_BYTES, UB_GRANULARITY) + 2 * 65536 + 4 * job.world_size * (1 + 32),
+                               COMM_SOURCE))
     return parts
 
 
@@ -146,15 +149,10 @@ class UbGatheredLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None
 
 
-class UbReduceScatter(torch.autograd.Function):
+class UbReduceScatter(ReduceScatterToSequence):
     """A row-parallel linear's reduce-scatter under ``ag``: forward as
-    :class:`~remat.models.tp_layers.ReduceScatterToSequence`; backward's gathered output gradient is in the
-    userbuffer (base.py:1596-1605), read by the dgrad and wgrad GEMMs, which allocate their own outputs."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: TensorParallelGroup) -> torch.Tensor:
-        ctx.group = group
-        return group.reduce_scatter(x)
+    :class:`~remat.models.tp_layers.ReduceScatterToSequence` (inherited); backward's gathered output gradient is in
+    the userbuffer (base.py:1596-1605), read by the dgrad and wgrad GEMMs, which allocate their own outputs."""
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
