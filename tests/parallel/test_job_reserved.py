@@ -89,3 +89,26 @@ def test_a_large_jobs_ranks_are_replayed_in_other_processes_alike(monkeypatch, p
     else:
         replay_pool.replay_now(ranks)
     assert [r.reserved for r in ranks] == [r.reserved for r in prediction.ranks]
+
+
+def test_the_replays_a_child_does_not_send_are_made_here(monkeypatch, prediction):
+    import remat.memory.replay_pool as replay_pool
+
+    ranks = copy.deepcopy(prediction.ranks)
+    assert len(ranks) >= 2
+    for r in ranks:
+        r.reserved = None
+    real_child = replay_pool._replay_child
+
+    def child_that_sends_one(items, allocator, send):  # sends the first item's figures, then dies
+        real_child(items[:1], allocator, send)
+        raise SystemExit(1)
+
+    monkeypatch.setattr(replay_pool, "_replay_child", child_that_sends_one)
+    monkeypatch.setattr(replay_pool, "PARALLEL_REPLAY_ROWS", 0)
+    monkeypatch.setenv("REMAT_TRACE_WORKERS", "2")
+    replays = replay_pool.BackgroundReplays()
+    replays.add(ranks)
+    assert len(replays.pending) == 1
+    replays.wait()
+    assert not replays.pending and [r.reserved for r in ranks] == [r.reserved for r in prediction.ranks]

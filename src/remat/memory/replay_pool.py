@@ -10,13 +10,14 @@ a small job, they run here. The figures are the same either way: a replay the ch
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from remat.memory.allocator import AllocatorConfig
 from remat.memory.reserved import reserved_figures, stored_figures
-from remat.memory.trace_pool import idle_workers, run_forked, worker_timeout
+from remat.memory.trace_pool import idle_workers, run_forked
 
 PARALLEL_REPLAY_ROWS = 150_000  # rows (about 0.25 s of replay) from which replays are worth another process
 
@@ -87,24 +88,43 @@ class BackgroundReplays:
             self._collect(self.pending.pop(0))
 
     def _collect(self, entry: tuple[list[Replayed], Any, Any]) -> None:
+        """Take a child's figures as it sends them (first item first) while this process replays from the last
+        item down, until the two meet: the last replays take half the time instead of this process waiting on
+        them (each item's figures are the same whoever replays it). A child that stops sending leaves the rest
+        here."""
         items, process, receive = entry
-        figures = None
+        done = 0  # items[:done] came from the child
+        back = len(items)  # items[back:] were replayed here
         try:
-            if receive.poll(worker_timeout()):
-                figures = receive.recv()
-        except (EOFError, OSError):
-            figures = None
+            while done < back:
+                try:
+                    while done < back and receive.poll():
+                        index, figures = receive.recv()
+                        if index != done:
+                            raise EOFError
+                        items[done].reserved, done = figures, done + 1
+                except (EOFError, OSError, ValueError, TypeError):
+                    receive.close()
+                    receive = _Closed()
+                if done < back:
+                    back -= 1
+                    items[back].reserved = reserved_figures(items[back].timeline, self.allocator)
         finally:
             receive.close()
-            process.join(1.0)
+            process.join(0.1)
             if process.is_alive():
                 process.terminate()
                 process.join()
-        if isinstance(figures, list) and len(figures) == len(items):
-            for it, f in zip(items, figures):
-                it.reserved = f
-        else:
-            replay_now(items, self.allocator)
+
+
+class _Closed:
+    """A child's pipe once it broke: nothing more comes."""
+
+    def poll(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
 
 
 def _todo(items: Sequence[Replayed], allocator: AllocatorConfig | None) -> list[Replayed]:
@@ -121,9 +141,18 @@ def _task(item: Replayed, allocator: AllocatorConfig | None) -> Any:
 
 
 def _replay_child(items: Sequence[Replayed], allocator: AllocatorConfig | None, send: Any) -> None:
+    """Send ``(index, figures)`` of each item in order, as each is replayed (the parent takes them while it replays
+    from the other end, :meth:`BackgroundReplays._collect`). Ended by SIGTERM once the parent has them all: raised
+    as SystemExit, so that a disk-cache entry being written is removed, not left half-written."""
+    signal.signal(signal.SIGTERM, _exit)
     try:
-        send.send([reserved_figures(it.timeline, allocator) for it in items])
-    except Exception:  # the parent replays them itself
+        for index, it in enumerate(items):
+            send.send((index, reserved_figures(it.timeline, allocator)))
+    except Exception:  # the parent closed its end (it has them all), or replays the rest itself
         pass
     finally:
         send.close()
+
+
+def _exit(signum: int, frame: Any) -> None:
+    raise SystemExit(0)

@@ -19,12 +19,13 @@ from remat.parallel.job_predict import (
     JobPrediction,
     RankPrediction,
     add_replays,
+    chunk_config,
     job_kernels,
     outside_allocator_buffers,
     predict_stage,
     stage_state,
 )
-from remat.plan.job_stages import stage_chunks
+from remat.plan.job_stages import rank_config, stage_chunks
 from remat.policy import Policy
 from remat.recompute.plan_format import Plan
 from remat.timeline import Timeline, TimelineError
@@ -76,12 +77,15 @@ class ExactStages:
 
     def distinct(self, wanted: Sequence[tuple[int, Plan | Policy]]) -> list[tuple[int, Plan | Policy]]:
         """Those of ``wanted`` worth predicting ahead: not predicted or made ahead yet, each once, and one of the
-        stages whose chunks are of the same kinds under the same setting (they lay their chunks out from the same
-        shallow traces: the others are predicted here from its shallow traces, kept as they come back)."""
+        stages whose chunks are of the same kinds and layers under the same setting (they lay their chunks out from
+        the same shallow traces: the others are predicted here from its shallow traces, kept as they come back)."""
         out, alike = [], set()
+        config = rank_config(self.job)
         for s, p in wanted:
             key = self.key(s, p)[0]
-            sig = (key[1], tuple(c.kind for c in stage_chunks(self.job, s)))
+            # a chunk's kind and its own layers' config (dense or MoE, windows, FP8: chunk_config): a chunk mixing
+            # dense and MoE layers is traced whole, one of MoE layers only laid out from a shallow MoE chunk
+            sig = (key[1], tuple((c.kind, chunk_config(config, c)) for c in stage_chunks(self.job, s)))
             if key not in self.done and key not in self.spare and sig not in alike:
                 out.append((s, p))
             alike.add(sig)

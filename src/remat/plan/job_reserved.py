@@ -124,8 +124,7 @@ def plan_job_reserved(job: Job, budget: int | str, options: PlanOptions | None =
 def add_plan_reserved(result: JobPlan, allocator: AllocatorConfig | None = None) -> None:
     """The ``reserved`` figures of every prediction ``result`` shows (a plan that budgeted allocated bytes), and
     ``stats['memory_budgeted']`` saying so."""
-    for st in result.stages:
-        add_reserved(_shown(st), allocator)
-    add_reserved(result.uniform_ranks, allocator)
+    # all at once: a large job's replays side by side on the idle cores (remat.memory.replay_pool.replay_now)
+    add_reserved([*(r for st in result.stages for r in _shown(st)), *result.uniform_ranks], allocator)
     result.stats["memory_budgeted"] = {"memory": "allocated", "allocated_budget_bytes": result.budget_bytes,
                                        "rounds": 1, "alloc_conf": (allocator or AllocatorConfig()).text()}
