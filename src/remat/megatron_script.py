@@ -31,6 +31,7 @@ change how bash or the shims start (``BASH_ENV``, ``SHELLOPTS``, ``LD_*``, expor
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import shutil
@@ -537,6 +538,10 @@ def _launch(given: str, records: list[tuple[str, str, tuple[str, ...]]], names: 
             skipped.append(command)
         elif kind in ("end", "timeout") and reached is None:
             reached = command.where
+    # the commands of one pipeline run at once and record in whichever order they start: those of one line (a
+    # pipeline, a heredoc job script) are listed by their words, so that the answer is the same each run
+    skipped = [c for _, same in itertools.groupby(skipped, key=lambda c: c.where)
+               for c in sorted(same, key=lambda c: c.argv)]
     at = f"at {reached}" if reached else "(the line it reached is unknown)"
     if timed_out:
         ending = f"was still running after the {timeout:g} s timeout {at}: it loops or waits"

@@ -148,7 +148,7 @@ echo submitted
     assert launch.argv == ["srun", "-N", "2", "--ntasks-per-node", "4", "python", "pretrain_gpt.py", "--num-layers",
                            "3"]  # the launcher's words, then the launch its command string makes
     assert launch.command.where == "train.sh line 4" and launch.env == {"PYTHONPATH": "/megatron"}
-    assert [c.argv[0] for c in launch.skipped] == ["rm", "tee", "cd"]
+    assert [c.argv[0] for c in launch.skipped] == ["cd", "rm", "tee"]  # one line's: by their words
     assert launch.lines()[-1] == ("sbatch at train.sh line 4: nothing submitted; the job script on its input was "
                                   "read in place")
     job = read_megatron_job(launch.argv + TINY.split()[2:])
