@@ -92,19 +92,23 @@ def test_a_large_jobs_ranks_are_replayed_in_other_processes_alike(monkeypatch, p
 
 
 def test_the_replays_a_child_does_not_send_are_made_here(monkeypatch, prediction):
+    import os
+
     import remat.memory.replay_pool as replay_pool
 
     ranks = copy.deepcopy(prediction.ranks)
     assert len(ranks) >= 2
     for r in ranks:
         r.reserved = None
-    real_child = replay_pool._replay_child
+    parent, real, calls = os.getpid(), replay_pool.reserved_figures, []
 
-    def child_that_sends_one(items, allocator, send):  # sends the first item's figures, then dies
-        real_child(items[:1], allocator, send)
-        raise SystemExit(1)
+    def dies_in_the_child_after_one(timeline, allocator=None):  # the child sends its first figures, then dies
+        calls.append(timeline)
+        if os.getpid() != parent and len(calls) > 1:
+            os._exit(1)
+        return real(timeline, allocator)
 
-    monkeypatch.setattr(replay_pool, "_replay_child", child_that_sends_one)
+    monkeypatch.setattr(replay_pool, "reserved_figures", dies_in_the_child_after_one)
     monkeypatch.setattr(replay_pool, "PARALLEL_REPLAY_ROWS", 0)
     monkeypatch.setenv("REMAT_TRACE_WORKERS", "2")
     replays = replay_pool.BackgroundReplays()
