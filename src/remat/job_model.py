@@ -21,6 +21,7 @@ from remat import job_loss
 from remat.config import ConfigError, ModelConfig, parse_layer_freq
 from remat.job_experts import check_op_fuser, moe_mla_fields
 from remat.job_flags import JobError
+from remat.units import round_up
 
 DEFAULT_VOCAB_SIZE = 50257  # GPT-2 BPE, the tokenizer of Megatron's GPT examples
 
@@ -89,7 +90,7 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
             vocab = DEFAULT_VOCAB_SIZE
         if not (got.get("--no-pad-vocab-size") or got.get("--disable-pad-vocab-size")):
             multiple = got.get("--make-vocab-size-divisible-by", 128) * tp  # build_tokenizer.vocab_size_with_padding
-            vocab = -(-vocab // multiple) * multiple
+            vocab = round_up(vocab, multiple)
     activation = "swiglu" if swiglu else "quick_geglu" if got.get("--quick-geglu") else "gelu"
     qkv_bias = bool(got.get("--add-qkv-bias"))  # attention.py:1698: linear_qkv's bias only
     if qkv_bias and got.get("--multi-latent-attention"):  # MLA's projections read add_bias_linear only (:226, 517-611)

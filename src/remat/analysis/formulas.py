@@ -13,6 +13,7 @@ from fractions import Fraction
 from typing import Any
 
 from remat.config import ModelConfig
+from remat.units import round_up
 
 __all__ = ["DTYPE_BYTES", "KorthikantiTerm", "KorthikantiTerms", "korthikanti_layer_bytes", "korthikanti_terms",
            "megatron_estimate"]
@@ -159,7 +160,7 @@ def korthikanti_layer_bytes(config: ModelConfig, tp: int = 1, sp: bool = False, 
 # =====================================================================================================
 def _padded_vocab(vocab: int, tp: int, divisible_by: int) -> int:
     multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
+    return round_up(vocab, multiple)
 
 
 def megatron_estimate(config: ModelConfig, tp: int = 1, sp: bool = False, pp: int = 1,

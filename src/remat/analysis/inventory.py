@@ -9,7 +9,7 @@ from typing import Any
 
 from remat.analysis.formulas import DEVICES, DTYPE_BYTES, check_parallel
 from remat.config import ModelConfig
-from remat.units import CUDA_BLOCK
+from remat.units import CUDA_BLOCK, round_up
 
 
 # =====================================================================================================
@@ -202,7 +202,7 @@ def build_inventory(lay: _Layout, tp: int = 1, sp: bool = False) -> list[SavedTe
     def add(key: str, name: str, module: str, shape: tuple[int, ...], dtype: str, elem: int, saved_by: str,
             why: str, paper_term: str | None = None) -> None:
         nbytes = math.prod(shape) * elem
-        items.append(SavedTensor(key, name, module, shape, dtype, -(-nbytes // block) * block, saved_by, why,
+        items.append(SavedTensor(key, name, module, shape, dtype, round_up(nbytes, block), saved_by, why,
                                  paper_term))
 
     paper = lay.attention == "paper"
@@ -287,10 +287,10 @@ def build_inventory(lay: _Layout, tp: int = 1, sp: bool = False) -> list[SavedTe
                 "the kernel keeps its key", "attention: Q and K 4sbh")
         if v_sep:
             add("v", v_name, mod, heads, act, e, node, "the kernel keeps its value", "attention: V 2sbh")
-        cols = s if lay.attention == "sdpa_flash_cpu" else -(-s // 16) * 16
+        cols = s if lay.attention == "sdpa_flash_cpu" else round_up(s, 16)
         add("float_mask", "causal mask as a float additive bias", mod, (1, 1, s, cols), act, e, node,
             "SDPA converts the bool mask to -inf/0 in the query dtype and keeps it")
-        lse_s = s if lay.attention == "sdpa_flash_cpu" else -(-s // 32) * 32
+        lse_s = s if lay.attention == "sdpa_flash_cpu" else round_up(s, 32)
         add("lse", "softmax logsumexp", mod, (b, a_r, lse_s), "fp32", 4, node,
             "the kernel recomputes the probabilities in backward from q, k and these statistics")
         shared = lay.attention == "sdpa_efficient_cuda" or not lay.rope

@@ -15,6 +15,7 @@ import numpy as np
 
 from remat.files import write_atomic
 from remat.timeline import Timeline
+from remat.units import round_up
 
 BASE_ADDRESS = 0x7F0000000000  # where the made-up segment starts (looks like a device pointer)
 ALIGN = 512
@@ -29,7 +30,7 @@ class _FirstFit:
         self.top = 0                  # the segment's size so far
 
     def alloc(self, size: int) -> int:
-        size = -(-size // ALIGN) * ALIGN
+        size = round_up(size, ALIGN)
         for i, (start, end) in enumerate(zip(self.starts, self.ends)):
             if end - start >= size:
                 if end - start == size:
@@ -46,7 +47,7 @@ class _FirstFit:
         return start
 
     def free(self, offset: int, size: int) -> None:
-        size = -(-size // ALIGN) * ALIGN
+        size = round_up(size, ALIGN)
         start, end = offset, offset + size
         i = bisect.bisect_left(self.starts, start)
         if i > 0 and self.ends[i - 1] == start:  # merge with the range before
@@ -119,7 +120,7 @@ def to_memory_snapshot(tl: Timeline) -> dict[str, Any]:
         if start > cursor:
             blocks.append({"address": BASE_ADDRESS + cursor, "size": start - cursor, "requested_size": 0,
                            "state": "inactive", "frames": []})
-        size = -(-int(tl.nbytes[row]) // ALIGN) * ALIGN
+        size = round_up(int(tl.nbytes[row]), ALIGN)
         blocks.append({"address": BASE_ADDRESS + start, "size": size, "requested_size": int(tl.nbytes[row]),
                        "state": "active_allocated", "frames": frames[row]})
         cursor = start + size

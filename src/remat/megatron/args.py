@@ -27,6 +27,7 @@ from remat.job_flags import (
 from remat.megatron.compat import MegatronSettingError
 from remat.megatron.settings import FINE_GRAINED_OFFLOADING
 from remat.offload_policy import OFFLOAD_FLAGS
+from remat.units import round_up
 
 INT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -182,7 +183,7 @@ def config_from_args(argv: str | Sequence[str]) -> tuple[Any, dict[str, Any], li
         raise MegatronSettingError(f"megatron-core refused these flags: {str(err).splitlines()[0]}") from None
     tp = config.tensor_model_parallel_size
     multiple = job.pop("make_vocab_size_divisible_by", 128) * tp  # Megatron-LM pads the vocabulary like this
-    vocab = -(-job["vocab_size"] // multiple) * multiple
+    vocab = round_up(job["vocab_size"], multiple)
     job.pop("max_position_embeddings", None)
     if job.pop("position_embedding_type", "learned_absolute") != "learned_absolute":
         raise MegatronSettingError("--position-embedding-type: the front end builds GPTModel with learned absolute "

@@ -29,6 +29,7 @@ from remat.memory.alloc_config import (  # the constants of c10/core/AllocatorCo
 from remat.memory.alloc_config import (
     MIB as MIB,  # re-exported: the sizes of the examples and tests
 )
+from remat.units import round_up
 
 if TYPE_CHECKING:
     from remat.timeline import Timeline
@@ -415,7 +416,7 @@ class _Replayer:
         page = SMALL_BUFFER if pool.small else self.cfg.large_segment_size
         # ExpandableSegment: address space for 1 1/8 of the device memory, in whole pages.
         space = _ADDRESS_SPACE if self.cap is None else self.cap + self.cap // 8
-        space = -(-space // page) * page
+        space = round_up(space, page)
         c = _Block(self.next_base, space, pool, (self.next_base, page), mapped=False)
         self.next_base += space
         self._insert(c)
@@ -439,7 +440,7 @@ class _Replayer:
         """``map_block`` / ``ExpandableSegment::map``: map the whole pages covering ``size`` bytes, all or none."""
         assert b.seg is not None
         base, page = b.seg
-        mapped = -(-(b.addr - base + size) // page) * page - (b.addr - base)
+        mapped = round_up(b.addr - base + size, page) - (b.addr - base)
         if not force and self.cap is not None and self.reserved + mapped > self.cap:
             return False
         self._remove(b)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from remat.units import round_up
+
 GROUPED_MM = torch.ops.aten._grouped_mm.default
 _EMPTY_STRIDED = torch.ops.aten.empty_strided.default
 
@@ -71,7 +73,7 @@ def grouped_mm_layout(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tens
         size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
     dtype = mat_a.dtype
     alignment = 16 // dtype.itemsize
-    padded = -(-size[-1] // alignment) * alignment
+    padded = round_up(size[-1], alignment)
     stride = [size[1] * padded, padded, 1] if len(size) == 3 else [padded, 1]
     return size, stride, dtype
 

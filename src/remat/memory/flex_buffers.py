@@ -30,6 +30,7 @@ from remat.config import RoutingAssumption
 from remat.job import Job
 from remat.memory.outside_allocator import OutsideBuffer
 from remat.models.flex_dispatch import HYBRIDEP_CHUNK, hybridep_handle_shapes
+from remat.units import round_up
 
 _INTRANODE = "DeepEP hybrid-ep@94a9f8f6 csrc/hybrid_ep/buffer/intranode.cu"
 PREPROCESSING_SMS = 108  # Megatron's moe_hybridep_num_sms_preprocessing (transformer_config.py:987)
@@ -64,7 +65,7 @@ def hybridep_buffers(tokens: int, hidden: int, group: int, local: int) -> tuple[
         >>> [b.nbytes for b in hybridep_buffers(4096, 1024, 4, 2)]
         [33554432, 524288, 524288, 131072, 7848]
     """
-    padded = -(-max(tokens, 512) // COMBINE_CHUNK) * COMBINE_CHUNK
+    padded = round_up(max(tokens, 512), COMBINE_CHUNK)
     most = padded * group
     experts = local * group
     chunks = -(-padded // COMBINE_CHUNK) * group
@@ -100,7 +101,7 @@ def deepep_buffers(hidden_bytes: int, group: int, num_sms: int = DEEPEP_SMS) -> 
     for _, recv in DEEPEP_CONFIGS[group]:  # config.hpp:51-73 get_nvl_buffer_size_hint
         per_token = hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4  # data, SourceMeta, top-k ids/weights, scales
         size = channels * peers * (2 * 1 + 3) * 4 + channels * peers * recv * per_token
-        hint = max(hint, -(-size // 128) * 128)
+        hint = max(hint, round_up(size, 128))
     source = "DeepEP hybrid-ep@94a9f8f6 csrc/config.hpp:51-73, csrc/deep_ep.cpp:145-187"
     return (OutsideBuffer("DeepEP NVLink buffer", hint + 8 * 4 + 8 * 8 + 8 * 8, source),
             OutsideBuffer("DeepEP workspace", 32 << 20, source))

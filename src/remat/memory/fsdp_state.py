@@ -85,6 +85,7 @@ from remat.config import DTYPES
 from remat.job import Job
 from remat.memory.rank_state import BufferLayout, ParamInfo, RankState, shard_elements_of
 from remat.timeline import Phase, Timeline
+from remat.units import round_up
 
 GATHER_MODULE = "fsdp.unsharded_params"  # a unit's all-gathered weights
 PRESERVED_MODULE = "fsdp.unsharded_params.preserved"  # non-unit buckets, gathered once and kept
@@ -222,7 +223,7 @@ def fsdp_groups(job: Job, params: list[ParamInfo], bucket_size: int | None = Non
                 chunk = math.lcm(chunk, f)
         shards = job.expert_data_parallel if expert else job.dp * job.cp
         used, items = buffer_items(ordered, chunk)
-        size = -(-used // (shards * chunk)) * shards * chunk  # _pad_if_needed (285)
+        size = round_up(used, shards * chunk)  # _pad_if_needed (285)
         out.append(FsdpGroup(unit, expert, sum(p.numel for p in group), size, shards, tuple(items),
                              tuple(p.name for p in group)))
     return out
@@ -305,7 +306,7 @@ def add_fsdp_transients(timeline: Timeline, job: Job, groups: list[FsdpGroup], p
     limit = unit_size(groups, params)
 
     def nbytes(n: int, size: int) -> int:
-        return -(-n * size // block) * block
+        return round_up(n * size, block)
 
     pooled = double_buffer_units(groups) if fsdp.double_buffer else frozenset()
     unit_elems: dict[int, int] = {}
@@ -483,7 +484,7 @@ def pool_rows(groups: list[FsdpGroup], pooled: frozenset[int], spans: dict[str, 
     offsets = [g for g in groups if g.unit == min(pooled)]  # every pooled unit's buckets match these
     out = []
     for module, size in ((GATHER_MODULE, w_size), (GRAD_BUCKET_MODULE, g_size)):
-        out += [(-(-g.size * size // block) * block, POOL_MODULES[module], 0, -1)
+        out += [(round_up(g.size * size, block), POOL_MODULES[module], 0, -1)
                 for _ in range(buffers_used(spans.get(module, []))) for g in offsets]
     return out
 

@@ -28,7 +28,7 @@ from remat.recompute.apply import applied, find_layer_stack
 from remat.recompute.engines import add_observer, in_backward, remove_observer
 from remat.recompute.region import Region
 from remat.timeline import Phase, Timeline
-from remat.units import CUDA_BLOCK
+from remat.units import CUDA_BLOCK, round_up
 
 
 def _cpu_flash_forward_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
@@ -83,10 +83,6 @@ for _name, _formula in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_fla
                         ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_flash_backward_flops)):
     if hasattr(torch.ops.aten, _name):
         FLOP_FORMULAS.setdefault(getattr(torch.ops.aten, _name), _formula)
-
-
-def _ceil_to(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 
@@ -157,7 +153,7 @@ class StepRecorder(TorchDispatchMode):
             return None
         tl = self.timeline
         row = len(tl.nbytes)
-        tl.nbytes.append(_ceil_to(nbytes, self.block_bytes))
+        tl.nbytes.append(round_up(nbytes, self.block_bytes))
         tl.alloc_at.append(tl.num_events)
         tl.num_events += 1
         tl.free_at.append(-1)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from remat.units import round_up
+
 EMBEDDING_OR_OUTPUT = ("word_embeddings.weight", "output_layer.weight")
 """Name endings of the parameters Megatron marks ``is_embedding_or_output_parameter`` (language_module.py:229-236)."""
 
@@ -58,10 +60,6 @@ def matrices(name: str, shape: Sequence[int]) -> list[tuple[int, int]]:
     *experts, m, n = shape
     count = experts[0] if experts else 1
     return [(m * n, max(m, n) * min(m, n) ** 2)] * count
-
-
-def _pad(n: int, divisor: int) -> int:
-    return -(-n // divisor) * divisor
 
 
 def layer_wise_layout(params: Sequence[tuple[int, int]], dp_size: int, bucket_size: int | None = None,
@@ -96,17 +94,17 @@ def layer_wise_layout(params: Sequence[tuple[int, int]], dp_size: int, bucket_si
         cursors = [0] * dp_size
         cap = sum(numel for numel, _ in chunk) / dp_size * 1.3  # _NUMEL_EPSILON = 0.3 (:313)
         for numel, cost in sorted(chunk, key=lambda p: -p[1]):  # stable: ties keep backprop order
-            fits = [s for s in range(dp_size) if _pad(cursors[s], 64) + numel <= cap]
+            fits = [s for s in range(dp_size) if round_up(cursors[s], 64) + numel <= cap]
             shard = (min(fits, key=lambda s: loads[s]) if fits else min(range(dp_size), key=lambda s: cursors[s]))
             shards[shard].append(numel)
-            cursors[shard] = _pad(cursors[shard], 64) + numel
+            cursors[shard] = round_up(cursors[shard], 64) + numel
             loads[shard] += cost
-        size = _pad(max(cursors), shard_divisor)
+        size = round_up(max(cursors), shard_divisor)
         start = buckets[-1][1] if buckets else 0
         for shard, numels in enumerate(shards):
             cursor = start + shard * size
             for numel in numels:
-                cursor = _pad(cursor, 64)
+                cursor = round_up(cursor, 64)
                 ranges.append((cursor, cursor + numel))
                 cursor += numel
         buckets.append((start, start + dp_size * size))
@@ -118,12 +116,12 @@ def layer_wise_layout(params: Sequence[tuple[int, int]], dp_size: int, bucket_si
     for numel, cost in reversed(params):
         if bucket_size is not None and chunk:
             threshold = max(bucket_size, int(dp_size * max(n for n, _ in chunk) * 0.9))
-            absorbs = _pad(min(estimate), 64) + numel <= _pad(max(estimate), shard_divisor)
+            absorbs = round_up(min(estimate), 64) + numel <= round_up(max(estimate), shard_divisor)
             if sum(n for n, _ in chunk) >= threshold and not absorbs:
                 emit(chunk)
                 chunk, estimate = [], [0] * dp_size
         least = min(range(dp_size), key=lambda s: estimate[s])
-        estimate[least] = _pad(estimate[least], 64) + numel
+        estimate[least] = round_up(estimate[least], 64) + numel
         chunk.append((numel, cost))
     emit(chunk)
     return buckets, ranges

@@ -29,6 +29,7 @@ from remat.models.gpt import Embedding, LMHead, MTPLayer, TransformerLayer, buil
 from remat.models.tensor_parallel import SimulatedGroup
 from remat.models.tp_moe import simulated_expert_groups
 from remat.models.tp_stage import build_tp_stage_module
+from remat.units import round_up
 
 # NOTE [Megatron's gradient buffer layout]
 # megatron/core/distributed/param_and_grad_buffer.py::_ParamAndGradBuffer.__init__ (NVIDIA/Megatron-LM, 2026):
@@ -122,7 +123,7 @@ class RankState:
         """The parameters' bytes as separate tensors, each rounded up to the allocator's ``block`` bytes (what a
         chunk trace records for them: the CUDA caching allocator rounds every tensor to 512 bytes)."""
         size = self._itemsize()
-        return sum(_pad((end - start) * size, block) for lay in self.layouts for start, end in lay.params)
+        return sum(round_up((end - start) * size, block) for lay in self.layouts for start, end in lay.params)
 
     def _itemsize(self) -> int:
         if self.param_itemsize:
@@ -137,11 +138,7 @@ class RankState:
         if not self.param_buffer:
             return self.parameter_tensor_bytes(block)
         size = self._itemsize()
-        return sum(_pad(lay.numel * (1 if lay.fp8 else size), block) for lay in self.layouts)
-
-
-def _pad(n: int, divisor: int) -> int:
-    return -(-n // divisor) * divisor
+        return sum(round_up(lay.numel * (1 if lay.fp8 else size), block) for lay in self.layouts)
 
 
 def buffer_layout(params: Sequence[ParamInfo], *, distributed_optimizer: bool, dp_size: int,
@@ -170,14 +167,14 @@ def buffer_layout(params: Sequence[ParamInfo], *, distributed_optimizer: bool, d
 
     def close(at: int) -> int:
         nonlocal bucket_start, open_bucket
-        padded = _pad(at, divisor) if distributed_optimizer else at
+        padded = round_up(at, divisor) if distributed_optimizer else at
         buckets.append((bucket_start, padded))
         bucket_start, open_bucket = padded, False
         return padded
 
     for p in reversed(params):
         if distributed_optimizer:
-            start = _pad(start, 64)
+            start = round_up(start, 64)
         shared = p.shared_embedding and distributed_optimizer
         if shared and open_bucket:
             start = close(start)

@@ -38,7 +38,7 @@ from remat.recompute.activation_offload import offloading_last_groups
 from remat.recompute.apply import apply
 from remat.recompute.plan_format import Plan
 from remat.timeline import Timeline
-from remat.units import CUDA_BLOCK
+from remat.units import CUDA_BLOCK, round_up
 
 
 # ------------------------------------------------------------------------------------------------ chunk traces
@@ -356,7 +356,7 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
                  recorder.offload_marks)
     trace.batch_in_forward, trace.bounds, trace.kept_rows = batch_in_forward, tuple(bounds), tuple(kept)
     if batch_in_forward and first:  # no token ids among the setup inputs: one microbatch's, made in its forward
-        trace.input_bytes = -(-tokens.nbytes // recorder.block_bytes) * recorder.block_bytes
+        trace.input_bytes = round_up(tokens.nbytes, recorder.block_bytes)
         trace.input_category = "other"
     return trace
 

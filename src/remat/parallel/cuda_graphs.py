@@ -75,6 +75,7 @@ from remat.config import ModelConfig
 from remat.job import Job
 from remat.parallel.schedule import Action, ChunkSpec
 from remat.timeline import Phase, Timeline
+from remat.units import round_up
 
 MODULE = "cuda_graphs.static_buffers"  # the static inputs, grad outputs and last grad input (whole run)
 # submodules of a transformer layer outside the attention part (transformer_layer.py _forward_mlp)
@@ -174,7 +175,7 @@ def static_bytes(job: Job, block: int) -> tuple[int, int]:
     mask = m.micro_batch_size * s * m.seq_length
 
     def rounded(n: int) -> int:
-        return -(-n // block) * block
+        return round_up(n, block)
     return rounded(hidden), rounded(mask)
 
 
@@ -191,7 +192,7 @@ def grad_output_bytes(job: Job, g: GraphedLayer, block: int) -> tuple[int, ...]:
     tokens = hidden // (2 * m.hidden_size)
 
     def rounded(n: int) -> int:
-        return -(-n // block) * block
+        return round_up(n, block)
     routed = ((rounded(hidden * m.moe_router_topk), rounded(4 * tokens * m.moe_router_topk))
               if "moe_preprocess" in (job.cuda_graph_modules or ()) else
               (hidden, rounded(4 * tokens * (m.num_moe_experts or 1))))

@@ -27,6 +27,7 @@ from __future__ import annotations
 from remat.parallel.pipeline_runtime import StagePlan
 from remat.parallel.stages import parse_phase_detail
 from remat.timeline import Phase, Timeline
+from remat.units import round_up
 
 PHASE_REGION = "output_layer wgrad (deferred)"
 
@@ -46,7 +47,7 @@ def logits_bytes(plan: StagePlan, tp: int) -> int:
     allocator blocks: the size of the output layer's ``grad_output``."""
     c = plan.config
     nbytes = c.micro_batch_size * c.seq_length * (c.vocab_size // tp) * c.torch_dtype.itemsize
-    return -(-nbytes // plan.block) * plan.block
+    return round_up(nbytes, plan.block)
 
 
 def defer_output_layer_wgrad(timeline: Timeline, plan: StagePlan, limit: int, tp: int) -> list[int]:

@@ -70,7 +70,7 @@ from remat.parallel.stages import BUFFERS, chunk_policy
 from remat.recompute.activation_offload import offload_modules_of
 from remat.recompute.plan_format import Plan
 from remat.timeline import CATEGORIES, Timeline
-from remat.units import CUDA_BLOCK
+from remat.units import CUDA_BLOCK, round_up
 
 # What a rank also holds that no prediction here counts; --reserve keeps room for it.
 NOT_COUNTED = ("not counted: the CUDA context and kernels, NCCL's communicator buffers and, in the allocated peaks, "
@@ -101,7 +101,7 @@ class ShardedStagePlan(StagePlan):
     def activation_bytes(self) -> int:
         c = self.config
         nbytes = c.micro_batch_size * c.seq_length * c.hidden_size * c.torch_dtype.itemsize // self.activation_shards
-        return -(-nbytes // self.block) * self.block
+        return round_up(nbytes, self.block)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from remat.models.tp_stage import hidden_shape
 from remat.parallel.schedule import ChunkSpec
 from remat.parallel.stages import PipelineRecorder
 from remat.recompute.activation_offload import offload_runtime, offloading_last_groups
+from remat.units import round_up
 
 # Module names of the model state rows: the same names remat.parallel.job_predict gives its rows.
 GRAD_BUFFER = "ddp.grad_buffer"
@@ -186,8 +187,8 @@ class GradBuffer:
                  distributed: bool, dp_size: int):
         self.dp_size = dp_size
         divisor = math.lcm(dp_size, 128)
-        pad_start = (lambda i: -(-i // 64) * 64) if distributed else (lambda i: i)
-        pad_end = (lambda i: -(-i // divisor) * divisor) if distributed else (lambda i: i)
+        pad_start = (lambda i: round_up(i, 64)) if distributed else (lambda i: i)
+        pad_end = (lambda i: round_up(i, divisor)) if distributed else (lambda i: i)
         self.index: dict[int, tuple[int, int]] = {}
         self.buckets: list[tuple[int, int]] = []
         start = bucket_start = end = 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from remat.parallel.schedule import SAVED_CATEGORIES
 from remat.parallel.stages import parse_phase_detail
 from remat.timeline import Timeline
@@ -55,13 +57,14 @@ def describe_stage(tl: Timeline) -> str:
     """Fill ``meta['pipeline']['peak']`` (bytes, phase, the microbatches whose saved tensors are alive, what the
     runtime keeps of finished ones) and ``meta['why']`` (plain words) of a stage timeline; return the sentence."""
     info = tl.meta.setdefault("pipeline", {})
-    event = tl.peak_event
-    peak = tl.peak_bytes
+    live = tl.live_bytes()  # once: peak_event, peak_bytes and peak_phase would each make it again
+    event = int(np.argmax(live)) if tl.num_events else 0
+    peak = int(live[event]) if tl.num_events else 0
     flight, kept = in_flight_at(tl, event)
     parts = tl.breakdown(event)
     saved = sum(sum(v.values()) for v in flight.values())
     held = sum(kept.values())
-    phase = tl.peak_phase
+    phase = tl.phase_at(event)
     running = parse_phase_detail(phase.detail)
     info["peak"] = {
         "bytes": peak, "event": event, "phase": phase.label,

@@ -13,6 +13,7 @@ from remat.parallel.chunk_trace import ChunkTrace, TraceSegment
 from remat.parallel.composer import Composer, Part
 from remat.parallel.schedule import Action, ChunkSpec, warmup_forwards
 from remat.parallel.stages import phase_detail
+from remat.units import round_up
 
 
 class Holders:
@@ -100,16 +101,12 @@ class StagePlan:
     @property
     def activation_bytes(self) -> int:
         c = self.config
-        return _storage_bytes(c.micro_batch_size * c.seq_length * c.hidden_size * c.torch_dtype.itemsize,
+        return round_up(c.micro_batch_size * c.seq_length * c.hidden_size * c.torch_dtype.itemsize,
                               self.block)
 
     block: int = 1
     group: int | None = None  # Megatron's microbatch group size of the interleaved schedule (None: pp)
     combined: bool = False  # Megatron's combined 1F1B steps (NOTE [the combined 1F1B schedule] in parallel.composer)
-
-
-def _storage_bytes(nbytes: int, block: int) -> int:
-    return -(-nbytes // block) * block
 
 
 def stage_setup(plan: StagePlan, composer: Composer) -> None:
@@ -132,10 +129,10 @@ def stage_setup(plan: StagePlan, composer: Composer) -> None:
                     composer.alloc(("recv_grad", spec.index, mb), plan.activation_bytes,
                                    f"pipeline.stage{spec.index}.recv_grad")
         if any(s.is_first for s in plan.chunks):
-            composer.alloc(("batch", "tokens"), _storage_bytes(m * plan.config.micro_batch_size *
+            composer.alloc(("batch", "tokens"), round_up(m * plan.config.micro_batch_size *
                                                                plan.config.seq_length * 8, plan.block), "tokens")
         if any(s.is_last for s in plan.chunks):
-            composer.alloc(("batch", "labels"), _storage_bytes(m * plan.config.micro_batch_size *
+            composer.alloc(("batch", "labels"), round_up(m * plan.config.micro_batch_size *
                                                                plan.config.seq_length * 8, plan.block), "labels")
     # parameters, buffers and what exists before the step never leave: drop their keys
     composer.keys.clear()
@@ -347,7 +344,7 @@ class _MegatronSchedule:
             composer.alloc(("igrad", c, -1), plan.activation_bytes, f"pipeline.stage{c}.input_grad")
             h.add(("recv_act", c, -1), ("igrad", c, -1))
             h.set("model.input_tensor", [("recv_act", c, -1)])
-        composer.alloc(("total_num_tokens", c), _storage_bytes(4, plan.block), "pipeline.total_num_tokens")
+        composer.alloc(("total_num_tokens", c), round_up(4, plan.block), "pipeline.total_num_tokens")
         h.set("total_num_tokens", [("total_num_tokens", c)])
         if plan.pp == 1 and plan.schedule == "1f1b":
             self.no_pipelining()
@@ -388,7 +385,7 @@ class _MegatronSchedule:
     def deallocate(self, mb: int) -> None:
         """deallocate_output_tensor: the output's storage becomes a 1-element placeholder (the loss is one)."""
         c, plan = self.c, self.plan
-        one = plan.trace(Action("F", c, mb)).output_bytes if self.spec.is_last else _storage_bytes(
+        one = plan.trace(Action("F", c, mb)).output_bytes if self.spec.is_last else round_up(
             plan.config.torch_dtype.itemsize, plan.block)
         self.composer.alloc(("placeholder", c, mb), one, "pipeline.output_placeholder")
         self.h.set(("output", c, mb), [("placeholder", c, mb), ("graph", c, mb)])
@@ -461,7 +458,7 @@ def _megatron_by_action(plan: StagePlan, composer: Composer) -> None:
     act, actions = plan.activation_bytes, plan.actions
     composer.phase("setup", "pipeline")
     tokens = ("total_num_tokens", plan.rank)  # the schedule's token counter, alive until it returns
-    composer.alloc(tokens, _storage_bytes(4, plan.block), "pipeline.total_num_tokens")
+    composer.alloc(tokens, round_up(4, plan.block), "pipeline.total_num_tokens")
     # NOTE [the model's last input]: each chunk's model keeps the input of its latest forward (set_input_tensor,
     # schedules.py:506-507 and combined_1f1b.py:372-373 -> transformer_block.py:455-463 ``self.input_tensor``) and
     # with it that input's ``.grad`` (backward_step's retain_grad, schedules.py:561, 591; combined_1f1b.py:421, 504),
