@@ -274,3 +274,21 @@ def stamp_report(report: dict[str, Any], unmodelled: Sequence[str]) -> dict[str,
         if isinstance(value, list):
             stamped[key] = [{**row, "lower_bound": True} if isinstance(row, dict) else row for row in value]
     return {"lower_bound": {"unmodelled_flags": list(unmodelled), "note": lower_bound_line(unmodelled)}, **stamped}
+
+
+def routing_line(job: Job) -> str | None:
+    """What an answer says of an MoE job's routing, which sets the tokens each expert receives: balanced unless
+    ``moe_routing_assumption`` says otherwise. Megatron's routing follows the data (dropless: without bound; with a
+    capacity factor, up to that factor times an expert's share), so a balanced answer names the setting that prices
+    a skew. None for a dense job, or one whose experts are padded to their capacity (routing-independent)."""
+    m = job.model
+    if not m.is_moe or m.moe_pad_expert_input_to_capacity:
+        return None
+    if m.moe_routing_assumption is not None:
+        return f"MoE routing: {m.moe_routing_assumption} (--moe-routing)"
+    factor = m.moe_expert_capacity_factor
+    bound = (f"up to {factor:g} times its share (--moe-expert-capacity-factor drops the rest)" if factor else
+             "without bound (dropless)")
+    return ("MoE routing: balanced assumed (each expert receives its share of the routed tokens); Megatron routes "
+            f"by the data, and an expert may receive more, {bound}: --moe-routing capacity:F prices every expert at "
+            "F times its share")

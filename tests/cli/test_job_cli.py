@@ -255,6 +255,31 @@ def test_compare_of_a_moe_job_says_its_routing_and_predicts_the_runs_own_counts_
     assert "--moe-routing 'counts:1,x': write" in capsys.readouterr().err
 
 
+def test_a_moe_jobs_answer_names_its_routing_and_the_setting_that_prices_a_skew(capsys, tmp_path):
+    """Megatron routes by the data: a balanced answer says so and names --moe-routing capacity:F; a given routing is
+    named; a dense job, or experts padded to their capacity, say nothing of it."""
+    moe = SMALL_CONFIG.replace(num_layers=2, num_moe_experts=4, moe_ffn_hidden_size=32)
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(moe.to_dict()))
+    argv = ["predict", "--config", str(path), "--precision", "bf16", "--dp", "1", "--device", "cuda"]
+    balanced = _json(capsys, argv)["moe_routing_assumed"]
+    assert "balanced assumed" in balanced and "without bound (dropless)" in balanced and \
+        "--moe-routing capacity:F" in balanced
+    assert main(argv) == 0 and balanced in capsys.readouterr().out.splitlines()
+    given = _json(capsys, [*argv, "--moe-routing", "capacity:1.5"])
+    assert given["moe_routing_assumed"] == "MoE routing: capacity:1.5 (--moe-routing)"
+    assert given["rows"][0]["peak_bytes"] > _json(capsys, argv)["rows"][0]["peak_bytes"]  # the skew it prices
+    dropping = path.with_name("dropping.json")
+    dropping.write_text(json.dumps(moe.replace(moe_expert_capacity_factor=1.25).to_dict()))
+    capped = _json(capsys, [*argv[:2], str(dropping), *argv[3:]])["moe_routing_assumed"]
+    assert "up to 1.25 times its share" in capped
+    padded = path.with_name("padded.json")
+    padded.write_text(json.dumps(moe.replace(moe_expert_capacity_factor=1.25,
+                                             moe_pad_expert_input_to_capacity=True).to_dict()))
+    assert "moe_routing_assumed" not in _json(capsys, [*argv[:2], str(padded), *argv[3:]])
+    assert "moe_routing_assumed" not in _json(capsys, ["predict", *TINY, "--dp", "1"])
+
+
 def test_a_qwen2_job_with_add_qkv_bias_is_predicted(capsys):
     # issue 26: every Qwen2 launch line has --add-qkv-bias. MODEL_ARGS of Megatron-LM's own Qwen2.5-7B config
     # (examples/post_training/modelopt/conf/Qwen/Qwen2.5-7B-Instruct.sh at d98e8a64), 4 of its 28 layers, 1024 tokens

@@ -34,7 +34,7 @@ from remat.cli.job_args import JobSource, job_flags_given, job_from_args, job_po
 from remat.cli.job_memory import budgets_reserved, job_allocator, write_snapshot
 from remat.job import Job
 from remat.job_flags import JobError
-from remat.job_input import stamp_report, stamp_text
+from remat.job_input import routing_line, stamp_report, stamp_text
 from remat.memory.replay_pool import BackgroundReplays
 from remat.parallel.job_measure import check_measurable, compare_job, format_rows, routing_counts
 from remat.parallel.job_predict import job_kernels
@@ -68,6 +68,12 @@ def _job_dict(source: JobSource) -> dict[str, Any]:
     except JobError as err:
         out["megatron_args"], out["megatron_args_note"] = None, str(err)
     return out
+
+
+def _routing_entry(job: Job) -> dict[str, str]:
+    """The JSON report's ``moe_routing_assumed`` (:func:`remat.job_input.routing_line`), for an MoE job."""
+    line = routing_line(job)
+    return {"moe_routing_assumed": line} if line else {}
 
 
 def _header(source: JobSource) -> str:
@@ -117,6 +123,7 @@ def run_predict_job(args: argparse.Namespace) -> int:
     report = {"format": "remat.predict-job", "version": 1, "job": _job_dict(source), "device": args.device,
               "kernels": job_kernels(),  # --kernels, default cuda: a job runs on GPUs
               "assumed": source.assumed, "ignored_flags": source.ignored, "not_counted": not_counted_line(),
+              **_routing_entry(source.job),
               "rows": [rank_row(r, policy=str(p)) for p, pred in predictions for r in pred.ranks],
               "alloc_conf": (allocator.text() if allocator else ""), "alloc_conf_source": alloc_source,
               "seconds": time.perf_counter() - started}
@@ -224,7 +231,8 @@ def run_plan_job(args: argparse.Namespace, options: PlanOptions) -> int:
         result = plan_job(source.job, args.budget, options)
         add_plan_reserved(result, allocator)
     report = {**result.to_dict(), "job": _job_dict(source), "kernels": job_kernels(), "assumed": source.assumed,
-              "ignored_flags": source.ignored, "not_counted": not_counted_line(args.budget, args.reserve),
+              "ignored_flags": source.ignored, **_routing_entry(source.job),
+              "not_counted": not_counted_line(args.budget, args.reserve),
               "budgeted_memory": "reserved" if reserved else "allocated",
               "alloc_conf": (allocator.text() if allocator else ""), "alloc_conf_source": alloc_source}
     worst = (result.ranks() or sorted((s.prediction for s in result.stages if s.prediction is not None),

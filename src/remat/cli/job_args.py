@@ -15,7 +15,7 @@ from typing import Any
 from remat.cli.common import positive_number, resolve_cli_policies, resolve_model_config, sized
 from remat.job import OPTIMIZERS, PRECISIONS, Job
 from remat.job_flags import RECOMPUTE_FLAGS, JobError, flag_tokens
-from remat.job_input import lower_bound_line, read_megatron_job
+from remat.job_input import lower_bound_line, read_megatron_job, routing_line
 from remat.job_launch import launcher_env
 from remat.job_pipeline import FLAG_OF, layout_vpp
 from remat.megatron_script import DEFAULT_TIMEOUT, ScriptError, ScriptLaunch, read_launch_script
@@ -175,6 +175,9 @@ class JobSource:
             out.append("assumed (Megatron's defaults; set them to change): " + "; ".join(self.assumed))
         if self.ignored:
             out.append("ignored Megatron flags (they do not change memory): " + " ".join(self.ignored))
+        routing = routing_line(self.job)
+        if routing:
+            out.append(routing)
         return out
 
 
