@@ -95,36 +95,28 @@ class BackgroundReplays:
         items, process, receive = entry
         done = 0  # items[:done] came from the child
         back = len(items)  # items[back:] were replayed here
+        sending = True  # the child sends in order, then ends; anything else: it stopped, the rest is made here
         try:
             while done < back:
-                try:
-                    while done < back and receive.poll():
+                while sending and done < back and receive.poll():
+                    try:
                         index, figures = receive.recv()
-                        if index != done:
-                            raise EOFError
-                        items[done].reserved, done = figures, done + 1
-                except (EOFError, OSError, ValueError, TypeError):
-                    receive.close()
-                    receive = _Closed()
+                    except Exception:  # it ended (EOF) or died mid-way
+                        sending = False
+                        break
+                    if index != done:
+                        sending = False
+                        break
+                    items[done].reserved, done = figures, done + 1
                 if done < back:
                     back -= 1
                     items[back].reserved = reserved_figures(items[back].timeline, self.allocator)
         finally:
             receive.close()
             process.join(0.1)
-            if process.is_alive():
+            if process.is_alive():  # replaying an item made here meanwhile
                 process.terminate()
                 process.join()
-
-
-class _Closed:
-    """A child's pipe once it broke: nothing more comes."""
-
-    def poll(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
 
 
 def _todo(items: Sequence[Replayed], allocator: AllocatorConfig | None) -> list[Replayed]:
