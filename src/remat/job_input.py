@@ -285,7 +285,7 @@ def routing_line(job: Job) -> str | None:
     if not m.is_moe or m.moe_pad_expert_input_to_capacity:
         return None
     if m.moe_routing_assumption is not None:
-        return f"MoE routing: {m.moe_routing_assumption} (--moe-routing)"
+        return f"MoE routing: {m.moe_routing_assumption} (as given: --moe-routing, or moe_routing_assumption)"
     factor = m.moe_expert_capacity_factor
     bound = (f"up to {factor:g} times its share (--moe-expert-capacity-factor drops the rest)" if factor else
              "without bound (dropless)")

@@ -267,7 +267,8 @@ def test_a_moe_jobs_answer_names_its_routing_and_the_setting_that_prices_a_skew(
         "--moe-routing capacity:F" in balanced
     assert main(argv) == 0 and balanced in capsys.readouterr().out.splitlines()
     given = _json(capsys, [*argv, "--moe-routing", "capacity:1.5"])
-    assert given["moe_routing_assumed"] == "MoE routing: capacity:1.5 (--moe-routing)"
+    assert given["moe_routing_assumed"] == ("MoE routing: capacity:1.5 (as given: --moe-routing, or "
+                                            "moe_routing_assumption)")
     assert given["rows"][0]["peak_bytes"] > _json(capsys, argv)["rows"][0]["peak_bytes"]  # the skew it prices
     dropping = path.with_name("dropping.json")
     dropping.write_text(json.dumps(moe.replace(moe_expert_capacity_factor=1.25).to_dict()))
