@@ -150,7 +150,7 @@ def golden_acceptance() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="scripts whose name contains this")
-    parser.add_argument("--lines", type=int, default=8, help="lines of each answer to print (default 8)")
+    parser.add_argument("--lines", type=int, default=10, help="lines of each answer to print (default 10)")
     parser.add_argument("--width", type=int, default=240, help="characters of each line (default 240)")
     parser.add_argument("--no-golden", action="store_true", help="skip the dev cases' acceptance count")
     args = parser.parse_args()
