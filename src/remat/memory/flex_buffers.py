@@ -29,6 +29,7 @@ import math
 from remat.config import RoutingAssumption
 from remat.job import Job
 from remat.memory.outside_allocator import OutsideBuffer
+from remat.models.expert_parallel import rank_received
 from remat.models.flex_dispatch import HYBRIDEP_CHUNK, hybridep_handle_shapes
 from remat.units import round_up
 
@@ -68,7 +69,7 @@ def hybridep_buffers(tokens: int, hidden: int, group: int, local: int) -> tuple[
     padded = round_up(max(tokens, 512), COMBINE_CHUNK)
     most = padded * group
     experts = local * group
-    chunks = -(-padded // COMBINE_CHUNK) * group
+    chunks = padded // COMBINE_CHUNK * group  # padded is whole chunks
     flags = (PREPROCESSING_SMS * (group + local) * 8 + 2 * chunks * 4
              + 2 * (8 + 8 + 4 + 4) + (8 + 8 + 8 + group * 8) + 128 * 4)
     return (OutsideBuffer("HybridEP expert token buffer (dispatch and combine)", most * hidden * 2,
@@ -123,11 +124,9 @@ def received_copies_at_most(job: Job) -> int:
     when balanced), the largest over the ranks and the MoE layers the assumption lists."""
     m = job.model
     tokens, experts, topk = tokens_per_rank(job), int(m.num_moe_experts or 1), m.moe_router_topk
-    routing, local = RoutingAssumption.parse(m.moe_routing_assumption or "balanced"), experts // job.ep
-    return max(job.ep * sum(counts[r * local:(r + 1) * local])
-               for layer in range(max(len(routing.counts), 1))
-               for counts in [routing.tokens_per_expert(tokens, experts, topk, layer=layer)]
-               for r in range(job.ep))
+    routing = RoutingAssumption.parse(m.moe_routing_assumption or "balanced")
+    return max(max(rank_received(routing.tokens_per_expert(tokens, experts, topk, layer=layer), job.ep))
+               for layer in range(max(len(routing.counts), 1)))
 
 
 def flex_kept_bytes(job: Job, stage: int) -> int:
@@ -151,7 +150,7 @@ def flex_kept_bytes(job: Job, stage: int) -> int:
     tokens, experts, topk = tokens_per_rank(job), int(m.num_moe_experts or 1), m.moe_router_topk
     copies = received_copies_at_most(job)
     if m.moe_flex_dispatcher_backend == "deepep":
-        rows = job.ep * min(tokens, copies // job.ep)  # deepep_rows under balanced routing
+        rows = min(job.ep * tokens, copies)  # deepep_rows of the rank receiving the most copies
         return layers * (tokens * topk * (4 + 8) + rows * (experts // job.ep) + copies * 8)
     local = experts // job.ep
     handles = sum(math.prod(shape) * dtype.itemsize for shape, dtype in hybridep_handle_shapes(tokens, job.ep, local))

@@ -42,7 +42,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.models.allgather_dispatch import dense_routing
-from remat.models.expert_parallel import host_values
+from remat.models.expert_parallel import host_values, rank_received
 from remat.models.flex_dispatch import FlexHandle, fill_rows, received_copies, run_experts_hybridep
 
 DEEPEP_CHANNELS = 10  # Megatron's set_deepep_num_sms(20) (token_dispatcher.py:1287-1292), config.hpp:60 num_sms / 2
@@ -135,8 +135,7 @@ def deepep_rows(counts: list[int], tokens: int, group: int, rank: int) -> int:
         >>> deepep_rows([8] * 256, 16, 8, 0)  # top-8 of 256 experts over 8 ranks: every token once per rank
         128
     """
-    local = len(counts) // group
-    return group * min(tokens, sum(counts[rank * local:(rank + 1) * local]))
+    return min(group * tokens, rank_received(counts, group)[rank])
 
 
 def run_experts_deepep(experts: nn.Module, tokens: torch.Tensor, probs: torch.Tensor, counts: list[int],

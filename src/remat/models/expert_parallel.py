@@ -296,11 +296,21 @@ def received_per_rank(config: ModelConfig, tokens: int) -> list[int]:
         [8, 8]
     """
     ep, experts, topk = config.expert_model_parallel_size, config.num_moe_experts or 1, config.moe_router_topk
-    local = experts // ep
     routing = RoutingAssumption.parse(config.moe_routing_assumption or "balanced")
     totals = [0] * ep
     for layer in range(sum(config.moe_layer_pattern())):
-        counts = routing.tokens_per_expert(tokens, experts, topk, layer)
-        for r in range(ep):
-            totals[r] += ep * sum(counts[r * local:(r + 1) * local])
+        for r, copies in enumerate(rank_received(routing.tokens_per_expert(tokens, experts, topk, layer), ep)):
+            totals[r] += copies
     return totals
+
+
+def rank_received(counts: Sequence[int], ep: int) -> list[int]:
+    """Routed copies each of ``ep`` expert-parallel ranks receives in one MoE layer whose every rank routes
+    ``counts[e]`` copies to expert e: rank r, holding experts r x L .. (r + 1) x L - 1, receives ep x theirs.
+
+    Example:
+        >>> rank_received([3, 1, 2, 2], 2)
+        [8, 8]
+    """
+    local = len(counts) // ep
+    return [ep * sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
