@@ -90,6 +90,17 @@ class Timeline:
     num_events: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def add_row(self, nbytes: int, alloc_at: int, free_at: int, module: str, category: str,
+                phase: int | None = None) -> None:
+        """Append one allocation (in place): made at ``alloc_at``, freed at ``free_at`` (-1: never), in phase index
+        ``phase`` (None: the phase ``alloc_at`` falls in, :meth:`phase_at`)."""
+        self.nbytes.append(nbytes)
+        self.alloc_at.append(alloc_at)
+        self.free_at.append(free_at)
+        self.phase_index.append(self.phases.index(self.phase_at(alloc_at)) if phase is None else phase)
+        self.module.append(module)
+        self.category.append(category)
+
     # -- derived views ------------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.nbytes)

@@ -510,12 +510,7 @@ def _last_phase(phases: list[tuple[str, str, int, int]], kind: str, region: str,
 
 def _add_row(timeline: Timeline, nbytes: int, module: str, alloc: int, free: int) -> None:
     category = "gradients" if module in (GRAD_BUCKET_MODULE, POOL_MODULES[GRAD_BUCKET_MODULE]) else "parameters"
-    timeline.nbytes.append(nbytes)
-    timeline.alloc_at.append(alloc)
-    timeline.free_at.append(free if free < timeline.num_events else -1)
-    timeline.phase_index.append(timeline.phases.index(timeline.phase_at(alloc)))
-    timeline.module.append(module)
-    timeline.category.append(category)
+    timeline.add_row(nbytes, alloc, free if free < timeline.num_events else -1, module, category)
 
 
 def fsdp_summary(groups: list[FsdpGroup]) -> dict[str, Any]:

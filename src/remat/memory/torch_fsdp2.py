@@ -246,12 +246,7 @@ def add_fsdp2_transients(timeline: Timeline, job: Job, params: list[ParamInfo], 
             row(nbytes, ALL_GATHER_MODULE, "other", at, -1)
             row(nbytes, ALL_GATHER_MODULE, "other", 0, flats[0][0])
     for nbytes, module, category, at, free in rows:
-        timeline.nbytes.append(nbytes)
-        timeline.alloc_at.append(at)
-        timeline.free_at.append(free)
-        timeline.phase_index.append(timeline.phases.index(timeline.phase_at(at)))
-        timeline.module.append(module)
-        timeline.category.append(category)
+        timeline.add_row(nbytes, at, free, module, category)
     prepend_model_init(timeline, model_init_bytes(job, units, size, block))
 
 

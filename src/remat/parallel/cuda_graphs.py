@@ -446,12 +446,7 @@ def add_cuda_graphs(tl: Timeline, job: Job, specs: Sequence[ChunkSpec], capture:
     base = cap + len(tl.phases)
 
     def add(nbytes: int, alloc: int, free: int, phase: int, module: str, category: str) -> None:
-        out.nbytes.append(nbytes)
-        out.alloc_at.append(alloc)
-        out.free_at.append(free)
-        out.phase_index.append(phase)
-        out.module.append(module)
-        out.category.append(category)
+        out.add_row(nbytes, alloc, free, module, category, phase)
 
     for row in range(len(tl.nbytes)):
         nbytes, alloc, free = tl.nbytes[row], tl.alloc_at[row], tl.free_at[row]

@@ -561,9 +561,4 @@ def add_model_state(timeline: Timeline, state: RankState, ring_bytes: int = 0,
 def _append_row(timeline: Timeline, nbytes: int, module: str, category: str, event: int) -> None:
     """An allocation of ``nbytes`` made at ``event`` and alive to the end of the step."""
     assert category in CATEGORIES
-    timeline.nbytes.append(nbytes)
-    timeline.alloc_at.append(event)
-    timeline.free_at.append(-1)
-    timeline.phase_index.append(timeline.phases.index(timeline.phase_at(event)) if event else 0)
-    timeline.module.append(module)
-    timeline.category.append(category)
+    timeline.add_row(nbytes, event, -1, module, category, None if event else 0)
