@@ -1,11 +1,14 @@
-"""Shared by the MoE model tests: a small allgather-dispatcher MoE model and a dispatch mode that lists what each
-operator allocates."""
+"""Shared by the MoE model tests: a small allgather-dispatcher MoE model, a dispatch mode that lists what each
+operator allocates, and a layer run on rank 1 of 2 expert-parallel ranks, for real and fake."""
 
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat.config import ModelConfig
+from remat.models.expert_parallel import SimulatedExpertGroup, expert_parallel_group
+from remat.models.moe import MoELayer
 
 MOE = ModelConfig(num_layers=2, hidden_size=24, num_attention_heads=2, vocab_size=64, seq_length=16,
                   micro_batch_size=2, num_moe_experts=4, moe_ffn_hidden_size=16, moe_layer_freq=(0, 1),
@@ -26,3 +29,16 @@ class Allocations(torch.utils._python_dispatch.TorchDispatchMode):
                     torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default):
                 self.made.append((tuple(t.shape), t.dtype))
         return out
+
+
+def received_real_and_fake(config: ModelConfig) -> tuple[MoELayer, list[int], list[int]]:
+    """An MoE layer of ``config`` on rank 1 of 2 expert-parallel ranks, its forward and backward run for real and
+    under FakeTensorMode: (the real layer, the copies each local expert received in each run)."""
+    with expert_parallel_group(SimulatedExpertGroup(2, 1)):
+        layer = MoELayer(config.replace(expert_model_parallel_size=2), 0)
+    layer(torch.randn(2, 16, 24)).sum().backward()
+    with FakeTensorMode():
+        with expert_parallel_group(SimulatedExpertGroup(2, 1)):
+            fake = MoELayer(config.replace(expert_model_parallel_size=2), 0)
+        fake(torch.randn(2, 16, 24)).sum().backward()
+    return layer, layer.last_received, fake.last_received

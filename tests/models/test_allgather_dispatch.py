@@ -4,13 +4,11 @@
 from __future__ import annotations
 
 import torch
-from moe_fixtures import MOE, Allocations
-from torch._subclasses.fake_tensor import FakeTensorMode
+from moe_fixtures import MOE, Allocations, received_real_and_fake
 
 from remat.job import Job
 from remat.memory.workspaces import MODULE_ALLGATHER, allgather_kept_bytes, stage_workspaces
 from remat.models.allgather_dispatch import GatherPermute, global_buffer_bytes, run_experts_allgather
-from remat.models.expert_parallel import SimulatedExpertGroup, expert_parallel_group
 from remat.models.moe import GroupedMLP, MoELayer
 from remat.models.tp_layers import SimulatedGroup
 
@@ -44,16 +42,9 @@ def test_gather_permute_backward_is_index_select_then_reduce_scatter():
 
 
 def test_a_moe_layer_with_ep_runs_the_allgather_dispatcher_and_the_fake_trace_matches_real():
-    with expert_parallel_group(SimulatedExpertGroup(2, 1)):
-        layer = MoELayer(MOE.replace(expert_model_parallel_size=2), 0)
+    layer, real, fake = received_real_and_fake(MOE)
     assert layer.allgather is not None and layer.allgather.size == 2
-    layer(torch.randn(2, 16, 24)).sum().backward()
-    assert layer.last_received == [32, 32]  # 2 ranks x 32 tokens x topk 2 / 4 experts, per local expert
-    with FakeTensorMode():
-        with expert_parallel_group(SimulatedExpertGroup(2, 1)):
-            fake = MoELayer(MOE.replace(expert_model_parallel_size=2), 0)
-        fake(torch.randn(2, 16, 24)).sum().backward()
-    assert fake.last_received == [32, 32]
+    assert real == fake == [32, 32]  # 2 ranks x 32 tokens x topk 2 / 4 experts, per local expert
 
 
 def test_the_kept_bytes_follow_the_global_buffer_and_the_dispatcher_attributes():
