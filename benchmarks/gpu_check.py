@@ -16,7 +16,9 @@ It prints a table of both errors per model and policy (``--checks peaks``), then
 offloading (pinned host copies on a side stream) predicted against measured, device and host bytes, with gradients
 bit for bit against the plain model; which SDPA backend PyTorch runs for multi-latent attention (DeepSeek-V3's q/k
 head dim 192, v 128, and tiny shapes) and whether the tensors it saves are those of remat's CUDA profile; MoE
-grouped and separate experts under ``moe_act``, ``moe`` and ``shared_experts`` recompute, balanced and real routing.
+grouped and separate experts under ``moe_act``, ``moe`` and ``shared_experts`` recompute, balanced and real routing;
+and ``streams`` (:mod:`gpu_check_streams`): allocations on the default and two side streams through the allocator,
+in a fresh process per ``PYTORCH_CUDA_ALLOC_CONF``, against the replay given each row's stream (equal to the byte).
 Each of those comparisons prints a ``PASS``/``FAIL`` line with its bytes (``INFO`` for figures without a limit,
 ``INCONCLUSIVE`` when the plain step itself is not bit-reproducible). It exits 1 when any allocated error exceeds
 ``--max-error`` (3%), any reserved error of the peaks table ``--max-reserved-error`` (5%), or any line is ``FAIL``.
@@ -49,12 +51,13 @@ from typing import Any
 
 import torch
 from gpu_check_moe import CHECKS, run_checks, skip_all  # the issue-12 checks, beside this script
+from gpu_check_streams import check_streams  # the replay's streams against the allocator's
 
 from remat import ModelConfig, apply, build_model, measure, sample_batch
 from remat.memory.allocator import replay_timeline
 from remat.memory.predict import predict, predict_config
 
-ALL_CHECKS = ("peaks", *CHECKS)
+ALL_CHECKS = ("peaks", *CHECKS, "streams")
 POLICIES = ("none", "full/uniform/1", "selective/core_attn")
 HF_POLICIES = ("none", "full/uniform/1")
 MIB = 1 << 20
@@ -204,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checks", default=",".join(ALL_CHECKS),
                         help=f"any of {', '.join(ALL_CHECKS)} (default all): peaks is the table above; offload, "
-                        "mla_sdpa and moe are issue 12's (benchmarks/gpu_check_moe.py)")
+                        "mla_sdpa and moe are issue 12's (benchmarks/gpu_check_moe.py); streams replays several "
+                        "streams' allocations (benchmarks/gpu_check_streams.py)")
     parser.add_argument("--models", default="gpt,llama,hf", help="any of gpt, llama, hf (default all three)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"default {','.join(POLICIES)} (hf: none, "
                         "full/uniform/1 only)")
@@ -265,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     others = [c for c in checks if c != "peaks"]
     if others:
         results = run_checks(others, device, tiny=args.dry_run_cpu, limit=args.max_error)
+        if "streams" in others:
+            print("\n[streams]", flush=True)
+            check_streams(results, device)
         counts = {v: sum(line["verdict"] == v for line in results.lines) for v in
                   ("PASS", "FAIL", "ERROR", "INCONCLUSIVE", "INFO", "SKIP")}
         print("\n" + ", ".join(f"{n} {v}" for v, n in counts.items() if n) + f" in {', '.join(others)}")

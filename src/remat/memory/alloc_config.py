@@ -1,6 +1,7 @@
 """``PYTORCH_CUDA_ALLOC_CONF`` (``PYTORCH_ALLOC_CONF``) for the caching-allocator replay
 (:mod:`remat.memory.allocator`): :class:`AllocatorConfig`, what it reads from a string or a training process's
-environment (:func:`allocator_config_of_env`), and the allocator's size constants.
+environment (:func:`allocator_config_of_env`), and the allocator's size constants and rules (:func:`round_size`,
+:func:`allocation_size`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,58 @@ ROUND_LARGE = 2 * MIB       # kRoundLarge: larger allocations are rounded up to 
 LARGE_BUFFER = 20 * MIB     # kLargeBuffer: default large_segment_size_mb and max_non_split_rounding_mb
 
 
-# Options PyTorch knows that change nothing in a single-stream replay of the device pools: accepted, ignored.
+
+def round_size(nbytes: int, divisions: int = 0) -> int:
+    """The block size a request asks the pools for (``round_size``, ``roundup_power2_next_division``).
+
+    Args:
+        nbytes: bytes requested.
+        divisions: ``roundup_power2_divisions`` (0 or 1: off).
+
+    Returns:
+        ``nbytes`` up to a multiple of 512 (at least 512) or, if ``divisions > 1`` and ``nbytes > 512 * divisions``,
+        up to the next of ``divisions`` equal steps between two powers of two. Idempotent.
+
+    Example::
+
+        >>> round_size(1), round_size(5 * MIB + 1), round_size(5 * MIB + 1, divisions=4)
+        (512, 5243392, 6291456)
+    """
+    if nbytes < MIN_BLOCK_SIZE:
+        return MIN_BLOCK_SIZE
+    if divisions > 1 and nbytes > MIN_BLOCK_SIZE * divisions and nbytes & (nbytes - 1):
+        floor = 1 << (nbytes.bit_length() - 1)
+        step = floor >> (divisions.bit_length() - 1)
+        if step == 0:
+            return floor << 1
+        low = nbytes & ~(step - 1)
+        return nbytes if low == nbytes else low + step
+    return (nbytes + MIN_BLOCK_SIZE - 1) // MIN_BLOCK_SIZE * MIN_BLOCK_SIZE
+
+
+def allocation_size(size: int, large_segment_size: int = LARGE_BUFFER) -> int:
+    """Bytes cudaMalloc'd for a rounded request that no cached block serves (``get_allocation_size``).
+
+    Args:
+        size: a rounded request (:func:`round_size`).
+        large_segment_size: ``large_segment_size_mb`` in bytes (default 20 MiB).
+
+    Returns:
+        2 MiB up to 1 MiB, ``large_segment_size`` below 10 MiB, else ``size`` rounded up to 2 MiB.
+
+    Example::
+
+        >>> allocation_size(512) // MIB, allocation_size(5 * MIB) // MIB, allocation_size(29 * MIB + 1) // MIB
+        (2, 20, 30)
+    """
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return large_segment_size
+    return (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
+
+
+# Options PyTorch knows that change nothing in a replay of the device pools: accepted, ignored.
 _IGNORED_KEYS = (
     "garbage_collection_threshold", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
     "pinned_use_cuda_host_register", "pinned_use_hip_host_register", "pinned_num_register_threads",

@@ -1,10 +1,18 @@
 """A replay of PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``, PyTorch 2.13).
 
-:func:`replay` runs a single-stream sequence of allocations and frees through the allocator's rules - request
-rounding, small and large pools, best fit, splitting, merging, new segments, cache release on OOM, expandable
-segments - and returns what ``torch.cuda.max_memory_reserved()`` and friends would report, without a GPU. Comments
-name the C++ function of each rule (``DeviceCachingAllocator``, ``c10/core/AllocatorConfig``). Not modelled:
-several streams and their events, CUDA graph pools, ``garbage_collection_threshold``, memory fractions.
+:func:`replay` runs a sequence of allocations and frees through the allocator's rules - request rounding, small
+and large pools, best fit, splitting, merging, new segments, cache release on OOM, expandable segments, the
+streams' own pools - and returns what ``torch.cuda.max_memory_reserved()`` and friends would report, without a
+GPU. Comments name the C++ function of each rule (``DeviceCachingAllocator``, ``c10/core/AllocatorConfig``).
+
+NOTE [streams' pools]: a block belongs to the stream that was current when it was allocated (``Block::stream``).
+``get_free_block`` and ``release_available_cached_blocks`` search a pool's blocks ordered by (stream, size,
+address) from ``(stream, size)`` on and stop at another stream's, and an expandable segment serves only its own
+stream (``find_expandable_block``): one stream never reuses a block another freed, so each stream here has its own
+small and large pools. Only ``release_cached_blocks`` (the last try before an OOM) frees every stream's cached
+segments. A block freed while another stream still uses it waits for that stream's event (``record_stream``):
+not modelled (the allocations replayed here are kept alive by their owners instead, as FSDP2's are).
+Not modelled either: CUDA graph pools, ``garbage_collection_threshold``, memory fractions.
 """
 
 from __future__ import annotations
@@ -17,17 +25,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from remat.memory.alloc_config import (  # the constants of c10/core/AllocatorConfig.h, and the options
-    LARGE_BUFFER,
+from remat.memory.alloc_config import (
+    MIB as MIB,  # re-exported: the sizes of the examples and tests
+)
+from remat.memory.alloc_config import (  # the constants of c10/core/AllocatorConfig.h, the options, the sizes
     MIN_BLOCK_SIZE,
-    MIN_LARGE_ALLOC,
-    ROUND_LARGE,
     SMALL_BUFFER,
     SMALL_SIZE,
     AllocatorConfig,
-)
-from remat.memory.alloc_config import (
-    MIB as MIB,  # re-exported: the sizes of the examples and tests
+    allocation_size,
+    round_size,
 )
 from remat.units import round_up
 
@@ -38,56 +45,6 @@ _SHIFT = 64                 # free-list key: size << _SHIFT | address, one int o
 _MASK = (1 << _SHIFT) - 1
 _NO_LIMIT = 1 << 80         # max_split_size when unset (SIZE_MAX)
 _ADDRESS_SPACE = 1 << 50    # an expandable segment's address space when no capacity is given
-
-
-def round_size(nbytes: int, divisions: int = 0) -> int:
-    """The block size a request asks the pools for (``round_size``, ``roundup_power2_next_division``).
-
-    Args:
-        nbytes: bytes requested.
-        divisions: ``roundup_power2_divisions`` (0 or 1: off).
-
-    Returns:
-        ``nbytes`` up to a multiple of 512 (at least 512) or, if ``divisions > 1`` and ``nbytes > 512 * divisions``,
-        up to the next of ``divisions`` equal steps between two powers of two. Idempotent.
-
-    Example::
-
-        >>> round_size(1), round_size(5 * MIB + 1), round_size(5 * MIB + 1, divisions=4)
-        (512, 5243392, 6291456)
-    """
-    if nbytes < MIN_BLOCK_SIZE:
-        return MIN_BLOCK_SIZE
-    if divisions > 1 and nbytes > MIN_BLOCK_SIZE * divisions and nbytes & (nbytes - 1):
-        floor = 1 << (nbytes.bit_length() - 1)
-        step = floor >> (divisions.bit_length() - 1)
-        if step == 0:
-            return floor << 1
-        low = nbytes & ~(step - 1)
-        return nbytes if low == nbytes else low + step
-    return (nbytes + MIN_BLOCK_SIZE - 1) // MIN_BLOCK_SIZE * MIN_BLOCK_SIZE
-
-
-def allocation_size(size: int, large_segment_size: int = LARGE_BUFFER) -> int:
-    """Bytes cudaMalloc'd for a rounded request that no cached block serves (``get_allocation_size``).
-
-    Args:
-        size: a rounded request (:func:`round_size`).
-        large_segment_size: ``large_segment_size_mb`` in bytes (default 20 MiB).
-
-    Returns:
-        2 MiB up to 1 MiB, ``large_segment_size`` below 10 MiB, else ``size`` rounded up to 2 MiB.
-
-    Example::
-
-        >>> allocation_size(512) // MIB, allocation_size(5 * MIB) // MIB, allocation_size(29 * MIB + 1) // MIB
-        (2, 20, 30)
-    """
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        return large_segment_size
-    return (size + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
 
 
 @dataclass(frozen=True)
@@ -123,8 +80,8 @@ class ReplayResult:
 
 
 class _Pool:
-    """``BlockPool``: free mapped blocks by (size, address) (``BlockComparatorSize`` on one stream) and, for
-    expandable segments, unmapped blocks by address (``BlockComparatorAddress``)."""
+    """``BlockPool``: free mapped blocks by (size, address) (``BlockComparatorSize``, one stream's: NOTE [streams'
+    pools]) and, for expandable segments, unmapped blocks by address (``BlockComparatorAddress``)."""
 
     __slots__ = ("small", "keys", "unmapped")
 
@@ -154,12 +111,14 @@ class _Block:
 
 
 class _Replayer:
-    """One device's ``DeviceCachingAllocator``, one stream."""
+    """One device's ``DeviceCachingAllocator``: the default stream's pools, and each other stream's (made when it
+    first allocates: NOTE [streams' pools])."""
 
     def __init__(self, config: AllocatorConfig):
         self.cfg, self.cap, self.expandable = config, config.capacity_bytes, config.expandable_segments
         self.mss = _NO_LIMIT if config.max_split_size is None else config.max_split_size
         self.small, self.large = _Pool(True), _Pool(False)
+        self.pools: dict[int, tuple[_Pool, _Pool]] = {0: (self.small, self.large)}  # stream -> (small, large)
         self.at: dict[int, _Block] = {}  # address -> each block in a pool's keys or unmapped list
         self.next_base = SMALL_BUFFER  # addresses in creation order (the driver's real ones are unknowable)
         self.allocated = self.reserved = self.segments = self.num_ooms = 0
@@ -203,17 +162,17 @@ class _Replayer:
                 dst.next.prev = dst
         dst.size += src.size
 
-    def run(self, order: Sequence[int], sizes: Sequence[int]) -> None:
-        """Replay ``order`` (row ``i``: allocate ``sizes[i]``; ``~i``: free row ``i``'s block). Without expandable
-        segments or power-of-two rounding, :meth:`malloc` and :meth:`free` are inlined here (the same steps: best
-        fit, split, merge; a new segment through :meth:`_alloc_new`), as a job's ranks replay tens of thousands of
-        events each."""
+    def run(self, order: Sequence[int], sizes: Sequence[int], streams: Sequence[int] | None = None) -> None:
+        """Replay ``order`` (row ``i``: allocate ``sizes[i]`` on stream ``streams[i]``, default 0; ``~i``: free row
+        ``i``'s block). With the default stream alone, and without expandable segments or power-of-two rounding,
+        :meth:`malloc` and :meth:`free` are inlined here (the same steps: best fit, split, merge; a new segment
+        through :meth:`_alloc_new`), as a job's ranks replay tens of thousands of events each."""
         live: list[_Block] = [None] * len(sizes)  # type: ignore[list-item]  # each row's block, set before its free
-        if self.expandable or self.cfg.roundup_power2_divisions > 1:
+        if self.expandable or self.cfg.roundup_power2_divisions > 1 or streams is not None:
             malloc, release = self.malloc, self.free
             for e in order:
                 if e >= 0:
-                    live[e] = malloc(sizes[e])
+                    live[e] = malloc(sizes[e], streams[e] if streams is not None else 0)
                 else:
                     release(live[~e])
             return
@@ -251,7 +210,7 @@ class _Replayer:
                 if grew and self.new_peak:
                     self.new_peak = False
                     self.fragmentation = self.reserved - allocated
-                    self.largest_free = max((p.keys[-1] >> _SHIFT for p in (small, large) if p.keys), default=0)
+                    self.largest_free = self._largest_free()
                 live[e] = b
             else:  # free: merge with free neighbours (_try_merge), back into the pool
                 b = live[~e]
@@ -276,11 +235,13 @@ class _Replayer:
                 at[b.addr] = b
         self.allocated, self.peak_allocated = allocated, peak
 
-    def malloc(self, nbytes: int) -> _Block:
-        """``malloc``: round, take a cached block or make a segment, split (``alloc_found_block``)."""
+    def malloc(self, nbytes: int, stream: int = 0) -> _Block:
+        """``malloc`` on ``stream``: round, take a cached block of the stream or make a segment, split
+        (``alloc_found_block``)."""
         div = self.cfg.roundup_power2_divisions
         size = round_size(nbytes, div) if div > 1 or nbytes < MIN_BLOCK_SIZE else (nbytes + 511) & -MIN_BLOCK_SIZE
-        pool = self.small if size <= SMALL_SIZE else self.large  # get_pool
+        pools = self.pools.get(stream) or self.pools.setdefault(stream, (_Pool(True), _Pool(False)))
+        pool = pools[0] if size <= SMALL_SIZE else pools[1]  # get_pool
         b = self._get_free_block(pool, size) or self._alloc_new(pool, size)
         remaining = b.size - size
         # should_split: in the small pool or with expandable segments any remainder >= kMinBlockSize; in the large
@@ -299,8 +260,12 @@ class _Replayer:
         if self.new_peak:
             self.new_peak = False
             self.fragmentation = self.reserved - self.allocated
-            self.largest_free = max((p.keys[-1] >> _SHIFT for p in (self.small, self.large) if p.keys), default=0)
+            self.largest_free = self._largest_free()
         return b
+
+    def _largest_free(self) -> int:
+        """The largest cached free block of any stream."""
+        return max((p.keys[-1] >> _SHIFT for pools in self.pools.values() for p in pools if p.keys), default=0)
 
     def free(self, b: _Block) -> None:
         """``free`` / ``free_block``: merge with free neighbours, back into the pool."""
@@ -387,9 +352,11 @@ class _Replayer:
         return released >= target
 
     def _release_cached_blocks(self) -> None:
-        """``release_cached_blocks`` / ``release_blocks``: free each unsplit cached segment (large pool, then small),
-        unmap the whole free pages of expandable segments and drop segments left wholly unmapped."""
-        for pool in (self.large, self.small):
+        """``release_cached_blocks`` / ``release_blocks``: free each unsplit cached segment of every stream (large
+        pools, then small), unmap the whole free pages of expandable segments and drop segments left wholly
+        unmapped."""
+        streams = sorted(self.pools)
+        for pool in [self.pools[s][1] for s in streams] + [self.pools[s][0] for s in streams]:
             to_unmap = []
             for b in [self.at[key & _MASK] for key in pool.keys]:
                 if b.seg is not None:
@@ -475,7 +442,7 @@ class _Replayer:
 
 
 def replay(nbytes: Sequence[int], alloc_at: Sequence[int], free_at: Sequence[int],
-           config: AllocatorConfig | None = None) -> ReplayResult:
+           config: AllocatorConfig | None = None, streams: Sequence[int] | None = None) -> ReplayResult:
     """Replay allocations and frees through the CUDA caching allocator.
 
     Rows are allocations: row ``i`` asks ``nbytes[i]`` at event ``alloc_at[i]`` and is freed at event
@@ -488,24 +455,29 @@ def replay(nbytes: Sequence[int], alloc_at: Sequence[int], free_at: Sequence[int
         alloc_at: event of each row's allocation.
         free_at: event of each row's free, -1 for never.
         config: allocator options and device capacity; default: PyTorch's defaults, unlimited memory.
+        streams: the stream each row is allocated on (0: the default stream; others are numbered as the caller
+            likes); blocks go back to their stream's own pools (NOTE [streams' pools]). Default: all on stream 0.
 
     Returns:
         The :class:`ReplayResult`.
 
     Raises:
-        ValueError: rows of different lengths, a negative size or event, an event used twice, or a free that is not
-            after its allocation.
+        ValueError: rows of different lengths, a negative size or event, an event used twice, a free that is not
+            after its allocation, or a negative stream.
 
     Example::
 
         >>> r = replay([5 * MIB, 5 * MIB], [0, 1], [2, 3])  # both 5 MiB blocks share one 20 MiB segment
         >>> r.peak_reserved // MIB, r.peak_allocated // MIB, r.segments
         (20, 10, 1)
+        >>> replay([5 * MIB, 5 * MIB], [0, 2], [1, 3], streams=[1, 0]).peak_reserved // MIB  # not shared
+        40
     """
     sizes, alloc, free = (v.tolist() if hasattr(v, "tolist") else list(v) for v in (nbytes, alloc_at, free_at))
     n = len(sizes)
     if len(alloc) != n or len(free) != n:
         raise ValueError(f"nbytes, alloc_at and free_at need one entry per row; got {n}, {len(alloc)}, {len(free)}")
+    stream_list = _checked_streams(streams, n)
     num_events = max(max(alloc, default=-1), max(free, default=-1)) + 1
     order: list[int | None] = [None] * num_events  # row i (alloc), ~i (free); None: no event or a 0-byte row
     used = bytearray(num_events)
@@ -523,15 +495,28 @@ def replay(nbytes: Sequence[int], alloc_at: Sequence[int], free_at: Sequence[int
             order[a] = i
             if f != -1:
                 order[f] = ~i
-    return _run(sizes, [e for e in order if e is not None], config)
+    return _run(sizes, [e for e in order if e is not None], config, stream_list)
 
 
-def _run(sizes: Sequence[int], order: Sequence[int], config: AllocatorConfig | None) -> ReplayResult:
+def _checked_streams(streams: Sequence[int] | None, rows: int) -> list[int] | None:
+    """``streams`` as a list of ints, one per row; None when every row is on the default stream."""
+    if streams is None:
+        return None
+    out = [int(s) for s in (streams.tolist() if hasattr(streams, "tolist") else streams)]
+    if len(out) != rows:
+        raise ValueError(f"streams: give one stream per row ({rows}), got {len(out)}")
+    if any(s < 0 for s in out):
+        raise ValueError("streams: a row's stream is a number >= 0 (0: the default stream)")
+    return out if any(out) else None
+
+
+def _run(sizes: Sequence[int], order: Sequence[int], config: AllocatorConfig | None,
+         streams: list[int] | None = None) -> ReplayResult:
     r = _Replayer(config or AllocatorConfig())
     collecting = gc.isenabled()
     gc.disable()  # the blocks link to each other: the collector would walk them again and again, finding nothing
     try:
-        r.run(order, sizes)
+        r.run(order, sizes, streams)
     finally:
         if collecting:
             gc.enable()
@@ -578,13 +563,15 @@ def event_order(nbytes: Sequence[int], alloc_at: Sequence[int], free_at: Sequenc
     return nb.tolist(), steps[first].tolist()
 
 
-def replay_timeline(timeline: Timeline, config: AllocatorConfig | None = None) -> ReplayResult:
+def replay_timeline(timeline: Timeline, config: AllocatorConfig | None = None,
+                    streams: Sequence[int] | None = None) -> ReplayResult:
     """Replay a :class:`~remat.timeline.Timeline`, or any object with ``nbytes``, ``alloc_at`` and ``free_at``.
 
     Args:
         timeline: the allocations, one row each (see :func:`replay`); rows may share an event (:func:`event_order`:
             its frees first, then its allocations).
         config: allocator options and device capacity.
+        streams: each row's stream, as for :func:`replay`.
 
     Returns:
         The :class:`ReplayResult` of :func:`replay` over its rows.
@@ -596,4 +583,4 @@ def replay_timeline(timeline: Timeline, config: AllocatorConfig | None = None) -
         2
     """
     sizes, order = event_order(timeline.nbytes, timeline.alloc_at, timeline.free_at)
-    return _run(sizes, order, config)
+    return _run(sizes, order, config, _checked_streams(streams, len(sizes)))

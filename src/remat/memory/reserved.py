@@ -18,13 +18,17 @@ from remat.memory import disk_cache
 from remat.memory.allocator import AllocatorConfig, ReplayResult, replay_timeline
 from remat.memory.kernels import resolve_kernels
 from remat.memory.predict import predict_config
+from remat.memory.torch_fsdp2 import ALLOCATION_STREAMS
 from remat.timeline import Timeline
 from remat.units import format_bytes
 
 CACHE_KIND = "allocator_replay"
 REPLAY_NOTE = ("a replay of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp rules: 512-byte "
-               "rounding, 2 MiB small-pool and 20 MiB large segments, best-fit block splitting; one stream, no "
-               "empty_cache) over the predicted allocations; not a GPU measurement")
+               "rounding, 2 MiB small-pool and 20 MiB large segments, best-fit block splitting, each stream's own "
+               "pools (FSDP2's all-gather and reduce-scatter outputs on theirs), no empty_cache) over the predicted "
+               "allocations; not a GPU measurement")
+# the side streams a predicted row may be allocated on, numbered for the replay (0: the default stream)
+_STREAM_NUMBERS = {name: i + 1 for i, name in enumerate(sorted(set(ALLOCATION_STREAMS.values())))}
 
 
 def reserved_figures(timeline: Timeline, config: AllocatorConfig | None = None) -> dict[str, Any]:
@@ -55,7 +59,7 @@ def reserved_figures(timeline: Timeline, config: AllocatorConfig | None = None) 
 def stored_figures(timeline: Timeline, config: AllocatorConfig | None = None) -> dict[str, Any] | None:
     """:func:`reserved_figures` when the disk cache holds the replay already (:func:`cached_replay`), else None:
     nothing is replayed."""
-    result = _stored(_cache_key(timeline, config))
+    result = _stored(_cache_key(timeline, config, allocation_streams(timeline)))
     return None if result is None else _figures(timeline, result, config)
 
 
@@ -78,17 +82,35 @@ def cached_replay(timeline: Timeline, config: AllocatorConfig | None = None) -> 
     """:func:`~remat.memory.allocator.replay_timeline`, kept in the disk cache (:mod:`remat.memory.disk_cache`) under
     a digest of the timeline's rows and the options: a job's ranks take a second or so to replay, and a command run
     again predicts the same timelines."""
-    key = _cache_key(timeline, config)
+    streams = allocation_streams(timeline)
+    key = _cache_key(timeline, config, streams)
     result = _stored(key)
     if result is None:
-        result = replay_timeline(timeline, config)
+        result = replay_timeline(timeline, config, streams)
         disk_cache.store(CACHE_KIND, key, result.to_dict())
     return result
 
 
-def _cache_key(timeline: Timeline, config: AllocatorConfig | None) -> dict[str, Any]:
+def allocation_streams(timeline: Timeline) -> list[int] | None:
+    """The stream each of ``timeline``'s rows is allocated on, for the replay (NOTE [streams' pools] in
+    :mod:`remat.memory.allocator`), by the module that allocates it (:data:`remat.memory.torch_fsdp2.
+    ALLOCATION_STREAMS`); None when every row is the default stream's (or the timeline names no modules).
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> allocation_streams(SimpleNamespace(module=["layers.0", "torch_fsdp2.all_gather_output"]))
+        [0, 1]
+    """
+    modules = getattr(timeline, "module", None) or ()
+    streams = [_STREAM_NUMBERS.get(ALLOCATION_STREAMS.get(m, ""), 0) for m in modules]
+    return streams if any(streams) else None
+
+
+def _cache_key(timeline: Timeline, config: AllocatorConfig | None,
+               streams: list[int] | None = None) -> dict[str, Any]:
     digest = hashlib.sha256()
-    for values in (timeline.nbytes, timeline.alloc_at, timeline.free_at):
+    for values in (timeline.nbytes, timeline.alloc_at, timeline.free_at, *([streams] if streams else [])):
         digest.update(np.asarray(values, dtype=np.int64).tobytes())
         digest.update(b"|")
     return {"rows": digest.hexdigest(), "options": asdict(config or AllocatorConfig())}

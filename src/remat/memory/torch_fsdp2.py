@@ -44,8 +44,14 @@ Counted as upper bounds: a unit's weight gradients from the start of its backwar
 the last at its end), beside the trace's own transient of each one (the DDP hook's, ``trace_chunk(drop_grads=True)``)
 except the output layer's and the word embedding's, whose traced gradient is kept to the unit's backward end
 instead. All of these are
-PyTorch allocations (``DefaultAllocMixin``, _fsdp_collectives.py:51-59): nothing outside the caching allocator;
-the side streams' pools (all-gather copy-in, all-gather, reduce-scatter) are not kept apart in the reserved replay.
+PyTorch allocations (``DefaultAllocMixin``, _fsdp_collectives.py:51-59): nothing outside the caching allocator.
+Two of them are made on side streams, whose blocks the caching allocator keeps in those streams' own pools (NOTE
+[streams' pools] in :mod:`remat.memory.allocator`; :data:`ALLOCATION_STREAMS`, which the reserved replay reads): the
+flat all-gather output, allocated under ``all_gather_copy_in_stream`` (_fsdp_collectives.py:336-347) in FORWARD and
+PRE_BACKWARD state (_fsdp_param_group.py:116-126: every gather here, the backward prefetch included), and the
+reduce-scatter output, under ``reduce_scatter_stream`` (_fsdp_collectives.py:611-616), so the sharded gradients too;
+the unsharded parameters (copied out on the current stream, 431-491) and the reduce-scatter input (596-600) are the
+default stream's.
 """
 
 from __future__ import annotations
@@ -70,6 +76,9 @@ REDUCE_OUTPUT_MODULE = "torch_fsdp2.reduce_scatter_output"  # a later microbatch
 SHARDED_GRADS_MODULE = "torch_fsdp2.sharded_grads"
 INIT_MODULE = "torch_fsdp2.model_init"  # the model as built, before fully_shard shards it
 COMMUNICATION_MODULES = (ALL_GATHER_MODULE, REDUCE_SCATTER_MODULE, REDUCE_OUTPUT_MODULE)
+# the rows allocated on a side stream, by module: the stream's name in _fsdp_collectives.py (NOTE [torch FSDP2])
+ALLOCATION_STREAMS = {ALL_GATHER_MODULE: "all_gather_copy_in_stream", REDUCE_OUTPUT_MODULE: "reduce_scatter_stream",
+                      SHARDED_GRADS_MODULE: "reduce_scatter_stream"}
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 # the [vocab / tp, h] weights, whose traced gradient (of a size no activation near it has) is kept, not added again
 VOCAB_WEIGHTS = (OUTPUT_WEIGHT, "embedding.word_embeddings.weight")
