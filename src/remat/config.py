@@ -95,6 +95,9 @@ class ModelConfig:
     # Megatron's --moe-pad-expert-input-to-capacity: every expert takes exactly its capacity from every rank, whatever
     # the routing (moe_utils.py:1074-1076 apply_router_token_dropping, token_dispatcher.py:517-539); remat.models.moe
     moe_pad_expert_input_to_capacity: bool = False
+    # Megatron's --moe-permute-fusion: the all-to-all dispatcher permutes with TransformerEngine's fused kernels,
+    # which keep an int32 [tokens, 2 x experts + 1] map instead of int64 indices (NOTE [the permutation maps])
+    moe_permute_fusion: bool = False
     moe_aux_loss_coeff: float = 0.0
     moe_routing_assumption: str | None = None
     # Megatron's --moe-token-dispatcher-type (remat.models.allgather_dispatch) and --moe-router-dtype (None: the
@@ -380,7 +383,8 @@ def check_moe_fields(config: ModelConfig) -> None:
                               ("moe_routing_assumption", None), ("expert_model_parallel_size", 1),
                               ("moe_token_dispatcher_type", "alltoall"), ("moe_router_dtype", None),
                               ("moe_router_pre_softmax", False), ("moe_router_enable_expert_bias", False),
-                              ("moe_z_loss_coeff", None), ("moe_pad_expert_input_to_capacity", False)):
+                              ("moe_z_loss_coeff", None), ("moe_pad_expert_input_to_capacity", False),
+                              ("moe_permute_fusion", False)):
             if getattr(config, name) != default:
                 raise ConfigError(f"{name}={getattr(config, name)!r} needs experts: set num_moe_experts, or drop it")
         return

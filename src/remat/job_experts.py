@@ -37,7 +37,7 @@ _MOE_FLAGS = ("--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert
               "--moe-expert-capacity-factor", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type",
               "--moe-router-dtype", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias", "--moe-z-loss-coeff",
               "--moe-flex-dispatcher-backend",
-              "--moe-pad-expert-input-to-capacity")
+              "--moe-pad-expert-input-to-capacity", "--moe-permute-fusion")
 _MLA_FLAGS = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
 
 
@@ -67,10 +67,16 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
                    moe_router_score_function=got.get("--moe-router-score-function", "softmax"),
                    moe_expert_capacity_factor=got.get("--moe-expert-capacity-factor"),
                    moe_pad_expert_input_to_capacity=bool(got.get("--moe-pad-expert-input-to-capacity")),
+                   moe_permute_fusion=bool(got.get("--moe-permute-fusion")),
                    moe_aux_loss_coeff=got.get("--moe-aux-loss-coeff", 0.0),
                    moe_router_pre_softmax=bool(got.get("--moe-router-pre-softmax")),
                    moe_router_enable_expert_bias=bool(got.get("--moe-router-enable-expert-bias")),
                    moe_z_loss_coeff=got.get("--moe-z-loss-coeff"))
+        if out["moe_permute_fusion"] and out["moe_token_dispatcher_type"] == "allgather":
+            raise JobError("--moe-permute-fusion with --moe-token-dispatcher-type allgather: remat models "
+                           "TransformerEngine's fused permute for the all-to-all dispatcher (NOTE [the permutation "
+                           "maps] in remat.models.permute), not for the allgather one; use "
+                           "--moe-token-dispatcher-type alltoall, or drop --moe-permute-fusion")
     mla, qk_norm = bool(got.get("--multi-latent-attention")), bool(got.get("--qk-layernorm"))
     if qk_norm != mla:  # None: the attention's own default (remat.config.ModelConfig.has_qk_norms)
         out["qk_layernorm"] = qk_norm
@@ -138,6 +144,7 @@ def moe_mla_args(model: ModelConfig) -> list[str]:
         if m.moe_expert_capacity_factor is not None:
             args += ["--moe-expert-capacity-factor", repr(float(m.moe_expert_capacity_factor))]
         args += ["--moe-pad-expert-input-to-capacity"] * m.moe_pad_expert_input_to_capacity
+        args += ["--moe-permute-fusion"] * m.moe_permute_fusion
         if m.moe_aux_loss_coeff:
             args += ["--moe-aux-loss-coeff", repr(float(m.moe_aux_loss_coeff))]
         args += ["--moe-router-pre-softmax"] * m.moe_router_pre_softmax

@@ -155,7 +155,7 @@ IGNORED_FLAGS: dict[str, str] = _table({
     "MoE routing details that change which experts take the tokens, not how many (remat's routing assumption sets "
     "the counts), fused kernels of the same operations, overlap scheduling or initialisation":
         "--moe-router-force-load-balancing --moe-router-num-groups --moe-router-group-topk "
-        "--moe-router-topk-scaling-factor --moe-router-bias-update-rate --moe-token-drop-policy --moe-permute-fusion "
+        "--moe-router-topk-scaling-factor --moe-router-bias-update-rate --moe-token-drop-policy "
         "--moe-router-fusion --moe-shared-expert-overlap --moe-per-layer-logging --moe-use-upcycling "
         "--moe-upcycling-granularity --rope-type --rotary-scaling-factor --mscale --mscale-all-dim",
     "the load-balancing loss's variant (remat prices the switch loss on the same [tokens, experts] scores when "
@@ -236,6 +236,7 @@ MODELLED_FLAGS: dict[str, Any] = {
     # remat.models.moe.Router.top_k / z_loss
     "--moe-router-pre-softmax": bool, "--moe-router-enable-expert-bias": bool, "--moe-z-loss-coeff": float,
     "--moe-pad-expert-input-to-capacity": bool,  # remat.models.moe NOTE [padding to capacity]
+    "--moe-permute-fusion": bool,  # remat.models.permute NOTE [the permutation maps]
     **dict.fromkeys(("--hidden-dropout", "--attention-dropout", "--sgd-momentum"), float),
     "--normalization": ("LayerNorm", "RMSNorm"), "--position-embedding-type": ("learned_absolute", "rope"),
     "--attention-backend": ("auto", "flash", "fused", "unfused", "local"),

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from remat.config import ConfigError, ModelConfig, RoutingAssumption
 from remat.models.blocks import LossAutoScaler, QuickGeGLU, gated_activation
 from remat.models.expert_parallel import SimulatedExpertGroup, expert_group_for, host_values, run_experts_parallel
+from remat.models.permute import permute_copies, unpermute_copies
 
 
 def expert_activation(config: ModelConfig) -> nn.Module:
@@ -329,6 +330,7 @@ class MoELayer(nn.Module):
     def __init__(self, config: ModelConfig, moe_index: int):
         super().__init__()
         self.topk = config.moe_router_topk
+        self.set_permutation(config)
         self.ep_group = expert_group_for(config)
         local = config.num_moe_experts // config.expert_model_parallel_size
         self.router = Router(config, moe_index)
@@ -361,17 +363,33 @@ class MoELayer(nn.Module):
             if self.shared_experts is not None:
                 output = output + self.shared_experts(tokens)
             return output.view(shape)
-        token_of = order.div(self.topk, rounding_mode="floor")
+        permuted, permuted_probs, mapping = self.permute(tokens, probs, order)        # dispatch
+        del order
         if self.ep_group is None:
-            permuted = tokens.index_select(0, token_of)                              # dispatch
-            expert_output = self.experts(permuted, counts, probs.index_select(0, order))
+            expert_output = self.experts(permuted, counts, permuted_probs)
         else:  # dispatch to the ranks holding the experts and back (NOTE [the all-to-all dispatcher])
             expert_output, self.last_received = run_experts_parallel(
-                self.experts, self.ep_group, tokens.index_select(0, token_of), probs.index_select(0, order), counts)
-        output = torch.zeros_like(tokens).index_add_(0, token_of, expert_output)    # combine
+                self.experts, self.ep_group, permuted, permuted_probs, counts)
+        del permuted, permuted_probs
+        output = unpermute_copies(expert_output, mapping, tokens)                   # combine
         if self.shared_experts is not None:
             output = output + self.shared_experts(tokens)
         return output.view(shape)
+
+    def set_permutation(self, config: ModelConfig) -> None:
+        """How the all-to-all dispatcher permutes this layer's copies (NOTE [the permutation maps] in
+        :mod:`remat.models.permute`): fused (``--moe-permute-fusion``), else by an argsort of the routing map unless
+        the experts are padded to capacity; the allgather dispatcher at ep = 1 keeps the copies' indices alone."""
+        self.num_experts = config.num_moe_experts
+        alltoall = config.moe_token_dispatcher_type == "alltoall"
+        self.permute_fused = alltoall and config.moe_permute_fusion
+        self.permute_argsort = alltoall and not config.moe_pad_expert_input_to_capacity
+
+    def permute(self, tokens: torch.Tensor, probs: torch.Tensor,
+                order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The routed copies in expert order, their probabilities and the map the combine takes."""
+        return permute_copies(tokens, probs, order, self.topk, self.num_experts, argsort=self.permute_argsort,
+                              fused=self.permute_fused)
 
     def routing_report(self) -> dict[str, Any]:
         """Where the last forward's token counts came from (an assumption, or 'measured') and the counts this rank

@@ -57,6 +57,7 @@ from remat.models.expert_parallel import (
 )
 from remat.models.flex_dispatch import flex_group
 from remat.models.moe import GroupedMLP, MoELayer, Router, SequentialMLP
+from remat.models.permute import unpermute_copies
 from remat.models.tp_layers import (
     TPMLP,
     GatherFromSequence,
@@ -117,6 +118,7 @@ class TPMoELayer(MoELayer):
         etp, counts = expert_tensor_group() or (group, None)
         check_tp_moe(config, group.size, sp, etp.size)
         self.topk = config.moe_router_topk
+        self.set_permutation(config)
         self.ep_group = expert_group_for(config)
         ep = config.expert_model_parallel_size
         if counts is None and etp.size * ep > 1:
@@ -158,15 +160,15 @@ class TPMoELayer(MoELayer):
             if self.shared_experts is not None:
                 output = output + self.shared_experts(tokens)
             return output.view(shape)
-        token_of = order.div(self.topk, rounding_mode="floor")
+        permuted, permuted_probs, mapping = self.permute(tokens, probs, order)        # dispatch
+        del order
         if self.counts_group is None:  # etp = ep = 1: the experts are all here, whole
-            permuted = tokens.index_select(0, token_of)                              # dispatch
-            expert_output = self.experts(permuted, counts, probs.index_select(0, order))
+            expert_output = self.experts(permuted, counts, permuted_probs)
         else:
             expert_output, self.last_received = run_experts_tensor_parallel(
-                self.experts, self.ep_group, self.etp_group, self.counts_group, tokens.index_select(0, token_of),
-                probs.index_select(0, order), counts)
-        output = torch.zeros_like(tokens).index_add_(0, token_of, expert_output)    # combine
+                self.experts, self.ep_group, self.etp_group, self.counts_group, permuted, permuted_probs, counts)
+        del permuted, permuted_probs
+        output = unpermute_copies(expert_output, mapping, tokens)                   # combine
         if self.shared_experts is not None:
             output = output + self.shared_experts(tokens)
         return output.view(shape)

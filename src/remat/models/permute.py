@@ -1,0 +1,129 @@
+"""The routed copies permuted into expert order and back, as Megatron's all-to-all dispatcher runs
+``moe_utils.permute`` / ``unpermute``: what each keeps for the backward.
+
+NOTE [the permutation maps]
+Megatron-LM d98e8a64 ``transformer/moe/token_dispatcher.py`` ``MoEAlltoAllTokenDispatcher.dispatch_preprocess``
+(624-680) permutes a rank's T tokens [T, h] by its routing map [T, E] (E: every expert) into the n routed copies
+[n, h] and their probabilities [n], and ``combine_postprocess`` (876-900) unpermutes the experts' outputs back to
+[T, h] with the map it kept (``reversed_local_input_permutation_mapping``). ``moe_utils.permute`` (344-490):
+
+* unfused, dropless (or dropping by capacity): ``routing_map.bool().T.contiguous()`` (bool [E, T]), its
+  ``reshape(-1).argsort(descending=True, stable=True)`` (``flat_sorted``, int64 [E x T]), ``sorted_indices =
+  flat_sorted[:n] % T`` (int64 [n]), the probabilities ``probs.T.contiguous().reshape(-1)[flat_sorted[:n]]`` (an
+  [E x T] copy, then [n]) and the tokens ``tokens.index_select(0, sorted_indices)``. The probabilities' indexing
+  saves its indices for the backward: a view of ``flat_sorted``, so its whole [E x T] int64 storage lives until the
+  layer's backward; ``index_select`` saves ``sorted_indices``, which ``unpermute`` (``scatter_add_``) saves again.
+* fused (``--moe-permute-fusion``, TransformerEngine at the same date, ``pytorch/permutation.py``
+  ``moe_permute_with_probs`` / ``moe_unpermute``): ``triton/permutation.py:24-84 make_row_id_map`` allocates the
+  ``row_id_map`` int32 [T, 2E + 1] and a workspace int32 [E, ceil(T / 1024)] (freed on return); the permute writes
+  [n, h] and [n] and saves the map (``_moe_permute_mask_map_setup_context``, 514-519), which ``moe_unpermute``
+  ([T, h]) saves again; no int64 index is made. Its backward writes [T, h] (and the probabilities' gradient).
+* ``--moe-pad-expert-input-to-capacity`` (unfused): per expert the first ``capacity`` of an int8 map's argsort
+  (int64 [E x capacity], the n copies) index both the tokens and the probabilities (``index_select``): the
+  [n] indices are what they keep, as :func:`permute_copies` without ``argsort`` keeps.
+
+remat's router gives the copies in expert order as indices into its [T x topk] probabilities (``order``; NOTE
+[routing under fake tensors] in :mod:`remat.models.moe`); the maps above are allocated at Megatron's sizes and hold
+those indices where the backward reads them (the fused map as int32, its first n entries the order and the next n
+the tokens), so a real run computes what Megatron computes and allocates, tensor for tensor, what a fake trace does.
+Not modelled: the sort's own scratch memory on the GPU, and the dispatcher's attributes that keep the last
+micro-batch's map and routing until the layer's next forward (one map a layer past the step's last backward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+ROW_ID_BLOCK = 1024  # triton/permutation.py make_row_id_map's block_size: the workspace's columns
+
+
+def permute_copies(tokens: torch.Tensor, probs: torch.Tensor, order: torch.Tensor, topk: int, num_experts: int, *,
+                   argsort: bool, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routed copies of ``tokens`` [T, h] and their probabilities, in expert order (NOTE [the permutation
+    maps]), and the map :func:`unpermute_copies` takes.
+
+    Args:
+        tokens: this rank's tokens [T, h].
+        probs: the router's probability of each routed copy [T x topk].
+        order: the copies in expert order, indices into ``probs`` (int64 [n]).
+        topk: copies per token.
+        num_experts: E, the routing map's columns.
+        argsort: Megatron's dropless unfused permute (an argsort of the [E x T] map, kept whole); False: the
+            [n] indices alone (drop-and-pad).
+        fused: TransformerEngine's fused permute (``--moe-permute-fusion``): an int32 [T, 2E + 1] map instead.
+    """
+    if fused:
+        return FusedPermute.apply(tokens, probs, order, topk, num_experts)
+    if not argsort:
+        token_of = order.div(topk, rounding_mode="floor")
+        return tokens.index_select(0, token_of), probs.index_select(0, order), token_of
+    count, n = tokens.shape[0], order.numel()
+    transposed = torch.empty(num_experts, count, dtype=torch.bool, device=tokens.device)  # routing_map.T
+    flat_sorted = torch.empty(num_experts * count, dtype=torch.long, device=tokens.device)  # its argsort
+    first = flat_sorted[:n]
+    first.copy_(order)
+    token_of = first.div(topk, rounding_mode="floor")  # Megatron's sorted_indices = flat_sorted[:n] % T
+    probs_t = probs.new_empty(num_experts * count)  # probs.T.contiguous(), indexed then dropped
+    permuted_probs = probs[first]  # the indexing keeps its indices: flat_sorted's storage, to the backward
+    del probs_t
+    permuted = tokens.index_select(0, token_of)
+    del transposed
+    return permuted, permuted_probs, token_of
+
+
+def unpermute_copies(expert_output: torch.Tensor, mapping: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The experts' outputs [n, h] added back into their tokens' rows [T, h] (``tokens``: for the shape), by the
+    map :func:`permute_copies` gave (NOTE [the combine's saved source])."""
+    if mapping.dtype == torch.int32 and mapping.dim() == 2:  # TE's row_id_map (FusedPermute): its token column
+        mapping = _row_id_slices(mapping, expert_output.shape[0])[1]
+    return torch.zeros_like(tokens).index_add_(0, mapping, expert_output)
+
+
+# NOTE [the combine's saved source]
+# remat combines with index_add_, whose backward formula keeps its source, the experts' outputs [n, h], to the
+# layer's backward (Megatron's unfused unpermute does too under deterministic algorithms, moe_utils.py:598-606).
+# Megatron's default unfused unpermute (scatter_add_, :607-611) and TE's moe_unpermute without merging
+# probabilities (permutation.py:795-808) keep only their index or map. Yet the dev cases measure about that much
+# more than remat finds otherwise: without the kept outputs the --moe-permute-fusion cases' predicted peaks fall by
+# 9 to 937 MiB, to 4.1% under (gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed). The tensor that explains it is not
+# found yet, so the combine stays as it was, for every permutation.
+
+
+def _row_id_slices(row_id_map: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the order, the tokens) of the n copies, as the fused map holds them (int32 views)."""
+    flat = row_id_map.view(-1)
+    return flat[:n], flat[n:2 * n]
+
+
+class FusedPermute(torch.autograd.Function):
+    """TE's ``moe_permute_with_probs`` (NOTE [the permutation maps]): [T, h] tokens and [T x topk] probabilities to
+    the n copies [n, h] and [n], with the int32 [T, 2E + 1] ``row_id_map`` it saves."""
+
+    @staticmethod
+    def forward(ctx: Any, tokens: torch.Tensor, probs: torch.Tensor, order: torch.Tensor, topk: int,
+                num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        count, n = tokens.shape[0], order.numel()
+        row_id_map = torch.empty(count, 2 * num_experts + 1, dtype=torch.int32, device=tokens.device)
+        workspace = torch.empty(num_experts, -(-count // ROW_ID_BLOCK), dtype=torch.int32, device=tokens.device)
+        del workspace  # make_row_id_map's local
+        copies, token_of = _row_id_slices(row_id_map, n)
+        copies.copy_(order)
+        token_of.copy_(order)
+        token_of.div_(topk, rounding_mode="floor")  # in place: TE makes no index beside the map
+        permuted = tokens.index_select(0, token_of)
+        permuted_probs = probs.index_select(0, copies)
+        ctx.save_for_backward(row_id_map)
+        ctx.n, ctx.token_shape, ctx.probs_numel = n, tokens.shape, probs.numel()
+        ctx.mark_non_differentiable(row_id_map)
+        return permuted, permuted_probs, row_id_map
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, grad_probs: torch.Tensor | None, _: Any) -> tuple[Any, ...]:
+        (row_id_map,) = ctx.saved_tensors
+        copies, token_of = _row_id_slices(row_id_map, ctx.n)
+        grad_tokens = grad.new_zeros(ctx.token_shape).index_add_(0, token_of, grad)
+        grad_p = None if grad_probs is None else grad_probs.new_zeros(ctx.probs_numel).index_add_(0, copies,
+                                                                                                  grad_probs)
+        return grad_tokens, grad_p, None, None, None
