@@ -58,6 +58,16 @@ def deepseek_training_script(folder: Path) -> Path:
     return path
 
 
+def deepseek_deepep_script(folder: Path) -> Path:
+    """The DeepSeek-V3 training command with the flex dispatcher's DeepEP backend (Megatron's default) in place of
+    the script's HybridEP."""
+    text = deepseek_training_script(folder).read_text()
+    assert text.count("--moe-flex-dispatcher-backend hybridep") == 1
+    path = folder / "sbatch_mfsdp_deepseek_v3_training_cmd_deepep.sh"
+    path.write_text(text.replace("--moe-flex-dispatcher-backend hybridep", "--moe-flex-dispatcher-backend deepep"))
+    return path
+
+
 def gpt3_fixed_script(folder: Path) -> Path:
     """train_gpt3_175b_distributed.sh with Megatron's two fixes: ``"${TRAINING_ARGS[@]}"`` quoted (the schedule one
     word) and no ``--global-batch-size`` (the schedule sets the batch)."""
@@ -89,6 +99,8 @@ def cases(folder: Path) -> list[tuple[str, list[str], list[str]]]:
          [str(SCRIPTS / "megatron_fsdp" / "sbatch_mfsdp_deepseek_v3.sh")]),
         ("deepseek-v3 megatron-fsdp, its training command", ["--world-size", "256"],
          [str(deepseek_training_script(folder))]),
+        ("deepseek-v3 megatron-fsdp, its training command with DeepEP", ["--world-size", "256"],
+         [str(deepseek_deepep_script(folder))]),
     ]
 
 

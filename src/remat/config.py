@@ -98,6 +98,9 @@ class ModelConfig:
     # Megatron's --moe-permute-fusion: the all-to-all dispatcher permutes with TransformerEngine's fused kernels,
     # which keep an int32 [tokens, 2 x experts + 1] map instead of int64 indices (NOTE [the permutation maps])
     moe_permute_fusion: bool = False
+    # Megatron's --enable-experimental: with --moe-permute-fusion, the DeepEP dispatcher's fused indices-to-multihot
+    # conversion (token_dispatcher.py:1425-1432; remat.models.deepep_dispatch), the only experimental path modelled
+    enable_experimental: bool = False
     moe_aux_loss_coeff: float = 0.0
     moe_routing_assumption: str | None = None
     # Megatron's --moe-token-dispatcher-type (remat.models.allgather_dispatch) and --moe-router-dtype (None: the

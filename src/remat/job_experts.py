@@ -37,7 +37,7 @@ _MOE_FLAGS = ("--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert
               "--moe-expert-capacity-factor", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type",
               "--moe-router-dtype", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias", "--moe-z-loss-coeff",
               "--moe-flex-dispatcher-backend",
-              "--moe-pad-expert-input-to-capacity", "--moe-permute-fusion")
+              "--moe-pad-expert-input-to-capacity", "--moe-permute-fusion", "--moe-enable-deepep")
 _MLA_FLAGS = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
 
 
@@ -68,10 +68,17 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
                    moe_expert_capacity_factor=got.get("--moe-expert-capacity-factor"),
                    moe_pad_expert_input_to_capacity=bool(got.get("--moe-pad-expert-input-to-capacity")),
                    moe_permute_fusion=bool(got.get("--moe-permute-fusion")),
+                   enable_experimental=experimental_multihot(got),
                    moe_aux_loss_coeff=got.get("--moe-aux-loss-coeff", 0.0),
                    moe_router_pre_softmax=bool(got.get("--moe-router-pre-softmax")),
                    moe_router_enable_expert_bias=bool(got.get("--moe-router-enable-expert-bias")),
                    moe_z_loss_coeff=got.get("--moe-z-loss-coeff"))
+        if got.get("--moe-enable-deepep") and out["moe_token_dispatcher_type"] != "flex":
+            raise JobError("--moe-enable-deepep needs --moe-token-dispatcher-type flex (DeepEP is a flex backend, "
+                           "transformer_config.py:1743-1745): add it, or drop --moe-enable-deepep")
+        if got.get("--moe-enable-deepep") and out["moe_flex_dispatcher_backend"] != "deepep":
+            raise JobError("--moe-enable-deepep with --moe-flex-dispatcher-backend hybridep: Megatron runs one backend "
+                           "(transformer_config.py:1746-1747); drop one")
         if out["moe_permute_fusion"] and out["moe_token_dispatcher_type"] == "allgather":
             raise JobError("--moe-permute-fusion with --moe-token-dispatcher-type allgather: remat models "
                            "TransformerEngine's fused permute for the all-to-all dispatcher (NOTE [the permutation "
@@ -92,6 +99,14 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
                kv_lora_rank=got["--kv-lora-rank"], qk_head_dim=got.get("--qk-head-dim", 128),
                qk_pos_emb_head_dim=got.get("--qk-pos-emb-head-dim", 64), v_head_dim=got.get("--v-head-dim", 128))
     return out
+
+
+def experimental_multihot(got: dict[str, Any]) -> bool:
+    """Whether ``--enable-experimental`` changes the job (flag -> parsed value ``got``): only DeepEP's fused
+    multihot conversion, under --moe-permute-fusion (token_dispatcher.py:1425); elsewhere the job ignores it."""
+    return bool(got.get("--enable-experimental") and got.get("--moe-permute-fusion") and
+                got.get("--moe-token-dispatcher-type") == "flex" and
+                got.get("--moe-flex-dispatcher-backend", "deepep") == "deepep")
 
 
 def _layer_freq(text: str | int, num_layers: int) -> int | tuple[int, ...]:
@@ -145,6 +160,7 @@ def moe_mla_args(model: ModelConfig) -> list[str]:
             args += ["--moe-expert-capacity-factor", repr(float(m.moe_expert_capacity_factor))]
         args += ["--moe-pad-expert-input-to-capacity"] * m.moe_pad_expert_input_to_capacity
         args += ["--moe-permute-fusion"] * m.moe_permute_fusion
+        args += ["--enable-experimental"] * m.enable_experimental
         if m.moe_aux_loss_coeff:
             args += ["--moe-aux-loss-coeff", repr(float(m.moe_aux_loss_coeff))]
         args += ["--moe-router-pre-softmax"] * m.moe_router_pre_softmax
@@ -235,12 +251,6 @@ def check_flex_dispatcher(model: ModelConfig, *, ep: int, etp: int) -> None:
     if model.moe_token_dispatcher_type != "flex":
         return
     flag = "--moe-token-dispatcher-type flex"
-    if model.moe_flex_dispatcher_backend == "deepep":  # Megatron's default backend
-        raise JobError(f"{flag} with DeepEP (--moe-flex-dispatcher-backend deepep, Megatron's default): its "
-                       "permutation maps are not modelled yet (with --moe-permute-fusion TE's int32 row_id_map "
-                       "[received rows, 2 x local experts + 1], kept from each dispatch to the layer's next forward, "
-                       "token_dispatcher.py:1437-1447, TE triton/permutation.py:52; without it the multihot "
-                       "conversion's int64 temporaries); use --moe-flex-dispatcher-backend hybridep")
     if model.fp8_recipe is not None:
         raise JobError(f"{flag} with FP8 (--fp8-format): each local expert's tokens are then padded to the FP8 "
                        "GEMM alignment (pad_multiple 16, 32 for mxfp8: token_dispatcher.py:1142-1144, "

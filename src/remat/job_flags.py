@@ -32,7 +32,7 @@ FLEX_REASON = (
 REFUSED_FLAGS: dict[str, str] = _table({
     "changes the MoE layers in a way remat's reference MoE (Megatron's all-to-all or allgather dispatcher, dropless "
     "or capacity routing, probabilities applied in the experts' activation) does not model":
-        "--moe-extended-tp --moe-apply-probs-on-input --moe-enable-deepep "
+        "--moe-extended-tp --moe-apply-probs-on-input "
         "--moe-input-jitter-eps --moe-router-padding-for-quantization --moe-use-legacy-grouped-gemm",
     "trains in FP8/FP4 (quantised copies of weights and activations)":
         "--fp4-format --fp4-recipe --fp4-param-gather --reuse-grad-buf-for-mxfp8-param-ag --te-precision-config-file",
@@ -178,13 +178,6 @@ IGNORED_FLAGS: dict[str, str] = _table({
     # module into the buffers it allocates either way (fsdp param_and_grad_buffer.py:2884-2920)
     "initialises the model on the meta device (module by module into Megatron-FSDP's buffers): the buffers a step "
     "runs with are the same, only initialisation's transient memory is smaller": "--init-model-with-meta-device",
-    # training/global_vars.py:168-169 set_experimental_flag: at d98e8a64 the flag only unlocks experimental APIs and,
-    # with --moe-permute-fusion, fused kernels of the flex dispatcher and of --moe-router-padding-for-quantization
-    # (token_dispatcher.py:651, 1415, 1425): DeepEP's multihot conversion (a DeepEP job is refused:
-    # remat.job_experts.check_flex_dispatcher) and --moe-router-padding-for-quantization (refused on its own flag)
-    "unlocks Megatron's experimental code paths: at this commit only the DeepEP flex backend's fused multihot "
-    "conversion (DeepEP jobs are refused) and kernels of --moe-router-padding-for-quantization (refused on its own "
-    "flag)": "--enable-experimental",
     # fused_a2a.py:383-435, hybrid_ep.cu:313-317: the fused permute-dispatch writes the same pre-allocated outputs;
     # token_dispatcher.py:1073-1091 pads to the group's largest token count, which every rank has in remat's model
     "changes HybridEP's kernels (block counts, fused permute), not its tensors or buffers":
@@ -237,6 +230,14 @@ MODELLED_FLAGS: dict[str, Any] = {
     "--moe-router-pre-softmax": bool, "--moe-router-enable-expert-bias": bool, "--moe-z-loss-coeff": float,
     "--moe-pad-expert-input-to-capacity": bool,  # remat.models.moe NOTE [padding to capacity]
     "--moe-permute-fusion": bool,  # remat.models.permute NOTE [the permutation maps]
+    # training/global_vars.py:168-169 set_experimental_flag: at d98e8a64 the flag only unlocks experimental APIs and,
+    # with --moe-permute-fusion, fused kernels of the flex dispatcher and of --moe-router-padding-for-quantization
+    # (token_dispatcher.py:651, 1415, 1425): DeepEP's multihot conversion (remat.models.deepep_dispatch) and
+    # --moe-router-padding-for-quantization (refused on its own flag); ignored by any other job (remat.job_experts)
+    "--enable-experimental": bool,
+    # transformer_config.py:1743-1752: deprecated, the deepep backend of the flex dispatcher (its default): ignored
+    # once checked (remat.job_experts.moe_mla_fields)
+    "--moe-enable-deepep": bool,
     **dict.fromkeys(("--hidden-dropout", "--attention-dropout", "--sgd-momentum"), float),
     "--normalization": ("LayerNorm", "RMSNorm"), "--position-embedding-type": ("learned_absolute", "rope"),
     "--attention-backend": ("auto", "flash", "fused", "unfused", "local"),

@@ -110,6 +110,10 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
     except ConfigError as err:
         raise JobError(f"the model flags describe an invalid model: {err}") from None
     check_op_fuser(got, ignored, model)
+    if "--enable-experimental" in got and not model.enable_experimental:  # remat.job_experts.experimental_multihot
+        ignored.append("--enable-experimental")
+    if got.get("--moe-enable-deepep"):  # the flex dispatcher's default backend, checked by moe_mla_fields
+        ignored.append("--moe-enable-deepep")
     if "--moe-flex-dispatcher-backend" in got and model.moe_token_dispatcher_type != "flex":
         ignored.append("--moe-flex-dispatcher-backend")  # read only under flex (token_dispatcher.py:1831-1860)
     check_gpt_oss_job(got, ignored, model)

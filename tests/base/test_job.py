@@ -534,9 +534,7 @@ def test_moe_and_mla_flags_set_the_model_fields():
      ["ep (--expert-model-parallel-size)=4", "num_moe_experts=6", "use ep from 1, 2, 3, 6"]),
     ("--num-experts 8 --expert-model-parallel-size 4 --world-size 2 --moe-token-dispatcher-type alltoall",
      ["ep (--expert-model-parallel-size)=4", "raise dp", "multiple of 4"]),
-    # the flex dispatcher: Megatron's default backend (deepep), NCCL EP, and what remat does not model with HybridEP
-    ("--num-experts 8 --moe-token-dispatcher-type flex --expert-model-parallel-size 2 --world-size 2",
-     ["--moe-token-dispatcher-type flex with DeepEP", "row_id_map", "use --moe-flex-dispatcher-backend hybridep"]),
+    # the flex dispatcher: NCCL EP, and what remat does not model with HybridEP or DeepEP
     ("--num-experts 8 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep --bf16 --fp8-format e4m3 "
      "--fp8-recipe tensorwise --expert-model-parallel-size 2 --world-size 2",
      ["with FP8 (--fp8-format)", "pad_multiple 16", "--moe-token-dispatcher-type alltoall"]),
@@ -694,7 +692,7 @@ def test_add_qkv_bias_is_linear_qkvs_bias_and_round_trips():
     assert "--add-qkv-bias" in mla_ignored and mla_job == parse(mla)
 
 
-@pytest.mark.parametrize("backend", ["hybridep"])  # deepep: refused above (its permutation maps)
+@pytest.mark.parametrize("backend", ["hybridep", "deepep"])
 def test_the_flex_dispatcher_is_read_with_its_backend_and_round_trips(backend):
     # transformer_config.py:891-902: --moe-token-dispatcher-type flex with --moe-flex-dispatcher-backend
     flags = (f"{BASE} --num-experts 4 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend {backend} "
@@ -703,6 +701,28 @@ def test_the_flex_dispatcher_is_read_with_its_backend_and_round_trips(backend):
     assert (job.model.moe_token_dispatcher_type, job.model.moe_flex_dispatcher_backend) == ("flex", backend)
     assert "--moe-permute-fusion-into-hybridep" in ignored
     assert parse_megatron_args(job.to_megatron_args())[0] == job
+
+
+def test_enable_experimental_is_read_only_where_it_changes_the_job():
+    # token_dispatcher.py:1425: DeepEP's fused multihot conversion, under --moe-permute-fusion; else ignored
+    deepep = f"{BASE} --num-experts 4 --moe-token-dispatcher-type flex --expert-model-parallel-size 2 --world-size 2 "
+    job, ignored = parse_megatron_args(deepep + "--moe-permute-fusion --enable-experimental")
+    assert job.model.enable_experimental and "--enable-experimental" not in ignored
+    assert parse_megatron_args(job.to_megatron_args())[0] == job
+    for other in (deepep + "--enable-experimental", f"{BASE} --enable-experimental",
+                  deepep + "--moe-flex-dispatcher-backend hybridep --moe-permute-fusion --enable-experimental"):
+        job, ignored = parse_megatron_args(other)
+        assert not job.model.enable_experimental and "--enable-experimental" in ignored, other
+
+
+def test_moe_enable_deepep_is_the_default_flex_backend_checked_as_megatron_checks_it():
+    flex = f"{BASE} --num-experts 4 --expert-model-parallel-size 2 --world-size 2 --moe-enable-deepep "
+    job, ignored = parse_megatron_args(flex + "--moe-token-dispatcher-type flex")
+    assert job.model.moe_flex_dispatcher_backend == "deepep" and "--moe-enable-deepep" in ignored
+    with pytest.raises(JobError, match="needs --moe-token-dispatcher-type flex"):
+        parse_megatron_args(flex + "--moe-token-dispatcher-type alltoall")
+    with pytest.raises(JobError, match="Megatron runs one backend"):
+        parse_megatron_args(flex + "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep")
 
 
 def test_a_flex_backend_without_the_flex_dispatcher_is_listed_as_ignored():

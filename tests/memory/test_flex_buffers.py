@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from remat.config import ModelConfig
-from remat.job import Job, JobError
+from remat.job import Job
 from remat.memory.flex_buffers import deepep_buffers, flex_kept_bytes, hybridep_buffers
 from remat.memory.outside_allocator import outside_bytes
 from remat.memory.workspaces import MODULE_FLEX, stage_workspaces
@@ -70,12 +70,19 @@ def test_deepeps_buffer_is_the_larger_config_hint_and_the_workspace():
     assert workspace.nbytes == 32 << 20  # NUM_WORKSPACE_BYTES (kernels/configs.cuh:5)
 
 
-def test_a_deepep_job_is_refused_for_its_permutation_maps():
-    # TE's row_id_map [R, 2L+1] int32 (fused permute) or the multihot conversion's int64 temporaries (unfused) are
-    # not modelled: a DeepEP job is refused rather than priced low (deepep_buffers above sizes its NVLink buffer)
-    with pytest.raises(JobError, match="row_id_map"):
-        Job.build(FLEX.replace(expert_model_parallel_size=2, moe_flex_dispatcher_backend="deepep"),
-                  precision="bf16", ep=2, dp=2)
+@pytest.mark.parametrize("fusion", [False, True])
+def test_a_deepep_job_is_priced_with_its_buffers_and_its_managers_maps(fusion):
+    deepep = FLEX.replace(expert_model_parallel_size=2, moe_flex_dispatcher_backend="deepep",
+                          moe_permute_fusion=fusion)
+    job = Job.build(deepep, precision="bf16", ep=2, dp=2)
+    # T = 1000 tokens, top-2 of 8 experts over 2 ranks: n = 2000 copies to the busiest rank's 4 experts, received
+    # as R = min(2 x 1000, 2000) = 2000 rows; per MoE layer (2): the top-k fp32 probabilities and int64 indices
+    # [T, 2], the multihot map bool [R, 4] and the permutation map: int64 [n], or fused int32 [R, 2 x 4 + 1]
+    mapping = 2000 * 9 * 4 if fusion else 2000 * 8
+    assert flex_kept_bytes(job, 0) == 2 * (1000 * 2 * 12 + 2000 * 4 + mapping)
+    rank = predict_job(job).ranks[0]
+    assert [b.name for b in rank.outside] == ["DeepEP NVLink buffer", "DeepEP workspace"]
+    assert rank.peak_bytes > 0
 
 
 def test_the_kept_probabilities_follow_the_routing_assumption():

@@ -76,14 +76,16 @@ def test_deepep_without_expert_parallelism_is_refused_as_megatron_refuses_it():
         MoELayer(FLEX.replace(moe_flex_dispatcher_backend="deepep"), 0)
 
 
-def test_deepep_receives_each_token_once_per_rank_and_permutes_the_copies():
+@pytest.mark.parametrize("fusion, experimental", [(False, False), (True, False), (True, True)])
+def test_deepep_receives_each_token_once_per_rank_and_permutes_the_copies(fusion, experimental):
     # T = 8 tokens, E = 4 experts, topk 2, G = ep = 2 (rank 1): n = 16 copies; R = 2 x min(8, 8) = 16 rows at most
     with FakeTensorMode():
         experts = GroupedMLP(FLEX.replace(moe_grouped_gemm=True), 2)
         tokens = torch.randn(8, 24, requires_grad=True)
         probs = torch.rand(16, requires_grad=True)
         with Allocations() as seen:
-            out, received = run_experts_deepep(experts, tokens, probs, [4, 4, 4, 4], 2, 2, 1)
+            out, received = run_experts_deepep(experts, tokens, probs, [4, 4, 4, 4], 2, 2, 1, permute_fusion=fusion,
+                                               experimental=experimental)
         out.sum().backward()
     assert received == [8, 8] and out.shape == (8, 24) and tokens.grad.shape == (8, 24)
     made = seen.made
@@ -94,9 +96,18 @@ def test_deepep_receives_each_token_once_per_rank_and_permutes_the_copies():
                                     ((2, 2), torch.int32), ((2, 10), torch.int32), ((16, 24), torch.float32),
                                     ((16,), torch.int32), ((2, 10), torch.int32), ((8, 2), torch.int32),
                                     ((16, 2), torch.int64), ((16, 2), torch.float32)]
-    # the fused multihot conversion: bool map, fp32 probabilities, int32 position map [R, L]
-    assert made[at + 12:at + 15] == [((16, 2), torch.bool), ((16, 2), torch.float32), ((16, 2), torch.int32)]
-    assert ((16, 24), torch.float32) in made[at + 15:] and made[-1] == ((8, 24), torch.float32)  # the combine
+    rest = made[at + 12:]
+    if experimental:  # the fused multihot conversion: bool map, fp32 probabilities, int32 position map [R, L]
+        assert rest[:3] == [((16, 2), torch.bool), ((16, 2), torch.float32), ((16, 2), torch.int32)]
+    else:  # _indices_to_multihot: int64 and fp32 [R, L] zeros, the mask [R, k], the valid indices [n], arange [R],
+        # mask.sum [R], the rows [n]; the n selected weights; the int64 map's bool copy
+        assert rest[:7] == [((16, 2), torch.int64), ((16, 2), torch.float32), ((16, 2), torch.bool),
+                            ((16,), torch.int64), ((16,), torch.int64), ((16,), torch.int64), ((16,), torch.int64)]
+        assert ((16,), torch.float32) in rest[7:10] and ((16, 2), torch.bool) in rest[7:12]
+    # the permutation of the R received rows by the [R, L] map: TE's int32 row_id_map [R, 2L + 1], or the argsort
+    # of the [L, R] map, int64 [L x R]
+    assert (((16, 5), torch.int32) in rest) == fusion and (((32,), torch.int64) in rest) == (not fusion)
+    assert ((16, 24), torch.float32) in rest and made[-1] == ((8, 24), torch.float32)  # the combine
 
 
 def test_deepep_rows_are_bounded_by_the_copies_and_the_tokens():

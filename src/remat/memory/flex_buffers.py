@@ -114,7 +114,7 @@ def flex_outside_buffers(job: Job, stage: int) -> tuple[OutsideBuffer, ...]:
     if not _flex_moe_layers(job, stage):
         return ()
     m = job.model
-    if m.moe_flex_dispatcher_backend == "deepep":  # (a job with DeepEP is refused: remat.job_experts) its buffers:
+    if m.moe_flex_dispatcher_backend == "deepep":
         return deepep_buffers(m.hidden_size * (4 if job.precision == "fp32" else 2), job.ep)
     return hybridep_buffers(tokens_per_rank(job), m.hidden_size, job.ep, int(m.num_moe_experts or 1) // job.ep)
 
@@ -141,7 +141,8 @@ def flex_kept_bytes(job: Job, stage: int) -> int:
       flex dispatcher] in remat.models.flex_dispatch);
     * ``_DeepepManager`` (:1299, 1449-1457; its combine drops the handle and the dispatched indices and
       probabilities, :1386-1391): the top-k fp32 probabilities and int64 indices [T, k], the received tokens'
-      multihot map bool [R, L] and the permutation's int64 indices [n] (R: remat.models.deepep_dispatch.deepep_rows).
+      multihot map bool [R, L] and the permutation's map (``reversed_mapping_for_combine``: int64 indices [n], or
+      with --moe-permute-fusion TE's int32 row_id_map [R, 2L + 1]; R: remat.models.deepep_dispatch.deepep_rows).
     """
     layers = _flex_moe_layers(job, stage)
     if not layers:
@@ -150,8 +151,9 @@ def flex_kept_bytes(job: Job, stage: int) -> int:
     tokens, experts, topk = tokens_per_rank(job), int(m.num_moe_experts or 1), m.moe_router_topk
     copies = received_copies_at_most(job)
     if m.moe_flex_dispatcher_backend == "deepep":
-        rows = min(job.ep * tokens, copies)  # deepep_rows of the rank receiving the most copies
-        return layers * (tokens * topk * (4 + 8) + rows * (experts // job.ep) + copies * 8)
+        rows, local = min(job.ep * tokens, copies), experts // job.ep  # deepep_rows of the rank receiving the most
+        mapping = rows * (2 * local + 1) * 4 if m.moe_permute_fusion else copies * 8
+        return layers * (tokens * topk * (4 + 8) + rows * local + mapping)
     local = experts // job.ep
     handles = sum(math.prod(shape) * dtype.itemsize for shape, dtype in hybridep_handle_shapes(tokens, job.ep, local))
     return layers * (tokens * experts * (1 + 4) + copies * 4 + handles)

@@ -18,19 +18,23 @@ this rank's experts receive, R the tokens it receives (each token once per desti
   channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head) for the backward
   (``intranode_combine``, :743-767: fp32 [T, k] weights' gradient, then [T, h]).
 * ``get_permuted_hidden_states_by_experts`` (1424-1457): the received indices to a multihot routing map bool
-  [R, L] and fp32 probabilities [R, L] (Megatron's fused ``IndicesToMultihot`` under ``--enable-experimental``
-  and ``--moe-permute-fusion``, which saves an int32 [R, L] position map: ``fusions/fused_indices_converter.py:
-  205-232``), then ``permute`` to the n copies [n, h] and their fp32 probabilities [n], modelled as remat's
-  all-to-all dispatcher permutes (an ``index_select`` keeping its int64 [n] indices).
-* The experts; ``unpermute`` ([R, h]: zeros and ``index_add_``); ``FusedCombine.forward`` (``intranode_combine``:
-  [T, h]; ``ctx.handle``), whose backward dispatches the gradient in cached mode (:620-624: [R, h], and a source
-  index, channel prefix matrix and send head it drops).
+  [R, L] and fp32 probabilities [R, L]: under ``--enable-experimental`` and ``--moe-permute-fusion`` Megatron's
+  fused ``IndicesToMultihot`` (``fusions/fused_indices_converter.py:205-232``, saving an int32 [R, L] position
+  map), else ``_indices_to_multihot`` (1323-1352: int64 and fp32 [R, L] zeros, the mask ``indices != -1`` bool
+  [R, k], the n valid indices, ``arange(R).repeat_interleave(mask.sum(1))``, two ``index_put_``; the
+  probabilities' ``probs[mask]`` keeps the mask and their ``index_put_`` the two int64 [n] indices for the
+  backward; the int64 map gives way to its bool copy); then ``permute`` of the R received tokens by that [R, L]
+  map to the n copies [n, h] and their fp32 probabilities [n], as the all-to-all dispatcher permutes (NOTE [the
+  permutation maps] in :mod:`remat.models.permute`: the argsort of the [L, R] map kept whole, or with
+  ``--moe-permute-fusion`` TE's int32 [R, 2L + 1] row_id_map).
+* The experts; ``unpermute`` ([R, h]); ``FusedCombine.forward`` (``intranode_combine``: [T, h]; ``ctx.handle``),
+  whose backward dispatches the gradient in cached mode (:620-624: [R, h], and a source index, channel prefix
+  matrix and send head it drops).
 
 R depends on which tokens share a destination rank, which remat's routing assumption (tokens per expert) does not
 set: remat prices the most a rank can receive with those counts, every routed copy a token of its own from each
 source rank (R = G x min(T, the copies a source sends this rank's experts); balanced: min(G x T, T x k)), an upper
-bound. The unfused multihot conversion's temporaries (an int64 [R, L] map, ``token_dispatcher.py:1350-1365``) are
-not modelled.
+bound.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.models.allgather_dispatch import dense_routing
-from remat.models.expert_parallel import host_values, rank_received
+from remat.models.expert_parallel import rank_received
 from remat.models.flex_dispatch import FlexHandle, fill_rows, received_copies, run_experts_hybridep
+from remat.models.permute import permute_copies, unpermute_copies
 
 DEEPEP_CHANNELS = 10  # Megatron's set_deepep_num_sms(20) (token_dispatcher.py:1287-1292), config.hpp:60 num_sms / 2
 
@@ -138,14 +143,62 @@ def deepep_rows(counts: list[int], tokens: int, group: int, rank: int) -> int:
     return min(group * tokens, rank_received(counts, group)[rank])
 
 
+class SelectedWeights(torch.autograd.Function):
+    """``probs[mask]`` of ``_indices_to_multihot`` (token_dispatcher.py:1351): the n received weights whose index is
+    not -1, the bool mask [R, k] kept for the backward (of known size here: n, so that fake tensors can run it)."""
+
+    @staticmethod
+    def forward(ctx: Any, weights: torch.Tensor, mask: torch.Tensor, copies: int) -> torch.Tensor:
+        ctx.save_for_backward(mask)
+        ctx.shape = weights.shape
+        return fill_rows(weights.new_empty(copies), weights.reshape(-1))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (mask,) = ctx.saved_tensors
+        return fill_rows(grad.new_zeros(ctx.shape).view(-1), grad).view(ctx.shape), None, None
+
+
+def indices_to_multihot(indices: torch.Tensor, weights: torch.Tensor, received: list[int],
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's unfused ``_DeepepManager._indices_to_multihot`` (token_dispatcher.py:1323-1352, NOTE [the DeepEP
+    dispatcher]) of the received indices [R, k] and fp32 weights [R, k]: the bool map and fp32 probabilities
+    [R, L], with the int64 row and local expert of each of the n copies (in local-expert order, ``received[l]``
+    copies for expert l, each from its own row), which the caller permutes by."""
+    rows, local, copies, dev = indices.shape[0], len(received), sum(received), indices.device
+    routing = torch.zeros(rows, local, dtype=torch.long, device=dev)
+    multihot = torch.zeros(rows, local, dtype=torch.float32, device=dev)
+    mask = torch.empty(indices.shape, dtype=torch.bool, device=dev)  # indices != -1
+    expert_of = torch.empty(copies, dtype=torch.long, device=dev)  # indices[mask]
+    arange = torch.empty(rows, dtype=torch.long, device=dev)  # torch.arange(R), then its argument mask.sum(dim=1)
+    per_row = torch.empty(rows, dtype=torch.long, device=dev)
+    row_of = torch.empty(copies, dtype=torch.long, device=dev)  # arange.repeat_interleave(per_row)
+    del arange, per_row
+    if not isinstance(indices, FakeTensor):  # real values in place: copy i of expert l from row i mod R
+        mask.fill_(True)
+        torch.arange(copies, out=row_of).remainder_(max(rows, 1))
+        start = 0
+        for expert, count in enumerate(received):
+            expert_of[start:start + count].fill_(expert)
+            start += count
+    routing[row_of, expert_of] = 1
+    multihot[row_of, expert_of] = SelectedWeights.apply(weights, mask, copies)
+    del mask
+    routing_map = routing.bool()
+    del routing
+    return routing_map, multihot, row_of, expert_of
+
+
 def run_experts_deepep(experts: nn.Module, tokens: torch.Tensor, probs: torch.Tensor, counts: list[int],
-                       topk: int, group: int, rank: int) -> tuple[torch.Tensor, list[int]]:
+                       topk: int, group: int, rank: int, *, permute_fusion: bool = False,
+                       experimental: bool = False) -> tuple[torch.Tensor, list[int]]:
     """Megatron's flex dispatcher with DeepEP (NOTE [the DeepEP dispatcher]) for one rank's ``tokens`` [T, h], their
     routed copies' probabilities ``probs`` [T * topk] and ``counts[e]`` copies per expert, every rank of the
-    ``group`` (G = ep ranks, this one ``rank``) routing alike. Returns the combined output [T, h] and the copies each
-    local expert received."""
+    ``group`` (G = ep ranks, this one ``rank``) routing alike; ``permute_fusion``: ``--moe-permute-fusion``,
+    ``experimental``: ``--enable-experimental`` (the fused multihot conversion, with the fusion). Returns the
+    combined output [T, h] and the copies each local expert received."""
     received = received_copies(counts, group, rank)
-    copies, rows = sum(received), deepep_rows(counts, tokens.shape[0], group, rank)
+    copies, rows, local = sum(received), deepep_rows(counts, tokens.shape[0], group, rank), len(received)
     dense, routing_map = dense_routing(tokens, probs, topk, len(counts))
     del routing_map  # the router's map: DeepEP routes by indices
     token_probs, token_indices = torch.topk(dense, topk, dim=-1)  # token_dispatcher.py:1299
@@ -155,26 +208,44 @@ def run_experts_deepep(experts: nn.Module, tokens: torch.Tensor, probs: torch.Te
     holder = FlexHandle()
     recv_x, recv_indices, recv_probs = DeepEPDispatch.apply(tokens.contiguous(), token_indices, token_probs, holder,
                                                             group, len(counts), rows)
-    routing, multihot_probs = IndicesToMultihot.apply(recv_indices, recv_probs, len(received))
-    del recv_indices, recv_probs, routing
-    # permute: each copy's received row, in local-expert order (the unfused permute's sorted_indices, int64 [n])
-    rows_of = range(copies) if isinstance(tokens, FakeTensor) else [i % rows for i in range(copies)]
-    sorted_indices = host_values(rows_of, torch.long, tokens)
-    permuted = recv_x.index_select(0, sorted_indices)
-    permuted_probs = multihot_probs.reshape(-1).index_select(0, sorted_indices)
-    del multihot_probs
+    if experimental and permute_fusion:
+        routing, multihot_probs = IndicesToMultihot.apply(recv_indices, recv_probs, local)
+        row_of = expert_of = None
+    else:
+        routing, multihot_probs, row_of, expert_of = indices_to_multihot(recv_indices, recv_probs, received)
+    del recv_indices, recv_probs
+    # the copies in local-expert order, as indices into the flattened [R, L] probabilities (row x L + expert): what
+    # remat's permutation reads (remat.models.permute), made here in place of the argsort Megatron runs there
+    order = torch.empty(copies, dtype=torch.long, device=tokens.device)
+    if not isinstance(tokens, FakeTensor):
+        if row_of is not None:
+            torch.mul(row_of, local, out=order).add_(expert_of)
+        else:  # copy i of expert l from row i mod R, in place
+            start = 0
+            for expert, count in enumerate(received):
+                torch.arange(start, start + count, out=order[start:start + count])
+                order[start:start + count].remainder_(max(rows, 1)).mul_(local).add_(expert)
+                start += count
+    del row_of, expert_of  # the unfused conversion's: kept by the probabilities' index_put_ for the backward
+    permuted, permuted_probs, mapping = permute_copies(recv_x, multihot_probs.reshape(-1), order, local, local,
+                                                       argsort=True, fused=permute_fusion)
+    del routing, multihot_probs, order  # the manager's map, kept to the next forward: flex_kept_bytes
     output = experts(permuted, received, permuted_probs)
     del permuted, permuted_probs
-    unpermuted = torch.zeros_like(recv_x).index_add_(0, sorted_indices, output)  # unpermute
-    del recv_x, output
+    unpermuted = unpermute_copies(output, mapping, recv_x)
+    del recv_x, output, mapping
     combined = DeepEPCombine.apply(unpermuted, holder, tokens.shape[0])
     holder.tensors = None  # _DeepepManager.combine: self.handle = None (token_dispatcher.py:1387)
     return combined, received
 
 
 def run_experts_flex(experts: nn.Module, tokens: torch.Tensor, probs: torch.Tensor, counts: list[int], topk: int,
-                     backend: str, group: int, rank: int) -> tuple[torch.Tensor, list[int]]:
+                     backend: str, group: int, rank: int, *, permute_fusion: bool = False,
+                     experimental: bool = False) -> tuple[torch.Tensor, list[int]]:
     """The flex dispatcher with ``backend`` (``hybridep`` or ``deepep``; ``remat.models.flex_dispatch.flex_group``
-    gives the backend, group and rank): :func:`run_experts_hybridep` or :func:`run_experts_deepep`."""
-    run = run_experts_deepep if backend == "deepep" else run_experts_hybridep
-    return run(experts, tokens, probs, counts, topk, group, rank)
+    gives the backend, group and rank): :func:`run_experts_hybridep` or :func:`run_experts_deepep` (which reads
+    ``permute_fusion`` and ``experimental``; HybridEP's own fused permute changes none of its tensors)."""
+    if backend == "deepep":
+        return run_experts_deepep(experts, tokens, probs, counts, topk, group, rank, permute_fusion=permute_fusion,
+                                  experimental=experimental)
+    return run_experts_hybridep(experts, tokens, probs, counts, topk, group, rank)

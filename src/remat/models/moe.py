@@ -357,7 +357,8 @@ class MoELayer(nn.Module):
             from remat.models.allgather_dispatch import run_experts_allgather
             from remat.models.deepep_dispatch import run_experts_flex
             output, self.last_received = (
-                run_experts_flex(self.experts, tokens, probs, counts, self.topk, *self.flex) if self.flex else
+                run_experts_flex(self.experts, tokens, probs, counts, self.topk, *self.flex, **self.flex_options)
+                if self.flex else
                 run_experts_allgather(self.experts, self.allgather, tokens, probs, counts, self.topk,
                                       self.allgather.rank, len(counts) // self.allgather.size))
             if self.shared_experts is not None:
@@ -379,8 +380,10 @@ class MoELayer(nn.Module):
     def set_permutation(self, config: ModelConfig) -> None:
         """How the all-to-all dispatcher permutes this layer's copies (NOTE [the permutation maps] in
         :mod:`remat.models.permute`): fused (``--moe-permute-fusion``), else by an argsort of the routing map unless
-        the experts are padded to capacity; the allgather dispatcher at ep = 1 keeps the copies' indices alone."""
+        the experts are padded to capacity; the allgather dispatcher at ep = 1 keeps the copies' indices alone. The
+        flex dispatcher's DeepEP backend reads the same flags (``flex_options``)."""
         self.num_experts = config.num_moe_experts
+        self.flex_options = {"permute_fusion": config.moe_permute_fusion, "experimental": config.enable_experimental}
         alltoall = config.moe_token_dispatcher_type == "alltoall"
         self.permute_fused = alltoall and config.moe_permute_fusion
         self.permute_argsort = alltoall and not config.moe_pad_expert_input_to_capacity

@@ -26,7 +26,9 @@ remat's router gives the copies in expert order as indices into its [T x topk] p
 [routing under fake tensors] in :mod:`remat.models.moe`); the maps above are allocated at Megatron's sizes and hold
 those indices where the backward reads them (the fused map as int32, its first n entries the order and the next n
 the tokens), so a real run computes what Megatron computes and allocates, tensor for tensor, what a fake trace does.
-Not modelled: the sort's own scratch memory on the GPU, and the dispatcher's attributes that keep the last
+The flex dispatcher's DeepEP backend permutes the R tokens it received by their [R, L] multihot map (L local
+experts) with the same ``permute`` (token_dispatcher.py:1436-1452; :mod:`remat.models.deepep_dispatch`). Not
+modelled: the sort's own scratch memory on the GPU, and the all-to-all dispatcher's attributes that keep the last
 micro-batch's map and routing until the layer's next forward (one map a layer past the step's last backward).
 """
 

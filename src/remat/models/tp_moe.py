@@ -148,7 +148,8 @@ class TPMoELayer(MoELayer):
         tokens = hidden.reshape(-1, shape[-1])  # this rank's token shard under sequence parallelism
         probs, order, counts = self.router(tokens)
         if self.flex is not None:  # the tp x ep group is the ep ranks (etp = 1: flex_group)
-            output, self.last_received = run_experts_flex(self.experts, tokens, probs, counts, self.topk, *self.flex)
+            output, self.last_received = run_experts_flex(self.experts, tokens, probs, counts, self.topk, *self.flex,
+                                                          **self.flex_options)
             if self.shared_experts is not None:
                 output = output + self.shared_experts(tokens)
             return output.view(shape)
