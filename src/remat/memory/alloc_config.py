@@ -19,7 +19,6 @@ ROUND_LARGE = 2 * MIB       # kRoundLarge: larger allocations are rounded up to 
 LARGE_BUFFER = 20 * MIB     # kLargeBuffer: default large_segment_size_mb and max_non_split_rounding_mb
 
 
-
 def round_size(nbytes: int, divisions: int = 0) -> int:
     """The block size a request asks the pools for (``round_size``, ``roundup_power2_next_division``).
 
