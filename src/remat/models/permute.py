@@ -50,7 +50,7 @@ def permute_copies(tokens: torch.Tensor, probs: torch.Tensor, order: torch.Tenso
         tokens: this rank's tokens [T, h].
         probs: the router's probability of each routed copy [T x topk].
         order: the copies in expert order, indices into ``probs`` (int64 [n]).
-        topk: copies per token.
+        topk: the copies of a token in ``probs``' layout (copy i belongs to token i // topk).
         num_experts: E, the routing map's columns.
         argsort: Megatron's dropless unfused permute (an argsort of the [E x T] map, kept whole); False: the
             [n] indices alone (drop-and-pad).
