@@ -284,11 +284,15 @@ def routing_line(job: Job) -> str | None:
     m = job.model
     if not m.is_moe or m.moe_pad_expert_input_to_capacity:
         return None
+    # DeepEP receives each token once per destination rank, which the counts per expert do not set
+    deepep = ("; DeepEP's received tokens priced at the most those counts allow (every copy a token of its own from "
+              "each source rank: an upper bound)" if m.moe_token_dispatcher_type == "flex" and
+              m.moe_flex_dispatcher_backend == "deepep" else "")
     if m.moe_routing_assumption is not None:
-        return f"MoE routing: {m.moe_routing_assumption} (as given: --moe-routing, or moe_routing_assumption)"
+        return f"MoE routing: {m.moe_routing_assumption} (as given: --moe-routing, or moe_routing_assumption){deepep}"
     factor = m.moe_expert_capacity_factor
     bound = (f"up to {factor:g} times its share (--moe-expert-capacity-factor drops the rest)" if factor else
              "without bound (dropless)")
     return ("MoE routing: balanced assumed (each expert receives its share of the routed tokens); Megatron routes "
             f"by the data, and an expert may receive more, {bound}: --moe-routing capacity:F prices every expert at "
-            "F times its share")
+            f"F times its share{deepep}")

@@ -279,6 +279,14 @@ def test_a_moe_jobs_answer_names_its_routing_and_the_setting_that_prices_a_skew(
                                              moe_pad_expert_input_to_capacity=True).to_dict()))
     assert "moe_routing_assumed" not in _json(capsys, [*argv[:2], str(padded), *argv[3:]])
     assert "moe_routing_assumed" not in _json(capsys, ["predict", *TINY, "--dp", "1"])
+    assert "DeepEP" not in balanced
+    # DeepEP: the tokens a rank receives depend on which tokens share a destination, which no routing sets
+    deepep = path.with_name("deepep.json")
+    deepep.write_text(json.dumps(moe.replace(moe_token_dispatcher_type="flex", expert_model_parallel_size=2,
+                                             moe_flex_dispatcher_backend="deepep").to_dict()))
+    line = _json(capsys, [*argv[:2], str(deepep), "--precision", "bf16", "--dp", "2", "--ep", "2", "--device",
+                          "cuda"])["moe_routing_assumed"]
+    assert line.startswith(balanced) and "DeepEP's received tokens" in line and "an upper bound" in line
 
 
 def test_a_qwen2_job_with_add_qkv_bias_is_predicted(capsys):
