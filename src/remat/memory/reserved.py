@@ -103,8 +103,9 @@ def allocation_streams(timeline: Timeline) -> list[int] | None:
         [0, 1]
     """
     modules = getattr(timeline, "module", None) or ()
-    streams = [_STREAM_NUMBERS.get(ALLOCATION_STREAMS.get(m, ""), 0) for m in modules]
-    return streams if any(streams) else None
+    if ALLOCATION_STREAMS.keys().isdisjoint(modules):  # the usual case, without a Python step per row
+        return None
+    return [_STREAM_NUMBERS.get(ALLOCATION_STREAMS.get(m, ""), 0) for m in modules]
 
 
 def _cache_key(timeline: Timeline, config: AllocatorConfig | None,
