@@ -68,7 +68,9 @@ def permute_copies(tokens: torch.Tensor, probs: torch.Tensor, order: torch.Tenso
     first.copy_(order)
     token_of = first.div(topk, rounding_mode="floor")  # Megatron's sorted_indices = flat_sorted[:n] % T
     probs_t = probs.new_empty(num_experts * count)  # probs.T.contiguous(), indexed then dropped
-    permuted_probs = probs[first]  # the indexing keeps its indices: flat_sorted's storage, to the backward
+    # Megatron indexes (probs_t[flat_sorted]); index_select keeps the same indices, flat_sorted's whole storage, to
+    # the backward, and makes the same [n] and (backward) [T x topk] tensors
+    permuted_probs = probs.index_select(0, first)
     del probs_t
     permuted = tokens.index_select(0, token_of)
     del transposed
