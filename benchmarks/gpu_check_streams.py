@@ -138,8 +138,9 @@ def check_streams(results: Any, device: str) -> None:
                     "tests/memory/test_allocator_streams.py)")
         return
     for setting in SETTINGS:
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": setting}
-        env.pop("PYTORCH_ALLOC_CONF", None)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+        if setting:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = setting
         done = subprocess.run([sys.executable, __file__, "--child", setting], env=env, capture_output=True,
                               text=True, timeout=300)
         if done.returncode != 0:
