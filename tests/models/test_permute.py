@@ -14,8 +14,9 @@ from remat.config import ModelConfig
 from remat.job import JobError, parse_megatron_args
 from remat.memory.measure import measure
 from remat.memory.predict import trace
+from remat.models.expert_parallel import SimulatedExpertGroup, expert_parallel_group
 from remat.models.gpt import build_model, sample_batch
-from remat.models.permute import ROW_ID_BLOCK, permute_copies, unpermute_copies
+from remat.models.permute import ROW_ID_BLOCK, permute_copies, sort_chunks_fused, unpermute_copies
 from remat.timeline import Timeline
 
 # one MoE layer (the second), 8 experts, top-2, 2 x 16 tokens: E x T = 256 copies' worth of map
@@ -79,6 +80,29 @@ def test_each_permutation_keeps_its_map_from_the_layers_forward_to_its_backward(
     # fused: TE's int32 [T, 2E + 1] row_id_map, and no int64 index at all
     fused = _kept(MOE.replace(moe_permute_fusion=True))
     assert (fused - indices, indices - fused) == (Counter({4 * TOKENS * (2 * EXPERTS + 1): 1}), Counter({8 * n: 2}))
+
+
+def test_with_expert_parallelism_the_fused_sorts_keep_their_chunk_maps():
+    # ep = 2 (rank 0 of a simulated group): 4 local experts, so the received chunks are sorted by local expert and
+    # back; TE's fused sorts keep an int32 [rows] map each (64 rows received under balanced routing), the unfused
+    # torch.split/torch.cat nothing
+    config = MOE.replace(expert_model_parallel_size=2)
+    with expert_parallel_group(SimulatedExpertGroup(2, 0)):
+        unfused, fused = _kept(config), _kept(config.replace(moe_permute_fusion=True))
+    n = TOKENS * TOPK
+    assert fused - unfused == Counter({4 * TOKENS * (2 * EXPERTS + 1): 1, 4 * n: 2})
+    assert unfused - fused == Counter({8 * EXPERTS * TOKENS: 1, 8 * n: 1})
+
+
+def test_the_fused_chunk_sort_moves_real_rows_and_their_gradients():
+    x = torch.arange(12.0).reshape(6, 2).requires_grad_()
+    probs = torch.arange(6.0, requires_grad=True)
+    sizes, order = [1, 2, 3], [2, 0, 1]  # chunks [0], [1, 2], [3, 4, 5] -> [3, 4, 5], [0], [1, 2]
+    out, sorted_probs = sort_chunks_fused(x, probs, sizes, order)
+    assert sorted_probs.tolist() == [3.0, 4.0, 5.0, 0.0, 1.0, 2.0] and torch.equal(out, x.detach()[[3, 4, 5, 0, 1, 2]])
+    weights = torch.arange(6.0)
+    grad_x, grad_p = torch.autograd.grad((out.sum(1) * weights).sum() + (sorted_probs * weights).sum(), (x, probs))
+    assert grad_p.tolist() == [3.0, 4.0, 5.0, 0.0, 1.0, 2.0] and grad_x[:, 0].tolist() == grad_p.tolist()
 
 
 def test_the_fused_permute_frees_make_row_id_maps_workspace_in_the_forward():

@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.config import ConfigError, ModelConfig, RoutingAssumption
 from remat.models.collectives import released, run_collective
+from remat.models.permute import sort_chunks_fused
 
 
 def host_values(values: Sequence[int], dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
@@ -185,10 +186,12 @@ class _SortChunks(torch.autograd.Function):
 # received copies are freed once sorted, and the sorted ones once the experts have used them (autograd keeps what
 # backward needs).
 def run_experts_parallel(experts: nn.Module, group: ExpertParallelGroup, permuted: torch.Tensor,
-                         permuted_probs: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+                         permuted_probs: torch.Tensor, counts: list[int], *,
+                         fused: bool = False) -> tuple[torch.Tensor, list[int]]:
     """Dispatch this rank's routed copies (``permuted``, in expert order, ``counts[e]`` for expert e of all
     ``num_moe_experts``) to the ranks holding their experts, run the local ``experts`` on what this rank
-    receives, and bring the outputs back in ``permuted``'s order.
+    receives, and bring the outputs back in ``permuted``'s order; ``fused``: the chunks sorted by TE's fused
+    kernels (``--moe-permute-fusion``, :func:`remat.models.permute.sort_chunks_fused`).
 
     Returns:
         The outputs, one row per row of ``permuted``, and the copies each local expert received.
@@ -206,15 +209,26 @@ def run_experts_parallel(experts: nn.Module, group: ExpertParallelGroup, permute
     if local > 1:  # [source][local expert] -> [local expert][source]
         by_source = [c for row in mine for c in row]
         to_experts = [s * local + e for e in range(local) for s in range(ep)]
-        tokens = sort_chunks(tokens, by_source, to_experts)
-        probs = sort_chunks(probs, by_source, to_experts)
+        tokens, probs = sort_both(tokens, probs, by_source, to_experts, fused)
     output = experts(tokens, received, probs)
     del tokens, probs
     if local > 1:  # back to [source][local expert]
         by_expert = [mine[s][e] for e in range(local) for s in range(ep)]
         to_sources = [e * ep + s for s in range(ep) for e in range(local)]
-        output = sort_chunks(output, by_expert, to_sources)
+        output = sort_chunks_fused(output, None, by_expert, to_sources)[0] if fused else sort_chunks(
+            output, by_expert, to_sources)
     return AllToAll.apply(output, group, input_splits, output_splits), received
+
+
+def sort_both(tokens: torch.Tensor, probs: torch.Tensor, sizes: list[int], order: list[int],
+              fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The received tokens and their probabilities sorted by local expert: one fused kernel (``--moe-permute-fusion``)
+    or Megatron's unfused ``sort_chunks_by_idxs`` of each."""
+    if fused:
+        out, sorted_probs = sort_chunks_fused(tokens, probs, sizes, order)
+        assert sorted_probs is not None
+        return out, sorted_probs
+    return sort_chunks(tokens, sizes, order), sort_chunks(probs, sizes, order)
 
 
 # ------------------------------------------------------------------------------------------------ the group in use

@@ -370,7 +370,7 @@ class MoELayer(nn.Module):
             expert_output = self.experts(permuted, counts, permuted_probs)
         else:  # dispatch to the ranks holding the experts and back (NOTE [the all-to-all dispatcher])
             expert_output, self.last_received = run_experts_parallel(
-                self.experts, self.ep_group, permuted, permuted_probs, counts)
+                self.experts, self.ep_group, permuted, permuted_probs, counts, fused=self.permute_fused)
         del permuted, permuted_probs
         output = unpermute_copies(expert_output, mapping, tokens)                   # combine
         if self.shared_experts is not None:

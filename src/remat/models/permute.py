@@ -26,6 +26,11 @@ remat's router gives the copies in expert order as indices into its [T x topk] p
 [routing under fake tensors] in :mod:`remat.models.moe`); the maps above are allocated at Megatron's sizes and hold
 those indices where the backward reads them (the fused map as int32, its first n entries the order and the next n
 the tokens), so a real run computes what Megatron computes and allocates, tensor for tensor, what a fake trace does.
+With ``--moe-permute-fusion`` the received chunks are also sorted by local expert and back with TE's
+``moe_sort_chunks_by_index(_with_probs)`` (``pytorch/permutation.py:1110-1160``; ``triton/permutation.py:381``
+``make_chunk_sort_map``: int32 [rows], saved for the backward; ``:419-421`` the sorted tokens and probabilities):
+:func:`sort_chunks_fused`, where the unfused sort (``torch.split`` and ``torch.cat``, NOTE [sorting chunks] in
+:mod:`remat.models.expert_parallel`) keeps nothing.
 The flex dispatcher's DeepEP backend permutes the R tokens it received by their [R, L] multihot map (L local
 experts) with the same ``permute`` (token_dispatcher.py:1436-1452; :mod:`remat.models.deepep_dispatch`). Not
 modelled: the sort's own scratch memory on the GPU, and the all-to-all dispatcher's attributes that keep the last
@@ -37,6 +42,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 ROW_ID_BLOCK = 1024  # triton/permutation.py make_row_id_map's block_size: the workspace's columns
 
@@ -131,3 +137,52 @@ class FusedPermute(torch.autograd.Function):
         grad_p = None if grad_probs is None else grad_probs.new_zeros(ctx.probs_numel).index_add_(0, copies,
                                                                                                   grad_probs)
         return grad_tokens, grad_p, None, None, None
+
+
+def sort_chunks_fused(x: torch.Tensor, probs: torch.Tensor | None, sizes: list[int],
+                      order: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TE's fused ``moe_sort_chunks_by_index`` (``probs`` None) or ``..._with_probs``: ``x``'s rows (and ``probs``'),
+    split into chunks of ``sizes`` rows, in ``order``, with the int32 [rows] map kept for the backward (NOTE [the
+    permutation maps])."""
+    return FusedSortChunks.apply(x, probs, list(sizes), list(order))
+
+
+def _move_chunks(out: torch.Tensor, src: torch.Tensor, sizes: list[int], order: list[int], back: bool) -> None:
+    """Real tensors only: ``src``'s chunks (of ``sizes`` rows) written into ``out`` in ``order`` (``back``: from
+    that order back to the first), in place."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    at = 0
+    for i in order:
+        source, target = (slice(starts[i], starts[i] + sizes[i]), slice(at, at + sizes[i]))
+        out[source if back else target].copy_(src[target if back else source])
+        at += sizes[i]
+
+
+class FusedSortChunks(torch.autograd.Function):
+    """:func:`sort_chunks_fused`: the map, then the sorted rows and probabilities (``sort_chunks_by_map``'s order);
+    the backward writes the gradients' rows back (and the probabilities')."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, probs: torch.Tensor | None, sizes: list[int],
+                order: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ctx.set_materialize_grads(False)
+        row_id_map = torch.empty(x.shape[0], dtype=torch.int32, device=x.device)  # make_chunk_sort_map
+        out = x.new_empty(x.shape)
+        sorted_probs = None if probs is None else probs.new_empty(probs.shape)
+        if not isinstance(x, FakeTensor):
+            _move_chunks(out, x, sizes, order, back=False)
+            if probs is not None:
+                _move_chunks(sorted_probs, probs, sizes, order, back=False)
+        ctx.save_for_backward(row_id_map)
+        ctx.sizes, ctx.order = sizes, order
+        return out, sorted_probs
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor | None, grad_probs: torch.Tensor | None) -> tuple[Any, ...]:
+        grads = []
+        for g in (grad, grad_probs):
+            out = None if g is None else g.new_empty(g.shape)
+            if g is not None and not isinstance(g, FakeTensor):
+                _move_chunks(out, g, ctx.sizes, ctx.order, back=True)
+            grads.append(out)
+        return grads[0], grads[1], None, None

@@ -53,11 +53,12 @@ from remat.models.expert_parallel import (
     expert_parallel_group,
     expert_tensor_group,
     expert_tensor_parallel_group,
+    sort_both,
     sort_chunks,
 )
 from remat.models.flex_dispatch import flex_group
 from remat.models.moe import GroupedMLP, MoELayer, Router, SequentialMLP
-from remat.models.permute import unpermute_copies
+from remat.models.permute import sort_chunks_fused, unpermute_copies
 from remat.models.tp_layers import (
     TPMLP,
     GatherFromSequence,
@@ -167,7 +168,8 @@ class TPMoELayer(MoELayer):
             expert_output = self.experts(permuted, counts, permuted_probs)
         else:
             expert_output, self.last_received = run_experts_tensor_parallel(
-                self.experts, self.ep_group, self.etp_group, self.counts_group, permuted, permuted_probs, counts)
+                self.experts, self.ep_group, self.etp_group, self.counts_group, permuted, permuted_probs, counts,
+                fused=self.permute_fused)
         del permuted, permuted_probs
         output = unpermute_copies(expert_output, mapping, tokens)                   # combine
         if self.shared_experts is not None:
@@ -184,10 +186,11 @@ class TPMoELayer(MoELayer):
 def run_experts_tensor_parallel(experts: nn.Module, ep_group: ExpertParallelGroup | None,
                                 etp_group: TensorParallelGroup, counts_group: ExpertParallelGroup,
                                 permuted: torch.Tensor, permuted_probs: torch.Tensor,
-                                counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+                                counts: list[int], *, fused: bool = False) -> tuple[torch.Tensor, list[int]]:
     """Megatron's all-to-all dispatcher with expert tensor parallelism (module docstring): dispatch this rank's
     routed copies (``permuted``, in expert order, ``counts[e]`` for expert e of all ``num_moe_experts``), run the
-    local expert shards on every copy the tp x ep ranks send them, and bring the summed outputs back in
+    local expert shards on every copy the tp x ep ranks send them (sorted by TE's fused kernels with ``fused``:
+    ``--moe-permute-fusion``), and bring the summed outputs back in
     ``permuted``'s order.
 
     Returns:
@@ -216,14 +219,14 @@ def run_experts_tensor_parallel(experts: nn.Module, ep_group: ExpertParallelGrou
     received = [sum(by_source[s * local + lx] for s in range(sources)) for lx in range(local)]
     if local > 1:  # [source][local expert] -> [local expert][source]
         to_experts = [s * local + lx for lx in range(local) for s in range(sources)]
-        tokens = sort_chunks(tokens, by_source, to_experts)
-        probs = sort_chunks(probs, by_source, to_experts)
+        tokens, probs = sort_both(tokens, probs, by_source, to_experts, fused)
     output = experts(tokens, received, probs)
     del tokens, probs
     if local > 1:  # back to [source][local expert]
         by_expert = [by_source[s * local + lx] for lx in range(local) for s in range(sources)]
         to_sources = [lx * sources + s for s in range(sources) for lx in range(local)]
-        output = sort_chunks(output, by_expert, to_sources)
+        output = sort_chunks_fused(output, None, by_expert, to_sources)[0] if fused else sort_chunks(
+            output, by_expert, to_sources)
     if etp > 1:  # the fc2 shards' partial sums, summed; each etp rank keeps what it received
         # token_dispatcher.py:829-833 (combine_preprocess): summed in the probabilities' dtype, so an fp32 router
         # (--moe-router-dtype) makes an fp32 copy, the fp32 reduce-scatter output (and fp32 gathered gradients)
