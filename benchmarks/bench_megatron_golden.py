@@ -46,7 +46,7 @@ NOTES = {
         "no missing tensor: the logged running peak stays at 53.94 GiB from iteration 3 to 29 (remat +1.3%) and "
         "climbs to 55.98 GiB only at iterations 30-39, with a flat resident state: data-dependent, i.e. dropless "
         "routing (--moe-aux-loss-coeff 1e-4); this rank's experts taking 1.24x their balanced share "
-        "(capacity:1.24) predicts 56.00 GiB, 0.88x 53.97 GiB. One MLA layer under te keeps what Megatron's "
+        "(capacity:1.24) predicts 56.00 GiB, 0.88x 53.98 GiB. One MLA layer under te keeps what Megatron's "
         "keeps (test_te_mla_layer_keeps_what_megatron_mla_keeps_under_unfused_attention) but the unfused rope's "
         "cos/sin tables (4 x [s, 1, 1, 64] bf16 per layer, 30 MiB at the peak)",
 }
