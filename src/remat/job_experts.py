@@ -68,7 +68,6 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
                    moe_expert_capacity_factor=got.get("--moe-expert-capacity-factor"),
                    moe_pad_expert_input_to_capacity=bool(got.get("--moe-pad-expert-input-to-capacity")),
                    moe_permute_fusion=bool(got.get("--moe-permute-fusion")),
-                   enable_experimental=experimental_multihot(got),
                    moe_aux_loss_coeff=got.get("--moe-aux-loss-coeff", 0.0),
                    moe_router_pre_softmax=bool(got.get("--moe-router-pre-softmax")),
                    moe_router_enable_expert_bias=bool(got.get("--moe-router-enable-expert-bias")),
@@ -79,6 +78,10 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
         if got.get("--moe-enable-deepep") and out["moe_flex_dispatcher_backend"] != "deepep":
             raise JobError("--moe-enable-deepep with --moe-flex-dispatcher-backend hybridep: Megatron runs one backend "
                            "(transformer_config.py:1746-1747); drop one")
+        # --enable-experimental changes a job only through DeepEP's fused multihot conversion, under
+        # --moe-permute-fusion (token_dispatcher.py:1425); elsewhere it is listed as ignored (remat.job_model)
+        out["enable_experimental"] = bool(got.get("--enable-experimental")) and out["moe_permute_fusion"] and \
+            (out["moe_token_dispatcher_type"], out["moe_flex_dispatcher_backend"]) == ("flex", "deepep")
         if out["moe_permute_fusion"] and out["moe_token_dispatcher_type"] == "allgather":
             raise JobError("--moe-permute-fusion with --moe-token-dispatcher-type allgather: remat models "
                            "TransformerEngine's fused permute for the all-to-all dispatcher (NOTE [the permutation "
@@ -99,14 +102,6 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
                kv_lora_rank=got["--kv-lora-rank"], qk_head_dim=got.get("--qk-head-dim", 128),
                qk_pos_emb_head_dim=got.get("--qk-pos-emb-head-dim", 64), v_head_dim=got.get("--v-head-dim", 128))
     return out
-
-
-def experimental_multihot(got: dict[str, Any]) -> bool:
-    """Whether ``--enable-experimental`` changes the job (flag -> parsed value ``got``): only DeepEP's fused
-    multihot conversion, under --moe-permute-fusion (token_dispatcher.py:1425); elsewhere the job ignores it."""
-    return bool(got.get("--enable-experimental") and got.get("--moe-permute-fusion") and
-                got.get("--moe-token-dispatcher-type") == "flex" and
-                got.get("--moe-flex-dispatcher-backend", "deepep") == "deepep")
 
 
 def _layer_freq(text: str | int, num_layers: int) -> int | tuple[int, ...]:

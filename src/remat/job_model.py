@@ -110,7 +110,7 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
     except ConfigError as err:
         raise JobError(f"the model flags describe an invalid model: {err}") from None
     check_op_fuser(got, ignored, model)
-    if "--enable-experimental" in got and not model.enable_experimental:  # remat.job_experts.experimental_multihot
+    if "--enable-experimental" in got and not model.enable_experimental:  # remat.job_experts.moe_mla_fields
         ignored.append("--enable-experimental")
     if got.get("--moe-enable-deepep"):  # the flex dispatcher's default backend, checked by moe_mla_fields
         ignored.append("--moe-enable-deepep")

@@ -117,8 +117,7 @@ class _Replayer:
     def __init__(self, config: AllocatorConfig):
         self.cfg, self.cap, self.expandable = config, config.capacity_bytes, config.expandable_segments
         self.mss = _NO_LIMIT if config.max_split_size is None else config.max_split_size
-        self.small, self.large = _Pool(True), _Pool(False)
-        self.pools: dict[int, tuple[_Pool, _Pool]] = {0: (self.small, self.large)}  # stream -> (small, large)
+        self.pools: dict[int, tuple[_Pool, _Pool]] = {0: (_Pool(True), _Pool(False))}  # stream -> (small, large)
         self.at: dict[int, _Block] = {}  # address -> each block in a pool's keys or unmapped list
         self.next_base = SMALL_BUFFER  # addresses in creation order (the driver's real ones are unknowable)
         self.allocated = self.reserved = self.segments = self.num_ooms = 0
@@ -176,7 +175,7 @@ class _Replayer:
                 else:
                     release(live[~e])
             return
-        small, large, at = self.small, self.large, self.at
+        (small, large), at = self.pools[0], self.at
         mss, limit = self.mss, self.cfg.max_non_split_rounding_size
         allocated, peak = self.allocated, self.peak_allocated
         for e in order:

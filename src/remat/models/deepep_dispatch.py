@@ -159,12 +159,12 @@ class SelectedWeights(torch.autograd.Function):
         return fill_rows(grad.new_zeros(ctx.shape).view(-1), grad).view(ctx.shape), None, None
 
 
-def indices_to_multihot(indices: torch.Tensor, weights: torch.Tensor, received: list[int],
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def indices_to_multihot(indices: torch.Tensor, weights: torch.Tensor,
+                        received: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron's unfused ``_DeepepManager._indices_to_multihot`` (token_dispatcher.py:1323-1352, NOTE [the DeepEP
     dispatcher]) of the received indices [R, k] and fp32 weights [R, k]: the bool map and fp32 probabilities
-    [R, L], with the int64 row and local expert of each of the n copies (in local-expert order, ``received[l]``
-    copies for expert l, each from its own row), which the caller permutes by."""
+    [R, L]; the int64 row and local expert of each of the n copies (``received[l]`` copies for expert l, copy i
+    from row i mod R) are kept by the probabilities' ``index_put_`` for the backward."""
     rows, local, copies, dev = indices.shape[0], len(received), sum(received), indices.device
     routing = torch.zeros(rows, local, dtype=torch.long, device=dev)
     multihot = torch.zeros(rows, local, dtype=torch.float32, device=dev)
@@ -186,7 +186,7 @@ def indices_to_multihot(indices: torch.Tensor, weights: torch.Tensor, received: 
     del mask
     routing_map = routing.bool()
     del routing
-    return routing_map, multihot, row_of, expert_of
+    return routing_map, multihot
 
 
 def run_experts_deepep(experts: nn.Module, tokens: torch.Tensor, probs: torch.Tensor, counts: list[int],
@@ -210,23 +210,18 @@ def run_experts_deepep(experts: nn.Module, tokens: torch.Tensor, probs: torch.Te
                                                             group, len(counts), rows)
     if experimental and permute_fusion:
         routing, multihot_probs = IndicesToMultihot.apply(recv_indices, recv_probs, local)
-        row_of = expert_of = None
     else:
-        routing, multihot_probs, row_of, expert_of = indices_to_multihot(recv_indices, recv_probs, received)
+        routing, multihot_probs = indices_to_multihot(recv_indices, recv_probs, received)
     del recv_indices, recv_probs
     # the copies in local-expert order, as indices into the flattened [R, L] probabilities (row x L + expert): what
     # remat's permutation reads (remat.models.permute), made here in place of the argsort Megatron runs there
     order = torch.empty(copies, dtype=torch.long, device=tokens.device)
-    if not isinstance(tokens, FakeTensor):
-        if row_of is not None:
-            torch.mul(row_of, local, out=order).add_(expert_of)
-        else:  # copy i of expert l from row i mod R, in place
-            start = 0
-            for expert, count in enumerate(received):
-                torch.arange(start, start + count, out=order[start:start + count])
-                order[start:start + count].remainder_(max(rows, 1)).mul_(local).add_(expert)
-                start += count
-    del row_of, expert_of  # the unfused conversion's: kept by the probabilities' index_put_ for the backward
+    if not isinstance(tokens, FakeTensor):  # copy i of expert l from row i mod R (as indices_to_multihot), in place
+        start = 0
+        for expert, count in enumerate(received):
+            torch.arange(start, start + count, out=order[start:start + count])
+            order[start:start + count].remainder_(max(rows, 1)).mul_(local).add_(expert)
+            start += count
     permuted, permuted_probs, mapping = permute_copies(recv_x, multihot_probs.reshape(-1), order, local, local,
                                                        argsort=True, fused=permute_fusion)
     del routing, multihot_probs, order  # the manager's map, kept to the next forward: flex_kept_bytes

@@ -209,26 +209,23 @@ def run_experts_parallel(experts: nn.Module, group: ExpertParallelGroup, permute
     if local > 1:  # [source][local expert] -> [local expert][source]
         by_source = [c for row in mine for c in row]
         to_experts = [s * local + e for e in range(local) for s in range(ep)]
-        tokens, probs = sort_both(tokens, probs, by_source, to_experts, fused)
+        tokens, probs = sort_by_chunks(tokens, probs, by_source, to_experts, fused)
     output = experts(tokens, received, probs)
     del tokens, probs
     if local > 1:  # back to [source][local expert]
         by_expert = [mine[s][e] for e in range(local) for s in range(ep)]
         to_sources = [e * ep + s for s in range(ep) for e in range(local)]
-        output = sort_chunks_fused(output, None, by_expert, to_sources)[0] if fused else sort_chunks(
-            output, by_expert, to_sources)
+        output = sort_by_chunks(output, None, by_expert, to_sources, fused)[0]
     return AllToAll.apply(output, group, input_splits, output_splits), received
 
 
-def sort_both(tokens: torch.Tensor, probs: torch.Tensor, sizes: list[int], order: list[int],
-              fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The received tokens and their probabilities sorted by local expert: one fused kernel (``--moe-permute-fusion``)
-    or Megatron's unfused ``sort_chunks_by_idxs`` of each."""
+def sort_by_chunks(tokens: torch.Tensor, probs: torch.Tensor | None, sizes: list[int], order: list[int],
+                   fused: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows (and their probabilities, unless None) split into chunks of ``sizes`` rows, in ``order``: one fused
+    kernel (``--moe-permute-fusion``) or Megatron's unfused ``sort_chunks_by_idxs`` of each."""
     if fused:
-        out, sorted_probs = sort_chunks_fused(tokens, probs, sizes, order)
-        assert sorted_probs is not None
-        return out, sorted_probs
-    return sort_chunks(tokens, sizes, order), sort_chunks(probs, sizes, order)
+        return sort_chunks_fused(tokens, probs, sizes, order)
+    return sort_chunks(tokens, sizes, order), None if probs is None else sort_chunks(probs, sizes, order)
 
 
 # ------------------------------------------------------------------------------------------------ the group in use

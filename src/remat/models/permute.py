@@ -52,6 +52,9 @@ def permute_copies(tokens: torch.Tensor, probs: torch.Tensor, order: torch.Tenso
     """The routed copies of ``tokens`` [T, h] and their probabilities, in expert order (NOTE [the permutation
     maps]), and the map :func:`unpermute_copies` takes.
 
+    The map is the copies' token rows, int64 [n]; fused, the int32 token column of TE's row_id_map (a view, so the
+    whole map stays alive as long as it does).
+
     Args:
         tokens: this rank's tokens [T, h].
         probs: the router's probability of each routed copy [T x topk].
@@ -63,7 +66,8 @@ def permute_copies(tokens: torch.Tensor, probs: torch.Tensor, order: torch.Tenso
         fused: TransformerEngine's fused permute (``--moe-permute-fusion``): an int32 [T, 2E + 1] map instead.
     """
     if fused:
-        return FusedPermute.apply(tokens, probs, order, topk, num_experts)
+        permuted, permuted_probs, row_id_map = FusedPermute.apply(tokens, probs, order, topk, num_experts)
+        return permuted, permuted_probs, _row_id_slices(row_id_map, order.numel())[1]
     if not argsort:
         token_of = order.div(topk, rounding_mode="floor")
         return tokens.index_select(0, token_of), probs.index_select(0, order), token_of
@@ -86,8 +90,6 @@ def permute_copies(tokens: torch.Tensor, probs: torch.Tensor, order: torch.Tenso
 def unpermute_copies(expert_output: torch.Tensor, mapping: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The experts' outputs [n, h] added back into their tokens' rows [T, h] (``tokens``: for the shape), by the
     map :func:`permute_copies` gave (NOTE [the combine's saved source])."""
-    if mapping.dtype == torch.int32 and mapping.dim() == 2:  # TE's row_id_map (FusedPermute): its token column
-        mapping = _row_id_slices(mapping, expert_output.shape[0])[1]
     return torch.zeros_like(tokens).index_add_(0, mapping, expert_output)
 
 

@@ -53,12 +53,11 @@ from remat.models.expert_parallel import (
     expert_parallel_group,
     expert_tensor_group,
     expert_tensor_parallel_group,
-    sort_both,
-    sort_chunks,
+    sort_by_chunks,
 )
 from remat.models.flex_dispatch import flex_group
 from remat.models.moe import GroupedMLP, MoELayer, Router, SequentialMLP
-from remat.models.permute import sort_chunks_fused, unpermute_copies
+from remat.models.permute import unpermute_copies
 from remat.models.tp_layers import (
     TPMLP,
     GatherFromSequence,
@@ -219,14 +218,13 @@ def run_experts_tensor_parallel(experts: nn.Module, ep_group: ExpertParallelGrou
     received = [sum(by_source[s * local + lx] for s in range(sources)) for lx in range(local)]
     if local > 1:  # [source][local expert] -> [local expert][source]
         to_experts = [s * local + lx for lx in range(local) for s in range(sources)]
-        tokens, probs = sort_both(tokens, probs, by_source, to_experts, fused)
+        tokens, probs = sort_by_chunks(tokens, probs, by_source, to_experts, fused)
     output = experts(tokens, received, probs)
     del tokens, probs
     if local > 1:  # back to [source][local expert]
         by_expert = [by_source[s * local + lx] for lx in range(local) for s in range(sources)]
         to_sources = [lx * sources + s for s in range(sources) for lx in range(local)]
-        output = sort_chunks_fused(output, None, by_expert, to_sources)[0] if fused else sort_chunks(
-            output, by_expert, to_sources)
+        output = sort_by_chunks(output, None, by_expert, to_sources, fused)[0]
     if etp > 1:  # the fc2 shards' partial sums, summed; each etp rank keeps what it received
         # token_dispatcher.py:829-833 (combine_preprocess): summed in the probabilities' dtype, so an fp32 router
         # (--moe-router-dtype) makes an fp32 copy, the fp32 reduce-scatter output (and fp32 gathered gradients)
