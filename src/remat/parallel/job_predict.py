@@ -269,11 +269,17 @@ def add_replays(ranks: Sequence[RankPrediction], kernels: str, device: str, allo
                 replay: bool | BackgroundReplays) -> None:
     """:func:`add_reserved` to ``ranks`` when their bytes are GPU bytes (GPU kernels or ``device='cuda'``) and
     ``replay`` asks for it; a :class:`BackgroundReplays` gets them to replay beside what comes next."""
-    if (kernels != "cpu" or device == "cuda") and replay:  # GPU bytes: what the allocator reserves for them too
+    if replays_wanted(kernels, device, replay):
         if isinstance(replay, BackgroundReplays):
             replay.add(ranks)
         else:
             add_reserved(ranks, allocator)
+
+
+def replays_wanted(kernels: str, device: str, replay: bool | BackgroundReplays) -> bool:
+    """Whether :func:`add_replays` replays: ``replay`` asks for it and the bytes are GPU bytes (GPU kernels or
+    ``device='cuda'``), for which what the caching allocator reserves matters too."""
+    return bool(replay) and (kernels != "cpu" or device == "cuda")
 
 
 def add_reserved(ranks: Sequence[RankPrediction], allocator: AllocatorConfig | None = None) -> None:

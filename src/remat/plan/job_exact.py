@@ -19,16 +19,20 @@ from remat.parallel.job_predict import (
     JobPrediction,
     RankPrediction,
     add_replays,
+    add_reserved,
     chunk_config,
     job_kernels,
     outside_allocator_buffers,
     predict_stage,
+    replays_wanted,
     stage_state,
 )
 from remat.plan.job_stages import rank_config, stage_chunks
 from remat.policy import Policy
 from remat.recompute.plan_format import Plan
 from remat.timeline import Timeline, TimelineError
+
+MIN_ALIKE_AHEAD = 4  # alike stages worth a second round of workers (a fork and its start cost about one's time)
 
 
 class ExactStages:
@@ -64,16 +68,42 @@ class ExactStages:
         policy = plan if isinstance(plan, Policy) else plan.megatron_policy()[0]  # a Policy: fine-grained offloading
         return (stage, str(policy) if policy is not None else f"plan {plan}@{plan.engine}"), policy
 
-    def prefetch(self, wanted: Sequence[tuple[int, Plan | Policy]]) -> None:
+    def prefetch(self, wanted: Sequence[tuple[int, Plan | Policy]], *, alike: bool = False,
+                 finish: Callable[[RankPrediction], None] | None = None) -> None:
         """Predict those of ``wanted`` not predicted yet side by side in forked workers, when there are two or more
         and several cores; each is taken (kept, counted) only when asked for, so that what the caller then asks
-        for, and in which order, is all that counts, as without the prefetch."""
+        for, and in which order, is all that counts, as without the prefetch.
+
+        Only one of the stages whose chunks are alike is predicted ahead (:meth:`distinct`); with ``alike`` the
+        others are too, in a second round laid out from the shallow traces the first sent back (NOTE [alike
+        stages ahead]). ``finish(prediction)`` runs in the worker on each prediction it makes (e.g. its
+        caching-allocator replay, :func:`~remat.parallel.job_predict.add_reserved`), so what it sets comes back
+        with it."""
         todo = self.distinct(wanted)
         workers = min(idle_workers(), len(todo)) if self.side_by_side and len(todo) > 1 else 1
+        if workers > 1:
+            self.keep_ahead(run_forked([self.ahead(s, p, shallow_chunk_keys(), finish) for s, p in todo], workers))
+        if not alike or not self.side_by_side:
+            return
+        rest = self.remaining(wanted)
+        workers = min(idle_workers(), len(rest)) if len(rest) >= MIN_ALIKE_AHEAD else 1
         if workers <= 1:
             return
-        known_chunks = shallow_chunk_keys()
-        self.keep_ahead(run_forked([self.ahead(s, p, known_chunks) for s, p in todo], workers))
+        for stage, plan in todo:  # a first round not forked: its shallow traces made here, for the workers to share
+            if self.key(stage, plan)[0] in rest:
+                self(stage, plan)
+        rest = self.remaining(wanted)
+        tasks = [self.ahead(s, p, shallow_chunk_keys(), finish) for s, p in rest.values()]
+        self.keep_ahead(run_forked(tasks, min(workers, len(tasks))) if len(tasks) > 1 else [])
+
+    def remaining(self, wanted: Sequence[tuple[int, Plan | Policy]]) -> dict[tuple[int, str], tuple[int, Any]]:
+        """Those of ``wanted`` neither predicted nor made ahead yet, each once, by key."""
+        rest: dict[tuple[int, str], tuple[int, Plan | Policy]] = {}
+        for s, p in wanted:
+            key = self.key(s, p)[0]
+            if key not in self.done and key not in self.spare:
+                rest.setdefault(key, (s, p))
+        return rest
 
     def distinct(self, wanted: Sequence[tuple[int, Plan | Policy]]) -> list[tuple[int, Plan | Policy]]:
         """Those of ``wanted`` worth predicting ahead: not predicted or made ahead yet, each once, and one of the
@@ -91,10 +121,13 @@ class ExactStages:
             alike.add(sig)
         return out
 
-    def ahead(self, stage: int, plan: Plan | Policy, known_chunks: frozenset[Any]) -> Callable[[], Any]:
+    def ahead(self, stage: int, plan: Plan | Policy, known_chunks: frozenset[Any],
+              finish: Callable[[RankPrediction], None] | None = None) -> Callable[[], Any]:
         """A task predicting (stage, plan) in a forked worker, for :meth:`keep_ahead`."""
         def run() -> Any:
             pred, key = self(stage, plan), self.key(stage, plan)[0]
+            if finish is not None:
+                finish(pred)
             return (key, pred, key in self.made), shallow_chunks_since(known_chunks)
         return run
 
@@ -144,17 +177,27 @@ class ExactStages:
         return pred
 
 
+# NOTE [alike stages ahead]: stages whose chunks are of the same kinds and layers under the same setting lay their
+# chunks out from the same shallow traces; they still differ in what they hold (their place in the schedule, their
+# model state), so each is composed and, for GPU bytes, replayed through the caching allocator: about 0.1 s a stage
+# for DeepSeek-V3's (22k rows each). predict_policies makes them in a second round of forked workers, after the
+# first has sent back the shallow traces (forked from here, the workers inherit them and trace nothing), each
+# replay made in the worker beside its prediction, instead of one after the other here while a core stands idle.
 def predict_policies(job: Job, policies: Sequence[Policy], *, device: str = "cpu", kernels: str | None = None,
                      env: Mapping[str, str] | None = None, gpu: str | None = None,
                      allocator: AllocatorConfig | None = None,
                      replay: bool | BackgroundReplays = True) -> list[JobPrediction]:
     """:func:`remat.parallel.job_predict.predict_job` of ``job`` under each of ``policies``, the same predictions,
     made side by side: the distinct (stage, policy) pairs are predicted in forked workers where cores stand idle
-    (:meth:`ExactStages.prefetch`; stages whose chunks are alike are then laid out here from the same shallow
-    traces), the rest here. Arguments as :func:`~remat.parallel.job_predict.predict_job`'s."""
+    (:meth:`ExactStages.prefetch`), then the stages whose chunks are alike, laid out from the same shallow traces,
+    each with its caching-allocator replay (NOTE [alike stages ahead]); on one free core, all here. Arguments as
+    :func:`~remat.parallel.job_predict.predict_job`'s."""
     exact = ExactStages(job, device, "", [stage_state(job, s) for s in range(job.pp)], kernels=kernels, env=env,
                         gpu=gpu, disk=False)
-    exact.prefetch([(stage, policy) for policy in policies for stage in range(job.pp)])
+    replayed_under = replay.allocator if isinstance(replay, BackgroundReplays) else allocator
+    finish = ((lambda pred: add_reserved([pred], replayed_under)) if replays_wanted(exact.kernels, device, replay)
+              else None)
+    exact.prefetch([(stage, policy) for policy in policies for stage in range(job.pp)], alike=True, finish=finish)
     out = []
     for policy in policies:
         ranks = sorted((exact(stage, policy) for stage in range(job.pp)), key=lambda r: (-r.peak_bytes, r.stage))
