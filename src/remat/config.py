@@ -101,6 +101,10 @@ class ModelConfig:
     # Megatron's --enable-experimental: with --moe-permute-fusion, the DeepEP dispatcher's fused indices-to-multihot
     # conversion (token_dispatcher.py:1425-1432; remat.models.deepep_dispatch), the only experimental path modelled
     enable_experimental: bool = False
+    # Megatron's --deterministic-mode (torch.use_deterministic_algorithms(True)): the MoE combine's unfused unpermute
+    # then adds with index_add_, which keeps the experts' outputs for its backward, not scatter_add_ (NOTE [the
+    # combine's saved source] in remat.models.permute); the fused one (--moe-permute-fusion) is the same either way
+    deterministic_algorithms: bool = False
     moe_aux_loss_coeff: float = 0.0
     moe_routing_assumption: str | None = None
     # Megatron's --moe-token-dispatcher-type (remat.models.allgather_dispatch) and --moe-router-dtype (None: the
@@ -387,7 +391,7 @@ def check_moe_fields(config: ModelConfig) -> None:
                               ("moe_token_dispatcher_type", "alltoall"), ("moe_router_dtype", None),
                               ("moe_router_pre_softmax", False), ("moe_router_enable_expert_bias", False),
                               ("moe_z_loss_coeff", None), ("moe_pad_expert_input_to_capacity", False),
-                              ("moe_permute_fusion", False)):
+                              ("moe_permute_fusion", False), ("deterministic_algorithms", False)):
             if getattr(config, name) != default:
                 raise ConfigError(f"{name}={getattr(config, name)!r} needs experts: set num_moe_experts, or drop it")
         return

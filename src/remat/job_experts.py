@@ -82,6 +82,10 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
         # --moe-permute-fusion (token_dispatcher.py:1425); elsewhere it is listed as ignored (remat.job_model)
         out["enable_experimental"] = bool(got.get("--enable-experimental")) and out["moe_permute_fusion"] and \
             (out["moe_token_dispatcher_type"], out["moe_flex_dispatcher_backend"]) == ("flex", "deepep")
+        # --deterministic-mode changes a job only through the unfused unpermute of the combine (NOTE [the combine's
+        # saved source]): not under --moe-permute-fusion, nor with HybridEP, whose kernels unpermute
+        out["deterministic_algorithms"] = bool(got.get("--deterministic-mode")) and not out["moe_permute_fusion"] \
+            and (out["moe_token_dispatcher_type"], out["moe_flex_dispatcher_backend"]) != ("flex", "hybridep")
         if out["moe_permute_fusion"] and out["moe_token_dispatcher_type"] == "allgather":
             raise JobError("--moe-permute-fusion with --moe-token-dispatcher-type allgather: remat models "
                            "TransformerEngine's fused permute for the all-to-all dispatcher (NOTE [the permutation "
@@ -156,6 +160,7 @@ def moe_mla_args(model: ModelConfig) -> list[str]:
         args += ["--moe-pad-expert-input-to-capacity"] * m.moe_pad_expert_input_to_capacity
         args += ["--moe-permute-fusion"] * m.moe_permute_fusion
         args += ["--enable-experimental"] * m.enable_experimental
+        args += ["--deterministic-mode"] * m.deterministic_algorithms
         if m.moe_aux_loss_coeff:
             args += ["--moe-aux-loss-coeff", repr(float(m.moe_aux_loss_coeff))]
         args += ["--moe-router-pre-softmax"] * m.moe_router_pre_softmax

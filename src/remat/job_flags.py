@@ -124,7 +124,7 @@ IGNORED_FLAGS: dict[str, str] = _table({
         "--init-method-xavier-uniform --use-cpu-initialization --data-parallel-random-init --no-initialization "
         "--norm-epsilon --apply-layernorm-1p --rotary-base --rotary-percent --rotary-interleaved "
         "--rotary-seq-len-interpolation-factor --use-rope-scaling --rope-scaling-factor --calculate-per-token-loss "
-        "--use-mup --deterministic-mode --disable-bf16-reduced-precision-matmul --flash-attention-version "
+        "--use-mup --disable-bf16-reduced-precision-matmul --flash-attention-version "
         "--mtp-loss-scaling-factor",
     # remat.job_experts.check_op_fuser refuses where the op fuser keeps other tensors
     "runs the grouped experts as TransformerEngine ops that keep the tensors of TE's grouped MLP on Hopper (TE "
@@ -238,6 +238,10 @@ MODELLED_FLAGS: dict[str, Any] = {
     # transformer_config.py:1743-1752: deprecated, the deepep backend of the flex dispatcher (its default): ignored
     # once checked (remat.job_experts.moe_mla_fields)
     "--moe-enable-deepep": bool,
+    # training/arguments.py:1112-1120: torch.use_deterministic_algorithms(True); changes a rank's memory only through
+    # the MoE combine's unfused unpermute (index_add_ instead of scatter_add_: NOTE [the combine's saved source] in
+    # remat.models.permute), ignored by any other job (remat.job_model)
+    "--deterministic-mode": bool,
     **dict.fromkeys(("--hidden-dropout", "--attention-dropout", "--sgd-momentum"), float),
     "--normalization": ("LayerNorm", "RMSNorm"), "--position-embedding-type": ("learned_absolute", "rope"),
     "--attention-backend": ("auto", "flash", "fused", "unfused", "local"),

@@ -112,6 +112,8 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
     check_op_fuser(got, ignored, model)
     if "--enable-experimental" in got and not model.enable_experimental:  # remat.job_experts.moe_mla_fields
         ignored.append("--enable-experimental")
+    if "--deterministic-mode" in got and not model.deterministic_algorithms:  # remat.job_experts.moe_mla_fields
+        ignored.append("--deterministic-mode")
     if got.get("--moe-enable-deepep"):  # the flex dispatcher's default backend, checked by moe_mla_fields
         ignored.append("--moe-enable-deepep")
     if "--moe-flex-dispatcher-backend" in got and model.moe_token_dispatcher_type != "flex":
@@ -186,7 +188,7 @@ def check_gpt_oss_job(got: dict[str, Any], ignored: list[str], model: ModelConfi
     if (sink or window) and got.get("--context-parallel-size", 1) > 1:
         raise JobError("--softmax-type / --window-size with context parallelism: remat does not model TE's "
                        "context-parallel attention with sinks or windows: drop one")
-    if sink and "--deterministic-mode" in ignored:  # utils.py:1431: the unfused attention then, which remat does not
+    if sink and got.get("--deterministic-mode"):  # utils.py:1431: the unfused attention then, which remat does not
         raise JobError("--softmax-type with --deterministic-mode: TransformerEngine turns its fused attention off for "
                        "sinks when deterministic (dot_product_attention/utils.py:1431), which remat does not route: "
                        "drop one")

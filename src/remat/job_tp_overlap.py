@@ -122,7 +122,7 @@ def tp_overlap_fields(got: dict[str, Any], ignored: list[str]) -> dict[str, Any]
     if not got.get("--tp-comm-overlap"):
         ignored += [flag for flag in options if flag not in IDLE_FLAGS]
         return {}
-    if "--deterministic-mode" in ignored:  # training/determinism.py:24, 143-148
+    if got.get("--deterministic-mode"):  # training/determinism.py:24, 143-148
         raise JobError("--tp-comm-overlap with --deterministic-mode: Megatron asserts '--deterministic-mode requires: "
                        "tp_comm_overlap' (training/determinism.py:24, 146-148); drop one of them")
     off = {name: not any(f"--{p}-{flag}" in got for p in ("no", "disable")) for name, flag in _DISABLE.items()}

@@ -1,7 +1,8 @@
 """remat.models.permute (NOTE [the permutation maps]): the all-to-all dispatcher's permutation, unfused (the
 argsort of the routing map kept whole), fused (TransformerEngine's int32 row_id_map) and padded to capacity; the
-same values and gradients every way, each keeping Megatron's map from the layer's forward to its backward, and
-``--moe-permute-fusion`` read from a job."""
+same values and gradients every way, each keeping Megatron's map from the layer's forward to its backward; the
+combine keeping the experts' outputs only under deterministic algorithms (NOTE [the combine's saved source]); and
+``--moe-permute-fusion`` and ``--deterministic-mode`` read from a job."""
 
 from __future__ import annotations
 
@@ -52,9 +53,10 @@ def test_the_functions_permute_and_restore_real_values():
     for argsort, fused in ((False, False), (True, False), (False, True)):
         permuted, permuted_probs, mapping = permute_copies(tokens, probs, order, 2, 4, argsort=argsort, fused=fused)
         assert torch.equal(permuted, tokens.detach()[order // 2]) and torch.equal(permuted_probs, probs.detach()[order])
-        restored = unpermute_copies(permuted * permuted_probs[:, None], mapping, tokens)
-        grads = torch.autograd.grad(restored.sum(), (tokens, probs))
-        outputs.append((restored.detach(), *grads))
+        for keeps_source in (False, True):  # scatter_add_ or index_add_ (NOTE [the combine's saved source])
+            restored = unpermute_copies(permuted * permuted_probs[:, None], mapping, 4, keeps_source=keeps_source)
+            grads = torch.autograd.grad(restored.sum() + (restored ** 2).sum(), (tokens, probs), retain_graph=True)
+            outputs.append((restored.detach(), *grads))
     for other in outputs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outputs[0], other))
 
@@ -80,6 +82,19 @@ def test_each_permutation_keeps_its_map_from_the_layers_forward_to_its_backward(
     # fused: TE's int32 [T, 2E + 1] row_id_map, and no int64 index at all
     fused = _kept(MOE.replace(moe_permute_fusion=True))
     assert (fused - indices, indices - fused) == (Counter({4 * TOKENS * (2 * EXPERTS + 1): 1}), Counter({8 * n: 2}))
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_the_combine_keeps_the_experts_outputs_only_under_deterministic_algorithms(dispatcher):
+    # NOTE [the combine's saved source]: scatter_add_ keeps only its index (the map, kept anyway); index_add_, which
+    # Megatron's unfused unpermute runs under --deterministic-mode, keeps its source, the experts' outputs [n, h]
+    config = MOE.replace(moe_token_dispatcher_type=dispatcher)
+    outputs = TOKENS * TOPK * config.hidden_size * 4  # fp32 [n, h]
+    deterministic = _kept(config.replace(deterministic_algorithms=True))
+    assert deterministic - _kept(config) == Counter({outputs: 1}) and not _kept(config) - deterministic
+    # TE's fused unpermute keeps its row_id_map alone either way
+    fused = MOE.replace(moe_permute_fusion=True)
+    assert _kept(fused.replace(deterministic_algorithms=True)) == _kept(fused)
 
 
 def test_with_expert_parallelism_the_fused_sorts_keep_their_chunk_maps():
@@ -139,6 +154,21 @@ def test_predicted_equals_measured(fused, policy):
 ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
         "--micro-batch-size 1 --global-batch-size 8 --vocab-size 1000 --bf16 --num-experts 8 --world-size 2 "
         "--expert-model-parallel-size 2 ")
+
+
+def test_deterministic_mode_is_read_where_the_combine_unpermutes_unfused():
+    for dispatcher, fusion in (("alltoall", ""), ("allgather", ""), ("flex", "")):
+        job, ignored = parse_megatron_args(ARGS + f"--moe-token-dispatcher-type {dispatcher} {fusion}"
+                                           "--deterministic-mode")
+        assert job.model.deterministic_algorithms and "--deterministic-mode" not in ignored, dispatcher
+        assert "--deterministic-mode" in job.to_megatron_args()
+    for extra in ("--moe-token-dispatcher-type alltoall --moe-permute-fusion",  # TE's unpermute: the same tensors
+                  "--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep"):  # HybridEP's kernels
+        job, ignored = parse_megatron_args(ARGS + extra + " --deterministic-mode")
+        assert not job.model.deterministic_algorithms and "--deterministic-mode" in ignored, extra
+    dense = ARGS.split("--num-experts")[0] + "--world-size 2 --deterministic-mode"
+    job, ignored = parse_megatron_args(dense)
+    assert not job.model.deterministic_algorithms and "--deterministic-mode" in ignored
 
 
 def test_the_flag_is_read_for_the_alltoall_dispatcher_and_refused_for_allgather():

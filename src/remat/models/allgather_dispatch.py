@@ -18,8 +18,9 @@ rank, N = G x T gathered tokens, L local experts (``lo`` the first), n copies ro
   ``local_probs.T.contiguous().masked_select(local_map.T.contiguous())`` [n] (modelled as an ``index_select`` by
   ``flat_sorted``: the same output, no data-dependent shape under fake tensors).
 * The experts run on the n copies.
-* combine_preprocess (unpermute): ``torch.zeros([N, h])`` and ``index_add_`` of the expert outputs (backward:
-  ``index_select`` of the gradient, [n, h]).
+* combine_preprocess (unpermute): ``torch.zeros([N, h])`` and ``scatter_add_`` of the expert outputs, keeping
+  only the indices (``index_add_``, keeping the outputs, under deterministic algorithms: NOTE [the combine's saved
+  source] in remat.models.permute; backward: the gradient's rows gathered, [n, h]).
 * token_combine: ``.to(local_probs.dtype)`` ([N, h] in fp32 when the router's dtype is fp32), reduce-scatter over
   the group to [T, h] (all-gather backward), ``.to`` back to the hidden dtype.
 
@@ -39,6 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from remat.config import ConfigError
 from remat.models.expert_parallel import host_values
+from remat.models.permute import unpermute_copies
 from remat.models.tp_layers import GatherFromSequence, ReduceScatterToSequence, SimulatedGroup, TensorParallelGroup
 
 
@@ -85,10 +87,12 @@ def dense_routing(tokens: torch.Tensor, probs: torch.Tensor, topk: int,
 
 def run_experts_allgather(experts: nn.Module, group: TensorParallelGroup, tokens: torch.Tensor,
                           probs: torch.Tensor, counts: list[int], topk: int, ep_rank: int,
-                          local: int) -> tuple[torch.Tensor, list[int]]:
+                          local: int, *, keeps_source: bool = False) -> tuple[torch.Tensor, list[int]]:
     """Megatron's allgather dispatcher (NOTE [the allgather dispatcher]) for one rank's ``tokens`` [T, h], their
     routed copies' probabilities ``probs`` [T * topk] and ``counts[e]`` copies per expert (every rank of the
-    ``group`` routing alike). Returns the combined output [T, h] and the copies each local expert received."""
+    ``group`` routing alike); ``keeps_source``: the unpermute under deterministic algorithms (NOTE [the combine's
+    saved source] in :mod:`remat.models.permute`). Returns the combined output [T, h] and the copies each local
+    expert received."""
     rows, hidden = tokens.shape
     experts_n, size = len(counts), group.size
     gathered_rows = size * rows
@@ -112,8 +116,7 @@ def run_experts_allgather(experts: nn.Module, group: TensorParallelGroup, tokens
     del flat_sorted, local_probs, local_map
     output = experts(permuted, received, permuted_probs)
     del permuted
-    unpermuted = torch.zeros(gathered_rows, hidden, dtype=output.dtype, device=output.device)
-    unpermuted.index_add_(0, sorted_indices, output)
+    unpermuted = unpermute_copies(output, sorted_indices, gathered_rows, keeps_source=keeps_source)
     del output
     combined = ReduceScatterToSequence.apply(unpermuted.to(permuted_probs.dtype), group)
     return combined.to(tokens.dtype), received

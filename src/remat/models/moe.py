@@ -360,7 +360,8 @@ class MoELayer(nn.Module):
                 run_experts_flex(self.experts, tokens, probs, counts, self.topk, *self.flex, **self.flex_options)
                 if self.flex else
                 run_experts_allgather(self.experts, self.allgather, tokens, probs, counts, self.topk,
-                                      self.allgather.rank, len(counts) // self.allgather.size))
+                                      self.allgather.rank, len(counts) // self.allgather.size,
+                                      keeps_source=self.combine_keeps_source))
             if self.shared_experts is not None:
                 output = output + self.shared_experts(tokens)
             return output.view(shape)
@@ -372,7 +373,8 @@ class MoELayer(nn.Module):
             expert_output, self.last_received = run_experts_parallel(
                 self.experts, self.ep_group, permuted, permuted_probs, counts, fused=self.permute_fused)
         del permuted, permuted_probs
-        output = unpermute_copies(expert_output, mapping, tokens)                   # combine
+        output = unpermute_copies(expert_output, mapping, tokens.shape[0],         # combine
+                                  keeps_source=self.combine_keeps_source)
         if self.shared_experts is not None:
             output = output + self.shared_experts(tokens)
         return output.view(shape)
@@ -381,12 +383,17 @@ class MoELayer(nn.Module):
         """How the all-to-all dispatcher permutes this layer's copies (NOTE [the permutation maps] in
         :mod:`remat.models.permute`): fused (``--moe-permute-fusion``), else by an argsort of the routing map unless
         the experts are padded to capacity; the allgather dispatcher at ep = 1 keeps the copies' indices alone. The
-        flex dispatcher's DeepEP backend reads the same flags (``flex_options``)."""
+        flex dispatcher's DeepEP backend reads the same flags (``flex_options``). Under deterministic algorithms
+        the unfused combine keeps the experts' outputs (NOTE [the combine's saved source])."""
         self.num_experts = config.num_moe_experts
-        self.flex_options = {"permute_fusion": config.moe_permute_fusion, "experimental": config.enable_experimental}
+        self.flex_options = {"permute_fusion": config.moe_permute_fusion, "experimental": config.enable_experimental,
+                             "deterministic": config.deterministic_algorithms}
         alltoall = config.moe_token_dispatcher_type == "alltoall"
         self.permute_fused = alltoall and config.moe_permute_fusion
         self.permute_argsort = alltoall and not config.moe_pad_expert_input_to_capacity
+        # the unfused unpermute under deterministic algorithms keeps the experts' outputs (NOTE [the combine's saved
+        # source]); the allgather dispatcher's is always unfused
+        self.combine_keeps_source = config.deterministic_algorithms and not self.permute_fused
 
     def permute(self, tokens: torch.Tensor, probs: torch.Tensor,
                 order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -87,20 +87,43 @@ def permute_copies(tokens: torch.Tensor, probs: torch.Tensor, order: torch.Tenso
     return permuted, permuted_probs, token_of
 
 
-def unpermute_copies(expert_output: torch.Tensor, mapping: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The experts' outputs [n, h] added back into their tokens' rows [T, h] (``tokens``: for the shape), by the
-    map :func:`permute_copies` gave (NOTE [the combine's saved source])."""
-    return torch.zeros_like(tokens).index_add_(0, mapping, expert_output)
+def unpermute_copies(expert_output: torch.Tensor, mapping: torch.Tensor, rows: int, *,
+                     keeps_source: bool = False) -> torch.Tensor:
+    """The experts' outputs [n, h] added back into their tokens' ``rows`` [T, h], by the map :func:`permute_copies`
+    gave. ``keeps_source``: as ``index_add_``, which keeps the outputs for its backward (Megatron's unfused unpermute
+    under deterministic algorithms); else as ``scatter_add_`` and TE's fused unpermute, which keep only the map
+    (NOTE [the combine's saved source])."""
+    if keeps_source:
+        return expert_output.new_zeros(rows, expert_output.shape[1]).index_add_(0, mapping, expert_output)
+    return MapCombine.apply(expert_output, mapping, rows)
+
+
+class MapCombine(torch.autograd.Function):
+    """``scatter_add_`` of the experts' outputs [n, h] into zeros [T, h] (NOTE [the combine's saved source]): its
+    backward gathers the gradient's rows by the map, so only the map is kept."""
+
+    @staticmethod
+    def forward(ctx: Any, expert_output: torch.Tensor, mapping: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.save_for_backward(mapping)
+        return expert_output.new_zeros(rows, expert_output.shape[1]).index_add_(0, mapping, expert_output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (mapping,) = ctx.saved_tensors
+        return grad.index_select(0, mapping), None, None
 
 
 # NOTE [the combine's saved source]
-# remat combines with index_add_, whose backward formula keeps its source, the experts' outputs [n, h], to the
-# layer's backward (Megatron's unfused unpermute does too under deterministic algorithms, moe_utils.py:598-606).
-# Megatron's default unfused unpermute (scatter_add_, :607-611) and TE's moe_unpermute without merging
-# probabilities (permutation.py:795-808) keep only their index or map. Yet the dev cases measure about that much
-# more than remat finds otherwise: without the kept outputs the --moe-permute-fusion cases' predicted peaks fall by
-# 9 to 937 MiB, to 4.1% under (gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed). The tensor that explains it is not
-# found yet, so the combine stays as it was, for every permutation.
+# Megatron's unfused unpermute (moe_utils.py unpermute, 11debfa7b4 :384-402; d98e8a64 :598-611) adds the experts'
+# outputs [n, h] back into zeros [T, h] with scatter_add_, whose backward (derivatives.yaml: src: grad.gather(dim,
+# index)) keeps only the index, a view of the map the dispatcher keeps anyway; under deterministic algorithms
+# (--deterministic-mode: torch.use_deterministic_algorithms(True), training/arguments.py:1112-1120) it uses
+# index_add_ instead, whose backward formula reads its source, so autograd keeps the outputs [n, h] to the layer's
+# backward. TransformerEngine's fused unpermute without merging probabilities (--moe-permute-fusion; Megatron
+# passes none since the probabilities are applied in the experts) keeps only its row_id_map (permutation.py
+# _moe_unpermute_mask_map, v2.10 :375-378). On the dev cases with the fused unpermute, keeping the outputs put the
+# prediction 1-3% over the peak of the steady iterations (fine_grained_offloading +2.8%, memory_speed +1.3% of its
+# iterations 3-29); keeping the map alone, -1.4% to +2.1% (NOTE [routing drift] in bench_megatron_golden.py).
 
 
 def _row_id_slices(row_id_map: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

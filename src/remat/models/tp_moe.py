@@ -157,7 +157,7 @@ class TPMoELayer(MoELayer):
             ep_rank = 0 if self.ep_group is None else self.ep_group.rank
             output, self.last_received = run_experts_allgather(
                 self.experts, self.allgather, tokens, probs, counts, self.topk, ep_rank,
-                len(counts) // (self.allgather.size // self.etp_group.size))
+                len(counts) // (self.allgather.size // self.etp_group.size), keeps_source=self.combine_keeps_source)
             if self.shared_experts is not None:
                 output = output + self.shared_experts(tokens)
             return output.view(shape)
@@ -170,7 +170,8 @@ class TPMoELayer(MoELayer):
                 self.experts, self.ep_group, self.etp_group, self.counts_group, permuted, permuted_probs, counts,
                 fused=self.permute_fused)
         del permuted, permuted_probs
-        output = unpermute_copies(expert_output, mapping, tokens)                   # combine
+        output = unpermute_copies(expert_output, mapping, tokens.shape[0],         # combine
+                                  keeps_source=self.combine_keeps_source)
         if self.shared_experts is not None:
             output = output + self.shared_experts(tokens)
         return output.view(shape)
