@@ -121,9 +121,12 @@ class MapCombine(torch.autograd.Function):
 # index_add_ instead, whose backward formula reads its source, so autograd keeps the outputs [n, h] to the layer's
 # backward. TransformerEngine's fused unpermute without merging probabilities (--moe-permute-fusion; Megatron
 # passes none since the probabilities are applied in the experts) keeps only its row_id_map (permutation.py
-# _moe_unpermute_mask_map, v2.10 :375-378). On the dev cases with the fused unpermute, keeping the outputs put the
-# prediction 1-3% over the peak of the steady iterations (fine_grained_offloading +2.8%, memory_speed +1.3% of its
-# iterations 3-29); keeping the map alone, -1.4% to +2.1% (NOTE [routing drift] in bench_megatron_golden.py).
+# _moe_unpermute_mask_map, v2.10 :375-378). Megatron-core's own layer measured on CPU keeps the outputs only under
+# deterministic algorithms (tests/megatron/test_megatron_combine.py), where its router's index_put_ also keeps an
+# int64 [T, 1] row index (8 bytes a token, not modelled). On the dev cases with the fused unpermute, keeping the
+# outputs put the prediction 1-3% over the peak of the steady iterations (fine_grained_offloading +2.8%,
+# memory_speed +1.3% of its iterations 3-29); keeping the map alone, -1.4% to +2.1% (NOTE [routing drift] in
+# bench_megatron_golden.py).
 
 
 def _row_id_slices(row_id_map: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
