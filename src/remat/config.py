@@ -118,6 +118,11 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     moe_router_enable_expert_bias: bool = False
     moe_z_loss_coeff: float | None = None
+    # Megatron's --moe-router-num-groups / --moe-router-group-topk: group-limited routing, the top-k chosen among the
+    # experts of the group_topk groups of best scores (moe_utils.py group_limited_topk): a bool [T, E] mask kept by
+    # its masked_fill (remat.models.moe.Router.top_k)
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
     expert_model_parallel_size: int = 1
     # multi-latent attention
     multi_latent_attention: bool = False
@@ -391,6 +396,7 @@ def check_moe_fields(config: ModelConfig) -> None:
                               ("moe_token_dispatcher_type", "alltoall"), ("moe_router_dtype", None),
                               ("moe_router_pre_softmax", False), ("moe_router_enable_expert_bias", False),
                               ("moe_z_loss_coeff", None), ("moe_pad_expert_input_to_capacity", False),
+                              ("moe_router_num_groups", None), ("moe_router_group_topk", None),
                               ("moe_permute_fusion", False), ("deterministic_algorithms", False)):
             if getattr(config, name) != default:
                 raise ConfigError(f"{name}={getattr(config, name)!r} needs experts: set num_moe_experts, or drop it")
@@ -413,6 +419,20 @@ def check_moe_fields(config: ModelConfig) -> None:
         raise ConfigError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor (Megatron raises "
                           "'moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity'): add "
                           "--moe-expert-capacity-factor F")
+    for name in ("moe_router_num_groups", "moe_router_group_topk"):
+        if getattr(config, name) is not None:
+            _check_positive_int(name, getattr(config, name))
+    if config.moe_router_group_topk is not None:  # transformer_config.py:1454-1472 (11debfa7b4)
+        groups, chosen = config.moe_router_num_groups, config.moe_router_group_topk
+        if groups is None:
+            raise ConfigError("moe_router_group_topk needs moe_router_num_groups (Megatron raises 'When using group "
+                              "limited routing, moe_router_num_groups must be specified'): add "
+                              "--moe-router-num-groups")
+        if config.num_moe_experts % groups or chosen > groups or config.moe_router_topk % chosen:
+            raise ConfigError(f"moe_router_num_groups={groups}, moe_router_group_topk={chosen}: the groups must "
+                              f"split the {config.num_moe_experts} experts evenly, at most all of them chosen, and "
+                              f"moe_router_topk={config.moe_router_topk} a multiple of the groups chosen (Megatron "
+                              "asserts the first two; group_limited_topk takes topk // group_topk per group)")
     if config.moe_router_topk > config.num_moe_experts:
         raise ConfigError(f"moe_router_topk={config.moe_router_topk} exceeds num_moe_experts="
                           f"{config.num_moe_experts}: route each token to at most every expert")

@@ -36,6 +36,7 @@ _MOE_FLAGS = ("--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert
               "--moe-grouped-gemm", "--moe-layer-freq", "--moe-router-score-function",
               "--moe-expert-capacity-factor", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type",
               "--moe-router-dtype", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias", "--moe-z-loss-coeff",
+              "--moe-router-num-groups", "--moe-router-group-topk",
               "--moe-flex-dispatcher-backend",
               "--moe-pad-expert-input-to-capacity", "--moe-permute-fusion", "--moe-enable-deepep")
 _MLA_FLAGS = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim")
@@ -71,7 +72,10 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
                    moe_aux_loss_coeff=got.get("--moe-aux-loss-coeff", 0.0),
                    moe_router_pre_softmax=bool(got.get("--moe-router-pre-softmax")),
                    moe_router_enable_expert_bias=bool(got.get("--moe-router-enable-expert-bias")),
-                   moe_z_loss_coeff=got.get("--moe-z-loss-coeff"))
+                   moe_z_loss_coeff=got.get("--moe-z-loss-coeff"),
+                   # read by Megatron only with a group top-k (moe_utils.py compute_topk: group-limited routing)
+                   moe_router_num_groups=got.get("--moe-router-num-groups") if got.get("--moe-router-group-topk")
+                   else None, moe_router_group_topk=got.get("--moe-router-group-topk") or None)
         if got.get("--moe-enable-deepep") and out["moe_token_dispatcher_type"] != "flex":
             raise JobError("--moe-enable-deepep needs --moe-token-dispatcher-type flex (DeepEP is a flex backend, "
                            "transformer_config.py:1743-1745): add it, or drop --moe-enable-deepep")
@@ -167,6 +171,9 @@ def moe_mla_args(model: ModelConfig) -> list[str]:
         args += ["--moe-router-enable-expert-bias"] * m.moe_router_enable_expert_bias
         if m.moe_z_loss_coeff is not None:
             args += ["--moe-z-loss-coeff", repr(float(m.moe_z_loss_coeff))]
+        if m.moe_router_group_topk:
+            args += ["--moe-router-num-groups", str(m.moe_router_num_groups),
+                     "--moe-router-group-topk", str(m.moe_router_group_topk)]
     args += ["--qk-layernorm"] * m.has_qk_norms
     if m.multi_latent_attention:
         args += ["--multi-latent-attention"]

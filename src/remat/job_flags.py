@@ -154,7 +154,7 @@ IGNORED_FLAGS: dict[str, str] = _table({
         "--app-tag-run-version --config-logger-dir --run-workload-inspector-server",
     "MoE routing details that change which experts take the tokens, not how many (remat's routing assumption sets "
     "the counts), fused kernels of the same operations, overlap scheduling or initialisation":
-        "--moe-router-force-load-balancing --moe-router-num-groups --moe-router-group-topk "
+        "--moe-router-force-load-balancing "
         "--moe-router-topk-scaling-factor --moe-router-bias-update-rate --moe-token-drop-policy "
         "--moe-router-fusion --moe-shared-expert-overlap --moe-per-layer-logging --moe-use-upcycling "
         "--moe-upcycling-granularity --rope-type --rotary-scaling-factor --mscale --mscale-all-dim",
@@ -215,6 +215,7 @@ _SWITCHES = ("--group-query-attention --swiglu --untie-embeddings-and-output-wei
              "--overlap-param-gather --add-qkv-bias")
 # MoE and MLA (remat.config's NOTE [MoE fields]; Megatron's names)
 _MOE_MLA_INT = ("--num-experts --moe-router-topk --moe-ffn-hidden-size --moe-shared-expert-intermediate-size "
+                "--moe-router-num-groups --moe-router-group-topk "
                 "--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim")
 MODELLED_FLAGS: dict[str, Any] = {
     **dict.fromkeys(_POSITIVE_INT.split(), int), **dict.fromkeys(_SWITCHES.split(), bool),
@@ -292,6 +293,7 @@ SIZE_OF_FLAG: dict[str, str] = {
     "--seq-length": "seq_length", "--max-position-embeddings": "seq_length", "--micro-batch-size": "micro_batch_size",
     **dict.fromkeys(("--vocab-size", "--padded-vocab-size", "--make-vocab-size-divisible-by"), "vocab_size"),
     "--num-experts": "num_moe_experts", "--moe-router-topk": "num_moe_experts",
+    "--moe-router-num-groups": "num_moe_experts", "--moe-router-group-topk": "num_moe_experts",
     "--tensor-model-parallel-size": "tp", "--expert-tensor-parallel-size": "tp", "--pipeline-model-parallel-size": "pp",
     "--num-virtual-stages-per-pipeline-rank": "vpp", "--context-parallel-size": "cp",
     "--expert-model-parallel-size": "ep", "--world-size": "world_size", "--data-parallel-size": "dp",

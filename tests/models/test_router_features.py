@@ -1,9 +1,11 @@
 """Megatron's router options in remat's reference MoE, parsed and written back: ``--moe-router-dtype`` under expert
 tensor parallelism (the combine's reduce-scatter in the probabilities' dtype, token_dispatcher.py:829-833),
-``--moe-router-pre-softmax``, ``--moe-router-enable-expert-bias`` and ``--moe-z-loss-coeff`` (router.py,
-moe_utils.py: what each keeps)."""
+``--moe-router-pre-softmax``, ``--moe-router-enable-expert-bias``, ``--moe-z-loss-coeff`` and group-limited
+routing (router.py, moe_utils.py: what each keeps)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -58,10 +60,12 @@ def _saved(config: ModelConfig) -> list[tuple[tuple[int, ...], torch.dtype]]:
 
 def test_pre_softmax_keeps_the_fp32_softmax_over_every_expert():
     # moe_utils.py:877-883: softmax(logits, dtype=fp32) [T, E] saved (its backward and the top-k's); the default
-    # softmax runs on the top-k logits [T, topk] in the logits' dtype
+    # fp32 softmax runs on the top-k logits [T, topk], and its output is what it keeps (the logits are not kept:
+    # torch.topk saves its indices alone; tests/megatron/test_megatron_router.py checks all against Megatron's)
     pre, default = _saved(ALLTOALL.replace(moe_router_pre_softmax=True)), _saved(ALLTOALL)
-    assert ((32, 4), torch.float32) in pre and ((32, 2), torch.bfloat16) not in pre
-    assert ((32, 4), torch.float32) not in default and ((32, 2), torch.bfloat16) in default
+    assert ((32, 4), torch.float32) in pre and ((32, 2), torch.float32) not in pre
+    assert ((32, 4), torch.float32) not in default and ((32, 2), torch.float32) in default
+    assert ((32, 4), torch.bfloat16) not in default
 
 
 def test_expert_bias_is_two_fp32_buffers_and_sigmoid_scores_over_every_expert():
@@ -92,6 +96,25 @@ def test_the_routing_flags_set_the_fields_and_round_trip():
         assert parse_megatron_args(j.to_megatron_args())[0] == j
     with pytest.raises(JobError, match="--moe-router-score-function sigmoid"):
         parse_megatron_args(f"{BASE} --moe-router-enable-expert-bias")
+
+
+def test_group_limited_routing_keeps_its_expert_mask():
+    # moe_utils.py group_limited_topk: masked_fill keeps its bool [T, E] mask; the group scores' top-ks save their
+    # indices too, freed on return (that branch's graph reaches no output)
+    grouped = ALLTOALL.replace(moe_router_num_groups=2, moe_router_group_topk=1)
+    assert Counter(_saved(grouped)) - Counter(_saved(ALLTOALL)) == Counter(
+        {((32, 4), torch.bool): 1, ((32, 2, 2), torch.int64): 1, ((32, 1), torch.int64): 1})
+    assert not Counter(_saved(ALLTOALL)) - Counter(_saved(grouped))
+    job, ignored = parse_megatron_args(f"{BASE} --moe-router-num-groups 2 --moe-router-group-topk 1")
+    assert (job.model.moe_router_num_groups, job.model.moe_router_group_topk) == (2, 1)
+    assert parse_megatron_args(job.to_megatron_args())[0] == job
+    # the groups alone choose nothing (Megatron reads them only with a group top-k)
+    alone, _ = parse_megatron_args(f"{BASE} --moe-router-num-groups 2")
+    assert alone.model.moe_router_num_groups is None
+    with pytest.raises(JobError, match="moe_router_num_groups"):
+        parse_megatron_args(f"{BASE} --moe-router-group-topk 1")
+    with pytest.raises(JobError, match="split the 4 experts evenly"):
+        parse_megatron_args(f"{BASE} --moe-router-num-groups 3 --moe-router-group-topk 1")
 
 
 def test_router_buffers_stay_resident_beside_the_parameters_megatron_buffers():

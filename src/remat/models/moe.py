@@ -82,6 +82,8 @@ class Router(nn.Module):
         self.moe_index = moe_index
         self.router_dtype = {None: None, "fp32": torch.float32, "fp64": torch.float64}[config.moe_router_dtype]
         self.pre_softmax, self.z_loss_coeff = config.moe_router_pre_softmax, config.moe_z_loss_coeff
+        self.groups = (config.moe_router_num_groups, config.moe_router_group_topk) \
+            if config.moe_router_group_topk else None
         # router.py:178-195, --moe-router-enable-expert-bias: two fp32 [E] buffers (no parameters)
         bias = config.moe_router_enable_expert_bias
         self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts, dtype=torch.float32) if bias else None)
@@ -108,21 +110,39 @@ class Router(nn.Module):
 
     def top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the chosen experts' probabilities, their indices), each [T, topk]: Megatron's unfused
-        ``topk_routing_with_score_function`` (moe_utils.py:868-908)."""
+        ``topk_routing_with_score_function`` (moe_utils.py:868-908; 11debfa7b4 :591-611), operator for operator, so
+        that the same tensors are kept: ``topk`` keeps its indices alone, ``gather`` its whole source, the softmax
+        and sigmoid their outputs."""
         if self.score_function == "softmax" and not self.pre_softmax:  # the default: softmax over the top-k logits
-            choice = logits.topk(self.topk, dim=-1).indices
-            return logits.gather(1, choice).softmax(dim=-1), choice
+            scores, choice = self.choose(logits)
+            return scores.softmax(dim=-1, dtype=torch.float32).type_as(logits), choice
         if self.score_function == "softmax":  # --moe-router-pre-softmax: fp32 softmax over every expert, saved
-            probs, choice = logits.softmax(dim=-1, dtype=torch.float32).topk(self.topk, dim=-1)
-            return probs.type_as(logits), choice
-        scores = logits.float().sigmoid()  # fp32 sigmoid scores over every expert, saved for the top-k's gradient
+            return self.choose(logits.softmax(dim=-1, dtype=torch.float32).type_as(logits))
+        scores = logits.float().sigmoid().type_as(logits)  # the fp32 sigmoid's output saved, cast back
         if self.expert_bias is not None:  # the biased scores choose, the plain ones weigh (moe_utils.py:896-899)
-            choice = (scores + self.expert_bias.float()).topk(self.topk, dim=-1).indices
-            chosen = scores.gather(1, choice)
+            routing = scores + self.expert_bias
+            _, choice = self.choose(routing)  # both alive to the return, as Megatron's
+            chosen = scores.gather(1, choice).type_as(logits)  # keeps the scores [T, E] for its backward
         else:
-            chosen, choice = scores.topk(self.topk, dim=-1)
-        probs = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20) if self.topk > 1 else chosen
-        return probs.type_as(logits), choice
+            chosen, choice = self.choose(scores)
+        return chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20) if self.topk > 1 else chosen, choice
+
+    def choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k of ``scores`` [T, E] (Megatron's ``compute_topk``): ``torch.topk``, or with group-limited
+        routing ``group_limited_topk`` (moe_utils.py, 11debfa7b4 :474-493): the top-k among the experts of the
+        ``group_topk`` groups whose best ``topk // group_topk`` scores add up highest; the experts outside them
+        masked to -inf by ``masked_fill``, which keeps its bool [T, E] mask for the backward."""
+        if self.groups is None:
+            return scores.topk(self.topk, dim=1)
+        groups, chosen = self.groups
+        tokens, experts = scores.shape
+        group_scores = scores.view(tokens, groups, -1).topk(self.topk // chosen, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=chosen, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(tokens, groups, experts // groups).reshape(tokens, -1)
+        masked = scores.masked_fill(~score_mask.bool(), float("-inf"))
+        return masked.topk(self.topk, dim=-1)  # its locals freed on return, as Megatron's
 
     def z_loss(self, logits: torch.Tensor) -> torch.Tensor:
         """Megatron's ``z_loss_func`` (moe_utils.py:153-182): mean(logsumexp(logits)^2) x coefficient."""
