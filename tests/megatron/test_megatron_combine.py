@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+from layer_rows import kept_by_layer
 
 from remat.megatron.compat import MegatronUnavailable, require_megatron_core
 
@@ -19,21 +20,9 @@ except MegatronUnavailable as err:
 from remat.config import ModelConfig  # noqa: E402
 from remat.megatron import measure_megatron_core  # noqa: E402
 from remat.memory.predict import trace  # noqa: E402
-from remat.timeline import Timeline  # noqa: E402
 
 TOKENS, TOPK, HIDDEN = 64, 2, 64  # 2 sequences of 32 tokens, top-2 of 4 experts
 OUTPUTS = TOKENS * TOPK * HIDDEN * 4  # the experts' outputs [n, h], fp32
-
-
-def _kept(tl: Timeline) -> Counter[int]:
-    """The bytes of each tensor the MoE layer (layer 1) makes in its forward and frees in its backward."""
-    kept: Counter[int] = Counter()
-    for row in range(len(tl)):
-        made, free = tl.phases[tl.phase_index[row]], tl.free_at[row]
-        if (made.kind, made.region) == ("forward", "layer 1") and free >= 0 and \
-                (tl.phase_at(free).kind, tl.phase_at(free).region) == ("backward", "layer 1"):
-            kept[tl.nbytes[row]] += 1
-    return kept
 
 
 def _megatron(deterministic: bool) -> Counter[int]:
@@ -44,7 +33,7 @@ def _megatron(deterministic: bool) -> Counter[int]:
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)  # what --deterministic-mode sets (training/arguments.py)
     try:
-        return _kept(measure_megatron_core(config, seq_length=32, micro_batch_size=2, vocab_size=128)[0])
+        return kept_by_layer(measure_megatron_core(config, seq_length=32, micro_batch_size=2, vocab_size=128)[0])
     finally:
         torch.use_deterministic_algorithms(before)
 
@@ -57,6 +46,6 @@ def test_megatrons_combine_keeps_the_experts_outputs_only_under_deterministic_al
     remat = ModelConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, seq_length=32, micro_batch_size=2,
                         vocab_size=128, num_moe_experts=4, moe_router_topk=TOPK, moe_layer_freq=(0, 1),
                         moe_token_dispatcher_type="allgather", moe_routing_assumption="balanced")
-    ours, ours_deterministic = _kept(trace(remat, "none")), _kept(trace(remat.replace(deterministic_algorithms=True),
-                                                                        "none"))
+    ours = kept_by_layer(trace(remat, "none"))
+    ours_deterministic = kept_by_layer(trace(remat.replace(deterministic_algorithms=True), "none"))
     assert ours_deterministic - ours == Counter({OUTPUTS: 1}) and not ours - ours_deterministic

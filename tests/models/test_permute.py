@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
+from layer_rows import kept_by_layer
 
 from remat.config import ModelConfig
 from remat.job import JobError, parse_megatron_args
@@ -63,14 +64,7 @@ def test_the_functions_permute_and_restore_real_values():
 
 def _kept(config: ModelConfig) -> Counter[int]:
     """The bytes of each tensor the MoE layer's forward makes and its backward frees."""
-    tl = trace(config, "none")
-    kept: Counter[int] = Counter()
-    for row in range(len(tl)):
-        made, free = tl.phases[tl.phase_index[row]], tl.free_at[row]
-        if (made.kind, made.region) == ("forward", "layer 1") and free >= 0 and \
-                (tl.phase_at(free).kind, tl.phase_at(free).region) == ("backward", "layer 1"):
-            kept[tl.nbytes[row]] += 1
-    return kept
+    return kept_by_layer(trace(config, "none"))
 
 
 def test_each_permutation_keeps_its_map_from_the_layers_forward_to_its_backward():
