@@ -26,10 +26,11 @@ rank, N = G x T gathered tokens, L local experts (``lo`` the first), n copies ro
 
 Not modelled (each under 0.2 MiB per layer in Megatron's H100 tests): the dispatcher's attributes that keep
 ``local_map``, ``sorted_indices`` and ``local_probs`` until the layer's next forward (priced with the global buffer
-by :func:`global_buffer_bytes`), the masked_select's saved [L, N] bool mask, and the second ``torch.zeros`` of the
-unpermute under deterministic algorithms (a transient of [N, h]). Counted over: the scatter of the dense
-probabilities keeps its own [T, topk] int64 index (:func:`dense_routing`), where Megatron's reuses the router's
-top-k indices (8 x topk bytes a token; tests/megatron/test_megatron_combine.py measures Megatron's layer).
+by :func:`global_buffer_bytes`), and the second ``torch.zeros`` of the unpermute under deterministic algorithms (a
+transient of [N, h]). Counted otherwise (tests/megatron/test_megatron_combine.py measures Megatron's layer): the
+masked_select keeps its [L, N] probabilities and bool mask to the backward where remat's ``index_select`` keeps its
+[L x N] int64 indices; the scatter of the dense probabilities keeps its own [T, topk] int64 index
+(:func:`dense_routing`) where Megatron's reuses the router's top-k indices.
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ class ExactStages:
         tasks = [self.ahead(s, p, shallow_chunk_keys(), finish) for s, p in rest.values()]
         self.keep_ahead(run_forked(tasks, min(workers, len(tasks))) if len(tasks) > 1 else [])
 
-    def remaining(self, wanted: Sequence[tuple[int, Plan | Policy]]) -> dict[tuple[int, str], tuple[int, Any]]:
+    def remaining(self, wanted: Sequence[tuple[int, Plan | Policy]],
+                  ) -> dict[tuple[int, str], tuple[int, Plan | Policy]]:
         """Those of ``wanted`` neither predicted nor made ahead yet, each once, by key."""
         rest: dict[tuple[int, str], tuple[int, Plan | Policy]] = {}
         for s, p in wanted:
