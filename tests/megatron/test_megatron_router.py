@@ -24,12 +24,15 @@ TOKENS, EXPERTS = 16, 8
 
 
 def _saved(route, logits: torch.Tensor) -> tuple[list[tuple[int, torch.dtype]], object]:
-    """(bytes and dtype of each storage autograd saves while ``route(logits)`` runs, the routing)."""
+    """(bytes and dtype of each storage autograd saves while ``route(logits)`` runs, the routing). Each saved tensor
+    is held until the end, so that no storage freed meanwhile lends its address to another (counted once by it)."""
     seen: dict[int, tuple[int, torch.dtype]] = {}
+    held: list[torch.Tensor] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         seen.setdefault(storage.data_ptr(), (storage.nbytes(), t.dtype))
+        held.append(t)
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = route(logits)

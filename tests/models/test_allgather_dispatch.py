@@ -33,6 +33,24 @@ def test_the_dispatcher_makes_megatrons_gathered_and_permuted_tensors():
     assert tokens.grad.shape == (8, 24) and probs.grad.shape == (16,)
 
 
+def test_the_copies_probabilities_keep_what_masked_select_keeps():
+    # token_dispatcher.py (d98e8a64) dispatch_postprocess: local_probs.T.contiguous().masked_select(local_map.T
+    # .contiguous()) keeps both [L, N] copies for its backward, not the argsort's indices (L = 2, N = 32)
+    experts = GroupedMLP(MOE.replace(moe_grouped_gemm=True), 2)
+    tokens, probs = torch.randn(8, 24, requires_grad=True), torch.rand(16, requires_grad=True)
+    saved: list[tuple[tuple[int, ...], torch.dtype, int]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = run_experts_allgather(experts, SimulatedGroup(4, 1), tokens, probs, [4, 4, 4, 4], 2, 1, 2)
+    assert ((2, 32), torch.float32, 2 * 32 * 4) in saved and ((2, 32), torch.bool, 2 * 32) in saved
+    assert not any(nbytes == 64 * 8 for *_, nbytes in saved)  # the [L x N] argsort, freed
+    grad_probs, = torch.autograd.grad(out.sum(), probs)
+    assert grad_probs.shape == (16,)
+
+
 def test_gather_permute_backward_is_index_select_then_reduce_scatter():
     tokens = torch.randn(4, 3, requires_grad=True)
     out = GatherPermute.apply(tokens, torch.tensor([0, 5, 6]), SimulatedGroup(2, 0))

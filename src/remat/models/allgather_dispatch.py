@@ -15,8 +15,8 @@ rank, N = G x T gathered tokens, L local experts (``lo`` the first), n copies ro
   slice of the probabilities; permute: ``local_map.T.contiguous()`` [L, N], its flat ``argsort`` (int64 [L*N]),
   ``sorted_indices = flat_sorted[:n] % N`` (int64 [n], kept for backward and for the unpermute), the copies
   ``index_select``-ed from the gathered rows [n, h]; the copies' probabilities
-  ``local_probs.T.contiguous().masked_select(local_map.T.contiguous())`` [n] (modelled as an ``index_select`` by
-  ``flat_sorted``: the same output, no data-dependent shape under fake tensors).
+  ``local_probs.T.contiguous().masked_select(local_map.T.contiguous())`` [n], keeping both [L, N] copies
+  (:class:`MaskedSelect`: the same output read by ``flat_sorted``, no data-dependent shape under fake tensors).
 * The experts run on the n copies.
 * combine_preprocess (unpermute): ``torch.zeros([N, h])`` and ``scatter_add_`` of the expert outputs, keeping
   only the indices (``index_add_``, keeping the outputs, under deterministic algorithms: NOTE [the combine's saved
@@ -27,10 +27,10 @@ rank, N = G x T gathered tokens, L local experts (``lo`` the first), n copies ro
 Not modelled (each under 0.2 MiB per layer in Megatron's H100 tests): the dispatcher's attributes that keep
 ``local_map``, ``sorted_indices`` and ``local_probs`` until the layer's next forward (priced with the global buffer
 by :func:`global_buffer_bytes`), and the second ``torch.zeros`` of the unpermute under deterministic algorithms (a
-transient of [N, h]). Counted otherwise (tests/megatron/test_megatron_combine.py measures Megatron's layer): the
-masked_select keeps its [L, N] probabilities and bool mask to the backward where remat's ``index_select`` keeps its
-[L x N] int64 indices; the scatter of the dense probabilities keeps its own [T, topk] int64 index
-(:func:`dense_routing`) where Megatron's reuses the router's top-k indices.
+transient of [N, h]); ``flat_sorted`` [L x N] int64 lives on to the masked_select here, where Megatron's permute
+frees it first. Counted over (tests/megatron/test_megatron_combine.py measures Megatron's layer): the scatter of
+the dense probabilities keeps its own [T, topk] int64 index (:func:`dense_routing`) where Megatron's reuses the
+router's top-k indices.
 """
 
 from __future__ import annotations
@@ -76,6 +76,23 @@ def tp_ep_group(group: Any, size: int, rank: int) -> TensorParallelGroup:
     return SimulatedGroup(size, rank)
 
 
+class MaskedSelect(torch.autograd.Function):
+    """``probs_t.masked_select(mask_t)`` ([L, N] each; the copies in row-major order) with its fixed-shape output
+    read by ``order``, the flat positions of the mask's n true entries (a masked_select's output shape depends on
+    the mask's values, which fake tensors lack). Like autograd's masked_select it keeps the probabilities and the
+    mask, not the order; backward scatters the gradient into zeros [L, N] by the mask."""
+
+    @staticmethod
+    def forward(ctx: Any, probs_t: torch.Tensor, mask_t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(probs_t, mask_t)
+        return probs_t.reshape(-1).index_select(0, order)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        probs_t, mask_t = ctx.saved_tensors
+        return torch.zeros_like(probs_t).masked_scatter_(mask_t, grad), None, None
+
+
 def dense_routing(tokens: torch.Tensor, probs: torch.Tensor, topk: int,
                   experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's dense outputs (moe_utils.topk_routing_with_score_function): the routed copies' ``probs``
@@ -115,7 +132,7 @@ def run_experts_allgather(experts: nn.Module, group: TensorParallelGroup, tokens
     del map_t
     sorted_indices = flat_sorted % gathered_rows
     permuted = GatherPermute.apply(tokens, sorted_indices, group)
-    permuted_probs = local_probs.T.contiguous().reshape(-1).index_select(0, flat_sorted)
+    permuted_probs = MaskedSelect.apply(local_probs.T.contiguous(), local_map.T.contiguous(), flat_sorted)
     del flat_sorted, local_probs, local_map
     output = experts(permuted, received, permuted_probs)
     del permuted
