@@ -191,12 +191,12 @@ def indices_to_multihot(indices: torch.Tensor, weights: torch.Tensor,
 
 def run_experts_deepep(experts: nn.Module, tokens: torch.Tensor, probs: torch.Tensor, counts: list[int],
                        topk: int, group: int, rank: int, *, permute_fusion: bool = False,
-                       experimental: bool = False, deterministic: bool = False) -> tuple[torch.Tensor, list[int]]:
+                       experimental: bool = False, keeps_source: bool = False) -> tuple[torch.Tensor, list[int]]:
     """Megatron's flex dispatcher with DeepEP (NOTE [the DeepEP dispatcher]) for one rank's ``tokens`` [T, h], their
     routed copies' probabilities ``probs`` [T * topk] and ``counts[e]`` copies per expert, every rank of the
     ``group`` (G = ep ranks, this one ``rank``) routing alike; ``permute_fusion``: ``--moe-permute-fusion``,
     ``experimental``: ``--enable-experimental`` (the fused multihot conversion, with the fusion),
-    ``deterministic``: the unfused unpermute under deterministic algorithms (NOTE [the combine's saved source] in
+    ``keeps_source``: the unfused unpermute under deterministic algorithms (NOTE [the combine's saved source] in
     :mod:`remat.models.permute`). Returns the combined output [T, h] and the copies each local expert received."""
     received = received_copies(counts, group, rank)
     copies, rows, local = sum(received), deepep_rows(counts, tokens.shape[0], group, rank), len(received)
@@ -228,7 +228,7 @@ def run_experts_deepep(experts: nn.Module, tokens: torch.Tensor, probs: torch.Te
     del routing, multihot_probs, order  # the manager's map, kept to the next forward: flex_kept_bytes
     output = experts(permuted, received, permuted_probs)
     del permuted, permuted_probs
-    unpermuted = unpermute_copies(output, mapping, recv_x.shape[0], keeps_source=deterministic and not permute_fusion)
+    unpermuted = unpermute_copies(output, mapping, recv_x.shape[0], keeps_source=keeps_source)
     del recv_x, output, mapping
     combined = DeepEPCombine.apply(unpermuted, holder, tokens.shape[0])
     holder.tensors = None  # _DeepepManager.combine: self.handle = None (token_dispatcher.py:1387)
@@ -237,12 +237,12 @@ def run_experts_deepep(experts: nn.Module, tokens: torch.Tensor, probs: torch.Te
 
 def run_experts_flex(experts: nn.Module, tokens: torch.Tensor, probs: torch.Tensor, counts: list[int], topk: int,
                      backend: str, group: int, rank: int, *, permute_fusion: bool = False,
-                     experimental: bool = False, deterministic: bool = False) -> tuple[torch.Tensor, list[int]]:
+                     experimental: bool = False, keeps_source: bool = False) -> tuple[torch.Tensor, list[int]]:
     """The flex dispatcher with ``backend`` (``hybridep`` or ``deepep``; ``remat.models.flex_dispatch.flex_group``
     gives the backend, group and rank): :func:`run_experts_hybridep` or :func:`run_experts_deepep` (which reads
-    ``permute_fusion``, ``experimental`` and ``deterministic``; HybridEP's own fused permute changes none of its
+    ``permute_fusion``, ``experimental`` and ``keeps_source``; HybridEP's own fused permute changes none of its
     tensors)."""
     if backend == "deepep":
         return run_experts_deepep(experts, tokens, probs, counts, topk, group, rank, permute_fusion=permute_fusion,
-                                  experimental=experimental, deterministic=deterministic)
+                                  experimental=experimental, keeps_source=keeps_source)
     return run_experts_hybridep(experts, tokens, probs, counts, topk, group, rank)

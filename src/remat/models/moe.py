@@ -406,14 +406,14 @@ class MoELayer(nn.Module):
         flex dispatcher's DeepEP backend reads the same flags (``flex_options``). Under deterministic algorithms
         the unfused combine keeps the experts' outputs (NOTE [the combine's saved source])."""
         self.num_experts = config.num_moe_experts
-        self.flex_options = {"permute_fusion": config.moe_permute_fusion, "experimental": config.enable_experimental,
-                             "deterministic": config.deterministic_algorithms}
         alltoall = config.moe_token_dispatcher_type == "alltoall"
         self.permute_fused = alltoall and config.moe_permute_fusion
         self.permute_argsort = alltoall and not config.moe_pad_expert_input_to_capacity
         # the unfused unpermute under deterministic algorithms keeps the experts' outputs (NOTE [the combine's saved
-        # source]); the allgather dispatcher's is always unfused
+        # source]); the allgather dispatcher's is always unfused, DeepEP's fused with --moe-permute-fusion
         self.combine_keeps_source = config.deterministic_algorithms and not self.permute_fused
+        self.flex_options = {"permute_fusion": config.moe_permute_fusion, "experimental": config.enable_experimental,
+                             "keeps_source": config.deterministic_algorithms and not config.moe_permute_fusion}
 
     def permute(self, tokens: torch.Tensor, probs: torch.Tensor,
                 order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
