@@ -144,6 +144,9 @@ class ModelConfig:
     apply_query_key_layer_scaling: bool = False
     # q/k normalisation (Megatron's --qk-layernorm); None: the attention's own default (see has_qk_norms)
     qk_layernorm: bool | None = None
+    # Megatron's apply_rope_fusion (False: --no-rope-fusion): the unfused rotary embedding makes its cos/sin tables
+    # anew at each application and its multiplies keep them (NOTE [unfused rope] in remat.models.blocks)
+    apply_rope_fusion: bool = True
     # FP8 GEMMs in the TE linears (Megatron's --fp8-format with --fp8-recipe): None, or one of FP8_RECIPES
     # (remat.memory.fp8 NOTE [FP8 linears on Hopper]); fp8_layers: one 0/1 per layer (0: bf16, --first-last-layers-
     # bf16), None: every layer (the MTP layers always run in FP8)
@@ -210,6 +213,9 @@ class ModelConfig:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not divisible by num_query_groups="
                 f"{self.num_query_groups}: use a divisor of the head count (or None for one group per head)")
+        if not self.apply_rope_fusion and self.position != "rope" and not self.multi_latent_attention:
+            raise ConfigError("apply_rope_fusion=False (--no-rope-fusion) changes only the rotary embedding: set "
+                              "position='rope' (or multi_latent_attention), or drop it")
         if (self.position == "rope" or self.multi_latent_attention) and self.rotary_dim % 2:
             raise ConfigError(f"position='rope' needs an even rotary dimension, got {self.rotary_dim}: "
                               "change hidden_size or num_attention_heads (qk_pos_emb_head_dim with MLA)")

@@ -43,7 +43,8 @@ def megatron_argv(job: Any, include_world_size: bool = True) -> list[str]:
     args += ["--swiglu"] * (m.activation == "swiglu") + ["--untie-embeddings-and-output-weights"] * (
         not m.tie_embeddings) + ["--disable-bias-linear"] * (not m.add_bias_linear) + ["--add-qkv-bias"] * (
         m.add_qkv_bias and not m.add_bias_linear)
-    args += ["--attention-backend", "unfused"] * (m.attention == "math")
+    args += ["--attention-backend", "unfused"] * (m.attention == "math") + ["--no-rope-fusion"] * (
+        not m.apply_rope_fusion)
     if m.activation == "quick_geglu":  # NOTE [gpt-oss layers] in remat.models.blocks
         args += ["--quick-geglu", "--glu-linear-offset", repr(float(m.glu_linear_offset))]
         args += ["--activation-func-clamp-value", repr(float(m.activation_func_clamp_value))] * (

@@ -92,6 +92,12 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
             multiple = got.get("--make-vocab-size-divisible-by", 128) * tp  # build_tokenizer.vocab_size_with_padding
             vocab = round_up(vocab, multiple)
     activation = "swiglu" if swiglu else "quick_geglu" if got.get("--quick-geglu") else "gelu"
+    # the unfused rotary embedding (NOTE [unfused rope] in remat.models.blocks): --no-rope-fusion, and any position
+    # type but rope (arguments.py:1628-1629 turns the fusion off), which matters to MLA: it rotates either way
+    rotates = pe == "rope" or bool(got.get("--multi-latent-attention"))
+    rope_fusion = not rotates or (pe == "rope" and "--no-rope-fusion" not in ignored)
+    if rotates:
+        ignored[:] = [n for n in ignored if n != "--no-rope-fusion"]
     qkv_bias = bool(got.get("--add-qkv-bias"))  # attention.py:1698: linear_qkv's bias only
     if qkv_bias and got.get("--multi-latent-attention"):  # MLA's projections read add_bias_linear only (:226, 517-611)
         ignored.append("--add-qkv-bias")
@@ -105,7 +111,7 @@ def model_from_flags(got: dict[str, Any], ignored: list[str], precision: str) ->
             hidden_dropout=got.get("--hidden-dropout", 0.1), attention_dropout=got.get("--attention-dropout", 0.1),
             dtype=precision, tie_embeddings=not got.get("--untie-embeddings-and-output-weights"),
             add_bias_linear=not got.get("--disable-bias-linear"), add_qkv_bias=qkv_bias, kv_channels=kv,
-            **local_fields,
+            apply_rope_fusion=rope_fusion, **local_fields,
             **moe_mla_fields(got, tp=tp), **gpt_oss_fields(got, ignored))
     except ConfigError as err:
         raise JobError(f"the model flags describe an invalid model: {err}") from None

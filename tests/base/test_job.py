@@ -730,3 +730,22 @@ def test_a_flex_backend_without_the_flex_dispatcher_is_listed_as_ignored():
     job, ignored = parse_megatron_args(f"{BASE} --num-experts 4 --moe-token-dispatcher-type alltoall "
                                        "--moe-flex-dispatcher-backend hybridep")
     assert job.model.moe_token_dispatcher_type == "alltoall" and "--moe-flex-dispatcher-backend" in ignored
+
+
+def test_no_rope_fusion_is_read_where_a_layer_rotates_and_round_trips():
+    # NOTE [unfused rope]: --no-rope-fusion, and MLA under any position type but rope (Megatron turns the fusion off,
+    # training/arguments.py:1628-1629); without rotary positions the flag changes nothing and is listed as ignored
+    job, ignored = parse_megatron_args(f"{BASE} --position-embedding-type rope --no-rope-fusion")
+    assert not job.model.apply_rope_fusion and "--no-rope-fusion" not in ignored
+    assert parse_megatron_args(job.to_megatron_args())[0] == job
+    assert parse("--position-embedding-type rope").model.apply_rope_fusion
+    learned, ignored = parse_megatron_args(f"{BASE} --no-rope-fusion")
+    assert learned.model.apply_rope_fusion and "--no-rope-fusion" in ignored
+    mla = ("--multi-latent-attention --kv-lora-rank 64 --q-lora-rank 96 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+           "--v-head-dim 16")
+    assert not parse(mla).model.apply_rope_fusion  # learned absolute positions: MLA's rope is unfused
+    assert parse(f"{mla} --position-embedding-type rope").model.apply_rope_fusion
+    for j in (parse(mla), parse(f"{mla} --position-embedding-type rope --no-rope-fusion")):
+        assert not j.model.apply_rope_fusion and parse_megatron_args(j.to_megatron_args())[0] == j
+    with pytest.raises(ValueError, match="apply_rope_fusion=False .* set position='rope'"):
+        ModelConfig(apply_rope_fusion=False)

@@ -21,9 +21,52 @@ def norm_layer(config: ModelConfig, size: int | None = None) -> nn.Module:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (first half, second half) of the head dimension; x is [b, heads, s, d]."""
+    """Rotate pairs (first half, second half) of the head dimension; x is [b, heads, s, d]. The multiplies keep
+    only the shared tables, as the fused kernels keep only theirs (NOTE [unfused rope])."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# NOTE [unfused rope]
+# Megatron applies rotary positions with TransformerEngine's fused kernel (apply_rope_fusion, the default) or, with
+# --no-rope-fusion, with _apply_rotary_pos_emb_bshd (megatron/core/models/common/embeddings/rope_utils.py:92-156 at
+# d98e8a64). The fused kernels keep the tables made once per forward (freqs; MLA's cached cos/sin), shared by every
+# layer, as apply_rotary's shared tables are. The unfused function makes its own at each application:
+# cos_ = (torch.cos(freqs) * mscale).to(t.dtype), likewise sin_ ([s, 1, 1, d], d the rotated dimensions), and
+# t * cos_ + rotate_half(t) * sin_ keeps both (a multiply by a tensor that needs no gradient keeps that tensor):
+# 2 x s x d elements of the activations' dtype per application, two applications per layer (q and k; MLA: its
+# rotary query and key), made again by a recompute. MLA's interleaving (mla_rotary_interleaved) first copies t
+# into (even, odd) order; the result is copied once more by torch.cat((t, t_pass)), t_pass empty here.
+def apply_rotary_unfused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                         mla_interleaved: bool = False) -> torch.Tensor:
+    """Megatron's unfused rotary embedding (NOTE [unfused rope]) on x [b, heads, s, d], from the shared half
+    tables ``cos``, ``sin`` [s, d / 2]: the same result as :func:`apply_rotary` (after MLA's interleaving), with the
+    allocations and saved tensors of Megatron's operators."""
+    if mla_interleaved:
+        x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    cos_, sin_ = _unfused_table(cos, x.dtype), _unfused_table(sin, x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = x * cos_ + torch.cat((-x2, x1), dim=-1) * sin_
+    return torch.cat((rotated, x[..., x.shape[-1]:]), dim=-1)
+
+
+def _unfused_table(half: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(torch.cos(freqs) * mscale).to(dtype) from a shared half table [s, d / 2]: the same allocations (fp32 [s, d],
+    its product by mscale, whose value is 1 here, then the table in ``dtype``; no copy where it is fp32)."""
+    s, h = half.shape
+    full = torch.empty(s, 2 * h, dtype=torch.float32, device=half.device)  # as torch.cos(freqs) makes it
+    full[:, :h] = half
+    full[:, h:] = half
+    return (full * 1.0).to(dtype)
+
+
+def rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], fused: bool, *,
+           mla_interleaved: bool = False) -> torch.Tensor:
+    """``x`` rotated by the shared tables ``rotary`` (cos, sin) as Megatron's fused kernel (``fused``) or its
+    unfused function does (:func:`apply_rotary`, :func:`apply_rotary_unfused`)."""
+    if fused:
+        return apply_rotary(x, *rotary)
+    return apply_rotary_unfused(x, *rotary, mla_interleaved=mla_interleaved)
 
 
 class CoreAttention(nn.Module):

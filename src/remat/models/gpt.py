@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat.config import ModelConfig
-from remat.models.blocks import MLP, CoreAttention, LossAutoScaler, SwiGLU, apply_rotary, norm_layer
+from remat.models.blocks import MLP, CoreAttention, LossAutoScaler, SwiGLU, apply_rotary, norm_layer, rotate
 from remat.models.cross_entropy import language_model_loss, token_losses
 from remat.models.mla import MLASelfAttention
 from remat.models.moe import MoELayer
@@ -30,6 +30,7 @@ class SelfAttention(nn.Module):
         qkv_size = (self.heads + 2 * self.groups) * self.head_dim
         self.linear_qkv = nn.Linear(config.hidden_size, qkv_size, bias=config.qkv_bias)  # attention.py:1698
         self.add_qk_norms(config)
+        self.rope_fused = config.apply_rope_fusion  # NOTE [unfused rope] in remat.models.blocks
         self.core_attention = CoreAttention(config, heads=self.heads, layer=layer)
         self.linear_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)
 
@@ -57,7 +58,7 @@ class SelfAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, self.groups, d).transpose(1, 2)
         if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q, k = rotate(q, rotary, self.rope_fused), rotate(k, rotary, self.rope_fused)
         context = self.core_attention(q, k, v, attention_mask)
         return context.transpose(1, 2).reshape(b, s, self.heads * d)
 

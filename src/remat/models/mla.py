@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from remat.config import ModelConfig
-from remat.models.blocks import CoreAttention, apply_rotary, norm_layer
+from remat.models.blocks import CoreAttention, norm_layer, rotate
 
 
 class MLAUpProjection(nn.Module):
@@ -19,6 +19,7 @@ class MLAUpProjection(nn.Module):
         super().__init__()
         self.heads = config.num_attention_heads
         self.qk_dim, self.pos_dim, self.v_dim = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
+        self.rope_fused = config.apply_rope_fusion  # NOTE [unfused rope] in remat.models.blocks
         q_in = config.q_lora_rank or config.hidden_size
         q_out = self.heads * (self.qk_dim + self.pos_dim)
         bias = config.add_bias_linear
@@ -40,8 +41,9 @@ class MLAUpProjection(nn.Module):
         q_no_pe, q_pos_emb = q.split([self.qk_dim, self.pos_dim], dim=-1)
         kv = self.linear_kv_up_proj(kv_compressed).view(b, s, self.heads, -1).transpose(1, 2)
         k_no_pe, value = kv.split([self.qk_dim, self.v_dim], dim=-1)
-        q_pos_emb = apply_rotary(q_pos_emb, *rotary)
-        k_pos_emb = apply_rotary(k_pos_emb.view(b, 1, s, self.pos_dim), *rotary)  # one rotary key for all heads
+        q_pos_emb = rotate(q_pos_emb, rotary, self.rope_fused, mla_interleaved=True)
+        # one rotary key for all heads
+        k_pos_emb = rotate(k_pos_emb.view(b, 1, s, self.pos_dim), rotary, self.rope_fused, mla_interleaved=True)
         query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
         key = torch.cat([k_no_pe, k_pos_emb.expand(b, self.heads, s, self.pos_dim)], dim=-1)
         return query, key, value.contiguous()

@@ -44,6 +44,7 @@ class TPSelfAttention(SelfAttention):
         qkv = (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv, config.qkv_bias, group, sp)
         self.add_qk_norms(config)
+        self.rope_fused = config.apply_rope_fusion  # NOTE [unfused rope] in remat.models.blocks
         self.core_attention = CoreAttention(config, heads=self.heads, layer=layer)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                              config.add_bias_linear, group, sp)

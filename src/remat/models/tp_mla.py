@@ -40,6 +40,7 @@ class TPMLAUpProjection(MLAUpProjection):
         heads = config.num_attention_heads
         self.heads = heads // group.size
         self.qk_dim, self.pos_dim, self.v_dim = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
+        self.rope_fused = config.apply_rope_fusion  # NOTE [unfused rope] in remat.models.blocks
         self.shape = (config.micro_batch_size, config.seq_length)
         q_out = heads * (self.qk_dim + self.pos_dim)
         bias = config.add_bias_linear
