@@ -111,7 +111,7 @@ def run_forked(tasks: Sequence[Callable[[], Any]], workers: int | None = None,
     workers = min(len(tasks), available_workers() if workers is None else workers)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         return [_made(i, task(), on_result) for i, task in enumerate(tasks)]
-    _warm_up()
+    warm_up()
     ctx = multiprocessing.get_context("fork")
     todo, answers = ctx.SimpleQueue(), ctx.Queue()
     for index in range(len(tasks)):
@@ -157,9 +157,9 @@ def _serve(tasks: Sequence[Callable[[], Any]], todo: Any, answers: Any) -> None:
     answers.join_thread()  # every answer sent before the worker ends
 
 
-def _warm_up() -> None:
+def warm_up() -> None:
     """What every trace imports and sets up once (torch._dynamo, the fake mode): done before forking, so the
-    workers share it instead of each paying for it."""
+    workers share it instead of each paying for it (a process forked to trace calls it first)."""
     import torch._dynamo  # noqa: F401
     from torch._subclasses.fake_tensor import FakeTensorMode
 

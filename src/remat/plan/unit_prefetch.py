@@ -15,7 +15,7 @@ import torch
 
 from remat.config import ModelConfig
 from remat.memory import disk_cache
-from remat.memory.trace_pool import available_workers, worker_timeout
+from remat.memory.trace_pool import available_workers, warm_up, worker_timeout
 from remat.plan.unit_model import (
     PENDING,
     UNIT_MODELS,
@@ -101,6 +101,7 @@ def _take(key: tuple[Any, ...], forks: list[tuple[BaseProcess, Connection]], sta
 
 def _fork(build: Callable[[], Any]) -> tuple[BaseProcess, Connection]:
     """A forked process sending ``build()``'s answer (None when it fails), and the end that receives it."""
+    warm_up()  # imported once here, not in each process forked
     receive, send = multiprocessing.Pipe(duplex=False)
     process = multiprocessing.get_context("fork").Process(target=_answer, args=(build, send), daemon=True)
     process.start()
