@@ -38,10 +38,11 @@ PREPROCESSING_SMS = 108  # Megatron's moe_hybridep_num_sms_preprocessing (transf
 COMBINE_CHUNK = HYBRIDEP_CHUNK  # config.cuh:383-384: the dispatch and combine chunks, 64 tokens as the preprocessing
 
 
-def _flex_moe_layers(job: Job, stage: int) -> int:
-    """The MoE layers (MTP depths included) on a rank of ``stage`` when the job runs the flex dispatcher, else 0."""
+def dispatcher_moe_layers(job: Job, stage: int, dispatcher: str) -> int:
+    """The MoE layers (MTP depths included) on a rank of ``stage`` when the job runs the token ``dispatcher``
+    (``alltoall``, ``allgather``, ``flex``), else 0."""
     m = job.model
-    if not m.is_moe or m.moe_token_dispatcher_type != "flex":
+    if not m.is_moe or m.moe_token_dispatcher_type != dispatcher:
         return 0
     pattern, start, layers = m.moe_layer_pattern(), 0, 0
     for chunk, count in enumerate(job.chunk_layers):
@@ -111,7 +112,7 @@ def deepep_buffers(hidden_bytes: int, group: int, num_sms: int = DEEPEP_SMS) -> 
 def flex_outside_buffers(job: Job, stage: int) -> tuple[OutsideBuffer, ...]:
     """The flex dispatcher's buffers outside PyTorch's allocator on a rank of ``stage`` (none without the flex
     dispatcher or without MoE layers there: the buffer is made at a rank's first dispatch)."""
-    if not _flex_moe_layers(job, stage):
+    if not dispatcher_moe_layers(job, stage, "flex"):
         return ()
     m = job.model
     if m.moe_flex_dispatcher_backend == "deepep":
@@ -144,7 +145,7 @@ def flex_kept_bytes(job: Job, stage: int) -> int:
       multihot map bool [R, L] and the permutation's map (``reversed_mapping_for_combine``: int64 indices [n], or
       with --moe-permute-fusion TE's int32 row_id_map [R, 2L + 1]; R: remat.models.deepep_dispatch.deepep_rows).
     """
-    layers = _flex_moe_layers(job, stage)
+    layers = dispatcher_moe_layers(job, stage, "flex")
     if not layers:
         return 0
     m = job.model

@@ -37,14 +37,16 @@ import re
 from collections.abc import Mapping
 
 from remat.job import Job, JobError
-from remat.memory.flex_buffers import flex_kept_bytes
+from remat.memory.flex_buffers import dispatcher_moe_layers, flex_kept_bytes, tokens_per_rank
 from remat.memory.local_layers import local_scores_bytes
 from remat.models.allgather_dispatch import global_buffer_bytes
+from remat.units import CUDA_BLOCK, round_up
 
 MODULE_TORCH = "cuda.cublas_workspace"
 MODULE_TE = "transformer_engine.cublas_workspace"
 MODULE_ALLGATHER = "megatron.global_memory_buffer"
 MODULE_FLEX = "megatron.flex_dispatcher"  # the flex dispatch managers' kept attributes (remat.memory.flex_buffers)
+MODULE_ALLTOALL = "megatron.alltoall_dispatcher"  # NOTE [the all-to-all dispatcher's attributes]
 # Compute capability (major) of the GPU presets remat knows (remat.units.GPU_PRESETS): what sizes the workspaces.
 GPU_MAJOR = {"a100": 8, "h100": 9, "h200": 9, "gb200": 10, "b200": 10}
 TE_GROUPED_GEMM_STREAMS = 4
@@ -121,8 +123,9 @@ def stage_workspaces(job: Job, stage: int, *, env: Mapping[str, str] | None = No
     gathered, attributes = _allgather_parts(job, stage)
     requests = global_buffer_requests(job, stage) + [(("mpu", _dtype_bytes(job)), gathered)] * (gathered > 0)
     kept = global_memory_buffer_bytes(requests) + attributes
-    flex = flex_kept_bytes(job, stage)
-    return out + [(MODULE_ALLGATHER, kept)] * (kept > 0) + [(MODULE_FLEX, flex)] * (flex > 0)
+    flex, alltoall = flex_kept_bytes(job, stage), alltoall_kept_bytes(job, stage)
+    return (out + [(MODULE_ALLGATHER, kept)] * (kept > 0) + [(MODULE_FLEX, flex)] * (flex > 0)
+            + [(MODULE_ALLTOALL, alltoall)] * (alltoall > 0))
 
 
 def _dtype_bytes(job: Job) -> int:
@@ -180,13 +183,8 @@ def _allgather_parts(job: Job, stage: int) -> tuple[int, int]:
     """:func:`allgather_kept_bytes` in two: the global buffer's gathered hidden states and the layers' attributes."""
     m = job.model
     group = job.expert_tp * job.ep
-    if not m.is_moe or m.moe_token_dispatcher_type != "allgather" or group == 1:
-        return 0, 0
-    pattern, start, moe_layers = m.moe_layer_pattern(), 0, 0
-    for chunk, count in enumerate(job.chunk_layers):
-        moe_layers += sum(pattern[start:start + count]) if chunk % job.pp == stage else 0
-        start += count
-    if not moe_layers:
+    moe_layers = dispatcher_moe_layers(job, stage, "allgather")
+    if group == 1 or not moe_layers:
         return 0, 0
     tokens = m.micro_batch_size * m.seq_length // (job.tp * job.cp)
     local = int(m.num_moe_experts or 1) // job.ep
@@ -196,3 +194,47 @@ def _allgather_parts(job: Job, stage: int) -> tuple[int, int]:
     gathered = group * tokens * m.hidden_size * dtype_bytes  # global_buffer_bytes' first term
     kept = global_buffer_bytes(tokens, m.hidden_size, dtype_bytes, group, moe_layers, local, copies, probs_bytes)
     return gathered, kept - gathered
+
+
+# NOTE [the all-to-all dispatcher's attributes]
+# Megatron-LM d98e8a64 transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher (one per MoE layer and MTP
+# depth): ``dispatch_preprocess`` (641-655) stores the router's dense outputs, ``self.probs`` [T, E] (the logits'
+# dtype: --moe-router-dtype, else the model's; moe_utils.py:936-956) and ``self.routing_map`` [T, E] bool, which
+# no autograd node of remat's trace holds (the permute keeps its own indices: NOTE [the permutation maps] in
+# remat.models.permute), and nothing clears them: each layer holds its latest micro-batch's from its first forward
+# to the end of training, the next forward replacing them. With --moe-permute-fusion the chunk-sort indices are made
+# on the GPU at start-up (``permute_idx_device``, 431-441: int64 [E x etp], one tensor when a rank has one local
+# expert, both views of it, else two) and the counts per local expert stay there (``num_global_tokens_per_local_
+# expert``, 606-615: int64 [etp x ep, L], moved to the host only without the fusion, 948-953). Not counted: the
+# permutation's map (``reversed_local_input_permutation_mapping``), which the trace keeps to the layer's backward
+# and Megatron's attribute from then to the layer's next forward (int64 [n], or fused int32 [T, 2E + 1]); and, at
+# each router, the new dense outputs beside the old ones until the attribute is replaced (one layer's). Where TE's CUDA
+# graphs take the router (``moe_router``, remat.parallel.cuda_graphs), a graphed step's attributes are the graph's
+# outputs, in its private pool: counted as in the eager steps before the capture (an upper bound by them).
+# tests/megatron/test_megatron_alltoall.py runs megatron-core's own dispatcher and reads what it holds.
+def alltoall_kept_bytes(job: Job, stage: int) -> int:
+    """What the all-to-all token dispatchers of a rank of ``stage`` keep from their first forward on (NOTE [the
+    all-to-all dispatcher's attributes]), each tensor in whole CUDA blocks; 0 without that dispatcher or without MoE
+    layers on the stage.
+
+    Example:
+        >>> from remat.config import ModelConfig
+        >>> cfg = ModelConfig(num_layers=2, seq_length=1024, micro_batch_size=2, num_moe_experts=8, moe_router_topk=2,
+        ...                   moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32")
+        >>> alltoall_kept_bytes(Job.build(cfg, precision="bf16"), 0)  # 2 layers x (fp32 + bool) [2048, 8]
+        163840
+    """
+    layers = dispatcher_moe_layers(job, stage, "alltoall")
+    if not layers:
+        return 0
+    m = job.model
+    tokens, experts, etp = tokens_per_rank(job), int(m.num_moe_experts or 1), job.expert_tp
+    probs_bytes = {"fp32": 4, "fp64": 8}.get(m.moe_router_dtype or "", _dtype_bytes(job))
+    per_layer = round_up(tokens * experts * probs_bytes, CUDA_BLOCK) + round_up(tokens * experts, CUDA_BLOCK)
+    if m.moe_permute_fusion:
+        local = experts // job.ep
+        indices = round_up(experts * etp * 8, CUDA_BLOCK)
+        per_layer += indices * (1 if local == 1 else 2)
+        if local > 1 or m.moe_pad_expert_input_to_capacity:  # preprocess keeps its counts on the GPU
+            per_layer += round_up(experts * etp * 8, CUDA_BLOCK)
+    return layers * per_layer
