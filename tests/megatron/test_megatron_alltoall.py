@@ -68,13 +68,12 @@ def test_megatrons_alltoall_dispatcher_holds_the_dense_routing_remat_counts(rout
     probs_dtype = torch.float64 if router_dtype == "fp64" else torch.float32  # the logits' dtype (an fp32 model)
     on_device = {name: value for name, value in held.items() if name not in HOST_SIDE}
     assert on_device == {
-        "probs": ((TOKENS, EXPERTS), probs_dtype),            # counted
-        "routing_map": ((TOKENS, EXPERTS), torch.bool),      # counted
-        # kept by remat's trace until the layer's backward; Megatron's attribute to the next forward (not counted)
-        "reversed_local_input_permutation_mapping": ((TOKENS * TOPK,), torch.int64),
+        "probs": ((TOKENS, EXPERTS), probs_dtype),
+        "routing_map": ((TOKENS, EXPERTS), torch.bool),
+        "reversed_local_input_permutation_mapping": ((TOKENS * TOPK,), torch.int64),  # the unfused permute's map
     }
     counted = sum(round_up(torch.Size(shape).numel() * dtype.itemsize, CUDA_BLOCK)  # in whole CUDA blocks
-                  for name, (shape, dtype) in on_device.items() if name in ("probs", "routing_map"))
+                  for shape, dtype in on_device.values())
     cfg = ModelConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ, micro_batch_size=BATCH,
                       num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_token_dispatcher_type="alltoall",
                       moe_router_dtype=router_dtype)

@@ -8,6 +8,7 @@ from remat.config import ModelConfig
 from remat.job import Job
 from remat.memory.workspaces import MODULE_ALLTOALL, alltoall_kept_bytes, stage_workspaces
 from remat.parallel.job_predict import predict_job
+from remat.units import round_up
 
 ALLTOALL = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=128, seq_length=512,
                        position="rope", micro_batch_size=2, num_moe_experts=8, moe_ffn_hidden_size=64,
@@ -19,11 +20,17 @@ T, E = 1024, 8  # tokens a rank routes (2 x 512), experts
 def test_each_moe_layer_keeps_its_dense_probabilities_and_routing_map_on_its_stage_only():
     job = Job.build(ALLTOALL, precision="bf16", ep=2, dp=2, pp=2, num_microbatches=2)
     assert alltoall_kept_bytes(job, 0) == 0  # stage 0's layers are dense
-    per_layer = T * E * 2 + T * E  # bf16 probabilities (the logits' dtype) + bool map
+    per_layer = T * E * 2 + T * E + T * 2 * 8  # bf16 probabilities (the logits' dtype), bool map, int64 [T x topk]
     assert alltoall_kept_bytes(job, 1) == 2 * per_layer
     assert (MODULE_ALLTOALL, 2 * per_layer) in stage_workspaces(job, 1)
     fp32_router = job.replace(model=job.model.replace(moe_router_dtype="fp32"))
-    assert alltoall_kept_bytes(fp32_router, 1) == 2 * (T * E * 4 + T * E)
+    assert alltoall_kept_bytes(fp32_router, 1) == 2 * (T * E * 4 + T * E + T * 2 * 8)
+    capacity = job.replace(model=job.model.replace(moe_expert_capacity_factor=0.5))  # ceil(1024 x 2 / 8 x 0.5) = 128
+    assert alltoall_kept_bytes(capacity, 1) == 2 * (T * E * 2 + T * E + 128 * 8 * 8)
+    padded = job.replace(model=capacity.model.replace(moe_pad_expert_input_to_capacity=True))
+    assert alltoall_kept_bytes(padded, 1) == alltoall_kept_bytes(capacity, 1)
+    above = job.replace(model=job.model.replace(moe_expert_capacity_factor=2.0))  # balanced: nothing dropped
+    assert alltoall_kept_bytes(above, 1) == 2 * per_layer
     mtp = job.replace(model=job.model.replace(mtp_num_layers=1))  # the MTP depth's layer has a dispatcher too
     assert alltoall_kept_bytes(mtp, 1) == 3 * per_layer
     allgather = job.replace(model=job.model.replace(moe_token_dispatcher_type="allgather"))
@@ -39,8 +46,10 @@ def test_permute_fusion_keeps_the_chunk_sort_indices_and_counts_on_the_gpu():
     fused = Job.build(ALLTOALL.replace(moe_permute_fusion=True), precision="bf16", ep=2, dp=2)
     plain = Job.build(ALLTOALL, precision="bf16", ep=2, dp=2)
     block = 512  # E x 8 = 64 bytes, one CUDA block each
-    assert alltoall_kept_bytes(fused, 0) - alltoall_kept_bytes(plain, 0) == 2 * (2 * block + block)
+    # TE's row_id_map int32 [T, 2E + 1] instead of the int64 [T x topk] map
+    maps = 2 * (round_up(T * (2 * E + 1) * 4, block) - T * 2 * 8)
+    assert alltoall_kept_bytes(fused, 0) - alltoall_kept_bytes(plain, 0) == maps + 2 * (2 * block + block)
     one_local = Job.build(ALLTOALL.replace(moe_permute_fusion=True, expert_model_parallel_size=8), precision="bf16",
                           ep=8, dp=8)
     plain_one = Job.build(ALLTOALL.replace(expert_model_parallel_size=8), precision="bf16", ep=8, dp=8)
-    assert alltoall_kept_bytes(one_local, 0) - alltoall_kept_bytes(plain_one, 0) == 2 * block
+    assert alltoall_kept_bytes(one_local, 0) - alltoall_kept_bytes(plain_one, 0) == maps + 2 * block

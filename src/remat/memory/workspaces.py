@@ -33,6 +33,7 @@ workspaces, remat's resident state of gpt3_mcore_te_tp1_pp1_frozen_resume_torch_
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 
@@ -198,19 +199,21 @@ def _allgather_parts(job: Job, stage: int) -> tuple[int, int]:
 
 # NOTE [the all-to-all dispatcher's attributes]
 # Megatron-LM d98e8a64 transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher (one per MoE layer and MTP
-# depth): ``dispatch_preprocess`` (641-655) stores the router's dense outputs, ``self.probs`` [T, E] (the logits'
-# dtype: --moe-router-dtype, else the model's; moe_utils.py:936-956) and ``self.routing_map`` [T, E] bool, which
-# no autograd node of remat's trace holds (the permute keeps its own indices: NOTE [the permutation maps] in
-# remat.models.permute), and nothing clears them: each layer holds its latest micro-batch's from its first forward
-# to the end of training, the next forward replacing them. With --moe-permute-fusion the chunk-sort indices are made
-# on the GPU at start-up (``permute_idx_device``, 431-441: int64 [E x etp], one tensor when a rank has one local
-# expert, both views of it, else two) and the counts per local expert stay there (``num_global_tokens_per_local_
-# expert``, 606-615: int64 [etp x ep, L], moved to the host only without the fusion, 948-953). Not counted: the
-# permutation's map (``reversed_local_input_permutation_mapping``), which the trace keeps to the layer's backward
-# and Megatron's attribute from then to the layer's next forward (int64 [n], or fused int32 [T, 2E + 1]); and, at
-# each router, the new dense outputs beside the old ones until the attribute is replaced (one layer's). Where TE's CUDA
-# graphs take the router (``moe_router``, remat.parallel.cuda_graphs), a graphed step's attributes are the graph's
-# outputs, in its private pool: counted as in the eager steps before the capture (an upper bound by them).
+# depth): ``dispatch_preprocess`` (641-680) stores the router's dense outputs, ``self.probs`` [T, E] (the logits'
+# dtype: --moe-router-dtype, else the model's; moe_utils.py:936-956) and ``self.routing_map`` [T, E] bool, which no
+# autograd node of remat's trace holds (the permute keeps its own indices: NOTE [the permutation maps] in
+# remat.models.permute), and the permutation's map (``reversed_local_input_permutation_mapping``: int64 [n], or with
+# --moe-permute-fusion TE's int32 row_id_map [T, 2E + 1]); nothing clears them: each layer holds its latest
+# micro-batch's from its first forward to the end of training, the next forward replacing them. With the fusion the
+# chunk-sort indices are made on the GPU at start-up (``permute_idx_device``, 431-441: int64 [E x etp], one tensor
+# when a rank has one local expert, both views of it, else two) and the counts per local expert stay there
+# (``num_global_tokens_per_local_expert``, 606-615: int64 [etp x ep, L], moved to the host only without the fusion,
+# 948-953). All are priced for the whole step, like the other dispatchers' attributes: the map is the same tensor
+# the trace keeps from the layer's forward to its backward, so while a layer's latest micro-batch is in flight it is
+# counted twice (an upper bound by one map a layer: 2 MiB at T = 8,192, E = 32 fused). Not counted: at each router,
+# the new dense outputs beside the old ones until the attribute is replaced (one layer's). Where TE's CUDA graphs take
+# the router (``moe_router``, remat.parallel.cuda_graphs), a graphed step's attributes are the graph's outputs, in its
+# private pool: counted as in the eager steps before the capture (an upper bound by them).
 # tests/megatron/test_megatron_alltoall.py runs megatron-core's own dispatcher and reads what it holds.
 def alltoall_kept_bytes(job: Job, stage: int) -> int:
     """What the all-to-all token dispatchers of a rank of ``stage`` keep from their first forward on (NOTE [the
@@ -221,8 +224,8 @@ def alltoall_kept_bytes(job: Job, stage: int) -> int:
         >>> from remat.config import ModelConfig
         >>> cfg = ModelConfig(num_layers=2, seq_length=1024, micro_batch_size=2, num_moe_experts=8, moe_router_topk=2,
         ...                   moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32")
-        >>> alltoall_kept_bytes(Job.build(cfg, precision="bf16"), 0)  # 2 layers x (fp32 + bool) [2048, 8]
-        163840
+        >>> alltoall_kept_bytes(Job.build(cfg, precision="bf16"), 0)  # 2 x (fp32 + bool [2048, 8] + int64 [4096])
+        229376
     """
     layers = dispatcher_moe_layers(job, stage, "alltoall")
     if not layers:
@@ -231,6 +234,8 @@ def alltoall_kept_bytes(job: Job, stage: int) -> int:
     tokens, experts, etp = tokens_per_rank(job), int(m.num_moe_experts or 1), job.expert_tp
     probs_bytes = {"fp32": 4, "fp64": 8}.get(m.moe_router_dtype or "", _dtype_bytes(job))
     per_layer = round_up(tokens * experts * probs_bytes, CUDA_BLOCK) + round_up(tokens * experts, CUDA_BLOCK)
+    mapping = tokens * (2 * experts + 1) * 4 if m.moe_permute_fusion else _permuted_copies(job) * 8
+    per_layer += round_up(mapping, CUDA_BLOCK)
     if m.moe_permute_fusion:
         local = experts // job.ep
         indices = round_up(experts * etp * 8, CUDA_BLOCK)
@@ -238,3 +243,15 @@ def alltoall_kept_bytes(job: Job, stage: int) -> int:
         if local > 1 or m.moe_pad_expert_input_to_capacity:  # preprocess keeps its counts on the GPU
             per_layer += round_up(experts * etp * 8, CUDA_BLOCK)
     return layers * per_layer
+
+
+def _permuted_copies(job: Job) -> int:
+    """n: the routed copies a rank permutes in one MoE layer under balanced routing: T x topk, or with
+    --moe-expert-capacity-factor F those within every expert's capacity ceil(T x topk / E x F), all of them when
+    padded to it (token_dispatcher.py:517-556, moe_utils.py:248 ``get_capacity``)."""
+    m = job.model
+    copies, experts = tokens_per_rank(job) * m.moe_router_topk, int(m.num_moe_experts or 1)
+    if m.moe_expert_capacity_factor is None:
+        return copies
+    capacity = math.ceil(copies / experts * m.moe_expert_capacity_factor)
+    return capacity * experts if m.moe_pad_expert_input_to_capacity else min(copies, capacity * experts)

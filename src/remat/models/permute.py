@@ -33,10 +33,9 @@ With ``--moe-permute-fusion`` the received chunks are also sorted by local exper
 :mod:`remat.models.expert_parallel`) keeps nothing.
 The flex dispatcher's DeepEP backend permutes the R tokens it received by their [R, L] multihot map (L local
 experts) with the same ``permute`` (token_dispatcher.py:1436-1452; :mod:`remat.models.deepep_dispatch`). Not
-modelled: the sort's own scratch memory on the GPU, and the all-to-all dispatcher's attribute that keeps the last
-micro-batch's map from the layer's backward to its next forward (one map a layer past the step's last backward; its
-dense probabilities and routing map are counted: NOTE [the all-to-all dispatcher's attributes] in
-:mod:`remat.memory.workspaces`).
+modelled here: the sort's own scratch memory on the GPU. The all-to-all dispatcher also keeps the last micro-batch's
+map (with its dense probabilities and routing map) until the layer's next forward: counted for the whole step beside
+the trace (NOTE [the all-to-all dispatcher's attributes] in :mod:`remat.memory.workspaces`).
 """
 
 from __future__ import annotations
