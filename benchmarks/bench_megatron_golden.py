@@ -51,7 +51,7 @@ NOTES = {
         "routing drift (NOTE [routing drift]): the logged running peak stays at 53.94 GiB from iteration 3 to 29 "
         "(remat -0.3%) and climbs to 55.98 GiB only at iterations 30-39, in five steps, with a flat resident state: "
         "dropless routing (--moe-aux-loss-coeff 1e-4, expert bias) sending more copies to this rank's experts; "
-        "this rank's experts taking 1.48x their balanced share (capacity:1.48) predicts 56.02 GiB, 1.05x 54.00 GiB. "
+        "this rank's experts taking 1.48x their balanced share (capacity:1.48) predicts 56.05 GiB, 1.05x 54.03 GiB. "
         "One MLA layer under te keeps what Megatron's keeps "
         "(test_te_mla_layer_keeps_what_megatron_mla_keeps_under_unfused_attention; its --no-rope-fusion tables, "
         "4 x [s, 1, 1, 64] bf16 per layer: tests/megatron/test_megatron_rope.py)",

@@ -131,6 +131,9 @@ class ModelConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # MLA's rotary embedding (Megatron's --rope-type, default yarn for MLA): each MLA layer keeps its own tables
+    # (NOTE [MLA's rotary tables] in remat.memory.workspaces)
+    mla_rope_type: str = "yarn"
     # the loss
     cross_entropy: str = "torch"
     # multi-token prediction (Megatron's --mtp-num-layers; 0: none): that many MTP depths after the last layer, on
@@ -476,6 +479,13 @@ def check_mla_fields(config: ModelConfig) -> None:
         _check_positive_int(name, getattr(config, name))
     if config.q_lora_rank is not None:
         _check_positive_int("q_lora_rank", config.q_lora_rank)
+    if config.mla_rope_type not in ("yarn", "rope"):
+        raise ConfigError(f"mla_rope_type={config.mla_rope_type!r}: MLA's rotary embedding is 'yarn' (Megatron's "
+                          "default) or 'rope' (--rope-type)")
+    if config.multi_latent_attention and config.apply_rope_fusion and config.mla_rope_type != "yarn":
+        raise ConfigError("mla_rope_type='rope' with apply_rope_fusion: Megatron fuses MLA's rotary embedding only for "
+                          "yarn (transformer_config.py:3345); set apply_rope_fusion=False (--no-rope-fusion) or "
+                          "mla_rope_type='yarn'")
     if config.multi_latent_attention and config.num_query_groups not in (None, config.num_attention_heads):
         raise ConfigError(f"num_query_groups={config.num_query_groups}: MLA has one key/value head per query head; "
                           "drop num_query_groups")

@@ -102,13 +102,17 @@ def moe_mla_fields(got: dict[str, Any], *, tp: int) -> dict[str, Any]:
         stray = [f for f in _MLA_FLAGS if f in got]
         if stray:
             raise JobError(f"{stray[0]} needs --multi-latent-attention: add it, or drop {stray[0]}")
+        if got.get("--rope-type", "rope") != "rope":  # argument_utils.py:339-341 asserts it
+            raise JobError(f"--rope-type {got['--rope-type']}: Megatron's standard attention supports rope only "
+                           "(argument_utils.py:339); use --rope-type rope, or add --multi-latent-attention")
         return out
     if "--kv-lora-rank" not in got:
         raise JobError("--multi-latent-attention needs --kv-lora-rank (the key/value compression rank, 512 for "
                        "DeepSeek-V3): add it")
     out.update(multi_latent_attention=True, q_lora_rank=got.get("--q-lora-rank"),
                kv_lora_rank=got["--kv-lora-rank"], qk_head_dim=got.get("--qk-head-dim", 128),
-               qk_pos_emb_head_dim=got.get("--qk-pos-emb-head-dim", 64), v_head_dim=got.get("--v-head-dim", 128))
+               qk_pos_emb_head_dim=got.get("--qk-pos-emb-head-dim", 64), v_head_dim=got.get("--v-head-dim", 128),
+               mla_rope_type=got.get("--rope-type", "yarn"))  # MLATransformerConfig.rope_type's default
     return out
 
 
@@ -181,6 +185,7 @@ def moe_mla_args(model: ModelConfig) -> list[str]:
             args += ["--q-lora-rank", str(m.q_lora_rank)]
         args += ["--kv-lora-rank", str(m.kv_lora_rank), "--qk-head-dim", str(m.qk_head_dim),
                  "--qk-pos-emb-head-dim", str(m.qk_pos_emb_head_dim), "--v-head-dim", str(m.v_head_dim)]
+        args += ["--rope-type", "rope"] * (m.mla_rope_type == "rope")
     return args
 
 

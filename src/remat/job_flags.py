@@ -157,7 +157,7 @@ IGNORED_FLAGS: dict[str, str] = _table({
         "--moe-router-force-load-balancing "
         "--moe-router-topk-scaling-factor --moe-router-bias-update-rate --moe-token-drop-policy "
         "--moe-router-fusion --moe-shared-expert-overlap --moe-per-layer-logging --moe-use-upcycling "
-        "--moe-upcycling-granularity --rope-type --rotary-scaling-factor --mscale --mscale-all-dim",
+        "--moe-upcycling-granularity --rotary-scaling-factor --mscale --mscale-all-dim",
     "the load-balancing loss's variant (remat prices the switch loss on the same [tokens, experts] scores when "
     "--moe-aux-loss-coeff > 0)": "--moe-router-load-balancing-type",
     "run control (garbage collection, allocator cache, restarts, checks)": "--manual-gc --manual-gc-interval "
@@ -222,6 +222,7 @@ MODELLED_FLAGS: dict[str, Any] = {
     **dict.fromkeys(_MOE_MLA_INT.split(), int), "--moe-layer-freq": str, "--pipeline-model-parallel-layout": str,
     **dict.fromkeys(("--moe-expert-capacity-factor", "--moe-aux-loss-coeff"), float),
     "--moe-router-score-function": ("softmax", "sigmoid"),
+    "--rope-type": ("rope", "yarn"),  # MLA's rotary embedding (NOTE [MLA's rotary tables] in remat.memory.workspaces)
     "--moe-token-dispatcher-type": ("alltoall", "allgather", "flex"),  # remat.models.flex_dispatch
     "--moe-flex-dispatcher-backend": ("deepep", "hybridep"),
     "--moe-router-dtype": ("fp32", "fp64"),  # remat.models.moe.RouterGatingLinear

@@ -749,3 +749,20 @@ def test_no_rope_fusion_is_read_where_a_layer_rotates_and_round_trips():
         assert not j.model.apply_rope_fusion and parse_megatron_args(j.to_megatron_args())[0] == j
     with pytest.raises(ValueError, match="apply_rope_fusion=False .* set position='rope'"):
         ModelConfig(apply_rope_fusion=False)
+
+
+def test_rope_type_sets_mlas_rotary_embedding_and_round_trips():
+    # NOTE [MLA's rotary tables]: MLA's rotary embedding is yarn unless --rope-type rope (argument_utils.py:335-337),
+    # which Megatron fuses only as yarn (transformer_config.py:3345); standard attention takes rope only (:339)
+    mla = ("--multi-latent-attention --kv-lora-rank 64 --q-lora-rank 96 --qk-head-dim 16 --qk-pos-emb-head-dim 8 "
+           "--v-head-dim 16")
+    assert parse(mla).model.mla_rope_type == "yarn"
+    rope = parse(f"{mla} --rope-type rope")  # learned absolute positions: unfused
+    assert rope.model.mla_rope_type == "rope" and parse_megatron_args(rope.to_megatron_args())[0] == rope
+    with pytest.raises(ValueError, match="mla_rope_type='rope' with apply_rope_fusion.*--no-rope-fusion"):
+        parse(f"{mla} --rope-type rope --position-embedding-type rope")
+    assert parse("--rope-type rope").model == parse("").model  # standard attention: rope, as without the flag
+    with pytest.raises(ValueError, match="--rope-type yarn: Megatron's standard attention supports rope only"):
+        parse("--rope-type yarn")
+    with pytest.raises(ValueError, match="mla_rope_type='ntk'"):
+        ModelConfig(multi_latent_attention=True, mla_rope_type="ntk")

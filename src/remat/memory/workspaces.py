@@ -37,6 +37,7 @@ import math
 import re
 from collections.abc import Mapping
 
+from remat.config import RoutingAssumption
 from remat.job import Job, JobError
 from remat.memory.flex_buffers import dispatcher_moe_layers, flex_kept_bytes, tokens_per_rank
 from remat.memory.local_layers import local_scores_bytes
@@ -48,6 +49,9 @@ MODULE_TE = "transformer_engine.cublas_workspace"
 MODULE_ALLGATHER = "megatron.global_memory_buffer"
 MODULE_FLEX = "megatron.flex_dispatcher"  # the flex dispatch managers' kept attributes (remat.memory.flex_buffers)
 MODULE_ALLTOALL = "megatron.alltoall_dispatcher"  # NOTE [the all-to-all dispatcher's attributes]
+MODULE_MLA_ROPE = "megatron.mla_rotary_tables"  # NOTE [MLA's rotary tables]
+YARN_ORIGINAL_POSITIONS = 4096  # MLATransformerConfig.original_max_position_embeddings (no flag sets it for MLA)
+LRU_ENTRIES = 32  # the rotary embeddings' forward: functools.lru_cache(maxsize=32), one cache for every instance
 # Compute capability (major) of the GPU presets remat knows (remat.units.GPU_PRESETS): what sizes the workspaces.
 GPU_MAJOR = {"a100": 8, "h100": 9, "h200": 9, "gb200": 10, "b200": 10}
 TE_GROUPED_GEMM_STREAMS = 4
@@ -124,9 +128,9 @@ def stage_workspaces(job: Job, stage: int, *, env: Mapping[str, str] | None = No
     gathered, attributes = _allgather_parts(job, stage)
     requests = global_buffer_requests(job, stage) + [(("mpu", _dtype_bytes(job)), gathered)] * (gathered > 0)
     kept = global_memory_buffer_bytes(requests) + attributes
-    flex, alltoall = flex_kept_bytes(job, stage), alltoall_kept_bytes(job, stage)
+    flex, alltoall, rope = flex_kept_bytes(job, stage), alltoall_kept_bytes(job, stage), mla_rope_bytes(job, stage)
     return (out + [(MODULE_ALLGATHER, kept)] * (kept > 0) + [(MODULE_FLEX, flex)] * (flex > 0)
-            + [(MODULE_ALLTOALL, alltoall)] * (alltoall > 0))
+            + [(MODULE_ALLTOALL, alltoall)] * (alltoall > 0) + [(MODULE_MLA_ROPE, rope)] * (rope > 0))
 
 
 def _dtype_bytes(job: Job) -> int:
@@ -246,12 +250,60 @@ def alltoall_kept_bytes(job: Job, stage: int) -> int:
 
 
 def _permuted_copies(job: Job) -> int:
-    """n: the routed copies a rank permutes in one MoE layer under balanced routing: T x topk, or with
-    --moe-expert-capacity-factor F those within every expert's capacity ceil(T x topk / E x F), all of them when
-    padded to it (token_dispatcher.py:517-556, moe_utils.py:248 ``get_capacity``)."""
+    """n: the routed copies a rank permutes in one MoE layer, as its trace routes them (NOTE [routing under fake
+    tensors] in remat.models.moe): every expert's capacity ceil(T x topk / E x F) when padded to it
+    (token_dispatcher.py:517-539), else the routing assumption's counts (T x topk when balanced), the most over the
+    MoE layers it lists."""
     m = job.model
-    copies, experts = tokens_per_rank(job) * m.moe_router_topk, int(m.num_moe_experts or 1)
-    if m.moe_expert_capacity_factor is None:
-        return copies
-    capacity = math.ceil(copies / experts * m.moe_expert_capacity_factor)
-    return capacity * experts if m.moe_pad_expert_input_to_capacity else min(copies, capacity * experts)
+    tokens, experts, topk = tokens_per_rank(job), int(m.num_moe_experts or 1), m.moe_router_topk
+    if m.moe_pad_expert_input_to_capacity:
+        return min(math.ceil(tokens * topk / experts * float(m.moe_expert_capacity_factor or 0)), tokens) * experts
+    routing = RoutingAssumption.parse(m.moe_routing_assumption or "balanced")
+    return max(sum(routing.tokens_per_expert(tokens, experts, topk, layer=layer))
+               for layer in range(max(len(routing.counts), 1)))
+
+
+# NOTE [MLA's rotary tables]
+# Megatron-LM d98e8a64: every MLA attention builds its own rotary embedding (transformer/multi_latent_attention.py:
+# 176-200), yarn unless --rope-type rope (MLATransformerConfig.rope_type, argument_utils.py:335-337), on the GPU.
+# ``YarnRotaryEmbedding.__init__`` (models/common/embeddings/yarn_rotary_pos_embedding.py:49-104) keeps three fp32
+# [d / 2] frequency vectors and registers ``cos_cached`` / ``sin_cached``, fp32 [4096, 1, 1, d] (d =
+# qk_pos_emb_head_dim, 4096 = original_max_position_embeddings; ``_set_cos_sin_cache``, :189-206). Its ``forward`` is an
+# ``lru_cache(maxsize=32)`` (:159), one cache for every instance, keyed by the instance: the first forward of each
+# layer caches its fp32 [s / cp, 1, 1, d] table (``get_emb``, sliced to this context-parallel rank), so a rank
+# holds min(its MLA layers, 32) of them from then on (the unfused path calls it at every forward, the fused one once:
+# multi_latent_attention.py:700-720). The fused path's ``get_cached_cos_sin`` in the activations' dtype replaces the
+# two buffers at the first forward (:208-237) by [s / cp, 1, 1, d] ones in that dtype (unless that dtype is fp32
+# and s <= 4096: the init's stay). ``--rope-type rope`` builds a ``RotaryEmbedding`` instead (rotary_pos_embedding.py
+# :177-206): one fp32 [d / 2] vector and the cached table. The MTP depths' layers are MLA layers too. Priced for the
+# whole step (the tables appear at the first forward): ``tests/megatron/test_megatron_mla_rope.py`` reads them off
+# megatron-core's own MLA attention. remat's trace still makes its own per-forward [s, d / 2] cos and sin tables
+# for the layers' rotations (remat.models.gpt.rotary_tables), where Megatron reads the cached one.
+def mla_rope_bytes(job: Job, stage: int) -> int:
+    """What the MLA layers' rotary embeddings of a rank of ``stage`` keep (NOTE [MLA's rotary tables]), each tensor
+    in whole CUDA blocks; 0 without MLA.
+
+    Example:
+        >>> from remat.config import ModelConfig
+        >>> cfg = ModelConfig(num_layers=2, seq_length=4096, multi_latent_attention=True, qk_pos_emb_head_dim=64,
+        ...                   apply_rope_fusion=False)
+        >>> mla_rope_bytes(Job.build(cfg, precision="bf16"), 0) / 2**20  # 2 x (cos, sin, cached table + 3 x 512 B)
+        6.0029296875
+    """
+    m = job.model
+    if not m.multi_latent_attention:
+        return 0
+    layers = sum(count for chunk, count in enumerate(job.chunk_layers) if chunk % job.pp == stage)
+    layers += (m.mtp_num_layers or 0) if stage == job.pp - 1 else 0
+    d, rows, dtype_bytes = m.qk_pos_emb_head_dim, m.seq_length // job.cp, _dtype_bytes(job)
+    cached = min(layers, LRU_ENTRIES) * round_up(rows * d * 4, CUDA_BLOCK)  # the lru_cache's fp32 tables
+    if m.mla_rope_type == "rope":
+        return layers * round_up(d // 2 * 4, CUDA_BLOCK) + cached
+    per_layer = 3 * round_up(d // 2 * 4, CUDA_BLOCK)  # inv_freq_extra, inv_freq_inter, inv_freq
+    if m.apply_rope_fusion and (dtype_bytes != 4 or m.seq_length > YARN_ORIGINAL_POSITIONS):
+        per_layer += 2 * round_up(rows * d * dtype_bytes, CUDA_BLOCK)  # re-made in the activations' dtype
+    else:
+        per_layer += 2 * round_up(YARN_ORIGINAL_POSITIONS * d * 4, CUDA_BLOCK)
+        if m.apply_rope_fusion:  # fp32 within 4096 positions: the init's kept, forward never called
+            cached = 0
+    return layers * per_layer + cached

@@ -42,6 +42,7 @@ from remat.memory.workspaces import (
     MODULE_ALLGATHER,
     MODULE_ALLTOALL,
     MODULE_FLEX,
+    MODULE_MLA_ROPE,
     MODULE_TE,
     MODULE_TORCH,
     cublas_workspace_bytes,
@@ -87,8 +88,8 @@ PART_LABELS = {"parameters": "params", "gradients": "grads", "master_parameters"
 MASTER_MODULE = "optimizer.master_parameters"
 OPTIMIZER_STATE_MODULE = "optimizer.state"
 # what the CUDA libraries and Megatron keep for the whole run: the "workspaces" part
-LIBRARY_BUFFERS = (MODULE_TORCH, MODULE_TE, MODULE_ALLGATHER, MODULE_FLEX, MODULE_ALLTOALL, WGRAD_MODULE,
-                   CUDA_GRAPH_MODULE)
+LIBRARY_BUFFERS = (MODULE_TORCH, MODULE_TE, MODULE_ALLGATHER, MODULE_FLEX, MODULE_ALLTOALL, MODULE_MLA_ROPE,
+                   WGRAD_MODULE, CUDA_GRAPH_MODULE)
 RING_MODULE = "cp.ring_attention.kv_exchange"
 MAIN_GRAD_COPY_MODULE = "optimizer.main_param_grads"
 
