@@ -44,9 +44,10 @@ DATA = Path(__file__).parent / "data" / "megatron_golden_h100_dev.json"
 # iterations is quoted beside it: the same step, under the routing of those iterations.
 NOTES = {
     "moe/gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer":
-        "no missing tensor found; balanced routing is assumed and --moe-aux-loss-coeff is 0 (nothing balances the "
-        "experts): the logged running peak climbs from 1.0649 GiB (iteration 2, remat -1.5%) to 1.0707 GiB "
-        "(iteration 26) with the routing; routing 60% of the copies to this rank's experts predicts -0.3%",
+        "balanced routing is assumed and --moe-aux-loss-coeff is 0 (nothing balances the experts): the logged "
+        "running peak climbs from 1.0649 GiB (iteration 2, remat -1.1%) to 1.0707 GiB (iteration 26) with the "
+        "routing; the dataloader's attention mask, held through each forward step (NOTE [Megatron's batch on the "
+        "device]), was the tensor missing at the forward-head peak (-2.0% -> -1.7%)",
     "moe/gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed":
         "routing drift (NOTE [routing drift]): the logged running peak stays at 53.94 GiB from iteration 3 to 29 "
         "(remat -0.3%) and climbs to 55.98 GiB only at iterations 30-39, in five steps, with a flat resident state: "

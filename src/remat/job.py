@@ -165,6 +165,9 @@ class Job:
     """A layout string, e.g. ``'Et|(tt|)*3L'`` (implies vpp); :attr:`chunk_layers` has every chunk's layers."""
     overlap_moe_expert_parallel_comm: bool = False
     """``--overlap-moe-expert-parallel-comm``: the combined 1F1B schedule (NOTE [the combined 1F1B schedule])."""
+    create_attention_mask: bool = True
+    """The dataloader's dense causal masks (off: ``--no-create-attention-mask-in-dataloader``; NOTE [Megatron's batch
+    on the device] in :mod:`remat.parallel.pipeline_runtime`)."""
     delay_wgrad_compute: bool = False
     """``--delay-wgrad-compute``: TE's linears keep their weight-gradient inputs until their layer's ``backward_dw``
     (NOTE [delayed weight gradients] in :mod:`remat.memory.delayed_wgrad`; needs the combined 1F1B schedule)."""
@@ -591,6 +594,7 @@ def _job(got: dict[str, Any], recompute: list[str], ignored: list[str]) -> Job:
                pad_buckets_for_high_nccl_busbw=bool(got.get("--ddp-pad-buckets-for-high-nccl-busbw")), policy=policy,
                overlap_moe_expert_parallel_comm=bool(got.get("--overlap-moe-expert-parallel-comm")),
                delay_wgrad_compute=bool(got.get("--delay-wgrad-compute")),
+               create_attention_mask=not got.get("--no-create-attention-mask-in-dataloader"),
                fsdp=fsdp_from_flags(got), torch_fsdp2=job_fsdp.torch_fsdp2_from_flags(got, ignored), **fp8_job,
                **cuda_graph_fields(got, ignored), **tp_overlap_fields(got, ignored),
                **split)

@@ -89,6 +89,7 @@ def megatron_argv(job: Any, include_world_size: bool = True) -> list[str]:
             args += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(start),
                      "--num-layers-at-end-in-bf16", str(end)]
     args += ["--delay-wgrad-compute"] * job.delay_wgrad_compute + tp_overlap_args(job.tp_comm_overlap)
+    args += ["--no-create-attention-mask-in-dataloader"] * (not job.create_attention_mask)
     args += cuda_graph_args(job.cuda_graph_modules, job.cuda_graph_warmup_steps)  # remat.job_cuda_graphs
     args += ["--overlap-param-gather"] * job.overlap_param_gather
     if job.ddp_bucket_size is not None:

@@ -110,7 +110,7 @@ IGNORED_FLAGS: dict[str, str] = _table({
     "run length, data and tokenizer": "--train-iters --train-samples --seed --data-path --split --train-data-path "
         "--valid-data-path --test-data-path --data-args-path --per-split-data-args-path --data-cache-path "
         "--mock-data --num-workers --dataloader-type --no-mmap-bin-files --eod-mask-loss --reset-position-ids "
-        "--reset-attention-mask --no-create-attention-mask-in-dataloader --num-dataset-builder-threads "
+        "--reset-attention-mask --num-dataset-builder-threads "
         "--object-storage-cache-path --vocab-file --merge-file --vocab-extra-ids --trust-remote-code "
         "--chat-template --iterations-to-skip --skip-train",
     "ramps the batch up (memory peaks at the final --global-batch-size, which remat models)": "--rampup-batch-size",
@@ -212,7 +212,7 @@ _SWITCHES = ("--group-query-attention --swiglu --untie-embeddings-and-output-wei
              "--attention-softmax-in-fp32 --apply-query-key-layer-scaling --moe-grouped-gemm --multi-latent-attention "
              "--qk-layernorm --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
              "--no-gradient-accumulation-fusion --overlap-moe-expert-parallel-comm --delay-wgrad-compute "
-             "--overlap-param-gather --add-qkv-bias")
+             "--overlap-param-gather --add-qkv-bias --no-create-attention-mask-in-dataloader")
 # MoE and MLA (remat.config's NOTE [MoE fields]; Megatron's names)
 _MOE_MLA_INT = ("--num-experts --moe-router-topk --moe-ffn-hidden-size --moe-shared-expert-intermediate-size "
                 "--moe-router-num-groups --moe-router-group-topk "

@@ -169,7 +169,7 @@ def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timel
                                             dp_rank=dp_rank, dp_size=dp_size))
     add_grad_hooks(params)
     step = RankStep(module, chunk, config, lay, job.num_microbatches, buffers, optimizers, groups, tied,
-                    job.distributed_optimizer, spec["seed"], job.sp)
+                    job.distributed_optimizer, spec["seed"], job.sp, attention_mask=job.create_attention_mask)
     modules = frozenset(offload_modules_of(policy) if chunk.num_layers else ())
     actions = schedule_actions("1f1b", job.pp, job.num_microbatches, 1, lay.pp_rank, runtime="megatron")
     step.offload_last = {mb: names for (_, mb), names in offload_last_groups(actions, lambda c: modules).items()}

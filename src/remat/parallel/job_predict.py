@@ -99,12 +99,24 @@ class ShardedStagePlan(StagePlan):
     """A :class:`StagePlan` whose hidden states are token shards: [b*s/tp, h] under sequence parallelism."""
 
     activation_shards: int = 1
+    attention_mask: bool = False  # the dataloader makes the dense causal mask (Job.create_attention_mask)
+    cp: int = 1
 
     @property
     def activation_bytes(self) -> int:
         c = self.config
         nbytes = c.micro_batch_size * c.seq_length * c.hidden_size * c.torch_dtype.itemsize // self.activation_shards
         return round_up(nbytes, self.block)
+
+    def batch_tensors(self, spec: ChunkSpec) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        """NOTE [Megatron's batch on the device] in :mod:`remat.parallel.pipeline_runtime`."""
+        if not (spec.is_first or spec.is_last):
+            return [], []
+        b, s = self.config.micro_batch_size, self.config.seq_length  # s: this context-parallel rank's tokens
+        step = [("attention_mask", b * s * s * self.cp)] if self.attention_mask else []
+        if spec.is_first or self.config.mtp_num_layers:
+            step.append(("position_ids", b * s * 8))
+        return step, [("loss_mask", b * s * 4)] if spec.is_last else []
 
 
 @dataclass
@@ -461,7 +473,7 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     plan = ShardedStagePlan(config, pp, job.num_microbatches, vpp, stage, schedule, "megatron", chunks, actions,
                             trace_keys, traces,
                             block=CUDA_BLOCK if device == "cuda" else 1, group=group, combined=combined,
-                            activation_shards=tp if sp else 1)
+                            activation_shards=tp if sp else 1, attention_mask=job.create_attention_mask, cp=cp)
     timeline = compose_stage(plan, recompute)
     if job.embedding_wgrad_deferral is not None:  # the last stage's deferred output-layer wgrad (NOTE there)
         defer_output_layer_wgrad(timeline, plan, job.embedding_wgrad_deferral, tp)

@@ -54,7 +54,8 @@ STATE = "optimizer.state"
 #   long as Megatron's do; p2p_communication.py receives into a fresh ``torch.empty(..., requires_grad=True)``;
 #   an output is "deallocated" once sent (its .data replaced by a 1-element tensor); backward runs the C++ engine
 #   directly (custom_backward). Each microbatch's token ids (first stage) and labels (last stage) are made by
-#   the forward step (Megatron's get_batch) and live as long as the model's autograd graph keeps them; the last
+#   the forward step (Megatron's get_batch) and live as long as the model's autograd graph keeps them, beside its
+#   other tensors (NOTE [Megatron's batch on the device] in remat.parallel.pipeline_runtime); the last
 #   stage keeps a detached copy of each loss for logging (forward_data_store). As in Megatron, the model keeps
 #   its last input (set_input_tensor) until the next forward step, so the last microbatch's input and its grad
 #   outlive the step, and the schedule holds ``total_num_tokens`` (4 bytes) while it runs. Not mirrored: the
@@ -376,7 +377,7 @@ class RankStep:
 
     def __init__(self, module: nn.Module, spec: ChunkSpec, config: ModelConfig, lay: Layout, microbatches: int,
                  buffers: Sequence[GradBuffer], optimizers: Sequence[MegatronOptimizer], groups: tuple[Any, ...],
-                 tied: list[torch.Tensor], distributed: bool, seed: int, sp: bool):
+                 tied: list[torch.Tensor], distributed: bool, seed: int, sp: bool, attention_mask: bool = True):
         self.module, self.spec, self.config, self.lay, self.m = module, spec, config, lay, microbatches
         self.buffers, self.optimizers, self.distributed, self.seed = list(buffers), list(optimizers), distributed, seed
         self.tp_group, self.dp_group, self.embd_group = groups[:3]
@@ -387,6 +388,8 @@ class RankStep:
         # microbatch -> the offload modules whose last group its forward offloads too (schedule.offload_last_groups)
         self.offload_last: dict[int, frozenset[str]] = {}
         self.forwarded: set[int] = set()  # microbatches whose forward ran this step (their groups can be pre-reloaded)
+        self.attention_mask = attention_mask  # the dataloader makes the dense causal mask (Job.create_attention_mask)
+        self.loss_masks: dict[int, torch.Tensor] = {}  # kept by the loss's multiply until the microbatch's backward
 
     # -- forward / backward of one microbatch ---------------------------------------------------------------
     def _ids(self, mb: int, which: int) -> torch.Tensor:
@@ -395,10 +398,25 @@ class RankStep:
         generator = torch.Generator().manual_seed(self.seed * 1000 + mb * 2 + which)
         return torch.randint(0, c.vocab_size, (c.micro_batch_size, c.seq_length), generator=generator)
 
+    def _batch_rest(self, mb: int) -> list[torch.Tensor]:
+        """get_batch's other tensors on this stage (NOTE [Megatron's batch on the device] in
+        remat.parallel.pipeline_runtime): the dense causal mask, the position ids; the loss mask is kept aside."""
+        c, spec = self.config, self.spec
+        if not (spec.is_first or spec.is_last):
+            return []
+        b, s = c.micro_batch_size, c.seq_length
+        rest = [torch.ones(b, 1, s, s, dtype=torch.bool)] if self.attention_mask else []  # cp = 1 here
+        if spec.is_first or c.mtp_num_layers:
+            rest.append(torch.arange(s).repeat(b, 1))
+        if spec.is_last:
+            self.loss_masks[mb] = torch.ones(b, s)
+        return rest
+
     def forward_step(self, mb: int, input_tensor: torch.Tensor | None, store: list[torch.Tensor]) -> torch.Tensor:
         if self.recorder is not None:
             self.recorder.begin_op("forward", self.spec, mb)
         self.model_input = input_tensor  # set_input_tensor: the model keeps it until the next forward step
+        batch = self._batch_rest(mb)
         x = self._ids(mb, 0) if self.spec.is_first else input_tensor
         labels = self._ids(mb, 1) if self.spec.is_last else None
         with offloading_last_groups(self.offload_last.get(mb, ())), offload_runtime(forward=mb):
@@ -407,6 +425,7 @@ class RankStep:
         del x, labels
         if self.spec.is_last:
             store.append(output.detach().clone())  # forward_data_store: the loss reported for logging
+        del batch  # forward_step returns
         if self.recorder is not None:
             self.recorder.end_op()
         return output
@@ -423,6 +442,7 @@ class RankStep:
             custom_backward(output_tensor, output_tensor_grad)
         if mb == self.m - 1:
             self.forwarded.clear()
+        self.loss_masks.pop(mb, None)  # the loss's graph is gone with its backward
         grad = input_tensor.grad if input_tensor is not None else None
         if self.recorder is not None:
             self.recorder.end_op()

@@ -92,6 +92,12 @@ class StagePlan:
     def prefix(self, spec: ChunkSpec) -> str:
         return "" if len(self.chunks) == 1 else f"chunk{spec.index}."
 
+    def batch_tensors(self, spec: ChunkSpec) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+        """What Megatron's ``get_batch`` puts on the device for a forward step of ``spec`` beyond what the traces
+        make, as (name, bytes): held through the forward step, and held to the micro-batch's backward (NOTE
+        [Megatron's batch on the device]). None here: a Megatron job's plan has them."""
+        return [], []
+
     def spec(self, chunk: int) -> ChunkSpec:
         return next(s for s in self.chunks if s.index == chunk)
 
@@ -152,6 +158,34 @@ def _backward_part(plan: StagePlan, a: Action, first_backward: set[int]) -> Part
     first_backward.add(a.chunk)
     key = None if spec.is_first else ("igrad", a.chunk, a.microbatch)
     return seg, spec, a.microbatch, plan.prefix(spec), "B", key
+
+
+# NOTE [Megatron's batch on the device]
+# pretrain_gpt.py ``get_batch`` (Megatron-LM d98e8a64, :110-190) moves each micro-batch to the GPU inside its forward
+# step, on the chunks holding the embedding or the loss only (``is_first_or_last_pipeline_stage``); megatron/core/
+# utils.py ``get_batch_on_this_tp_rank`` (2167-2420) keeps, on every tensor-parallel rank, the token ids, position ids
+# and the attention mask on the first stage, the labels, loss mask and attention mask on the last, all five with
+# pp = 1 or MTP on the rank; ``get_batch_on_this_cp_rank`` cuts each to this rank's s / cp tokens (the mask along its
+# query dimension). The chunk traces make the token ids and labels (``batch_in_forward``); the runtime adds the rest:
+# the dataloader's mask bool [b, 1, s / cp, s] (unless ``--no-create-attention-mask-in-dataloader``:
+# GPTDatasetConfig.create_attention_mask, arguments.py:3334) and the position ids int64 [b, s / cp], held by
+# ``forward_step``'s locals until it returns (TE's attention under a causal mask type reads no mask; remat's learned
+# position embedding saves its own [s] indices), and the loss mask fp32 [b, s / cp], which the loss function's
+# multiply keeps to the micro-batch's backward (pretrain_gpt.py ``loss_func``). remat.parallel.megatron_rank makes
+# the same tensors in its forward step. Over-counted: the layers' own causal mask [1, 1, s / cp, s / cp] each chunk's
+# forward makes (remat.models.tp_stage.chunk_forward), which Megatron's TE layers do without.
+def _batch_in(plan: StagePlan, composer: Composer, a: Action) -> None:
+    """Allocate what ``get_batch`` adds for forward ``a`` (NOTE [Megatron's batch on the device])."""
+    step, kept = plan.batch_tensors(plan.spec(a.chunk))
+    for name, nbytes in step + kept:
+        composer.alloc(("batch", name, a.chunk, a.microbatch), round_up(nbytes, plan.block), f"batch.{name}")
+
+
+def _batch_out(plan: StagePlan, composer: Composer, a: Action) -> None:
+    """Free, after forward ``a``, what its forward step held; after backward ``a``, what the loss kept to it."""
+    step, kept = plan.batch_tensors(plan.spec(a.chunk))
+    for name, _ in step if a.kind == "F" else kept:
+        composer.free(("batch", name, a.chunk, a.microbatch))
 
 
 def _forward(plan: StagePlan, composer: Composer, a: Action) -> tuple[str, int, int]:
@@ -373,7 +407,9 @@ class _MegatronSchedule:
         trace = plan.trace(Action("F", c, mb))
         out, graph, output = ("out", c, mb), ("graph", c, mb), ("output", c, mb)
         h.set("model.input_tensor", [("recv_act", c, mb)])  # set_input_tensor: the model keeps it
+        _batch_in(plan, self.composer, Action("F", c, mb))
         self.composer.segment(trace.forward, spec, mb, plan.prefix(spec), "F", keep_key=out)
+        _batch_out(plan, self.composer, Action("F", c, mb))
         h.set(graph, [("recv_act", c, mb)])  # the AccumulateGrad node of the received input
         h.set(output, [out, graph])
         if spec.is_last:  # forward_data_store: what the loss function reports
@@ -397,6 +433,7 @@ class _MegatronSchedule:
             self.composer.alloc(reshaped, self.plan.trace(Action("B", self.c, mb)).output_bytes, "head")
         grad = _backward(self.plan, self.composer, Action("B", self.c, mb), self.first_backward)
         self.composer.free(reshaped)
+        _batch_out(self.plan, self.composer, Action("B", self.c, mb))
         key = ("igrad", self.c, mb)
         if grad is not None:
             self.h.add(("recv_act", self.c, mb), key)
@@ -497,11 +534,16 @@ def _megatron_by_action(plan: StagePlan, composer: Composer) -> None:
                     composer.free(("recv_act", old))
                     composer.free(("igrad", *old))
         parts = [_forward_part(plan, x) if x.kind == "F" else _backward_part(plan, x, first_backward) for x in pair]
+        for x in pair:
+            if x.kind == "F":
+                _batch_in(plan, composer, x)
         if len(parts) == 2:
             composer.combined(parts[0], parts[1])
         else:
             composer.segment(*parts[0])
         composer.phase("setup", "pipeline")
+        for x in pair:
+            _batch_out(plan, composer, x)
         for x, part in zip(pair, parts):
             spec, mb = plan.spec(x.chunk), (x.chunk, x.microbatch)
             if x.kind == "F":
