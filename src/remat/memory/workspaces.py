@@ -1,5 +1,8 @@
 """The GEMM workspaces a Megatron rank's CUDA libraries allocate once and keep: cuBLAS's (PyTorch) and
-TransformerEngine's, both taken from PyTorch's caching allocator, so ``torch.cuda.memory_allocated`` counts them.
+TransformerEngine's, both taken from PyTorch's caching allocator, so ``torch.cuda.memory_allocated`` counts them;
+and what else a rank keeps beside the model state from its first step on: Megatron's global memory buffer, the MoE
+token dispatchers' attributes (NOTE [the all-to-all dispatcher's attributes]) and MLA's rotary tables (NOTE [MLA's
+rotary tables]).
 
 NOTE [GEMM workspaces]
 * PyTorch (aten/src/ATen/cuda/CublasHandlePool.cpp, torch 2.13): every cuBLAS call sets a workspace for its

@@ -407,7 +407,7 @@ class RankStep:
         b, s = c.micro_batch_size, c.seq_length
         rest = [torch.ones(b, 1, s, s, dtype=torch.bool)] if self.attention_mask else []  # cp = 1 here
         if spec.is_first or c.mtp_num_layers:
-            rest.append(torch.arange(s).repeat(b, 1))
+            rest.append(torch.zeros(b, s, dtype=torch.long))  # the ids themselves are never read here
         if spec.is_last:
             self.loss_masks[mb] = torch.ones(b, s)
         return rest
