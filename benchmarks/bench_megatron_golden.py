@@ -45,9 +45,9 @@ DATA = Path(__file__).parent / "data" / "megatron_golden_h100_dev.json"
 NOTES = {
     "moe/gpt3_moe_mcore_te_tp4_ep2_etp2_pp2_resume_torch_dist_dist_optimizer":
         "balanced routing is assumed and --moe-aux-loss-coeff is 0 (nothing balances the experts): the logged "
-        "running peak climbs from 1.0649 GiB (iteration 2, remat -1.1%) to 1.0707 GiB (iteration 26) with the "
+        "running peak climbs from 1.0649 GiB (iteration 2, remat -1.2%) to 1.0707 GiB (iteration 26) with the "
         "routing; the dataloader's attention mask, held through each forward step (NOTE [Megatron's batch on the "
-        "device]), was the tensor missing at the forward-head peak (-2.0% -> -1.7%)",
+        "device]), was the tensor missing at the forward-head peak (-2.0% -> -1.8%)",
     "moe/gpt3_mcore_te_tp2_pp2_ep4_etp1_memory_speed":
         "routing drift (NOTE [routing drift]): the logged running peak stays at 53.94 GiB from iteration 3 to 29 "
         "(remat -0.3%) and climbs to 55.98 GiB only at iterations 30-39, in five steps, with a flat resident state: "

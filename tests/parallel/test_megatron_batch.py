@@ -27,7 +27,7 @@ def _backward_starts(job: Job, stage: int) -> list[int]:
 
 def test_first_and_last_stages_hold_the_mask_for_each_forward_and_the_loss_mask_to_its_backward():
     job = Job.build(CFG, precision="bf16", pp=3, num_microbatches=MICROBATCHES)
-    mask = round_up(B * S * S, CUDA_BLOCK)  # the dataloader's [b, 1, s, s]
+    mask = round_up(B * S * S - S * S, CUDA_BLOCK)  # the dataloader's [b, 1, s, s] beyond the layers' [1, 1, s, s]
     for stage, names in ((0, {"attention_mask", "position_ids"}), (2, {"attention_mask", "loss_mask"})):
         for name in ("attention_mask", "position_ids", "loss_mask"):
             rows = _rows(job, stage, name)
@@ -45,8 +45,8 @@ def test_first_and_last_stages_hold_the_mask_for_each_forward_and_the_loss_mask_
 
 def test_context_parallelism_cuts_the_mask_and_the_flag_drops_it():
     cp = Job.build(CFG, precision="bf16", pp=2, cp=2, num_microbatches=MICROBATCHES)
-    half = S // 2  # the mask cut along its query dimension: [b, 1, s / cp, s]
-    assert {n for n, _, _ in _rows(cp, 1, "attention_mask")} == {round_up(B * half * S, CUDA_BLOCK)}
+    half = S // 2  # the mask cut along its query dimension: [b, 1, s / cp, s], beside the layers' [1, 1, s/cp, s/cp]
+    assert {n for n, _, _ in _rows(cp, 1, "attention_mask")} == {round_up(B * half * S - half * half, CUDA_BLOCK)}
     plain = Job.from_megatron_args(Job.build(CFG, precision="bf16", pp=2, num_microbatches=MICROBATCHES)
                                    .to_megatron_args() + ["--no-create-attention-mask-in-dataloader"])
     assert not plain.create_attention_mask and Job.from_megatron_args(plain.to_megatron_args()) == plain

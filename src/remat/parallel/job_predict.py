@@ -113,7 +113,9 @@ class ShardedStagePlan(StagePlan):
         if not (spec.is_first or spec.is_last):
             return [], []
         b, s = self.config.micro_batch_size, self.config.seq_length  # s: this context-parallel rank's tokens
-        step = [("attention_mask", b * s * s * self.cp)] if self.attention_mask else []
+        # the dataloader's mask beyond the layers' own causal mask, which stands in for part of it
+        beyond = b * s * s * self.cp - s * s if self.attention_mask else 0
+        step = [("attention_mask", beyond)] if beyond > 0 else []
         if spec.is_first or self.config.mtp_num_layers:
             step.append(("position_ids", b * s * 8))
         return step, [("loss_mask", b * s * 4)] if spec.is_last else []

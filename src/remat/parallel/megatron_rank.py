@@ -405,7 +405,8 @@ class RankStep:
         if not (spec.is_first or spec.is_last):
             return []
         b, s = c.micro_batch_size, c.seq_length
-        rest = [torch.ones(b, 1, s, s, dtype=torch.bool)] if self.attention_mask else []  # cp = 1 here
+        # the dataloader's [b, 1, s, s] mask beyond the model's own [1, 1, s, s] causal mask (cp = 1 here)
+        rest = [torch.ones(b * s * s - s * s, dtype=torch.bool)] if self.attention_mask and b > 1 else []
         if spec.is_first or c.mtp_num_layers:
             rest.append(torch.zeros(b, s, dtype=torch.long))  # the ids themselves are never read here
         if spec.is_last:

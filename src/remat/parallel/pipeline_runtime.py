@@ -166,14 +166,16 @@ def _backward_part(plan: StagePlan, a: Action, first_backward: set[int]) -> Part
 # utils.py ``get_batch_on_this_tp_rank`` (2167-2420) keeps, on every tensor-parallel rank, the token ids, position ids
 # and the attention mask on the first stage, the labels, loss mask and attention mask on the last, all five with
 # pp = 1 or MTP on the rank; ``get_batch_on_this_cp_rank`` cuts each to this rank's s / cp tokens (the mask along its
-# query dimension). The chunk traces make the token ids and labels (``batch_in_forward``); the runtime adds the rest:
-# the dataloader's mask bool [b, 1, s / cp, s] (unless ``--no-create-attention-mask-in-dataloader``:
-# GPTDatasetConfig.create_attention_mask, arguments.py:3334) and the position ids int64 [b, s / cp], held by
+# query dimension). The chunk traces make the token ids and labels (``batch_in_forward``) and the layers' own causal
+# mask [1, 1, s / cp, s / cp] (remat.models.tp_stage.chunk_forward), which stands in for part of the dataloader's; the
+# runtime adds the rest: the dataloader's mask bool [b, 1, s / cp, s] beyond the layers' own (unless
+# ``--no-create-attention-mask-in-dataloader``: GPTDatasetConfig.create_attention_mask, arguments.py:3334; b = 1 and
+# cp = 1: nothing beyond it) and the position ids int64 [b, s / cp], held by
 # ``forward_step``'s locals until it returns (TE's attention under a causal mask type reads no mask; remat's learned
 # position embedding saves its own [s] indices), and the loss mask fp32 [b, s / cp], which the loss function's
 # multiply keeps to the micro-batch's backward (pretrain_gpt.py ``loss_func``). remat.parallel.megatron_rank makes
-# the same tensors in its forward step. Over-counted: the layers' own causal mask [1, 1, s / cp, s / cp] each chunk's
-# forward makes (remat.models.tp_stage.chunk_forward), which Megatron's TE layers do without.
+# the same tensors in its forward step. Over-counted: the layers' own mask on a middle chunk, or where the dataloader
+# makes none, which Megatron's TE layers do without (s^2 / cp^2 bytes during a forward: 64 MiB at s = 8,192).
 def _batch_in(plan: StagePlan, composer: Composer, a: Action) -> None:
     """Allocate what ``get_batch`` adds for forward ``a`` (NOTE [Megatron's batch on the device])."""
     step, kept = plan.batch_tensors(plan.spec(a.chunk))
