@@ -7,6 +7,7 @@ from __future__ import annotations
 from remat.config import ModelConfig
 from remat.job import Job
 from remat.parallel.job_predict import predict_stage
+from remat.timeline import Timeline
 from remat.units import CUDA_BLOCK, round_up
 
 B, S, MICROBATCHES = 2, 128, 4
@@ -14,31 +15,30 @@ CFG = ModelConfig(num_layers=6, hidden_size=64, num_attention_heads=4, vocab_siz
                   micro_batch_size=B, attention="sdpa")
 
 
-def _rows(job: Job, stage: int, name: str) -> list[tuple[int, int, int]]:
-    t = predict_stage(job, stage, device="cuda").timeline
+def _rows(timeline: Timeline, name: str) -> list[tuple[int, int, int]]:
+    t = timeline
     return [(t.nbytes[r], t.alloc_at[r], t.free_at[r]) for r in range(len(t.nbytes)) if t.module[r] == f"batch.{name}"]
 
 
-def _backward_starts(job: Job, stage: int) -> list[int]:
-    t = predict_stage(job, stage, device="cuda").timeline
-    starts = [p.start for p in t.phases if p.kind == "backward"]
-    return starts
+def _timelines(job: Job) -> list[Timeline]:
+    return [predict_stage(job, stage, device="cuda").timeline for stage in range(job.pp)]
 
 
 def test_first_and_last_stages_hold_the_mask_for_each_forward_and_the_loss_mask_to_its_backward():
     job = Job.build(CFG, precision="bf16", pp=3, num_microbatches=MICROBATCHES)
+    timelines = _timelines(job)
     mask = round_up(B * S * S - S * S, CUDA_BLOCK)  # the dataloader's [b, 1, s, s] beyond the layers' [1, 1, s, s]
     for stage, names in ((0, {"attention_mask", "position_ids"}), (2, {"attention_mask", "loss_mask"})):
         for name in ("attention_mask", "position_ids", "loss_mask"):
-            rows = _rows(job, stage, name)
+            rows = _rows(timelines[stage], name)
             assert len(rows) == (MICROBATCHES if name in names else 0), (stage, name)
-        assert [n for n, _, _ in _rows(job, stage, "attention_mask")] == [mask] * MICROBATCHES
-    assert not any(_rows(job, 1, name) for name in ("attention_mask", "position_ids", "loss_mask"))  # a middle stage
-    assert [n for n, _, _ in _rows(job, 2, "loss_mask")] == [round_up(B * S * 4, CUDA_BLOCK)] * MICROBATCHES
+        assert [n for n, _, _ in _rows(timelines[stage], "attention_mask")] == [mask] * MICROBATCHES
+    assert not any(_rows(timelines[1], name) for name in ("attention_mask", "position_ids", "loss_mask"))  # middle
+    assert [n for n, _, _ in _rows(timelines[2], "loss_mask")] == [round_up(B * S * 4, CUDA_BLOCK)] * MICROBATCHES
     # the mask goes when its forward step returns, before any later forward's; the loss mask lives into a backward
-    masks, losses = _rows(job, 2, "attention_mask"), _rows(job, 2, "loss_mask")
+    masks, losses = _rows(timelines[2], "attention_mask"), _rows(timelines[2], "loss_mask")
     assert all(free < next_alloc for (_, _, free), (_, next_alloc, _) in zip(masks, masks[1:]))
-    starts = _backward_starts(job, 2)
+    starts = [p.start for p in timelines[2].phases if p.kind == "backward"]
     assert all(any(mask_free < start < loss_free for start in starts)
                for (_, _, mask_free), (_, _, loss_free) in zip(masks, losses))
 
@@ -46,8 +46,10 @@ def test_first_and_last_stages_hold_the_mask_for_each_forward_and_the_loss_mask_
 def test_context_parallelism_cuts_the_mask_and_the_flag_drops_it():
     cp = Job.build(CFG, precision="bf16", pp=2, cp=2, num_microbatches=MICROBATCHES)
     half = S // 2  # the mask cut along its query dimension: [b, 1, s / cp, s], beside the layers' [1, 1, s/cp, s/cp]
-    assert {n for n, _, _ in _rows(cp, 1, "attention_mask")} == {round_up(B * half * S - half * half, CUDA_BLOCK)}
+    assert {n for n, _, _ in _rows(_timelines(cp)[1], "attention_mask")} == {
+        round_up(B * half * S - half * half, CUDA_BLOCK)}
     plain = Job.from_megatron_args(Job.build(CFG, precision="bf16", pp=2, num_microbatches=MICROBATCHES)
                                    .to_megatron_args() + ["--no-create-attention-mask-in-dataloader"])
     assert not plain.create_attention_mask and Job.from_megatron_args(plain.to_megatron_args()) == plain
-    assert not _rows(plain, 1, "attention_mask") and len(_rows(plain, 1, "loss_mask")) == MICROBATCHES
+    last = _timelines(plain)[1]
+    assert not _rows(last, "attention_mask") and len(_rows(last, "loss_mask")) == MICROBATCHES

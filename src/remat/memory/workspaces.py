@@ -136,6 +136,11 @@ def stage_workspaces(job: Job, stage: int, *, env: Mapping[str, str] | None = No
             + [(MODULE_ALLTOALL, alltoall)] * (alltoall > 0) + [(MODULE_MLA_ROPE, rope)] * (rope > 0))
 
 
+def _stage_layers(job: Job, stage: int) -> int:
+    """The decoder layers on a rank of ``stage``: those of its chunks (every pp-th)."""
+    return sum(count for chunk, count in enumerate(job.chunk_layers) if chunk % job.pp == stage)
+
+
 def _dtype_bytes(job: Job) -> int:
     return 4 if job.precision == "fp32" else 2
 
@@ -164,7 +169,7 @@ def global_buffer_requests(job: Job, stage: int) -> list[tuple[tuple[str, int], 
     allgather dispatcher's request is :func:`allgather_kept_bytes`'."""
     m, dtype = job.model, _dtype_bytes(job)
     local = m.transformer_impl == "local"
-    layers = sum(count for chunk, count in enumerate(job.chunk_layers) if chunk % job.pp == stage)
+    layers = _stage_layers(job, stage)
     out: list[tuple[tuple[str, int], int]] = []
     seq = m.seq_length // job.cp
     if local and layers:
@@ -296,8 +301,7 @@ def mla_rope_bytes(job: Job, stage: int) -> int:
     m = job.model
     if not m.multi_latent_attention:
         return 0
-    layers = sum(count for chunk, count in enumerate(job.chunk_layers) if chunk % job.pp == stage)
-    layers += (m.mtp_num_layers or 0) if stage == job.pp - 1 else 0
+    layers = _stage_layers(job, stage) + ((m.mtp_num_layers or 0) if stage == job.pp - 1 else 0)
     d, rows, dtype_bytes = m.qk_pos_emb_head_dim, m.seq_length // job.cp, _dtype_bytes(job)
     cached = min(layers, LRU_ENTRIES) * round_up(rows * d * 4, CUDA_BLOCK)  # the lru_cache's fp32 tables
     if m.mla_rope_type == "rope":
