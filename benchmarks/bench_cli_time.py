@@ -12,6 +12,12 @@ also runs every command on that tree, right before this one (``PYTHONPATH=DIR``:
 packages), and the per-round ratio new / base is printed with a 95% bootstrap interval: the machine's load moves
 absolute times by 10-20%, a ratio measured side by side much less. Each tree gets its own cache folder.
 
+The targets are set on a machine where ``import torch`` takes 1.0 s; this one's speed moves with its load. Each
+round also times ``import torch`` in a fresh process (the same interpreter), and each cold command is printed as
+a multiple of it (the median of the per-round ratios, with its interval): that multiple, in seconds, is what the
+command would take where ``import torch`` takes 1.0 s if the whole command slowed down as much as the import
+(it is all CPU-bound Python) -- an estimate beside the measured seconds, never instead of them.
+
 Usage::
 
     python benchmarks/bench_cli_time.py                      # 5 rounds, cold and warm
@@ -28,7 +34,7 @@ import sys
 import tempfile
 import time
 
-from step_timing import median, paired_ratio
+from step_timing import bootstrap_ci, median, paired_ratio
 
 COMMANDS = {
     "predict 70B cp2": "predict --preset llama3-70b --tp 8 --sp --pp 4 --cp 2 --dp 8 --distributed-optimizer",
@@ -70,10 +76,22 @@ def timed(args: str, pythonpath: str | None, cache: str | None) -> float:
     return time.perf_counter() - start
 
 
-def line(name: str, new: list[float], base: list[float], target: float) -> str:
+def torch_import_seconds() -> float:
+    """Wall seconds of ``import torch`` in a fresh process of this interpreter: the machine's speed this round."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], env=env, check=True, timeout=600)
+    return time.perf_counter() - start
+
+
+def line(name: str, new: list[float], base: list[float], target: float, yardstick: list[float] | None = None) -> str:
     verdict = "PASS" if median(new) <= target else "FAIL"
     text = (f"{name:34s} median {median(new):6.2f} s (min {min(new):.2f}, max {max(new):.2f}; "
             f"{sum(x <= target for x in new)}/{len(new)} runs <= {target:g} s): {verdict}")
+    if yardstick:
+        ratios = [t / y for t, y in zip(new, yardstick)]
+        low, high = bootstrap_ci(ratios)
+        text += f"; {median(ratios):.2f} x import torch ({low:.2f}-{high:.2f})"
     if base:
         text += f"; base median {median(base):.2f} s, {paired_ratio(new, base)}"
     return text
@@ -93,11 +111,13 @@ def main() -> None:
     trees = ([("base", args.base)] if args.base else []) + [("new", args.new)]
     folders = {tree: tempfile.mkdtemp(prefix=f"remat-bench-{tree}-") for tree, _ in trees}
     times: dict[tuple[str, str, str], list[float]] = {}
+    imports: list[float] = []  # import torch, each round
     try:
         for command in commands.values():  # the .pyc files, the page cache and each tree's warm cache: not timed
             for tree, path in trees:
                 timed(command, path, folders[tree])
         for _ in range(args.rounds):
+            imports.append(torch_import_seconds())
             for name, command in commands.items():
                 for mode in ("cold",) + (() if args.no_warm else ("warm",)):
                     for tree, path in trees:
@@ -107,11 +127,13 @@ def main() -> None:
         for folder in folders.values():
             shutil.rmtree(folder, ignore_errors=True)
     load = os.getloadavg()[0]
-    print(f"{args.rounds} rounds, load average {load:.1f}, {os.cpu_count()} cores")
+    print(f"{args.rounds} rounds, load average {load:.1f}, {os.cpu_count()} cores; import torch median "
+          f"{median(imports):.2f} s (min {min(imports):.2f}, max {max(imports):.2f}; the targets' machine: 1.0 s)")
     for name in commands:
         for mode in ("cold",) + (() if args.no_warm else ("warm",)):
             target = WARM_TARGET if mode == "warm" else DEEPSEEK_TARGET if name in DEEPSEEK_PLAN else COLD_TARGET
-            print(line(f"{name} {mode}", times[(name, mode, "new")], times.get((name, mode, "base"), []), target))
+            print(line(f"{name} {mode}", times[(name, mode, "new")], times.get((name, mode, "base"), []), target,
+                       imports if mode == "cold" else None))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from remat.parallel.job_measure import (
 from remat.parallel.megatron_rank import GradBuffer
 from remat.parallel.schedule import partition
 from remat.parallel.stages import build_stage_module
+from remat.policy import Policy
 
 MODEL = ModelConfig(num_layers=2, hidden_size=24, num_attention_heads=2, vocab_size=64, seq_length=16,
                     micro_batch_size=2, attention="sdpa")
@@ -59,6 +60,17 @@ def test_pp2_dp2_distributed_optimizer_measured_equals_predicted():
         assert r["measured_parts"] == r["predicted_parts"], format_rows(rows)
         assert r["measured_bytes"] == r["predicted_bytes"], format_rows(rows)
     assert rows[0]["measured_parts"]["master_parameters"] != rows[1]["measured_parts"]["master_parameters"]
+
+
+@pytest.mark.parametrize("policy", ["full/uniform/1", "selective/core_attn"])
+def test_checkpointed_layers_measured_equal_predicted_with_the_mask_kept_to_the_backward(policy):
+    # b = 2: the dataloader's mask beyond the layers' own, which their checkpoints keep to the micro-batch's backward
+    # on the first and last stages (remat.parallel.stages.keeps_layer_inputs)
+    job = Job.build(MODEL, precision="bf16", pp=2, num_microbatches=3, policy=Policy.parse(policy))
+    rows = rank_rows(job, measure_job(job, timeout=60))
+    for r in rows:
+        assert r["measured_parts"] == r["predicted_parts"], format_rows(rows)
+        assert r["measured_bytes"] == r["predicted_bytes"], format_rows(rows)
 
 
 def test_tp2_pp2_measured_equals_predicted_per_rank():

@@ -7,6 +7,7 @@ from __future__ import annotations
 from remat.config import ModelConfig
 from remat.job import Job
 from remat.parallel.job_predict import predict_stage
+from remat.policy import Policy
 from remat.timeline import Timeline
 from remat.units import CUDA_BLOCK, round_up
 
@@ -53,3 +54,25 @@ def test_context_parallelism_cuts_the_mask_and_the_flag_drops_it():
     assert not plain.create_attention_mask and Job.from_megatron_args(plain.to_megatron_args()) == plain
     last = _timelines(plain)[1]
     assert not _rows(last, "attention_mask") and len(_rows(last, "loss_mask")) == MICROBATCHES
+
+
+def test_checkpointed_layers_keep_the_mask_to_the_backward_as_megatrons_checkpoints_do():
+    # Megatron's CheckpointFunction saves every argument of a recompute group, the attention mask among them, and so
+    # does checkpointed core attention: the dataloader's mask then lives to the micro-batch's backward, as the
+    # layers' own [1, 1, s, s] mask does in the trace (freed by the bottom layer's backward)
+    own = round_up(S * S, CUDA_BLOCK)
+    for policy, kept in (("full/uniform/2", True), ("full/block/1", True), ("selective/core_attn", True),
+                         ("selective/mlp", False), ("none", False)):
+        job = Job.build(CFG, precision="bf16", pp=2, num_microbatches=MICROBATCHES, policy=Policy.parse(policy))
+        for timeline in _timelines(job):
+            t = timeline
+            masks = _rows(t, "attention_mask")
+            layers = [t.free_at[r] for r in range(len(t.nbytes)) if t.nbytes[r] == own and t.module[r] == ""]
+            assert len(masks) == len(layers) == MICROBATCHES, policy
+            backwards = [p.start for p in t.phases if p.kind == "backward"]
+            for (_, alloc, free), layers_free in zip(masks, layers):
+                backward = min(start for start in backwards if start > alloc)  # this micro-batch's, in 1F1B
+                # kept: both live into the backward, the dataloader's freed after the layers' own; else both end
+                # with the forward step
+                assert (free > backward) == kept and (layers_free > backward) == kept, policy
+                assert free > layers_free or not kept, policy

@@ -41,7 +41,7 @@ from remat.parallel.megatron_rank import (
 )
 from remat.parallel.pipeline_report import peak_error
 from remat.parallel.schedule import offload_last_groups, partition, schedule_actions
-from remat.parallel.stages import PipelineRecorder, build_stage_module, chunk_policy, gc_paused
+from remat.parallel.stages import PipelineRecorder, build_stage_module, chunk_policy, gc_paused, keeps_layer_inputs
 from remat.policy import Policy
 from remat.recompute.activation_offload import offload_modules_of
 from remat.recompute.apply import apply
@@ -169,7 +169,8 @@ def measure_job_rank(spec: dict[str, Any], policy_text: str, rank: int) -> Timel
                                             dp_rank=dp_rank, dp_size=dp_size))
     add_grad_hooks(params)
     step = RankStep(module, chunk, config, lay, job.num_microbatches, buffers, optimizers, groups, tied,
-                    job.distributed_optimizer, spec["seed"], job.sp, attention_mask=job.create_attention_mask)
+                    job.distributed_optimizer, spec["seed"], job.sp, attention_mask=job.create_attention_mask,
+                    mask_to_backward=keeps_layer_inputs(policy, chunk.num_layers))
     modules = frozenset(offload_modules_of(policy) if chunk.num_layers else ())
     actions = schedule_actions("1f1b", job.pp, job.num_microbatches, 1, lay.pp_rank, runtime="megatron")
     step.offload_last = {mb: names for (_, mb), names in offload_last_groups(actions, lambda c: modules).items()}

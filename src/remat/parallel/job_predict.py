@@ -68,7 +68,7 @@ from remat.parallel.schedule import (
     schedule_actions,
     warmup_forwards,
 )
-from remat.parallel.stages import BUFFERS, chunk_policy
+from remat.parallel.stages import BUFFERS, chunk_policy, keeps_layer_inputs
 from remat.recompute.activation_offload import offload_modules_of
 from remat.recompute.plan_format import Plan
 from remat.timeline import CATEGORIES, Timeline
@@ -101,6 +101,7 @@ class ShardedStagePlan(StagePlan):
     activation_shards: int = 1
     attention_mask: bool = False  # the dataloader makes the dense causal mask (Job.create_attention_mask)
     cp: int = 1
+    mask_to_backward: frozenset[int] = frozenset()  # chunks whose layers keep the mask to backward (keeps_layer_inputs)
 
     @property
     def activation_bytes(self) -> int:
@@ -115,10 +116,11 @@ class ShardedStagePlan(StagePlan):
         b, s = self.config.micro_batch_size, self.config.seq_length  # s: this context-parallel rank's tokens
         # the dataloader's mask beyond the layers' own causal mask, which stands in for part of it
         beyond = b * s * s * self.cp - s * s if self.attention_mask else 0
-        step = [("attention_mask", beyond)] if beyond > 0 else []
-        if spec.is_first or self.config.mtp_num_layers:
-            step.append(("position_ids", b * s * 8))
-        return step, [("loss_mask", b * s * 4)] if spec.is_last else []
+        mask = [("attention_mask", beyond)] if beyond > 0 else []
+        to_backward = spec.index in self.mask_to_backward  # the layers' checkpoints save it
+        step = ([] if to_backward else mask) + ([("position_ids", b * s * 8)]
+                                                if spec.is_first or self.config.mtp_num_layers else [])
+        return step, (mask if to_backward else []) + ([("loss_mask", b * s * 4)] if spec.is_last else [])
 
 
 @dataclass
@@ -475,7 +477,9 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
     plan = ShardedStagePlan(config, pp, job.num_microbatches, vpp, stage, schedule, "megatron", chunks, actions,
                             trace_keys, traces,
                             block=CUDA_BLOCK if device == "cuda" else 1, group=group, combined=combined,
-                            activation_shards=tp if sp else 1, attention_mask=job.create_attention_mask, cp=cp)
+                            activation_shards=tp if sp else 1, attention_mask=job.create_attention_mask, cp=cp,
+                            mask_to_backward=frozenset(c for c, s in specs.items()
+                                                       if keeps_layer_inputs(policies[c], s.num_layers)))
     timeline = compose_stage(plan, recompute)
     if job.embedding_wgrad_deferral is not None:  # the last stage's deferred output-layer wgrad (NOTE there)
         defer_output_layer_wgrad(timeline, plan, job.embedding_wgrad_deferral, tp)

@@ -377,7 +377,8 @@ class RankStep:
 
     def __init__(self, module: nn.Module, spec: ChunkSpec, config: ModelConfig, lay: Layout, microbatches: int,
                  buffers: Sequence[GradBuffer], optimizers: Sequence[MegatronOptimizer], groups: tuple[Any, ...],
-                 tied: list[torch.Tensor], distributed: bool, seed: int, sp: bool, attention_mask: bool = True):
+                 tied: list[torch.Tensor], distributed: bool, seed: int, sp: bool, attention_mask: bool = True,
+                 mask_to_backward: bool = False):
         self.module, self.spec, self.config, self.lay, self.m = module, spec, config, lay, microbatches
         self.buffers, self.optimizers, self.distributed, self.seed = list(buffers), list(optimizers), distributed, seed
         self.tp_group, self.dp_group, self.embd_group = groups[:3]
@@ -390,6 +391,9 @@ class RankStep:
         self.forwarded: set[int] = set()  # microbatches whose forward ran this step (their groups can be pre-reloaded)
         self.attention_mask = attention_mask  # the dataloader makes the dense causal mask (Job.create_attention_mask)
         self.loss_masks: dict[int, torch.Tensor] = {}  # kept by the loss's multiply until the microbatch's backward
+        # the layers' checkpoints keep the dataloader's mask to the backward (remat.parallel.stages.keeps_layer_inputs)
+        self.mask_to_backward = mask_to_backward
+        self.kept_masks: dict[int, torch.Tensor] = {}
 
     # -- forward / backward of one microbatch ---------------------------------------------------------------
     def _ids(self, mb: int, which: int) -> torch.Tensor:
@@ -406,9 +410,12 @@ class RankStep:
             return []
         b, s = c.micro_batch_size, c.seq_length
         # the dataloader's [b, 1, s, s] mask beyond the model's own [1, 1, s, s] causal mask (cp = 1 here)
-        rest = [torch.ones(b * s * s - s * s, dtype=torch.bool)] if self.attention_mask and b > 1 else []
+        beyond = b * s * s - s * s if self.attention_mask and b > 1 else 0
+        rest = [torch.ones(beyond, dtype=torch.bool)] if beyond and not self.mask_to_backward else []
         if spec.is_first or c.mtp_num_layers:
             rest.append(torch.zeros(b, s, dtype=torch.long))  # the ids themselves are never read here
+        if beyond and self.mask_to_backward:
+            self.kept_masks[mb] = torch.ones(beyond, dtype=torch.bool)
         if spec.is_last:
             self.loss_masks[mb] = torch.ones(b, s)
         return rest
@@ -443,6 +450,7 @@ class RankStep:
             custom_backward(output_tensor, output_tensor_grad)
         if mb == self.m - 1:
             self.forwarded.clear()
+        self.kept_masks.pop(mb, None)  # the layers' checkpoints are gone with their backward
         self.loss_masks.pop(mb, None)  # the loss's graph is gone with its backward
         grad = input_tensor.grad if input_tensor is not None else None
         if self.recorder is not None:

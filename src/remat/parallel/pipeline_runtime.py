@@ -173,9 +173,15 @@ def _backward_part(plan: StagePlan, a: Action, first_backward: set[int]) -> Part
 # cp = 1: nothing beyond it) and the position ids int64 [b, s / cp], held by
 # ``forward_step``'s locals until it returns (TE's attention under a causal mask type reads no mask; remat's learned
 # position embedding saves its own [s] indices), and the loss mask fp32 [b, s / cp], which the loss function's
-# multiply keeps to the micro-batch's backward (pretrain_gpt.py ``loss_func``). remat.parallel.megatron_rank makes
+# multiply keeps to the micro-batch's backward (pretrain_gpt.py ``loss_func``). Where the chunk's layers are
+# recomputed in groups, or their core attention is, the mask is an argument Megatron's checkpoints save
+# (``CheckpointFunction.save_for_backward(*args)``, tensor_parallel/random.py; attention.py
+# ``_checkpointed_attention_forward``): it then lives to the micro-batch's backward, as the layers' own mask does in
+# the trace (remat.parallel.stages.keeps_layer_inputs), and is freed after it (Megatron frees it with the bottom
+# group's checkpoint: the first stage's embedding backward is the over-count). remat.parallel.megatron_rank makes
 # the same tensors in its forward step. Over-counted: the layers' own mask on a middle chunk, or where the dataloader
-# makes none, which Megatron's TE layers do without (s^2 / cp^2 bytes during a forward: 64 MiB at s = 8,192).
+# makes none, which Megatron's TE layers do without (s^2 / cp^2 bytes during a forward, to the backward under
+# recompute: 64 MiB at s = 8,192).
 def _batch_in(plan: StagePlan, composer: Composer, a: Action) -> None:
     """Allocate what ``get_batch`` adds for forward ``a`` (NOTE [Megatron's batch on the device])."""
     step, kept = plan.batch_tensors(plan.spec(a.chunk))

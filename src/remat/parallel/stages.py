@@ -83,6 +83,19 @@ def chunk_policy(policy: Policy | Any, config: ModelConfig, num_layers: int | No
         policy, granularity="none", modules=())
 
 
+def keeps_layer_inputs(layout: Policy | Plan, num_layers: int) -> bool:
+    """Whether a chunk of ``num_layers`` layers under ``layout`` (a policy or a plan, as :func:`chunk_policy`
+    gives it) saves its layers' inputs for the backward: a recompute group checkpoints the hidden states, the
+    attention mask and the rotary tables it is given (Megatron's ``CheckpointFunction.save_for_backward(*args)``,
+    tensor_parallel/random.py), and so does recomputed core attention (attention.py
+    ``_checkpointed_attention_forward``). The dataloader's attention mask is then held until the micro-batch's
+    backward (NOTE [Megatron's batch on the device] in remat.parallel.pipeline_runtime)."""
+    if not num_layers:
+        return False
+    return bool(layout.layer_groups(num_layers)) or any(
+        "core_attn" in layout.selective_modules(i) for i in range(num_layers))
+
+
 def cut_plan(plan: Plan, num_layers: int) -> Plan | Policy:
     """``plan``'s first ``num_layers`` layers (a group cut at the end keeps its layers below it, as Megatron's
     uniform groups end at a chunk's end); no layer: the policy that recomputes nothing."""
