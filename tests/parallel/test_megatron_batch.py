@@ -62,7 +62,8 @@ def test_checkpointed_layers_keep_the_mask_to_the_backward_as_megatrons_checkpoi
     # layers' own [1, 1, s, s] mask does in the trace (freed by the bottom layer's backward)
     own = round_up(S * S, CUDA_BLOCK)
     for policy, kept in (("full/uniform/2", True), ("full/block/1", True), ("selective/core_attn", True),
-                         ("selective/mlp", False), ("none", False)):
+                         ("selective/non_matmul", True), ("selective/mlp", False), ("selective/act", False),
+                         ("none", False)):
         job = Job.build(CFG, precision="bf16", pp=2, num_microbatches=MICROBATCHES, policy=Policy.parse(policy))
         for timeline in _timelines(job):
             t = timeline

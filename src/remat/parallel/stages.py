@@ -83,17 +83,22 @@ def chunk_policy(policy: Policy | Any, config: ModelConfig, num_layers: int | No
         policy, granularity="none", modules=())
 
 
+# the selective modules whose recomputation runs core attention's masked softmax again: their checkpoint saves the mask
+MASK_RECOMPUTING_MODULES = ("core_attn", "non_matmul")
+
+
 def keeps_layer_inputs(layout: Policy | Plan, num_layers: int) -> bool:
     """Whether a chunk of ``num_layers`` layers under ``layout`` (a policy or a plan, as :func:`chunk_policy`
     gives it) saves its layers' inputs for the backward: a recompute group checkpoints the hidden states, the
     attention mask and the rotary tables it is given (Megatron's ``CheckpointFunction.save_for_backward(*args)``,
     tensor_parallel/random.py), and so does recomputed core attention (attention.py
-    ``_checkpointed_attention_forward``). The dataloader's attention mask is then held until the micro-batch's
-    backward (NOTE [Megatron's batch on the device] in remat.parallel.pipeline_runtime)."""
+    ``_checkpointed_attention_forward``), or its masked softmax (remat's ``non_matmul``). The dataloader's
+    attention mask is then held until the micro-batch's backward (NOTE [Megatron's batch on the device] in
+    remat.parallel.pipeline_runtime)."""
     if not num_layers:
         return False
     return bool(layout.layer_groups(num_layers)) or any(
-        "core_attn" in layout.selective_modules(i) for i in range(num_layers))
+        m in MASK_RECOMPUTING_MODULES for i in range(num_layers) for m in layout.selective_modules(i))
 
 
 def cut_plan(plan: Plan, num_layers: int) -> Plan | Policy:
