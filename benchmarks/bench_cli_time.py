@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -54,9 +55,11 @@ DEEPSEEK_PLAN = {
 COLD_TARGET, DEEPSEEK_TARGET, WARM_TARGET = 3.0, 15.0, 1.0
 
 
-def timed(args: str, pythonpath: str | None, cache: str | None) -> float:
-    """Wall seconds of ``remat ARGS`` in a fresh process (output discarded); cold (``--no-cache``) when ``cache``
-    is None, else with that cache folder. Raises if it fails."""
+def timed(args: str, pythonpath: str | None, cache: str | None) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user + system, of the process and the workers it forked and waited for) of
+    ``remat ARGS`` in a fresh process (output discarded); cold (``--no-cache``) when ``cache`` is None, else with
+    that cache folder. Raises if it fails. CPU seconds are steadier than wall seconds on a shared host: they say
+    whether a change does less work, wall seconds whether it ends sooner."""
     env = dict(os.environ)
     env.pop("REMAT_NO_CACHE", None)
     # what a user runs has remat's bytecode (pip compiles it at install; a source tree writes __pycache__ on first
@@ -71,9 +74,12 @@ def timed(args: str, pythonpath: str | None, cache: str | None) -> float:
     else:
         env["REMAT_CACHE_DIR"] = cache
     remat = shutil.which("remat") or os.path.join(os.path.dirname(sys.executable), "remat")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run([remat, *argv], env=env, check=True, stdout=subprocess.DEVNULL, timeout=1800)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def torch_import_seconds() -> float:
@@ -84,7 +90,8 @@ def torch_import_seconds() -> float:
     return time.perf_counter() - start
 
 
-def line(name: str, new: list[float], base: list[float], target: float, yardstick: list[float] | None = None) -> str:
+def line(name: str, new: list[float], base: list[float], target: float, yardstick: list[float] | None = None,
+         cpu: tuple[list[float], list[float]] = ([], [])) -> str:
     verdict = "PASS" if median(new) <= target else "FAIL"
     text = (f"{name:34s} median {median(new):6.2f} s (min {min(new):.2f}, max {max(new):.2f}; "
             f"{sum(x <= target for x in new)}/{len(new)} runs <= {target:g} s): {verdict}")
@@ -94,6 +101,11 @@ def line(name: str, new: list[float], base: list[float], target: float, yardstic
         text += f"; {median(ratios):.2f} x import torch ({low:.2f}-{high:.2f})"
     if base:
         text += f"; base median {median(base):.2f} s, {paired_ratio(new, base)}"
+    new_cpu, base_cpu = cpu
+    if new_cpu:
+        text += f"; CPU median {median(new_cpu):.2f} s"
+        if base_cpu:
+            text += f" (base {median(base_cpu):.2f} s, {paired_ratio(new_cpu, base_cpu)})"
     return text
 
 
@@ -111,6 +123,7 @@ def main() -> None:
     trees = ([("base", args.base)] if args.base else []) + [("new", args.new)]
     folders = {tree: tempfile.mkdtemp(prefix=f"remat-bench-{tree}-") for tree, _ in trees}
     times: dict[tuple[str, str, str], list[float]] = {}
+    cpu: dict[tuple[str, str, str], list[float]] = {}
     imports: list[float] = []  # import torch, each round
     try:
         for command in commands.values():  # the .pyc files, the page cache and each tree's warm cache: not timed
@@ -121,8 +134,9 @@ def main() -> None:
             for name, command in commands.items():
                 for mode in ("cold",) + (() if args.no_warm else ("warm",)):
                     for tree, path in trees:
-                        seconds = timed(command, path, None if mode == "cold" else folders[tree])
+                        seconds, cpu_seconds = timed(command, path, None if mode == "cold" else folders[tree])
                         times.setdefault((name, mode, tree), []).append(seconds)
+                        cpu.setdefault((name, mode, tree), []).append(cpu_seconds)
     finally:
         for folder in folders.values():
             shutil.rmtree(folder, ignore_errors=True)
@@ -133,7 +147,8 @@ def main() -> None:
         for mode in ("cold",) + (() if args.no_warm else ("warm",)):
             target = WARM_TARGET if mode == "warm" else DEEPSEEK_TARGET if name in DEEPSEEK_PLAN else COLD_TARGET
             print(line(f"{name} {mode}", times[(name, mode, "new")], times.get((name, mode, "base"), []), target,
-                       imports if mode == "cold" else None))
+                       imports if mode == "cold" else None,
+                       (cpu[(name, mode, "new")], cpu.get((name, mode, "base"), []))))
 
 
 if __name__ == "__main__":

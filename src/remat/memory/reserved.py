@@ -83,6 +83,8 @@ def cached_replay(timeline: Timeline, config: AllocatorConfig | None = None) -> 
     a digest of the timeline's rows and the options: a job's ranks take a second or so to replay, and a command run
     again predicts the same timelines."""
     streams = allocation_streams(timeline)
+    if not disk_cache.enabled():  # --no-cache: no digest of the rows to make (a few ms a rank)
+        return replay_timeline(timeline, config, streams)
     key = _cache_key(timeline, config, streams)
     result = _stored(key)
     if result is None:

@@ -480,7 +480,7 @@ def predict_stage(job: Job, stage: int, *, device: str = "cpu", layout: Plan | N
                             activation_shards=tp if sp else 1, attention_mask=job.create_attention_mask, cp=cp,
                             mask_to_backward=frozenset(c for c, s in specs.items()
                                                        if keeps_layer_inputs(policies[c], s.num_layers)))
-    timeline = compose_stage(plan, recompute)
+    timeline = compose_stage(plan, recompute, describe=False)  # described once its model state is in
     if job.embedding_wgrad_deferral is not None:  # the last stage's deferred output-layer wgrad (NOTE there)
         defer_output_layer_wgrad(timeline, plan, job.embedding_wgrad_deferral, tp)
     state = stage_state(job, stage, ep_rank if job.ep > 1 else None)

@@ -143,8 +143,9 @@ def predict_stage(config: ModelConfig, policy: Policy, specs: Sequence[ChunkSpec
     return compose_stage(plan, policy, partial)
 
 
-def compose_stage(plan: StagePlan, policy: Policy, partial: int | None = None) -> Timeline:
-    """One rank's timeline from its plan (see :func:`predict_pipeline`)."""
+def compose_stage(plan: StagePlan, policy: Policy, partial: int | None = None, *, describe: bool = True) -> Timeline:
+    """One rank's timeline from its plan (see :func:`predict_pipeline`); ``describe``: fill its ``meta['why']``
+    (:func:`~remat.parallel.pipeline_report.describe_stage`), which a caller adding rows after describes itself."""
     composer = Composer()
     stage_setup(plan, composer)
     if plan.runtime == "torch":
@@ -159,7 +160,8 @@ def compose_stage(plan: StagePlan, policy: Policy, partial: int | None = None) -
     meta["pipeline"] = pipeline_meta(plan.schedule, plan.pp, plan.microbatches, plan.vpp, plan.rank, plan.chunks,
                                      plan.runtime, partial, plan.actions, group=plan.group)
     tl = composer.finish(meta)
-    describe_stage(tl)
+    if describe:
+        describe_stage(tl)
     return tl
 
 

@@ -39,8 +39,9 @@ def in_flight_at(tl: Timeline, event: int) -> tuple[dict[tuple[int, int], dict[s
     spans = _pair_spans(tl)
     flight: dict[tuple[int, int], dict[str, int]] = {}
     kept: dict[tuple[int, int], int] = {}
-    for row in tl.alive_at(event):
-        who = parse_phase_detail(tl.phases[tl.phase_index[row]].detail)
+    phase_who = [parse_phase_detail(phase.detail) for phase in tl.phases]  # once a phase, not once a row
+    for row in tl.alive_at(event).tolist():
+        who = phase_who[tl.phase_index[row]]
         if who is None:
             continue
         _, end = spans.get(who, (0, None))
