@@ -107,16 +107,3 @@ def test_each_answer_is_handed_over_once_as_it_comes(workers: str, monkeypatch: 
     seen: list[tuple[int, int]] = []
     answers = run_forked([lambda i=i: i * i for i in range(6)], on_result=lambda i, a: seen.append((i, a)))
     assert answers == [i * i for i in range(6)] and sorted(seen) == [(i, i * i) for i in range(6)]
-
-
-
-def test_workers_freeze_what_they_inherit_and_the_parent_collects_as_before(monkeypatch: pytest.MonkeyPatch) -> None:
-    # NOTE [freezing after the fork]: the workers' collector never walks what the parent made; the parent's does
-    import gc
-
-    monkeypatch.setenv(WORKERS_ENV, "2")
-    before = gc.get_freeze_count()
-    made_here = [[i] for i in range(1000)]  # lists: tracked by the collector, alive across the fork
-    counts = run_forked([gc.get_freeze_count, gc.get_freeze_count])
-    assert all(n >= before + len(made_here) for n in counts)  # frozen in each worker
-    assert gc.get_freeze_count() == before  # not here: this process's cyclic garbage is still collected

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from remat.memory.allocator import AllocatorConfig
 from remat.memory.reserved import reserved_figures, stored_figures
-from remat.memory.trace_pool import forked_child_start, idle_workers, run_forked
+from remat.memory.trace_pool import idle_workers, run_forked
 
 PARALLEL_REPLAY_ROWS = 150_000  # rows (about 0.25 s of replay) from which replays are worth another process
 
@@ -136,7 +136,6 @@ def _replay_child(items: Sequence[Replayed], allocator: AllocatorConfig | None, 
     """Send ``(index, figures)`` of each item in order, as each is replayed (the parent takes them while it replays
     from the other end, :meth:`BackgroundReplays._collect`). Ended by SIGTERM once the parent has them all: raised
     as SystemExit, so that a disk-cache entry being written is removed, not left half-written."""
-    forked_child_start()
     signal.signal(signal.SIGTERM, _exit)
     try:
         for index, it in enumerate(items):

@@ -12,7 +12,6 @@ sweep never waits forever on a worker. :func:`idle_workers` says how many worker
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import os
 import pickle
@@ -87,17 +86,7 @@ def worker_timeout() -> float:
     return seconds
 
 
-# NOTE [freezing after the fork]: a forked child shares the parent's memory pages until it writes to them, and
-# CPython writes to every object its cyclic collector walks (the collection's reference counts in each object's
-# header). A child's collections would walk everything the parent made (torch's modules, the traces kept, the
-# stage plans) and copy each page they touch, again at each full collection as the child allocates: measured, an
-# alike stage's prediction in a DeepSeek-V3 worker took 0.13-0.16 s, and 0.08-0.11 s with the inherited objects
-# frozen. gc.freeze() first thing in the child (it moves the collector's lists whole, touching no object) keeps
-# them out of its collections; the parent's collector is untouched. A child only reads them or drops them at exit.
-def forked_child_start() -> None:
-    """What a process forked to trace, predict or replay does first (NOTE [freezing after the fork]): freeze what
-    it inherited for the cycle collector, and run torch on one thread."""
-    gc.freeze()
+def _worker_start() -> None:
     import torch
 
     torch.set_num_threads(1)  # fake tensors compute nothing; never touch an OpenMP pool made before the fork
@@ -157,7 +146,7 @@ def run_forked(tasks: Sequence[Callable[[], Any]], workers: int | None = None,
 
 
 def _serve(tasks: Sequence[Callable[[], Any]], todo: Any, answers: Any) -> None:
-    forked_child_start()
+    _worker_start()
     while (index := todo.get()) is not None:
         try:  # pickled here, so that an answer that cannot be sent is a failure the parent hears of
             data: bytes | None = pickle.dumps(tasks[index]())

@@ -11,9 +11,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import torch
+
 from remat.config import ModelConfig
 from remat.memory import disk_cache
-from remat.memory.trace_pool import available_workers, forked_child_start, warm_up, worker_timeout
+from remat.memory.trace_pool import available_workers, warm_up, worker_timeout
 from remat.plan.unit_model import (
     PENDING,
     UNIT_MODELS,
@@ -108,7 +110,7 @@ def _fork(build: Callable[[], Any]) -> tuple[BaseProcess, Connection]:
 
 
 def _answer(build: Callable[[], Any], send: Connection) -> None:
-    forked_child_start()
+    torch.set_num_threads(1)  # fake tensors compute nothing; never touch an OpenMP pool made before the fork
     try:
         send.send(build())
     except Exception:  # the parent builds it again and raises the error itself
