@@ -36,6 +36,9 @@ MOE_MODULES = ("moe_act", "moe", "shared_experts")
 OUTPUT_DISCARDING_MODULES = ("moe_act", "mla_up_proj")
 # non_matmul already recomputes these (they hold no matrix multiply)
 NON_MATMUL_INCLUDES = ("layernorm", "act", "moe_act")
+# the selective modules whose checkpoint takes the layer's attention mask: core_attn's, and non_matmul's (it recomputes
+# the masked softmax); a recompute group takes it too
+MASK_CHECKPOINTING_MODULES = ("core_attn", "non_matmul")
 ENGINES = ("reentrant", "non-reentrant")
 DEFAULT_SELECTIVE_MODULES = ("core_attn",)
 

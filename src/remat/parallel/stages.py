@@ -16,7 +16,7 @@ from remat.memory.measure import StepRecorder
 from remat.models.gpt import GPT, Embedding, LMHead, MTPLayer, TransformerLayer, build_model, building, rotary_tables
 from remat.models.tp_stage import chunk_forward
 from remat.parallel.schedule import ChunkSpec, PipelineError
-from remat.policy import MOE_MODULES, Policy
+from remat.policy import MASK_CHECKPOINTING_MODULES, MOE_MODULES, Policy
 from remat.recompute.apply import applied
 from remat.recompute.plan_format import Plan, Segment
 
@@ -83,10 +83,6 @@ def chunk_policy(policy: Policy | Any, config: ModelConfig, num_layers: int | No
         policy, granularity="none", modules=())
 
 
-# the selective modules whose recomputation runs core attention's masked softmax again: their checkpoint saves the mask
-MASK_RECOMPUTING_MODULES = ("core_attn", "non_matmul")
-
-
 def keeps_layer_inputs(layout: Policy | Plan, num_layers: int) -> bool:
     """Whether a chunk of ``num_layers`` layers under ``layout`` (a policy or a plan, as :func:`chunk_policy`
     gives it) saves its layers' inputs for the backward: a recompute group checkpoints the hidden states, the
@@ -98,7 +94,7 @@ def keeps_layer_inputs(layout: Policy | Plan, num_layers: int) -> bool:
     if not num_layers:
         return False
     return bool(layout.layer_groups(num_layers)) or any(
-        m in MASK_RECOMPUTING_MODULES for i in range(num_layers) for m in layout.selective_modules(i))
+        m in MASK_CHECKPOINTING_MODULES for i in range(num_layers) for m in layout.selective_modules(i))
 
 
 def cut_plan(plan: Plan, num_layers: int) -> Plan | Policy:

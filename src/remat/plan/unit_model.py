@@ -17,7 +17,7 @@ from remat.memory import disk_cache
 from remat.memory.kernels import resolve_kernels
 from remat.plan.space import SELECTIVE_SETS, contraction_sets
 from remat.plan.unit_trace import UnitMarks, layer_contractions, marked_trace
-from remat.policy import ENGINES
+from remat.policy import ENGINES, MASK_CHECKPOINTING_MODULES
 from remat.recompute.plan_format import KEEP, PlanError, Unit, kept_operators
 from remat.timeline import Timeline
 
@@ -31,7 +31,7 @@ def unit_holds(unit: Unit, classes: Iterable[str]) -> frozenset[str]:
     kept only by checkpoints whose inputs include it: groups, and selective layers that recompute core_attn or
     checkpoint the whole layer (non_matmul, keep_ops)."""
     out = set()
-    whole_or_core = unit.is_group or (unit.mode == "selective" and (bool({"core_attn", "non_matmul"} & set(
+    whole_or_core = unit.is_group or (unit.mode == "selective" and (bool(set(MASK_CHECKPOINTING_MODULES) & set(
         unit.modules)) or kept_operators(unit.modules) is not None))
     for c in classes:
         if c == SIDE_ROTARY or (c == SIDE_MASK and whole_or_core):
