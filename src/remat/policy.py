@@ -36,8 +36,7 @@ MOE_MODULES = ("moe_act", "moe", "shared_experts")
 OUTPUT_DISCARDING_MODULES = ("moe_act", "mla_up_proj")
 # non_matmul already recomputes these (they hold no matrix multiply)
 NON_MATMUL_INCLUDES = ("layernorm", "act", "moe_act")
-# the selective modules whose checkpoint takes the layer's attention mask: core_attn's, and non_matmul's (it recomputes
-# the masked softmax); a recompute group takes it too
+# selective modules whose checkpoint takes the attention mask (non_matmul recomputes the masked softmax)
 MASK_CHECKPOINTING_MODULES = ("core_attn", "non_matmul")
 ENGINES = ("reentrant", "non-reentrant")
 DEFAULT_SELECTIVE_MODULES = ("core_attn",)
@@ -45,8 +44,7 @@ DEFAULT_SELECTIVE_MODULES = ("core_attn",)
 # Megatron recompute modules for parts remat's reference model does not have.
 _MEGATRON_ONLY_MODULES = {"mhc": "hyper-connection", "gdn": "GatedDeltaNet", "gdn_norm_out": "GatedDeltaNet"}
 _FLAG_PREFIXES = ("--recompute", "--distribute-saved-activations")
-_EXAMPLES = {"--recompute-granularity": "full", "--recompute-method": "uniform",
-             "--recompute-num-layers": "1"}
+_EXAMPLES = {"--recompute-granularity": "full", "--recompute-method": "uniform", "--recompute-num-layers": "1"}
 
 GRAMMAR = """\
 expected one of:
