@@ -8,6 +8,7 @@ from remat.config import ModelConfig
 from remat.job import Job
 from remat.parallel.job_predict import predict_stage
 from remat.policy import Policy
+from remat.recompute.plan_format import Plan
 from remat.timeline import Timeline
 from remat.units import CUDA_BLOCK, round_up
 
@@ -21,8 +22,8 @@ def _rows(timeline: Timeline, name: str) -> list[tuple[int, int, int]]:
     return [(t.nbytes[r], t.alloc_at[r], t.free_at[r]) for r in range(len(t.nbytes)) if t.module[r] == f"batch.{name}"]
 
 
-def _timelines(job: Job) -> list[Timeline]:
-    return [predict_stage(job, stage, device="cuda").timeline for stage in range(job.pp)]
+def _timelines(job: Job, layout: Plan | None = None) -> list[Timeline]:
+    return [predict_stage(job, stage, device="cuda", layout=layout).timeline for stage in range(job.pp)]
 
 
 def test_first_and_last_stages_hold_the_mask_for_each_forward_and_the_loss_mask_to_its_backward():
@@ -59,13 +60,19 @@ def test_context_parallelism_cuts_the_mask_and_the_flag_drops_it():
 def test_checkpointed_layers_keep_the_mask_to_the_backward_as_megatrons_checkpoints_do():
     # Megatron's CheckpointFunction saves every argument of a recompute group, the attention mask among them, and so
     # does checkpointed core attention: the dataloader's mask then lives to the micro-batch's backward, as the
-    # layers' own [1, 1, s, s] mask does in the trace (freed by the bottom layer's backward)
+    # layers' own [1, 1, s, s] mask does in the trace (freed by the bottom layer's backward); a plan's operator-level
+    # checkpoint of a whole layer (keep_ops) takes the layer's inputs too, whatever operators it keeps
     own = round_up(S * S, CUDA_BLOCK)
+    plain = Job.build(CFG, precision="bf16", pp=2, num_microbatches=MICROBATCHES)
     for policy, kept in (("full/uniform/2", True), ("full/block/1", True), ("selective/core_attn", True),
                          ("selective/non_matmul", True), ("selective/mlp", False), ("selective/act", False),
-                         ("none", False)):
-        job = Job.build(CFG, precision="bf16", pp=2, num_microbatches=MICROBATCHES, policy=Policy.parse(policy))
-        for timeline in _timelines(job):
+                         ("none", False), ("plan selective/keep_ops() 0-2", True),
+                         ("plan keep 0-1, selective/keep_ops(0-9) 2", True), ("plan keep 0-2", False)):
+        if policy.startswith("plan "):  # each stage's chunk of 3 layers under the plan
+            job, layout = plain, Plan.parse(policy.removeprefix("plan "))
+        else:
+            job, layout = plain.replace(policy=Policy.parse(policy)), None
+        for timeline in _timelines(job, layout):
             t = timeline
             masks = _rows(t, "attention_mask")
             layers = [t.free_at[r] for r in range(len(t.nbytes)) if t.nbytes[r] == own and t.module[r] == ""]

@@ -16,9 +16,9 @@ from remat.memory.measure import StepRecorder
 from remat.models.gpt import GPT, Embedding, LMHead, MTPLayer, TransformerLayer, build_model, building, rotary_tables
 from remat.models.tp_stage import chunk_forward
 from remat.parallel.schedule import ChunkSpec, PipelineError
-from remat.policy import MASK_CHECKPOINTING_MODULES, MOE_MODULES, Policy
+from remat.policy import MOE_MODULES, Policy
 from remat.recompute.apply import applied
-from remat.recompute.plan_format import Plan, Segment
+from remat.recompute.plan_format import Plan, Segment, checkpoints_layer_inputs
 
 
 class StageModule(nn.Module):
@@ -88,13 +88,14 @@ def keeps_layer_inputs(layout: Policy | Plan, num_layers: int) -> bool:
     gives it) saves its layers' inputs for the backward: a recompute group checkpoints the hidden states, the
     attention mask and the rotary tables it is given (Megatron's ``CheckpointFunction.save_for_backward(*args)``,
     tensor_parallel/random.py), and so does recomputed core attention (attention.py
-    ``_checkpointed_attention_forward``), or its masked softmax (remat's ``non_matmul``). The dataloader's
-    attention mask is then held until the micro-batch's backward (NOTE [Megatron's batch on the device] in
-    remat.parallel.pipeline_runtime)."""
+    ``_checkpointed_attention_forward``), or its masked softmax (remat's ``non_matmul``), or a plan's
+    operator-level checkpoint of a whole layer (``keep_ops``; remat.recompute.plan_format.checkpoints_layer_inputs).
+    The dataloader's attention mask is then held until the micro-batch's backward (NOTE [Megatron's batch on the
+    device] in remat.parallel.pipeline_runtime)."""
     if not num_layers:
         return False
     return bool(layout.layer_groups(num_layers)) or any(
-        m in MASK_CHECKPOINTING_MODULES for i in range(num_layers) for m in layout.selective_modules(i))
+        checkpoints_layer_inputs(layout.selective_modules(i)) for i in range(num_layers))
 
 
 def cut_plan(plan: Plan, num_layers: int) -> Plan | Policy:

@@ -17,8 +17,8 @@ from remat.memory import disk_cache
 from remat.memory.kernels import resolve_kernels
 from remat.plan.space import SELECTIVE_SETS, contraction_sets
 from remat.plan.unit_trace import UnitMarks, layer_contractions, marked_trace
-from remat.policy import ENGINES, MASK_CHECKPOINTING_MODULES
-from remat.recompute.plan_format import KEEP, PlanError, Unit, kept_operators
+from remat.policy import ENGINES
+from remat.recompute.plan_format import KEEP, PlanError, Unit, checkpoints_layer_inputs
 from remat.timeline import Timeline
 
 NO_EVENT = -(1 << 62)  # the "highest point" of a block without events
@@ -31,8 +31,7 @@ def unit_holds(unit: Unit, classes: Iterable[str]) -> frozenset[str]:
     kept only by checkpoints whose inputs include it: groups, and selective layers that recompute core_attn or
     checkpoint the whole layer (non_matmul, keep_ops)."""
     out = set()
-    whole_or_core = unit.is_group or (unit.mode == "selective" and (bool(set(MASK_CHECKPOINTING_MODULES) & set(
-        unit.modules)) or kept_operators(unit.modules) is not None))
+    whole_or_core = unit.is_group or (unit.mode == "selective" and checkpoints_layer_inputs(unit.modules))
     for c in classes:
         if c == SIDE_ROTARY or (c == SIDE_MASK and whole_or_core):
             out.add(c)

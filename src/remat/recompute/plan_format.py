@@ -8,7 +8,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from remat.policy import ENGINES, NON_MATMUL_INCLUDES, SELECTIVE_MODULES, Policy, PolicyError, normalise_modules
+from remat.policy import (
+    ENGINES,
+    MASK_CHECKPOINTING_MODULES,
+    NON_MATMUL_INCLUDES,
+    SELECTIVE_MODULES,
+    Policy,
+    PolicyError,
+    normalise_modules,
+)
 
 FORMAT = "remat.plan"
 # How a plan treats a unit of a layer.
@@ -74,6 +82,15 @@ def kept_operators(modules: Iterable[str]) -> frozenset[int] | None:
             out.update(range(int(lo), int(hi or lo) + 1))
         found = frozenset(out)
     return found
+
+
+def checkpoints_layer_inputs(modules: Iterable[str]) -> bool:
+    """Whether a layer whose selective set is ``modules`` has a checkpoint whose inputs include the layer's attention
+    mask, so that it lives to the layer's backward: recomputed core attention or its masked softmax
+    (:data:`remat.policy.MASK_CHECKPOINTING_MODULES`), or the operator-level checkpoint of the whole layer that
+    ``keep_ops(...)`` is (NOTE [operator sets])."""
+    modules = tuple(modules)
+    return any(m in MASK_CHECKPOINTING_MODULES for m in modules) or kept_operators(modules) is not None
 
 
 FORMAT_VERSION = 1
