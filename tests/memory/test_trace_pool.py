@@ -107,3 +107,65 @@ def test_each_answer_is_handed_over_once_as_it_comes(workers: str, monkeypatch: 
     seen: list[tuple[int, int]] = []
     answers = run_forked([lambda i=i: i * i for i in range(6)], on_result=lambda i, a: seen.append((i, a)))
     assert answers == [i * i for i in range(6)] and sorted(seen) == [(i, i * i) for i in range(6)]
+
+
+@pytest.mark.parametrize("workers", ["2", "1"])
+def test_a_waiting_task_runs_after_the_answer_it_builds_on_has_reached_its_worker(
+        workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import time
+
+    monkeypatch.setenv(WORKERS_ENV, workers)
+    parent = os.getpid()
+    received: list[str] = []  # in each worker: the items shared with it so far
+
+    def first(name: str, seconds: float):
+        def task() -> str:
+            time.sleep(seconds)  # the later first answers last: its waiting task is handed out after the others
+            return name
+        return task
+
+    def waiting() -> tuple[str, ...]:
+        return tuple(received)
+
+    answers = run_forked([first("a", 0.3), first("b", 0.0), waiting, waiting, waiting], after={2: 0, 3: 1, 4: 1},
+                         share=lambda answer: [answer] if isinstance(answer, str) else [], receive=received.append)
+    assert answers[:2] == ["a", "b"]
+    if workers == "1":  # one after the other here: nothing to send, the tasks run in order
+        assert answers[2:] == [(), (), ()] and os.getpid() == parent
+    else:  # whichever worker took it, each waiting task had its first's answer (each item received once)
+        assert "a" in answers[2] and "b" in answers[3] and "b" in answers[4]
+        assert all(len(set(a)) == len(a) for a in answers[2:])
+    with pytest.raises(ValueError, match="task 1 can wait only for an earlier task, not 2"):
+        run_forked([waiting] * 3, after={1: 2})
+
+
+def test_warm_up_for_dispatch_imports_what_a_first_fake_cache_miss_would_and_keeps_dynamo_deferred() -> None:
+    import json
+    import subprocess
+    import sys
+
+    script = """
+import json, sys
+from remat.lazy_dynamo import defer_dynamo
+defer_dynamo()
+import torch
+from remat.memory.trace_pool import warm_up
+heavy = ("sympy", "torch.fx.experimental.symbolic_shapes", "torch.distributed.tensor")
+before = [m in sys.modules for m in heavy]
+warm_up(dispatch=True)
+after = [m in sys.modules for m in heavy]
+deferred = type(sys.modules["torch._dynamo"]).__name__ == "_DeferredDynamo"
+from torch._subclasses.fake_tensor import FakeTensorMode
+known = set(sys.modules)
+with FakeTensorMode():
+    x = torch.empty(3, 5, requires_grad=True)
+    (x.sin() @ torch.empty(5, 2)).sum().backward()
+print(json.dumps({"before": before, "after": after, "deferred": deferred,
+                  "imported_by_the_trace": sorted(set(sys.modules) - known)}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["before"] == [False, False, False] and found["after"] == [True, True, True]
+    assert found["deferred"]  # the compiler is still not loaded
+    assert [m for m in found["imported_by_the_trace"] if m.split(".")[0] in ("sympy", "torch")] == []

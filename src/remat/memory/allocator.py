@@ -176,24 +176,24 @@ class _Replayer:
                     release(live[~e])
             return
         (small, large), at = self.pools[0], self.at
+        small_keys, large_keys = small.keys, large.keys
         mss, limit = self.mss, self.cfg.max_non_split_rounding_size
+        any_fit = mss == _NO_LIMIT  # no max_split_size: the best fit is always taken
         allocated, peak = self.allocated, self.peak_allocated
         for e in order:
             if e >= 0:  # malloc
                 size = (sizes[e] + 511) & -MIN_BLOCK_SIZE  # round_size (rows of 0 bytes are left out)
-                pool = small if size <= SMALL_SIZE else large
-                keys = pool.keys
+                if size <= SMALL_SIZE:
+                    pool, keys = small, small_keys
+                else:
+                    pool, keys = large, large_keys
                 i = bisect_left(keys, size << _SHIFT)
-                b = None
-                if i < len(keys):  # _get_free_block: best fit, unless max_split_size keeps it for others
-                    key = keys[i]
-                    have = key >> _SHIFT
-                    if not (have >= mss > size or size >= mss and have >= size + limit):
-                        del keys[i]
-                        b = at.pop(key & _MASK)
-                grew = b is None
-                if grew:
-                    b = self._alloc_new(pool, size)
+                if i < len(keys) and (any_fit or not (  # _get_free_block: best fit, unless max_split_size keeps it
+                        (have := keys[i] >> _SHIFT) >= mss > size or size >= mss and have >= size + limit)):
+                    b = at.pop(keys.pop(i) & _MASK)
+                    grew = False
+                else:
+                    b, grew = self._alloc_new(pool, size), True
                 remaining = b.size - size
                 if remaining >= MIN_BLOCK_SIZE if pool is small else size < mss and remaining > SMALL_SIZE:
                     block = _Block(b.addr, size, pool).splice(b.prev, b)
@@ -215,7 +215,7 @@ class _Replayer:
                 b = live[~e]
                 b.allocated = False
                 allocated -= b.size
-                keys = b.pool.keys
+                keys = small_keys if b.pool is small else large_keys
                 p = b.prev
                 if p is not None and not p.allocated:
                     del keys[bisect_left(keys, p.size << _SHIFT | p.addr)], at[p.addr]

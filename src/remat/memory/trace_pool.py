@@ -17,7 +17,7 @@ import os
 import pickle
 import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 WORKERS_ENV = "REMAT_TRACE_WORKERS"
@@ -99,7 +99,9 @@ def _made(index: int, answer: Any, on_result: Callable[[int, Any], None] | None)
 
 
 def run_forked(tasks: Sequence[Callable[[], Any]], workers: int | None = None,
-               on_result: Callable[[int, Any], None] | None = None) -> list[Any]:
+               on_result: Callable[[int, Any], None] | None = None, *, after: Mapping[int, int] | None = None,
+               share: Callable[[Any], Sequence[Any]] | None = None,
+               receive: Callable[[Any], None] | None = None) -> list[Any]:
     """Run ``tasks`` (each returns a picklable answer, e.g. a :class:`~remat.timeline.Timeline`) and return their
     answers in order: side by side in forked worker processes when there are several tasks and several workers
     (:func:`available_workers`), else here, one after the other. Each worker takes the next task when it has sent
@@ -107,25 +109,42 @@ def run_forked(tasks: Sequence[Callable[[], Any]], workers: int | None = None,
     silent for :func:`worker_timeout` seconds had not answered, is run again here, so its error is raised as it
     would be without workers. ``on_result(index, answer)`` is called here with each answer as soon as it is made
     (while the workers go on with the others), each once. The workers are not daemons: a task may fork processes of
-    its own (remat.plan.unit_prefetch)."""
+    its own (remat.plan.unit_prefetch).
+
+    Tasks may build on what earlier ones made (NOTE [tasks that wait for another's answer]): ``after`` maps a task
+    to an earlier one it waits for, ``share(answer)`` picks from each answer the items every worker should have
+    (e.g. traces), and ``receive(item)`` runs in a worker on each item it has not had yet, before its next task.
+    Here, one after the other, the tasks run in order and share nothing (this process holds it all)."""
+    for task, first in (after or {}).items():
+        if not 0 <= first < task < len(tasks):
+            raise ValueError(f"after: task {task} can wait only for an earlier task, not {first}")
     workers = min(len(tasks), available_workers() if workers is None else workers)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         return [_made(i, task(), on_result) for i, task in enumerate(tasks)]
     warm_up()
     ctx = multiprocessing.get_context("fork")
     todo, answers = ctx.SimpleQueue(), ctx.Queue()
-    for index in range(len(tasks)):
-        todo.put(index)
-    for _ in range(workers):
-        todo.put(None)
-    # forked: the tasks are inherited, never pickled; only the answers are
-    procs = [ctx.Process(target=_serve, args=(tasks, todo, answers)) for _ in range(workers)]
+    held, waiting, shared = dict(after or {}), list(range(len(tasks))), []  # shared: pickled items, in order
+    # forked: the tasks are inherited, never pickled; only the answers, and the shared items, are
+    procs = [ctx.Process(target=_serve, args=(tasks, todo, answers, receive)) for _ in range(workers)]
     for proc in procs:
         proc.start()
     out: list[tuple[bool, Any]] = [(False, None)] * len(tasks)
+    answered: set[int] = set()
+
+    def hand_out() -> None:  # every task not waiting for an answer still to come, in order; then the ends
+        ready = [i for i in waiting if held.get(i, -1) in answered or i not in held]
+        for index in ready:
+            waiting.remove(index)
+            todo.put((index, shared))
+            if not waiting:  # the last task handed out: then each worker's end
+                for _ in range(workers):
+                    todo.put(None)
+
     try:
-        timeout, waited, received = worker_timeout(), 0.0, 0
-        while received < len(tasks) and waited < timeout:
+        hand_out()
+        timeout, waited = worker_timeout(), 0.0
+        while len(answered) < len(tasks) and waited < timeout:
             try:
                 index, data = answers.get(timeout=1.0)
             except queue.Empty:  # all workers gone (killed) or one silent too long: the rest run here
@@ -133,8 +152,12 @@ def run_forked(tasks: Sequence[Callable[[], Any]], workers: int | None = None,
                 if not any(proc.is_alive() for proc in procs) and answers.empty():
                     break
                 continue
-            waited, received = 0.0, received + 1
-            out[index] = (data is not None, None if data is None else _made(index, pickle.loads(data), on_result))
+            waited = 0.0
+            answered.add(index)
+            if data is not None:
+                out[index] = (True, _made(index, pickle.loads(data), on_result))
+                shared += [pickle.dumps(item) for item in (share(out[index][1]) if share is not None else ())]
+            hand_out()
     finally:
         for proc in procs:
             proc.join(0.5)
@@ -145,10 +168,23 @@ def run_forked(tasks: Sequence[Callable[[], Any]], workers: int | None = None,
     return [answer if ok else _made(i, tasks[i](), on_result) for i, (ok, answer) in enumerate(out)]
 
 
-def _serve(tasks: Sequence[Callable[[], Any]], todo: Any, answers: Any) -> None:
+# NOTE [tasks that wait for another's answer]: the tasks that wait for nothing are queued at once, in order; a task
+# held back (``after``) is queued once the task it waits for has answered, with every item shared so far
+# (``share``), behind those queued before; a worker receives each item once and skips those it has had. So a waiting
+# task goes to whichever worker is free next, and no worker waits on a round of the others: a job's alike stages,
+# laid out from the shallow traces one stage's prediction made, are predicted as soon as those traces come back,
+# beside the other stages' traces (remat.plan.job_exact.ExactStages.prefetch).
+def _serve(tasks: Sequence[Callable[[], Any]], todo: Any, answers: Any,
+           receive: Callable[[Any], None] | None) -> None:
     _worker_start()
-    while (index := todo.get()) is not None:
+    had = 0  # shared items received
+    while (handed := todo.get()) is not None:
+        index, shared = handed
         try:  # pickled here, so that an answer that cannot be sent is a failure the parent hears of
+            if receive is not None:
+                for item in shared[had:]:
+                    receive(pickle.loads(item))
+            had = max(had, len(shared))
             data: bytes | None = pickle.dumps(tasks[index]())
         except Exception:  # the parent runs the task itself (and raises its error there)
             data = None
@@ -157,10 +193,21 @@ def _serve(tasks: Sequence[Callable[[], Any]], todo: Any, answers: Any) -> None:
     answers.join_thread()  # every answer sent before the worker ends
 
 
-def warm_up() -> None:
+def warm_up(dispatch: bool = False) -> None:
     """What every trace imports and sets up once (torch._dynamo, the fake mode): done before forking, so the
-    workers share it instead of each paying for it (a process forked to trace calls it first)."""
+    workers share it instead of each paying for it (a process forked to trace calls it first).
+
+    ``dispatch``: the modules a fake dispatch imports on its first cache miss too (FakeTensorMode._dispatch_impl
+    imports torch.fx.experimental.symbolic_shapes and with it sympy, torch._prims_common.wrappers._safe_copy_out
+    torch.distributed.tensor, meta_utils torch._dynamo.source): about 0.45 s of a 2-core machine, paid here once
+    instead of in each process forked after. Worth it where several rounds of processes are forked (a job plan: CPU
+    6.3 -> 5.2 s, 0.91x the time); before one round of two workers it lengthens the time (medians of 6: a
+    DeepSeek-V3 predict 4.50 -> 4.79 s, the Megatron sweep 3.85 -> 4.09 s, the CPU the same)."""
     import torch._dynamo  # noqa: F401
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    if dispatch:
+        import torch._dynamo.source  # noqa: F401
+        import torch.distributed.tensor  # noqa: F401
+        import torch.fx.experimental.symbolic_shapes  # noqa: F401
     FakeTensorMode()

@@ -64,6 +64,7 @@ class Composer:
         self.offload_stacks: dict[tuple[int, int], list[tuple[str, int]]] = {}
         self.prereloaded: dict[tuple[int, int], tuple[list[int], dict[int, tuple[int, int]], dict[int, int]]] = {}
         self.next_backward: Callable[[tuple[int, int]], tuple[tuple[int, int], TraceSegment] | None] | None = None
+        self._layouts: dict[tuple[int, str, tuple[int, ...]], _SegmentLayout] = {}  # by id: each keeps its segment
 
     def phase(self, kind: str, region: str, detail: str = "", flops: int = 0) -> None:
         tl = self.tl
@@ -244,42 +245,51 @@ class Composer:
         """The rows, frees and kept tensor of one part, its events placed by ``at``."""
         seg, spec, microbatch, prefix, kind, keep_key = part
         tl = self.tl
-        mark_offsets = [o for o, _ in marks]
+        layout = self._layout(seg, prefix, tuple(o for o, _ in marks))
         # one row per allocation of the segment, appended column by column (as _row appends them one by one)
-        rows = range(len(tl.nbytes), len(tl.nbytes) + len(seg.nbytes))
+        first = len(tl.nbytes)
+        rows = range(first, first + len(seg.nbytes))
         tl.nbytes.extend(seg.nbytes)
-        tl.alloc_at.extend([at(offset) for offset in seg.alloc_offsets])
-        tl.free_at.extend([-1] * len(rows))
-        tl.phase_index.extend([marks[max(0, bisect.bisect_right(mark_offsets, offset) - 1)][1]
-                               for offset in seg.alloc_offsets])
-        tl.module.extend([prefix + module for module in seg.module])
+        tl.alloc_at.extend(map(at, seg.alloc_offsets))
+        free_at = tl.free_at
+        free_at.extend([-1] * len(rows))
+        tl.phase_index.extend(map([m for _, m in marks].__getitem__, layout.mark_of_row))
+        tl.module.extend(layout.modules)
         tl.category.extend(seg.category)
+        for ordinal, offset in layout.own_frees:  # each checked once, in _SegmentLayout
+            free_at[first + ordinal] = at(offset)
         if kind == "F":
             self.forward_rows[(spec.index, microbatch)] = (rows, seg)
-            source: tuple[Sequence[int], TraceSegment] | None = None
         else:
             source = self.forward_rows.pop((spec.index, microbatch), None)
             if source is None:
                 raise CompositionError(f"the backward of microbatch {microbatch} of chunk {spec.index} comes before "
                                        "its forward")
-        for offset, where, ordinal, nbytes in seg.frees:
-            if where == "self":
-                target = rows[ordinal]
-            else:
-                assert source is not None
-                target_rows, forward = source
+            target_rows, forward = source
+            for offset, ordinal, nbytes in layout.forward_frees:
                 if ordinal >= len(target_rows) or forward.nbytes[ordinal] != nbytes:
                     raise CompositionError(f"a free in the backward of microbatch {microbatch} of chunk {spec.index} "
                                            "does not find its tensor in that microbatch's forward")
                 target = target_rows[ordinal]
-            if tl.free_at[target] != -1 or tl.nbytes[target] != nbytes:
-                raise CompositionError(f"a free in the {'forward' if kind == 'F' else 'backward'} of microbatch "
-                                       f"{microbatch} of chunk {spec.index} finds another tensor")
-            tl.free_at[target] = at(offset)
+                if free_at[target] != -1 or tl.nbytes[target] != nbytes:
+                    raise CompositionError(f"a free in the backward of microbatch {microbatch} of chunk "
+                                           f"{spec.index} finds another tensor")
+                free_at[target] = at(offset)
         if seg.keep is not None and keep_key is not None:
             self.keys[keep_key] = rows[seg.keep]
 
-    def finish(self, meta: dict[str, Any]) -> Timeline:
+    def _layout(self, seg: TraceSegment, prefix: str, mark_offsets: tuple[int, ...]) -> _SegmentLayout:
+        """What copying ``seg`` under ``prefix`` with phases starting at ``mark_offsets`` takes from it, made once
+        (a stage copies each segment once per microbatch)."""
+        key = (id(seg), prefix, mark_offsets)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = _SegmentLayout(seg, prefix, mark_offsets)
+        return layout
+
+    def finish(self, meta: dict[str, Any], validate: bool = True) -> Timeline:
+        """The timeline with ``meta`` and its FLOPs; its rows checked unless ``validate`` is False (a caller that
+        adds rows checks them all after)."""
         tl = self.tl
         tl.meta.update(meta)
         tl.meta["phase_flops"] = self.flops
@@ -291,8 +301,31 @@ class Composer:
             tl.meta["host_memory"] = {"peak_bytes": max(b for _, b in self.host_series),
                                       "offloaded_bytes": self.offloaded, "offloaded_bytes_by_layer":
                                       self.offloaded_by_layer, "series": self.host_series}
-        tl.validate()
+        if validate:
+            tl.validate()
         return tl
+
+
+class _SegmentLayout:
+    """A segment's rows as :meth:`Composer._copy` lays them out for any microbatch: each row's module name under a
+    prefix, the phase mark it falls in, the frees of its own rows (checked here once: each row freed once, by its own
+    size) and those of its forward's, (offset, ordinal, bytes)."""
+
+    def __init__(self, seg: TraceSegment, prefix: str, mark_offsets: tuple[int, ...]):
+        self.seg = seg  # kept alive while the composer keys this layout by its id
+        self.modules = [prefix + module for module in seg.module]
+        self.mark_of_row = [max(0, bisect.bisect_right(mark_offsets, offset) - 1) for offset in seg.alloc_offsets]
+        self.own_frees: list[tuple[int, int]] = []
+        self.forward_frees: list[tuple[int, int, int]] = []
+        freed: set[int] = set()
+        for offset, where, ordinal, nbytes in seg.frees:
+            if where != "self":
+                self.forward_frees.append((offset, ordinal, nbytes))
+            elif ordinal in freed or seg.nbytes[ordinal] != nbytes:
+                raise CompositionError("a free in a chunk trace's segment finds another tensor of its own")
+            else:
+                freed.add(ordinal)
+                self.own_frees.append((ordinal, offset))
 
 
 def _reload_rows(seg: TraceSegment) -> dict[tuple[str, int], list[tuple[int, int]]]:

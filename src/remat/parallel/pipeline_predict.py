@@ -144,8 +144,9 @@ def predict_stage(config: ModelConfig, policy: Policy, specs: Sequence[ChunkSpec
 
 
 def compose_stage(plan: StagePlan, policy: Policy, partial: int | None = None, *, describe: bool = True) -> Timeline:
-    """One rank's timeline from its plan (see :func:`predict_pipeline`); ``describe``: fill its ``meta['why']``
-    (:func:`~remat.parallel.pipeline_report.describe_stage`), which a caller adding rows after describes itself."""
+    """One rank's timeline from its plan (see :func:`predict_pipeline`); ``describe``: check its rows
+    (:meth:`~remat.timeline.Timeline.validate`) and fill its ``meta['why']``
+    (:func:`~remat.parallel.pipeline_report.describe_stage`), which a caller adding rows after does itself."""
     composer = Composer()
     stage_setup(plan, composer)
     if plan.runtime == "torch":
@@ -159,7 +160,7 @@ def compose_stage(plan: StagePlan, policy: Policy, partial: int | None = None, *
     }
     meta["pipeline"] = pipeline_meta(plan.schedule, plan.pp, plan.microbatches, plan.vpp, plan.rank, plan.chunks,
                                      plan.runtime, partial, plan.actions, group=plan.group)
-    tl = composer.finish(meta)
+    tl = composer.finish(meta, validate=describe)
     if describe:
         describe_stage(tl)
     return tl

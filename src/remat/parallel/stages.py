@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -132,8 +133,10 @@ def phase_detail(microbatch: int, chunk: int, inner: str = "") -> str:
 _DETAIL = re.compile(r"^microbatch (\d+), chunk (\d+)(?::|$)")
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_phase_detail(detail: str) -> tuple[int, int] | None:
-    """(microbatch, chunk) named by a phase detail written by :func:`phase_detail`, else None."""
+    """(microbatch, chunk) named by a phase detail written by :func:`phase_detail`, else None (memoised: a stage's
+    thousands of phases name a few hundred)."""
     match = _DETAIL.match(detail)
     return (int(match.group(1)), int(match.group(2))) if match else None
 

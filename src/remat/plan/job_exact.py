@@ -32,8 +32,6 @@ from remat.policy import Policy
 from remat.recompute.plan_format import Plan
 from remat.timeline import Timeline, TimelineError
 
-MIN_ALIKE_AHEAD = 4  # alike stages worth a second round of workers (a fork and its start cost about one's time)
-
 
 class ExactStages:
     """Exact whole-rank predictions of (stage, plan or policy), each computed once, and kept on disk
@@ -74,62 +72,56 @@ class ExactStages:
         and several cores; each is taken (kept, counted) only when asked for, so that what the caller then asks
         for, and in which order, is all that counts, as without the prefetch.
 
-        Only one of the stages whose chunks are alike is predicted ahead (:meth:`distinct`); with ``alike`` the
-        others are too, in a second round laid out from the shallow traces the first sent back (NOTE [alike
-        stages ahead]). ``finish(prediction)`` runs in the worker on each prediction it makes (e.g. its
+        Only one of the stages whose chunks are alike is predicted ahead (:meth:`groups`); with ``alike`` the
+        others are too, each handed to a worker once the shallow traces the first one made have come back (NOTE
+        [alike stages ahead]). ``finish(prediction)`` runs in the worker on each prediction it makes (e.g. its
         caching-allocator replay, :func:`~remat.parallel.job_predict.add_reserved`), so what it sets comes back
         with it."""
-        todo = self.distinct(wanted)
+        groups = self.groups(wanted)
+        todo = [first for first, _ in groups]
+        after: dict[int, int] = {}  # each alike stage waits for its group's first (its shallow traces)
+        for g, (_, others) in enumerate(groups if alike else ()):
+            for other in others:
+                after[len(todo)] = g
+                todo.append(other)
         workers = min(idle_workers(), len(todo)) if self.side_by_side and len(todo) > 1 else 1
         if workers > 1:
-            self.keep_ahead(run_forked([self.ahead(s, p, shallow_chunk_keys(), finish) for s, p in todo], workers))
-        if not alike or not self.side_by_side:
-            return
-        rest = self.remaining(wanted)
-        workers = min(idle_workers(), len(rest)) if len(rest) >= MIN_ALIKE_AHEAD else 1
-        if workers <= 1:
-            return
-        for stage, plan in todo:  # a first round not forked: its shallow traces made here, for the workers to share
-            if self.key(stage, plan)[0] in rest:
-                self(stage, plan)
-        rest = self.remaining(wanted)
-        tasks = [self.ahead(s, p, shallow_chunk_keys(), finish) for s, p in rest.values()]
-        self.keep_ahead(run_forked(tasks, min(workers, len(tasks))) if len(tasks) > 1 else [])
+            tasks = [self.ahead(s, p, finish) for s, p in todo]
+            self.keep_ahead(run_forked(tasks, workers, after=after, share=lambda answer: answer[1],
+                                       receive=lambda chunk: keep_shallow_chunks([chunk])))
 
-    def remaining(self, wanted: Sequence[tuple[int, Plan | Policy]],
-                  ) -> dict[tuple[int, str], tuple[int, Plan | Policy]]:
-        """Those of ``wanted`` neither predicted nor made ahead yet, each once, by key."""
-        rest: dict[tuple[int, str], tuple[int, Plan | Policy]] = {}
-        for s, p in wanted:
-            key = self.key(s, p)[0]
-            if key not in self.done and key not in self.spare:
-                rest.setdefault(key, (s, p))
-        return rest
-
-    def distinct(self, wanted: Sequence[tuple[int, Plan | Policy]]) -> list[tuple[int, Plan | Policy]]:
-        """Those of ``wanted`` worth predicting ahead: not predicted or made ahead yet, each once, and one of the
-        stages whose chunks are of the same kinds and layers under the same setting (they lay their chunks out from
-        the same shallow traces: the others are predicted here from its shallow traces, kept as they come back)."""
-        out, alike = [], set()
+    def groups(self, wanted: Sequence[tuple[int, Plan | Policy]],
+               ) -> list[tuple[tuple[int, Plan | Policy], list[tuple[int, Plan | Policy]]]]:
+        """Those of ``wanted`` neither predicted nor made ahead yet, each once, grouped by the kinds and layers of
+        their chunks under their setting: stages of one group lay their chunks out from the same shallow traces, so
+        the first one's prediction makes them and the others' only lay out. Each group: (its first, the others)."""
+        out: dict[Any, tuple[tuple[int, Plan | Policy], list[tuple[int, Plan | Policy]]]] = {}
+        seen: set[tuple[int, str]] = set()
         config = rank_config(self.job)
         for s, p in wanted:
             key = self.key(s, p)[0]
+            if key in self.done or key in self.spare or key in seen:
+                continue
+            seen.add(key)
             # a chunk's kind and its own layers' config (dense or MoE, windows, FP8: chunk_config): a chunk mixing
             # dense and MoE layers is traced whole, one of MoE layers only laid out from a shallow MoE chunk
             sig = (key[1], tuple((c.kind, chunk_config(config, c)) for c in stage_chunks(self.job, s)))
-            if key not in self.done and key not in self.spare and sig not in alike:
-                out.append((s, p))
-            alike.add(sig)
-        return out
+            if sig in out:
+                out[sig][1].append((s, p))
+            else:
+                out[sig] = ((s, p), [])
+        return list(out.values())
 
-    def ahead(self, stage: int, plan: Plan | Policy, known_chunks: frozenset[Any],
+    def ahead(self, stage: int, plan: Plan | Policy,
               finish: Callable[[RankPrediction], None] | None = None) -> Callable[[], Any]:
-        """A task predicting (stage, plan) in a forked worker, for :meth:`keep_ahead`."""
+        """A task predicting (stage, plan) in a forked worker, for :meth:`keep_ahead`: its prediction, and the
+        shallow chunk traces it made (for the parent and the other workers)."""
         def run() -> Any:
+            known = shallow_chunk_keys()
             pred, key = self(stage, plan), self.key(stage, plan)[0]
             if finish is not None:
                 finish(pred)
-            return (key, pred, key in self.made), shallow_chunks_since(known_chunks)
+            return (key, pred, key in self.made), shallow_chunks_since(known)
         return run
 
     def keep_ahead(self, answers: Sequence[Any]) -> None:
@@ -180,19 +172,20 @@ class ExactStages:
 
 # NOTE [alike stages ahead]: stages whose chunks are of the same kinds and layers under the same setting lay their
 # chunks out from the same shallow traces; they still differ in what they hold (their place in the schedule, their
-# model state), so each is composed and, for GPU bytes, replayed through the caching allocator: about 0.1 s a stage
-# for DeepSeek-V3's (22k rows each). predict_policies makes them in a second round of forked workers, after the
-# first has sent back the shallow traces (forked from here, the workers inherit them and trace nothing), each
-# replay made in the worker beside its prediction, instead of one after the other here while a core stands idle.
+# model state), so each is composed and, for GPU bytes, replayed through the caching allocator: about 0.07 s a stage
+# for DeepSeek-V3's (22k rows each). predict_policies hands them to the same forked workers as the first stage of
+# each group, each once that stage's shallow traces have come back (sent along to the worker that takes it: NOTE
+# [tasks that wait for another's answer] in remat.memory.trace_pool), each replay made in the worker beside its
+# prediction: no worker waits for a second round, no second fork, and no core stands idle while one worker traces.
 def predict_policies(job: Job, policies: Sequence[Policy], *, device: str = "cpu", kernels: str | None = None,
                      env: Mapping[str, str] | None = None, gpu: str | None = None,
                      allocator: AllocatorConfig | None = None,
                      replay: bool | BackgroundReplays = True) -> list[JobPrediction]:
     """:func:`remat.parallel.job_predict.predict_job` of ``job`` under each of ``policies``, the same predictions,
     made side by side: the distinct (stage, policy) pairs are predicted in forked workers where cores stand idle
-    (:meth:`ExactStages.prefetch`), then the stages whose chunks are alike, laid out from the same shallow traces,
-    each with its caching-allocator replay (NOTE [alike stages ahead]); on one free core, all here. Arguments as
-    :func:`~remat.parallel.job_predict.predict_job`'s."""
+    (:meth:`ExactStages.prefetch`), and the stages whose chunks are alike, laid out from the same shallow traces as
+    they come back, each with its caching-allocator replay (NOTE [alike stages ahead]); on one free core, all here.
+    Arguments as :func:`~remat.parallel.job_predict.predict_job`'s."""
     exact = ExactStages(job, device, "", [stage_state(job, s) for s in range(job.pp)], kernels=kernels, env=env,
                         gpu=gpu, disk=False)
     replayed_under = replay.allocator if isinstance(replay, BackgroundReplays) else allocator

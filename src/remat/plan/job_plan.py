@@ -276,7 +276,7 @@ def _search_stages(job: Job, searched: Sequence[tuple[JobStagePlan, _StageModel]
             likely.append((sm.plan_cost(fit), fit.megatron_policy()[0]))
     if likely:  # the setting for every stage (remat.plan.job_uniform) is likely the costliest stage's own
         wanted += [(st.stage, max(likely, key=lambda c: c[0])[1]) for st, _ in searched]
-    ahead = [exact.ahead(stage, plan, known_chunks) for stage, plan in exact.distinct(wanted)]
+    ahead = [exact.ahead(stage, plan) for (stage, plan), _ in exact.groups(wanted)]
 
     def megatron(i: int) -> Callable[[], Any]:
         def task() -> Any:

@@ -101,7 +101,7 @@ def _take(key: tuple[Any, ...], forks: list[tuple[BaseProcess, Connection]], sta
 
 def _fork(build: Callable[[], Any]) -> tuple[BaseProcess, Connection]:
     """A forked process sending ``build()``'s answer (None when it fails), and the end that receives it."""
-    warm_up()  # imported once here, not in each process forked
+    warm_up(dispatch=True)  # imported once here, not in each process forked (a plan forks several rounds)
     receive, send = multiprocessing.Pipe(duplex=False)
     process = multiprocessing.get_context("fork").Process(target=_answer, args=(build, send), daemon=True)
     process.start()
