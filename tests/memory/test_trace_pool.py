@@ -169,3 +169,24 @@ print(json.dumps({"before": before, "after": after, "deferred": deferred,
     assert found["before"] == [False, False, False] and found["after"] == [True, True, True]
     assert found["deferred"]  # the compiler is still not loaded
     assert [m for m in found["imported_by_the_trace"] if m.split(".")[0] in ("sympy", "torch")] == []
+
+
+def test_idle_cores_measure_from_the_last_sample_instead_of_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import time
+
+    from remat.memory import trace_pool
+
+    if trace_pool.idle_cores() is None:
+        pytest.skip("no /proc/stat here")
+    trace_pool.note_cpu()
+    time.sleep(0.06)  # the sample is older than the window
+    slept: list[float] = []
+    monkeypatch.setattr(trace_pool.time, "sleep", slept.append)
+    idle = trace_pool.idle_cores(window=0.05)
+    assert slept == [] and idle is not None and 0 <= idle <= (os.cpu_count() or 1)
+    trace_pool.idle_cores(window=0.05)
+    assert slept == [0.05]  # the last sample was just taken: too recent, so it waits
+    monkeypatch.setattr(trace_pool, "MAX_SAMPLE_AGE", 0.0)  # too old: it waits too
+    trace_pool.idle_cores(window=0.01)
+    assert slept == [0.05, 0.01]

@@ -15,6 +15,7 @@ from remat.cli.measure import measure_command
 from remat.cli.plan import plan_command
 from remat.cli.predict import predict_command
 from remat.memory.kernels import KERNELS, use_kernels
+from remat.memory.trace_pool import note_cpu
 from remat.version import __version__
 
 # Each adds its subparser and returns its runner; this order is the order of `remat --help`.
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str], *, console: bool = False) -> int:
     """Parse ``argv`` and run the command; return the exit code. ``console``: the ``remat`` console script, which
     exits right after (its objects are then frozen rather than collected)."""
+    note_cpu()  # the first count of idle cores measures from here, not waiting (NOTE [idle cores without waiting])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -40,10 +40,10 @@ def available_workers() -> int:
 
 def idle_workers(window: float = 0.05) -> int:
     """How many processes may work side by side without slowing each other: ``$REMAT_TRACE_WORKERS`` when set,
-    else the cores this process may use that stood idle over the next ``window`` seconds (this process waiting
-    meanwhile; ``/proc/stat``, else the one-minute load average), at least 1. Forked workers share the CPU time
-    their session gets (Linux's autogroup scheduling): on cores that others keep busy they only add their start-up
-    and pickling to the same share, so they are worth it only where a core is free."""
+    else the cores this process may use that stood idle (:func:`idle_cores`; else the one-minute load average), at
+    least 1. Forked workers share the CPU time their session gets (Linux's autogroup scheduling): on cores that
+    others keep busy they only add their start-up and pickling to the same share, so they are worth it only where a
+    core is free."""
     cores = available_workers()
     if os.environ.get(WORKERS_ENV, "").strip() or cores <= 1:
         return cores
@@ -56,22 +56,51 @@ def idle_workers(window: float = 0.05) -> int:
     return max(1, min(cores, int(idle + 0.5)))
 
 
-def idle_cores(window: float = 0.05) -> float | None:
-    """Cores of the machine that stood idle over the next ``window`` seconds (this process waiting meanwhile), from
-    ``/proc/stat``'s counters; None where that is unreadable (not Linux)."""
-    def sample() -> tuple[int, int]:
+# NOTE [idle cores without waiting]: a sample of /proc/stat's counters and of this process's own CPU time, taken by
+# note_cpu() (the command line, once its imports are done) or by the last idle_cores(): a later idle_cores() measures
+# from it when it is between ``window`` and MAX_SAMPLE_AGE seconds old, instead of sleeping ``window`` seconds
+# (50 ms a call; a job plan asks several times). This process's own work over the span is counted as idle: it waits
+# while the workers it forks run.
+MAX_SAMPLE_AGE = 2.0
+_SAMPLE: list[tuple[float, int, int, float]] = []  # (monotonic time, total ticks, idle ticks, own CPU seconds)
+
+
+def note_cpu() -> None:
+    """Keep a sample of the machine's and this process's CPU counters for the next :func:`idle_cores` (NOTE [idle
+    cores without waiting]); nothing where /proc/stat is unreadable."""
+    found = _cpu_sample()
+    if found is not None:
+        _SAMPLE[:] = [found]
+
+
+def _cpu_sample() -> tuple[float, int, int, float] | None:
+    try:
         with open("/proc/stat", encoding="ascii") as f:
             ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-        return sum(ticks), ticks[3] + ticks[4]
-    try:
-        total, idle = sample()
+    except (OSError, ValueError):
+        return None
+    if len(ticks) < 5:
+        return None
+    own = os.times()
+    return time.monotonic(), sum(ticks), ticks[3] + ticks[4], own.user + own.system
+
+
+def idle_cores(window: float = 0.05) -> float | None:
+    """Cores of the machine that stood idle, this process's own work counted as idle, from ``/proc/stat``'s
+    counters: since the last sample (:func:`note_cpu`, or the last call) when it is ``window`` to
+    :data:`MAX_SAMPLE_AGE` seconds old, else over the next ``window`` seconds (this process waiting meanwhile); None
+    where /proc/stat is unreadable (not Linux)."""
+    first = _SAMPLE[0] if _SAMPLE else None
+    if first is None or not window <= time.monotonic() - first[0] <= MAX_SAMPLE_AGE:
+        first = _cpu_sample()
         time.sleep(window)
-        total2, idle2 = sample()
-    except (OSError, ValueError, IndexError):
+    second = _cpu_sample()
+    if first is None or second is None or second[1] <= first[1]:
         return None
-    if total2 <= total:
-        return None
-    return (idle2 - idle) / (total2 - total) * (os.cpu_count() or 1)
+    _SAMPLE[:] = [second]
+    cores = os.cpu_count() or 1
+    own = (second[3] - first[3]) / max(second[0] - first[0], 1e-9)  # cores this process kept busy meanwhile
+    return float(min(cores, (second[2] - first[2]) / (second[1] - first[1]) * cores + own))
 
 
 def worker_timeout() -> float:

@@ -144,10 +144,14 @@ class RankPrediction:
     def peak_bytes(self) -> int:
         return self.timeline.peak_bytes
 
+    @functools.cached_property
+    def peak_event(self) -> int:
+        return self.timeline.peak_event
+
     def row(self) -> dict[str, Any]:
         """This rank as one JSON-ready row (:meth:`JobPrediction.rows`)."""
         return {"rank": self.rank, "stage": self.stage, "ranks_alike": self.ranks, "peak_bytes": self.peak_bytes,
-                "peak_phase": self.timeline.peak_phase.label, **self.parts,
+                "peak_phase": self.timeline.phase_at(self.peak_event).label, **self.parts,
                 "num_parameters": self.state.num_parameters, "dp_shard": self.state.dp_rank, "reserved": self.reserved,
                 "outside_allocator": [b.to_dict() for b in self.outside]}
 
@@ -159,7 +163,7 @@ class RankPrediction:
     @functools.cached_property
     def parts(self) -> dict[str, int]:
         """Bytes alive at the peak by part (:data:`PARTS`); they add up to :attr:`peak_bytes`."""
-        return parts_at(self.timeline, self.timeline.peak_event)
+        return parts_at(self.timeline, self.peak_event)
 
     @property
     def first_step_peak_bytes(self) -> int:
