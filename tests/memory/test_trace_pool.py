@@ -182,6 +182,7 @@ def test_idle_cores_measure_from_the_last_sample_instead_of_waiting(monkeypatch:
     trace_pool.note_cpu()
     time.sleep(0.06)  # the sample is older than the window
     slept: list[float] = []
+    real_sleep = time.sleep
     monkeypatch.setattr(trace_pool.time, "sleep", slept.append)
     idle = trace_pool.idle_cores(window=0.05)
     assert slept == [] and idle is not None and 0 <= idle <= (os.cpu_count() or 1)
@@ -190,3 +191,9 @@ def test_idle_cores_measure_from_the_last_sample_instead_of_waiting(monkeypatch:
     monkeypatch.setattr(trace_pool, "MAX_SAMPLE_AGE", 0.0)  # too old: it waits too
     trace_pool.idle_cores(window=0.01)
     assert slept == [0.05, 0.01]
+    monkeypatch.setattr(trace_pool, "MAX_SAMPLE_AGE", 60.0)
+    trace_pool.note_cpu()
+    real_sleep(0.06)  # fresh enough, but taken by another process (a forked worker's parent): it waits
+    monkeypatch.setattr(trace_pool.os, "getpid", lambda: -1)
+    trace_pool.idle_cores(window=0.02)
+    assert slept == [0.05, 0.01, 0.02]

@@ -60,9 +60,11 @@ def idle_workers(window: float = 0.05) -> int:
 # note_cpu() (the command line, once its imports are done) or by the last idle_cores(): a later idle_cores() measures
 # from it when it is between ``window`` and MAX_SAMPLE_AGE seconds old, instead of sleeping ``window`` seconds
 # (50 ms a call; a job plan asks several times). This process's own work over the span is counted as idle: it waits
-# while the workers it forks run.
+# while the workers it forks run. A forked worker does not measure from its parent's sample (its own CPU time starts
+# again from zero).
 MAX_SAMPLE_AGE = 2.0
-_SAMPLE: list[tuple[float, int, int, float]] = []  # (monotonic time, total ticks, idle ticks, own CPU seconds)
+# (monotonic time, total ticks, idle ticks, own CPU seconds, the process that took it)
+_SAMPLE: list[tuple[float, int, int, float, int]] = []
 
 
 def note_cpu() -> None:
@@ -73,7 +75,7 @@ def note_cpu() -> None:
         _SAMPLE[:] = [found]
 
 
-def _cpu_sample() -> tuple[float, int, int, float] | None:
+def _cpu_sample() -> tuple[float, int, int, float, int] | None:
     try:
         with open("/proc/stat", encoding="ascii") as f:
             ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
@@ -82,7 +84,7 @@ def _cpu_sample() -> tuple[float, int, int, float] | None:
     if len(ticks) < 5:
         return None
     own = os.times()
-    return time.monotonic(), sum(ticks), ticks[3] + ticks[4], own.user + own.system
+    return time.monotonic(), sum(ticks), ticks[3] + ticks[4], own.user + own.system, os.getpid()
 
 
 def idle_cores(window: float = 0.05) -> float | None:
@@ -90,7 +92,7 @@ def idle_cores(window: float = 0.05) -> float | None:
     counters: since the last sample (:func:`note_cpu`, or the last call) when it is ``window`` to
     :data:`MAX_SAMPLE_AGE` seconds old, else over the next ``window`` seconds (this process waiting meanwhile); None
     where /proc/stat is unreadable (not Linux)."""
-    first = _SAMPLE[0] if _SAMPLE else None
+    first = _SAMPLE[0] if _SAMPLE and _SAMPLE[0][4] == os.getpid() else None
     if first is None or not window <= time.monotonic() - first[0] <= MAX_SAMPLE_AGE:
         first = _cpu_sample()
         time.sleep(window)
@@ -162,7 +164,7 @@ def run_forked(tasks: Sequence[Callable[[], Any]], workers: int | None = None,
     answered: set[int] = set()
 
     def hand_out() -> None:  # every task not waiting for an answer still to come, in order; then the ends
-        ready = [i for i in waiting if held.get(i, -1) in answered or i not in held]
+        ready = [i for i in waiting if i not in held or held[i] in answered]
         for index in ready:
             waiting.remove(index)
             todo.put((index, shared))
