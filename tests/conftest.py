@@ -30,6 +30,7 @@ class Recorder:
 # `pytest -m slow` runs them; CI runs both. A node id here names a test file, or a test with all its parameters.
 SLOW = (
     "tests/cli/test_saved_answers.py",
+    "tests/cli/test_profile_cli.py",  # a whole job's command profiled twice (benchmarks/profile_cli.py)
     "tests/cli/test_megatron_script.py::test_the_deepseek_v3_script_is_predicted_as_written",
     "tests/memory/test_torch_fsdp2.py::test_chunks_and_buffers_are_torch_fsdp2s_own",
     "tests/parallel/test_job_measure.py::test_pp2_dp2_distributed_optimizer_measured_equals_predicted",

@@ -173,6 +173,8 @@ print(json.dumps({"before": before, "after": after, "deferred": deferred,
 
 def test_idle_cores_measure_from_the_last_sample_instead_of_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
+    import subprocess
+    import sys
     import time
 
     from remat.memory import trace_pool
@@ -197,3 +199,14 @@ def test_idle_cores_measure_from_the_last_sample_instead_of_waiting(monkeypatch:
     monkeypatch.setattr(trace_pool.os, "getpid", lambda: -1)
     trace_pool.idle_cores(window=0.02)
     assert slept == [0.05, 0.01, 0.02]
+    monkeypatch.undo()
+    monkeypatch.setattr(trace_pool, "MAX_SAMPLE_AGE", 60.0)
+    trace_pool.note_cpu()
+    # fresh enough, but a child of this process worked and ended since (as a round of forked workers does): the
+    # cores it kept busy are free now, so the span would count too few idle ones; it waits
+    subprocess.run([sys.executable, "-c", "import time\nend = time.process_time() + 0.1\n"
+                    "while time.process_time() < end: pass"], check=True, timeout=60)
+    real_sleep(0.06)
+    monkeypatch.setattr(trace_pool.time, "sleep", slept.append)
+    trace_pool.idle_cores(window=0.03)
+    assert slept == [0.05, 0.01, 0.02, 0.03]
