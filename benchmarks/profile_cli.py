@@ -8,8 +8,9 @@ same way each time instead of by hand.
   with the modules the task imported), when the command ends, and the CPU seconds of it and its workers. The gaps
   are the parent's own work; a worker's first task carries the imports its first fake dispatch pulls in.
 - ``--serial``: the same command in one process (``REMAT_TRACE_WORKERS=1``) under cProfile: the cumulative seconds
-  of the stages an answer is made of (chunk traces, unit-model traces, stage composition, model state, the caching
-  allocator's replays, the report), nested as they run (a chunk trace's own composition is inside "chunk traces").
+  of the stages an answer is made of (traces of a job's chunks or of a single-process model, unit-model traces, step and
+  stage composition, model state, the caching allocator's replays, a job's report), nested as they run (a chunk
+  trace laid out from a shallow one composes steps: that time is in both).
   cProfile slows Python code by about 1.5-2x: read the shares, not the seconds.
 
 Each run is one sample on a shared machine: compare commands or trees with ``bench_cli_time.py``, side by side.
@@ -41,12 +42,14 @@ from typing import Any  # noqa: E402
 
 # the stages of an answer, as cProfile names them: (label, file suffix, function)
 AREAS = [
-    ("chunk traces (fake tensors; laying out included)", "remat/parallel/chunk_trace.py", "trace_chunk"),
+    ("chunk traces of a job's stages (laid out too)", "remat/parallel/chunk_trace.py", "trace_chunk"),
+    ("model traces (a single-process predict)", "remat/memory/predict.py", "trace"),
     ("unit-model traces (a plan's search)", "remat/plan/unit_trace.py", "marked_trace"),
-    ("stage composition (schedule)", "remat/parallel/pipeline_predict.py", "compose_stage"),
+    ("step composition (also inside chunk traces)", "remat/memory/compose.py", "compose"),
+    ("stage composition (a job's schedule)", "remat/parallel/pipeline_predict.py", "compose_stage"),
     ("model state (parameters, grads, optimizer)", "remat/parallel/job_predict.py", "add_model_state"),
     ("caching-allocator replays", "remat/memory/reserved.py", "reserved_figures"),
-    ("report (text, JSON)", "remat/cli/job.py", "_emit"),
+    ("a job's report (text, JSON)", "remat/cli/job.py", "_emit"),
 ]
 
 

@@ -43,6 +43,7 @@ def test_the_serial_profile_names_the_stages_of_an_answer_within_the_commands_ti
     total = float(re.search(r"the command\s+([\d.]+) s \(100%\)", lines[2]).group(1))
     areas = {m.group(1).strip(): float(m.group(2)) for m in (re.match(r"\s{4}(.+?)\s+([\d.]+) s \(", line)
                                                              for line in lines[3:]) if m}
-    assert len(areas) == 6 and all(0 <= seconds <= total for seconds in areas.values())
-    assert areas["chunk traces (fake tensors; laying out included)"] > 0
+    assert len(areas) == 8 and all(0 <= seconds <= total for seconds in areas.values())
+    assert areas["chunk traces of a job's stages (laid out too)"] > 0
+    assert areas["model traces (a single-process predict)"] == 0  # a job traces chunks, not a whole model
     assert areas["caching-allocator replays"] > 0  # a whole job's ranks are replayed for their reserved bytes
