@@ -61,9 +61,10 @@ def idle_workers(window: float = 0.05) -> int:
 # from it when it is between ``window`` and MAX_SAMPLE_AGE seconds old, instead of sleeping ``window`` seconds
 # (50 ms a call; a job plan asks several times). This process's own work over the span is counted as idle: it waits
 # while the workers it forks run. A forked worker does not measure from its parent's sample (its own CPU time starts
-# again from zero), and no process measures from a sample taken before children of its own ended: the span would
-# count the cores those workers kept busy, free now, as taken (a job plan's last replays ran on one core after its
-# search's workers ended: 0.34-0.46 s for its 11 replays, 0.24-0.28 s on two, side by side in one process).
+# again from zero). The children of this process that ended over the span (a round of forked workers) count as its
+# own work: the cores they kept busy are free now, and a span measured across their work had counted them taken (a
+# job plan's last replays ran on one core after its search's workers ended: 0.34-0.46 s for its 11 replays,
+# 0.24-0.28 s on two, side by side in one process).
 MAX_SAMPLE_AGE = 2.0
 # (monotonic time, total ticks, idle ticks, own CPU seconds, the process that took it, its ended children's CPU seconds)
 _SAMPLE: list[tuple[float, int, int, float, int, float]] = []
@@ -93,20 +94,19 @@ def _cpu_sample() -> tuple[float, int, int, float, int, float] | None:
 def idle_cores(window: float = 0.05) -> float | None:
     """Cores of the machine that stood idle, this process's own work counted as idle, from ``/proc/stat``'s
     counters: since the last sample (:func:`note_cpu`, or the last call) when it is ``window`` to
-    :data:`MAX_SAMPLE_AGE` seconds old and no child of this process has ended since, else over the next ``window``
-    seconds (this process waiting meanwhile); None where /proc/stat is unreadable (not Linux)."""
+    :data:`MAX_SAMPLE_AGE` seconds old, else over the next ``window`` seconds (this process waiting meanwhile), the
+    work of its children that ended meanwhile counted as its own; None where /proc/stat is unreadable (not Linux)."""
     first = _SAMPLE[0] if _SAMPLE and _SAMPLE[0][4] == os.getpid() else None
-    second = _cpu_sample()
-    if first is None or second is None or not window <= second[0] - first[0] <= MAX_SAMPLE_AGE or \
-            second[5] != first[5]:  # none, too recent or too old, or children ended since: measure from now
-        first = second
+    if first is None or not window <= time.monotonic() - first[0] <= MAX_SAMPLE_AGE:
+        first = _cpu_sample()
         time.sleep(window)
-        second = _cpu_sample()
+    second = _cpu_sample()
     if first is None or second is None or second[1] <= first[1]:
         return None
     _SAMPLE[:] = [second]
     cores = os.cpu_count() or 1
-    own = (second[3] - first[3]) / max(second[0] - first[0], 1e-9)  # cores this process kept busy meanwhile
+    # the cores this process, and the children of it that have ended, kept busy meanwhile
+    own = (second[3] - first[3] + second[5] - first[5]) / max(second[0] - first[0], 1e-9)
     return float(min(cores, (second[2] - first[2]) / (second[1] - first[1]) * cores + own))
 
 
