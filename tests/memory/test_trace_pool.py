@@ -224,3 +224,5 @@ def test_idle_cores_count_the_cores_that_ended_workers_kept_busy_as_free(monkeyp
     slept: list[float] = []
     monkeypatch.setattr(trace_pool.time, "sleep", slept.append)
     assert trace_pool.idle_cores(window=0.05) == pytest.approx(1.82) and slept == []
+    monkeypatch.undo()
+    trace_pool.note_cpu()  # the sample kept for later calls is a real one again
