@@ -13,10 +13,11 @@ packages), and the per-round ratio new / base is printed with a 95% bootstrap in
 absolute times by 10-20%, a ratio measured side by side much less. Each tree gets its own cache folder.
 
 The targets are set on a machine where ``import torch`` takes 1.0 s; this one's speed moves with its load. Each
-round also times ``import torch`` in a fresh process (the same interpreter), and each cold command is printed as
-a multiple of it (the median of the per-round ratios, with its interval): that multiple, in seconds, is what the
-command would take where ``import torch`` takes 1.0 s if the whole command slowed down as much as the import
-(it is all CPU-bound Python) -- an estimate beside the measured seconds, never instead of them.
+cold run of a command (this tree) is preceded by ``import torch`` timed in a fresh process (the same interpreter),
+and each cold command is printed as a multiple of it (the median of those paired ratios, with its interval: the
+machine's speed moves within a round): that multiple, in seconds, is what the command would take where ``import
+torch`` takes 1.0 s if the whole command slowed down as much as the import (it is all CPU-bound Python) -- an
+estimate beside the measured seconds, never instead of them.
 
 Usage::
 
@@ -124,16 +125,19 @@ def main() -> None:
     folders = {tree: tempfile.mkdtemp(prefix=f"remat-bench-{tree}-") for tree, _ in trees}
     times: dict[tuple[str, str, str], list[float]] = {}
     cpu: dict[tuple[str, str, str], list[float]] = {}
-    imports: list[float] = []  # import torch, each round
+    imports: list[float] = []  # import torch, each time it is timed
+    yardsticks: dict[str, list[float]] = {}  # import torch timed right before each cold run of a command (new tree)
     try:
         for command in commands.values():  # the .pyc files, the page cache and each tree's warm cache: not timed
             for tree, path in trees:
                 timed(command, path, folders[tree])
         for _ in range(args.rounds):
-            imports.append(torch_import_seconds())
             for name, command in commands.items():
                 for mode in ("cold",) + (() if args.no_warm else ("warm",)):
                     for tree, path in trees:
+                        if mode == "cold" and tree == "new":  # the machine's speed at that moment, not the round's
+                            imports.append(torch_import_seconds())
+                            yardsticks.setdefault(name, []).append(imports[-1])
                         seconds, cpu_seconds = timed(command, path, None if mode == "cold" else folders[tree])
                         times.setdefault((name, mode, tree), []).append(seconds)
                         cpu.setdefault((name, mode, tree), []).append(cpu_seconds)
@@ -147,7 +151,7 @@ def main() -> None:
         for mode in ("cold",) + (() if args.no_warm else ("warm",)):
             target = WARM_TARGET if mode == "warm" else DEEPSEEK_TARGET if name in DEEPSEEK_PLAN else COLD_TARGET
             print(line(f"{name} {mode}", times[(name, mode, "new")], times.get((name, mode, "base"), []), target,
-                       imports if mode == "cold" else None,
+                       yardsticks[name] if mode == "cold" else None,
                        (cpu[(name, mode, "new")], cpu.get((name, mode, "base"), []))))
 
 
