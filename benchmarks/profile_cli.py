@@ -3,7 +3,7 @@
 same way each time instead of by hand.
 
 - the timeline (default): the command runs once in this process, cold (``--no-cache``), as the console script runs
-  it (torch._dynamo deferred, the imports frozen); printed are when its imports end, each task a forked worker runs
+  it (:func:`remat.cli.console_imports`); printed are when its imports end, each task a forked worker runs
   (:func:`remat.memory.trace_pool.run_forked`'s tasks and a job plan's unit-model builds, timed inside the worker,
   with the modules the task imported), when the command ends, and the CPU seconds of it and its workers. The gaps
   are the parent's own work; a worker's first task carries the imports its first fake dispatch pulls in.
@@ -31,7 +31,6 @@ import time
 START = time.time()  # before torch is imported: the imports are part of what a command costs
 
 import contextlib  # noqa: E402
-import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
@@ -54,16 +53,12 @@ AREAS = [
 
 
 def imported() -> float:
-    """Import the CLI as the console script does (remat.cli.main): torch._dynamo deferred, the collector off while
-    importing, the imports frozen after; the seconds since this script started."""
-    from remat.lazy_dynamo import defer_dynamo
+    """Import the command line as the console script does (remat.cli.console_imports: OpenMP's spin count,
+    torch._dynamo deferred, the imports frozen); the seconds since this script started."""
+    from remat.cli import console_imports
 
-    defer_dynamo()
-    gc.disable()
-    import remat.cli.commands  # noqa: F401
-
-    gc.freeze()
-    gc.enable()
+    with console_imports():
+        import remat.cli.commands  # noqa: F401
     return time.time() - START
 
 

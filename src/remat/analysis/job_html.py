@@ -228,7 +228,7 @@ def rank_table(bars: Sequence[Bar], answer: str, capacity: Sequence[tuple[str, i
         cells = [f'<td class="text">{rank_text}</td>', f'<td class="text">{stage_text}</td>',
                  f"<td>{bar.ranks_alike}</td>",
                  f'<td title="{r.peak_bytes:,} bytes">{format_bytes(r.peak_bytes)}</td>',
-                 f'<td class="text phase">{escape(r.timeline.peak_phase.label)}</td>']
+                 f'<td class="text phase">{escape(r.peak_phase)}</td>']
         cells += [f'<td title="{bar.parts.get(p, 0):,} bytes">{format_bytes(bar.parts.get(p, 0))}</td>' for p in shown]
         if reserved:
             cells += [f"<td>{format_bytes(res[k])}</td>" if res and k in res else "<td>-</td>" for k in RESERVED_KEYS
@@ -343,7 +343,7 @@ def render_job_html(title: str, header: Sequence[str], answers: Sequence[Answer]
             continue
         w = a.ranks[0]
         line = (f"{a.name}: worst rank {w.rank} (stage {w.stage}, {w.ranks} ranks alike) peaks at "
-                f"{format_bytes(w.peak_bytes)} in {w.timeline.peak_phase.label}")
+                f"{format_bytes(w.peak_bytes)} in {w.peak_phase}")
         res = reserved_of(w)
         if res is not None:
             line += f"; reserved {format_bytes(res['max_memory_reserved'])}"
@@ -387,7 +387,7 @@ def render_job_html(title: str, header: Sequence[str], answers: Sequence[Answer]
         w = a.ranks[0]
         body += [f"<h3>The worst rank ({w.rank}, stage {w.stage}) through the step</h3>",
                  f'<div class="chart">{step_svg(w, capacity, f"step-{i}")}</div>',
-                 f"<h3>At its peak: {format_bytes(w.peak_bytes)} in {escape(w.timeline.peak_phase.label)}</h3>",
+                 f"<h3>At its peak: {format_bytes(w.peak_bytes)} in {escape(w.peak_phase)}</h3>",
                  peak_html(w), "</details>"]
     body += [f'<p class="notes">{escape(line)}</p>' for line in notes]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"

@@ -97,7 +97,7 @@ def format_job_prediction(prediction: JobPrediction, policy: str) -> str:
     w = prediction.worst
     parts = ", ".join(f"{p} {format_bytes(v)}" for p, v in w.parts.items() if v)
     lines = [f"policy {policy}: worst rank {w.rank} (stage {w.stage}) peaks at {format_bytes(w.peak_bytes)} "
-             f"({w.peak_bytes:,} bytes) in {w.timeline.peak_phase.label}: {parts}",
+             f"({w.peak_bytes:,} bytes) in {w.peak_phase}: {parts}",
              f"  kernels {w.timeline.meta.get('kernels', 'cpu')}: what these kernels save for backward "
              "(--kernels cpu|cuda|te)"]
     replayed = [(r.reserved["max_memory_reserved"], r) for r in prediction.ranks if r.reserved]

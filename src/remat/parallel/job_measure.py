@@ -253,7 +253,7 @@ def rank_rows(job: Job, measured: Sequence[Timeline], prediction: JobPrediction 
                      "dp_rank": where["dp_rank"], "predicted_bytes": predicted, "measured_bytes": real,
                      "error": peak_error(real, predicted), "predicted_parts": parts,
                      "measured_parts": parts_at(tl, tl.peak_event),
-                     "predicted_phase": guess.timeline.peak_phase.label, "measured_phase": tl.peak_phase.label,
+                     "predicted_phase": guess.peak_phase, "measured_phase": tl.peak_phase.label,
                      "predicted_host": host_of(guess.timeline), "measured_host": host_of(tl)})
         if "moe_routing" in tl.meta:  # what the run routed; the prediction's assumption is the job model's
             rows[-1]["moe_routing"] = tl.meta["moe_routing"]

@@ -138,8 +138,7 @@ class RankPrediction:
     # library buffers held outside PyTorch's allocator (remat.memory.outside_allocator): in no figure of the timeline
     outside: tuple[OutsideBuffer, ...] = ()
 
-    # the timeline is complete when a RankPrediction is made: its peak and parts are computed once (a report asks
-    # for them per row, per table and per sort; each is a pass over every allocation of the step)
+    # the timeline is complete when made: its peak and parts computed once (a report asks per row, table and sort)
     @functools.cached_property
     def peak_bytes(self) -> int:
         return self.timeline.peak_bytes
@@ -148,10 +147,14 @@ class RankPrediction:
     def peak_event(self) -> int:
         return self.timeline.peak_event
 
+    @property
+    def peak_phase(self) -> str:  # the label of the phase the peak falls in
+        return self.timeline.phase_at(self.peak_event).label
+
     def row(self) -> dict[str, Any]:
         """This rank as one JSON-ready row (:meth:`JobPrediction.rows`)."""
         return {"rank": self.rank, "stage": self.stage, "ranks_alike": self.ranks, "peak_bytes": self.peak_bytes,
-                "peak_phase": self.timeline.phase_at(self.peak_event).label, **self.parts,
+                "peak_phase": self.peak_phase, **self.parts,
                 "num_parameters": self.state.num_parameters, "dp_shard": self.state.dp_rank, "reserved": self.reserved,
                 "outside_allocator": [b.to_dict() for b in self.outside]}
 

@@ -59,8 +59,8 @@ class StageChoice:
                 "transfer_seconds": self.transfer_seconds,
                 "megatron_policy": None if policy is None else str(policy),
                 "megatron_args": None if policy is None else _megatron_args(policy), "why_not_megatron": why,
-                "rank": p.rank, "peak_bytes": p.peak_bytes, "peak_phase": p.timeline.phase_at(p.peak_event).label,
-                **p.parts, "reserved": p.reserved,
+                "rank": p.rank, "peak_bytes": p.peak_bytes, "peak_phase": p.peak_phase, **p.parts,
+                "reserved": p.reserved,
                 "cost": self.cost, "recompute_flops": self.recompute_flops, "extra_seconds": self.extra_seconds,
                 "extra_compute_pct": self.extra_compute_pct}
 
