@@ -208,13 +208,13 @@ class MegatronStepRecorder(StepRecorder):
 
     def on_storage_released(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        row = self.rows.get(storage)
+        row = self.row_of(storage)
         if row is None or not self.active:
             return
         tl = self.timeline
         tl.free_at[row] = tl.num_events
         tl.num_events += 1
-        del self.rows[storage]
+        self.forget(storage)
         self.released_rows.add(row)
 
     def on_storage_refilled(self, tensor: torch.Tensor) -> None:

@@ -32,6 +32,10 @@ _FIELDS = ("dtype", "shape", "stride", "device", "layout", "memory_format", "sto
 SUPPORTED = tuple(f.name for f in dataclasses.fields(TensorMetadata)) == _FIELDS
 _TORCHS = FakeTensorMode._prep_args_for_hash
 _STRIDED = torch.strided
+# (sizes, strides) -> the memory format torch's key names for a strided tensor laid out so (None: not contiguous in
+# the format suggest_memory_format suggests)
+_FORMATS: dict[tuple[torch.Size, tuple[int, ...]], torch.memory_format | None] = {}
+_UNKNOWN = object()
 _SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
                       torch.memory_format})
 
@@ -61,9 +65,12 @@ def _append(mode: FakeTensorMode, result: list[object], args: Any, state: Any, i
         elif arg_kind is FakeTensor and arg.fake_mode is mode and arg.constant is None and \
                 arg.layout is _STRIDED and not arg._has_symbolic_sizes_strides:
             shape, stride = arg.shape, arg.stride()
-            memory_format = suggest_memory_format(arg)
-            if not arg.is_contiguous(memory_format=memory_format):
-                memory_format = None
+            memory_format = _FORMATS.get((shape, stride), _UNKNOWN)
+            if memory_format is _UNKNOWN:  # a function of the sizes and strides alone: worked out once for each
+                memory_format = suggest_memory_format(arg)
+                if not arg.is_contiguous(memory_format=memory_format):
+                    memory_format = None
+                _FORMATS[(shape, stride)] = memory_format
             result += (arg.dtype, torch.Size, f"length_{len(shape)}")
             for n in shape:
                 append(int)

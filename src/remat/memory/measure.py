@@ -3,6 +3,7 @@ phase (forward, backward, recompute of a layer) that made it, and :func:`measure
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import weakref
@@ -15,10 +16,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
-from torch.utils.weak import WeakIdKeyDictionary
 
 from remat.config import ModelConfig
 from remat.lazy_dynamo import import_for_steps
+from remat.memory.fake_hits import fast_cache_hits
 from remat.memory.fake_keys import fast_cache_keys
 from remat.memory.kernels import UntranslatedObserver
 from remat.memory.step_checks import Batch, check_loss, check_real_step, check_reference_batch, check_step, loss_of
@@ -112,7 +113,9 @@ class StepRecorder(TorchDispatchMode):
         self.module_names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         self.block_bytes = block_bytes
         self.timeline = Timeline()
-        self.rows: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> allocation row
+        # id(storage) -> its allocation row, while the storage lives (its finalizer removes it): a dict keyed by id,
+        # not a WeakIdKeyDictionary, whose lookups each make a weak reference (4% of a fake trace's CPU)
+        self._rows: dict[int, int] = {}
         self.active = False
         self.group_input_rows: set[int] = set()
         self.phase_flops: list[int] = []  # FLOPs counted in each phase (torch.utils.flop_counter formulas)
@@ -145,7 +148,8 @@ class StepRecorder(TorchDispatchMode):
     def track(self, tensor: torch.Tensor) -> int | None:
         """Record ``tensor``'s storage as allocated now if it is new; return its row."""
         storage = tensor.untyped_storage()
-        row = self.rows.get(storage)
+        key = id(storage)
+        row = self._rows.get(key)
         if row is not None:
             return row
         nbytes = storage.nbytes()
@@ -160,9 +164,22 @@ class StepRecorder(TorchDispatchMode):
         tl.phase_index.append(len(tl.phases) - 1)
         tl.module.append(self.module_stack[-1] if self.module_stack else self._default_module())
         tl.category.append("other")
-        self.rows[storage] = row
-        weakref.finalize(storage, self._on_free, row)
+        self._rows[key] = row
+        weakref.finalize(storage, self._storage_died, key, row)
         return row
+
+    def row_of(self, storage: torch.UntypedStorage) -> int | None:
+        """The allocation row of a live ``storage`` (``tensor.untyped_storage()``), None if not recorded."""
+        return self._rows.get(id(storage))
+
+    def forget(self, storage: torch.UntypedStorage) -> None:
+        """Record ``storage`` as new the next time it is seen (a row of its own)."""
+        self._rows.pop(id(storage), None)
+
+    def _storage_died(self, key: int, row: int) -> None:
+        if self._rows.get(key) == row:  # its id may be another storage's from now on
+            del self._rows[key]
+        self._on_free(row)
 
     def _default_module(self) -> str:
         region = self._phase.region if self._phase else ""
@@ -298,8 +315,10 @@ class StepRecorder(TorchDispatchMode):
         if type(below) is UntranslatedObserver:
             self._observer = below
             _pop_mode()
-        self._fast_keys = fast_cache_keys(torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE))
-        self._fast_keys.__enter__()  # NOTE [fast fake-tensor cache keys]
+        fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        self._fast_fake = contextlib.ExitStack()
+        self._fast_fake.enter_context(fast_cache_keys(fake_mode))  # NOTE [fast fake-tensor cache keys]
+        self._fast_fake.enter_context(fast_cache_hits(fake_mode))  # NOTE [fast fake-tensor cache hits]
         super().__enter__()
         self.active = True
         self._handles = [
@@ -315,7 +334,7 @@ class StepRecorder(TorchDispatchMode):
         for handle in self._handles:
             handle.remove()
         super().__exit__(*exc)
-        self._fast_keys.__exit__(None, None, None)
+        self._fast_fake.close()
         if self._observer is not None:  # back under the kernel profile's exit (see __enter__)
             _push_mode(self._observer)
             self._observer = None
@@ -325,13 +344,13 @@ class StepRecorder(TorchDispatchMode):
         tl = self.timeline
         params = set()
         for t in list(self.model.parameters()) + list(self.model.buffers()):
-            row = self.rows.get(t.untyped_storage())
+            row = self.row_of(t.untyped_storage())
             if row is not None:
                 params.add(row)
         grads = set()
         for p in self.model.parameters():
             if p.grad is not None:
-                row = self.rows.get(p.grad.untyped_storage())
+                row = self.row_of(p.grad.untyped_storage())
                 if row is not None:
                     grads.add(row)
         for row in range(len(tl.nbytes)):
@@ -359,7 +378,7 @@ class StepRecorder(TorchDispatchMode):
             for state in optimizer.state.values():
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
-                        row = self.rows.get(value.untyped_storage())
+                        row = self.row_of(value.untyped_storage())
                         if row is not None and row not in params:
                             tl.category[row] = "optimizer_state"
 

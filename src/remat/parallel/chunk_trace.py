@@ -345,8 +345,8 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
                 recorder.end_op()
                 bounds.append(recorder.timeline.num_events)
             recorder.set_phase("setup", "end")
-            kept = [recorder.rows.get(t.untyped_storage()) for t in outputs]
-            kept += [None if g is None else recorder.rows.get(g.untyped_storage()) for g in grads]
+            kept = [recorder.row_of(t.untyped_storage()) for t in outputs]
+            kept += [None if g is None else recorder.row_of(g.untyped_storage()) for g in grads]
             del outputs, grads
         recorder.categorize(None)
     tl = recorder.timeline

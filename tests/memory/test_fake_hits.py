@@ -1,0 +1,152 @@
+"""remat.memory.fake_hits: the outputs a fake mode makes from its cache with remat's function equal torch's, operator
+by operator, over whole traced steps (NOTE [fast fake-tensor cache hits])."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from remat.config import ModelConfig
+from remat.memory.fake_hits import fast_cache_hits, supported
+from remat.memory.kernels import use_kernels
+from remat.memory.predict import predict, predict_config
+
+NAME = "_get_output_tensor_from_cache_entry"
+
+
+def _described(t: object) -> object:
+    """Everything a later operator, autograd or remat's recorder can read off an output."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    with warnings.catch_warnings():
+        # a fake tensor's data pointer raises, or warns (once a process: not compared) where its mode allows it
+        warnings.simplefilter("ignore")
+        try:
+            t.data_ptr()
+            pointer = "no error"
+        except RuntimeError as err:
+            pointer = str(err)
+    return (type(t), dict(vars(t)), torch._C._dispatch_keys(t), t.shape, t.stride(), t.storage_offset(), t.dtype,
+            t.device, t.requires_grad, t.is_leaf, t._version, t.is_inference(), t.untyped_storage().nbytes(),
+            pointer)
+
+
+@pytest.fixture
+def compared(monkeypatch):
+    """Every cache hit made by remat's function, beside torch's output for the same entry: (operator, torch's
+    description, remat's, whether each output shares the storage it must)."""
+    pairs = []
+    torchs = FakeTensorMode._output_from_cache_entry
+
+    def both(mode, state, entry, key, func, args):
+        ours_function = vars(mode).get(NAME)
+        if ours_function is None:
+            return torchs(mode, state, entry, key, func, args)
+        delattr(mode, NAME)
+        try:
+            theirs = torchs(mode, state, entry, key, func, args)
+        finally:
+            setattr(mode, NAME, ours_function)
+        ours = torchs(mode, state, entry, key, func, args)
+        outputs = list(zip(theirs, ours)) if entry.is_output_tuple else [(theirs, ours)]
+        for (t, o), info in zip(outputs, entry.output_infos):
+            if isinstance(o, torch.Tensor) and info.inplace_idx is None:
+                # a view shares its input's storage; anything else is new
+                storages = {x.untyped_storage()._cdata for x in (t, o)}
+                shared = len(storages) == 1 if func.is_view else len(storages) == 2
+            else:
+                shared = o is t  # in-place outputs, constants: the same object
+            pairs.append((func, _described(t), _described(o), shared))
+        return ours
+
+    monkeypatch.setattr(FakeTensorMode, "_output_from_cache_entry", both)
+    return pairs
+
+
+def _check(pairs: list) -> None:
+    assert len(pairs) > 300
+    differ = [(str(func), [(a, b) for a, b in zip(theirs, ours) if a != b])
+              for func, theirs, ours, _ in pairs if theirs != ours]
+    assert not differ, differ[:2]
+    assert all(shared for *_, shared in pairs)
+    views = sum(func.is_view for func, *_ in pairs)
+    assert 0 < views < len(pairs)  # both kinds made by the fast path
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "cuda"])
+def test_outputs_equal_torchs_over_a_tensor_parallel_step(compared, kernels):
+    assert supported(), "torch's FakeTensor constructor changed: check _output_from_entry against it"
+    config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=16,
+                         vocab_size=64, dtype="bf16", attention="sdpa", activation="swiglu")
+    with use_kernels(kernels):
+        predict_config(config, "selective/core_attn", tp=2, sp=True)
+        predict(config.replace(num_layers=1), "full/uniform/1")
+    _check(compared)
+
+
+def test_outputs_equal_torchs_over_an_moe_step(compared):
+    config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=64,
+                         dtype="bf16", num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96,
+                         moe_grouped_gemm=True)
+    predict_config(config, "selective/moe_act", device="cuda")
+    _check(compared)
+
+
+def test_torchs_own_crosscheck_passes():
+    """torch's debugging mode dispatches each cache hit again, uncached, and compares: it finds the fast outputs
+    equal too."""
+    config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=64)
+    hits = FakeTensorMode.cache_hits
+    with torch._dynamo.config.patch(fake_tensor_cache_crosscheck_enabled=True):
+        predict_config(config, "selective/core_attn", tp=2, sp=True)
+    assert FakeTensorMode.cache_hits > hits + 100
+
+
+def test_installed_only_inside_and_only_on_fake_modes():
+    torchs = vars(FakeTensorMode)[NAME]
+    mode = FakeTensorMode()
+    with fast_cache_hits(mode):
+        assert NAME in vars(mode)
+        with fast_cache_hits(mode):  # nested: the outer one keeps it
+            pass
+        assert NAME in vars(mode)
+        with mode:
+            x = torch.empty(3, 4)
+            y = x @ x.t()
+            z = x @ x.t()  # a cache hit
+            assert type(z) is FakeTensor and z.shape == y.shape == (3, 3) and z.fake_mode is mode
+            assert x.t().untyped_storage()._cdata == x.untyped_storage()._cdata
+    assert NAME not in vars(mode)
+    with fast_cache_hits(None):  # no fake mode (a real step): nothing to do
+        pass
+    assert vars(FakeTensorMode)[NAME] is torchs  # the class (every other fake mode) untouched
+
+
+def test_a_fast_output_warns_on_its_data_pointer_as_torchs_do():
+    """Fake modes allow a data pointer's read with a warning by default; torch warns once a process, so the first read
+    is in a fresh one, of an output the fast path made."""
+    code = textwrap.dedent("""
+        import warnings
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from remat.memory.fake_hits import fast_cache_hits
+        mode = FakeTensorMode()
+        assert mode._allow_unsafe_data_ptr_access
+        with fast_cache_hits(mode), mode:
+            x = torch.empty(3, 4)
+            x @ x.t()
+            hit = x @ x.t()
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            hit.data_ptr()
+        print(len(warned), warned[0].message if warned else "")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    count, message = done.stdout.split(" ", 1)
+    assert count == "1" and "Accessing the data pointer of FakeTensor is deprecated" in message
