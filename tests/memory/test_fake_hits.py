@@ -11,11 +11,12 @@ import warnings
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.config import ModelConfig
 from remat.memory.fake_hits import fast_cache_hits, supported
 from remat.memory.kernels import use_kernels
-from remat.memory.predict import predict, predict_config
+from remat.memory.predict import predict, predict_config, trace
 
 NAME = "_get_output_tensor_from_cache_entry"
 
@@ -150,3 +151,26 @@ def test_a_fast_output_warns_on_its_data_pointer_as_torchs_do():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     count, message = done.stdout.split(" ", 1)
     assert count == "1" and "Accessing the data pointer of FakeTensor is deprecated" in message
+
+
+class _PassThrough(TorchDispatchMode):
+    """A mode below the recorder: the fake mode is then not alone below it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "cuda"])
+def test_unsafe_views_come_from_views_cache_entry(kernels):
+    """NOTE [unsafe views from view's cache entry]: the recorder asks the fake mode for view instead of matmul's
+    _unsafe_view, which the fake mode never caches; the step's timeline is the same as with _unsafe_view run."""
+    config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=16,
+                         vocab_size=64, activation="swiglu")
+    bypasses = FakeTensorMode.cache_bypasses
+    before = bypasses["unsafe view"]
+    fast = trace(config, "selective/core_attn", kernels=kernels)
+    assert bypasses["unsafe view"] == before
+    with _PassThrough():
+        slow = trace(config, "selective/core_attn", kernels=kernels)
+    assert bypasses["unsafe view"] > before + 10  # the step has them: run by the fake kernel each time
+    assert fast.to_dict() == slow.to_dict()

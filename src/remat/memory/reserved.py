@@ -59,6 +59,8 @@ def reserved_figures(timeline: Timeline, config: AllocatorConfig | None = None) 
 def stored_figures(timeline: Timeline, config: AllocatorConfig | None = None) -> dict[str, Any] | None:
     """:func:`reserved_figures` when the disk cache holds the replay already (:func:`cached_replay`), else None:
     nothing is replayed."""
+    if not disk_cache.enabled():  # --no-cache: nothing stored, and no digest of the rows to make
+        return None
     result = _stored(_cache_key(timeline, config, allocation_streams(timeline)))
     return None if result is None else _figures(timeline, result, config)
 
