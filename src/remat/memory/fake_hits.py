@@ -10,9 +10,10 @@ instance only: other fake modes of the process keep torch's) by :func:`_output_f
 tensor for the common entries (a new, strided, non-conjugate, non-negative output of static sizes on a real device,
 the mode without a shape environment) in one kernel-invocation block, and gives the FakeTensor the attributes torch's
 constructor gives it (:func:`supported` checks their names against a tensor torch made, once). Every other entry
-(in-place outputs, constants, symbolic sizes) is torch's. A test compares the two outputs, operator by operator,
-over whole traced steps (tests/memory/test_fake_hits.py): the attributes, dispatch keys, sizes, strides, offset,
-storage (shared with the input for a view) and autograd flags are equal.
+(in-place outputs, constants, symbolic sizes; any while torch debugs fake tensors or exports) is torch's. A test
+compares the two outputs, operator by operator, over whole traced steps (tests/memory/test_fake_hits.py): the
+attributes, dispatch keys, sizes, strides, offset, storage (shared with the input for a view) and autograd flags
+are equal.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 from torch._ops import OpOverload
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
 
 _TORCHS = FakeTensorMode._get_output_tensor_from_cache_entry
 _STRIDED = torch.strided
@@ -38,6 +39,7 @@ _normalize_device = FakeTensor._normalize_fake_device
 _make_subclass = torch.Tensor._make_subclass
 _empty_strided = torch.empty_strided
 _set_meta_in_tls = torch._C._set_meta_in_tls_dispatch_include
+_is_exporting = torch.compiler.is_exporting
 
 
 @functools.cache
@@ -54,7 +56,9 @@ def _output_from_entry(mode: FakeTensorMode, state: Any, entry: Any, key: Any, f
     """torch's ``FakeTensorMode._get_output_tensor_from_cache_entry``, the same output, without its generic
     construction (NOTE [fast fake-tensor cache hits])."""
     metadata = entry.metadata
-    if entry.inplace_idx is not None or metadata is None or mode.shape_env is not None or metadata.is_conj or \
+    # (torch's constructor records a traceback in debug mode, and FakeTensor.__init__ tracks tensors while exporting)
+    if entry.inplace_idx is not None or metadata is None or FakeTensorConfig.debug or _is_exporting() or \
+            mode.shape_env is not None or metadata.is_conj or \
             metadata.is_neg or metadata.layout is not _STRIDED or type(metadata.storage_offset) is not int or \
             metadata.device.type == "meta" or any(type(n) is not int for n in (*metadata.shape, *metadata.stride)):
         return _TORCHS(mode, state, entry, key, func, args)
