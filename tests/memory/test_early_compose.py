@@ -4,6 +4,8 @@ once every trace is made: the same stand-in, the same bytes, row for row."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from remat.config import ModelConfig
@@ -32,3 +34,28 @@ def test_early_compositions_are_predict_configs(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(predict_module, "SHALLOW_TRACES", {})
     got = predict_policies(CONFIG, POLICIES)
     assert [tl.to_dict() for tl, _ in got] == [predict_config(CONFIG, p).to_dict() for p in POLICIES]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_summaries_are_made_where_the_traces_are(monkeypatch: pytest.MonkeyPatch, workers: str) -> None:
+    """predict_policies(summarize=...): each policy composed beside the traces is summarized in the process that
+    traced its stand-in (with 2 workers, not this one), and on_predicted gets the summary of the same timeline
+    predict_config gives; only the kept timelines come back."""
+    monkeypatch.setenv(WORKERS_ENV, workers)
+    monkeypatch.setattr(predict_module, "SHALLOW_TRACES", {})
+    here = os.getpid()
+
+    def summarize(i: int, timeline: Timeline, seconds: float) -> tuple[int, int, int, int]:
+        return i, timeline.peak_bytes, len(timeline), os.getpid()
+
+    got: dict[int, tuple[int, int, int, int]] = {}
+    out = predict_policies(CONFIG, POLICIES, summarize=summarize, on_predicted=lambda i, s, _: got.__setitem__(i, s),
+                           keep=lambda i: POLICIES[i].is_none)
+    assert sorted(got) == list(range(len(POLICIES)))
+    for i, policy in enumerate(POLICIES):
+        expected = predict_config(CONFIG, policy)
+        assert got[i][:3] == (i, expected.peak_bytes, len(expected)), str(policy)
+        assert (out[i][0] is None) != policy.is_none
+    assert out[0][0].to_dict() == predict_config(CONFIG, "none").to_dict()
+    made_here = sum(pid == here for *_, pid in got.values())
+    assert made_here == (len(POLICIES) if workers == "1" else 0)

@@ -103,15 +103,20 @@ def run_predict(args: argparse.Namespace) -> int:
     replay = kernels != "cpu" or args.device == "cuda"  # GPU bytes: the caching allocator's reserved memory too
     made: dict[int, dict[str, Any]] = {}  # each policy's row, made as soon as its timeline is (beside the tracing)
 
-    def row_of(i: int, timeline: Timeline, seconds: float) -> None:
-        made[i] = prediction_row(policies[i], timeline, seconds)
+    def row_of(i: int, timeline: Timeline, seconds: float) -> dict[str, Any]:  # where the timeline is made
+        row = prediction_row(policies[i], timeline, seconds)
         if replay:
-            made[i]["allocator_replay"] = reserved_figures(timeline, args.alloc_conf)
+            row["allocator_replay"] = reserved_figures(timeline, args.alloc_conf)
+        return row
+
+    def keep_row(i: int, row: dict[str, Any], seconds: float) -> None:
+        made[i] = row
 
     bar = ProgressBar("remat predict")
     try:  # only the no-recompute timeline is kept (for the formulas): the rows are made from each as it comes
         predicted = predict_policies(config, policies, device=args.device, adam=args.adam, **parallel,
-                                     progress=bar if len(policies) > 1 else None, on_predicted=row_of,
+                                     progress=bar if len(policies) > 1 else None, summarize=row_of,
+                                     on_predicted=keep_row,
                                      keep=lambda i: policies[i].is_none)
     finally:
         bar.close()

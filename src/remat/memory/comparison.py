@@ -27,8 +27,10 @@ MEMORY_SHARE = 0.8
 
 def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device: str = "cpu", adam: bool = False,
                      tp: int = 1, sp: bool = False, progress: Progress | None = None,
-                     on_predicted: Callable[[int, Timeline, float], None] | None = None,
-                     keep: Callable[[int], bool] | None = None) -> list[tuple[Timeline | None, float]]:
+                     on_predicted: Callable[[int, Any, float], None] | None = None,
+                     keep: Callable[[int], bool] | None = None,
+                     summarize: Callable[[int, Timeline, float], Any] | None = None,
+                     ) -> list[tuple[Timeline | None, float]]:
     """Each policy's predicted step and the seconds its prediction took.
 
     Args:
@@ -44,6 +46,10 @@ def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
         keep: which policies' timelines (by index) the result holds; the others hold None once ``on_predicted`` has
             seen them, so that their memory is reused for the next ones (a sweep's timelines of an 80-layer model
             take hundreds of MB, and growing the process into them costs more than composing them). Default: all.
+        summarize: when given, ``on_predicted`` receives ``summarize(i, timeline, seconds)`` (picklable, e.g. a
+            report row) instead of the timeline, and the policies composed beside the shallow traces are composed
+            and summarized in the worker that traced their stand-in (only kept timelines come back): this process
+            does not compose them on a core the workers need.
 
     Returns:
         ``[(timeline, seconds), ...]`` in the order of ``policies`` (``timeline`` None where ``keep`` says so).
@@ -57,17 +63,30 @@ def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
         raise ValueError("--adam with --tp/--sp: Adam states are traced on one unsharded process only; drop one")
     early: dict[int, tuple[Timeline | None, float]] = {}  # composed while the other shallow traces were made
 
-    def predicted(i: int, timeline: Timeline, seconds: float) -> tuple[Timeline | None, float]:
-        """Policy ``i``'s entry of the result, its timeline handed to ``on_predicted`` first."""
-        if on_predicted is not None:
-            on_predicted(i, timeline, seconds)
-        return timeline if keep is None or keep(i) else None, seconds
+    def kept(i: int, timeline: Timeline) -> Timeline | None:
+        return timeline if keep is None or keep(i) else None
 
-    def composed_early(i: int, timeline: Timeline, seconds: float) -> None:
-        early[i] = predicted(i, timeline, seconds)
+    def predicted(i: int, timeline: Timeline, seconds: float) -> tuple[Timeline | None, float]:
+        """Policy ``i``'s entry of the result, its timeline (or summary) handed to ``on_predicted`` first."""
+        if on_predicted is not None:
+            on_predicted(i, timeline if summarize is None else summarize(i, timeline, seconds), seconds)
+        return kept(i, timeline), seconds
+
+    def finished(i: int, timeline: Timeline, seconds: float) -> tuple[Timeline | None, Any]:
+        return kept(i, timeline), summarize(i, timeline, seconds)  # type: ignore[misc]  # where it is composed
+
+    def composed_early(i: int, made: Any, seconds: float) -> None:
+        if summarize is None:
+            early[i] = predicted(i, made, seconds)
+            return
+        timeline, summary = made
+        if on_predicted is not None:
+            on_predicted(i, summary, seconds)
+        early[i] = timeline, seconds
 
     if not adam:  # every shallow trace the compositions below need, made together (side by side on the cores)
-        prepare_shallow_traces(config, policies, device=device, **parallel, on_composed=composed_early)
+        prepare_shallow_traces(config, policies, device=device, **parallel, on_composed=composed_early,
+                               finish=None if summarize is None else finished)
     out: list[tuple[Timeline | None, float]] = []
     for i, policy in enumerate(policies):
         if progress is not None:

@@ -307,8 +307,8 @@ def predict_many(config: ModelConfig, policies: Iterable[Policy | str], *, devic
 
 
 def prepare_shallow_traces(config: ModelConfig, policies: Iterable[Policy], *, device: str = "cpu", tp: int = 1,
-                           sp: bool = False, on_composed: Callable[[int, Timeline, float], None] | None = None,
-                           ) -> int:
+                           sp: bool = False, on_composed: Callable[[int, Any, float], None] | None = None,
+                           finish: Callable[[int, Timeline, float], Any] | None = None) -> int:
     """Make, before :func:`predict_config` composes ``policies`` one by one, every shallow trace it will compose
     them from: chosen together (a trace serves every policy whose layer roles it has; the fewest traced layers
     that serve them all, :func:`~remat.memory.roles.cover_stand_ins`), read from the disk cache or traced side by
@@ -317,7 +317,11 @@ def prepare_shallow_traces(config: ModelConfig, policies: Iterable[Policy], *, d
 
     With ``on_composed``, each policy whose shallow trace is made here is composed as soon as that trace is
     made, while the other traces are still being made, and handed over as ``on_composed(index in policies,
-    timeline, seconds)``: the timeline :func:`predict_config` gives for it afterwards (from the same stand-in)."""
+    timeline, seconds)``: the timeline :func:`predict_config` gives for it afterwards (from the same stand-in).
+    With ``finish`` too, those policies are composed in the process that made their shallow trace (a forked worker:
+    this process's core is then left to the other answers), each handed to ``finish(index, timeline, seconds)``
+    there, and ``on_composed`` receives what ``finish`` returns (picklable, e.g. a report row) instead of the
+    timeline."""
     policies = list(policies)
     kinds = layer_kinds(config)
     if config.moe_routing_assumption is not None and RoutingAssumption.parse(config.moe_routing_assumption).per_layer:
@@ -369,8 +373,30 @@ def prepare_shallow_traces(config: ModelConfig, policies: Iterable[Policy], *, d
             composed = _composed(config, policies[i], kinds, lambda: made[index], device, tp, sp)
             deliver(i, composed, time.perf_counter() - start)
 
-    traced = run_forked([functools.partial(trace_rank, k[0], k[1], device, tp, sp) for k in todo],
-                        on_result=compose_waiting if waiting else None)
+    def trace_and_finish(key: tuple[Any, ...]) -> tuple[Timeline, list[tuple[int, Any, float]]]:
+        # in the worker: its policies composed and finished beside its trace (what comes back is small)
+        timeline, finished = trace_rank(key[0], key[1], device, tp, sp), []
+        try:
+            shallow = ShallowTrace(timeline, key[1])
+        except CompositionError:  # raised below, as without on_composed
+            return timeline, finished
+        for i in waiting.get(key, ()):
+            start = time.perf_counter()
+            composed = _composed(config, policies[i], kinds, lambda: shallow, device, tp, sp)
+            seconds = time.perf_counter() - start
+            finished.append((i, finish(i, composed, seconds), seconds))  # type: ignore[misc]
+        return timeline, finished
+
+    def deliver_finished(index: int, answer: tuple[Timeline, list[tuple[int, Any, float]]]) -> None:
+        for i, result, seconds in answer[1]:
+            deliver(i, result, seconds)
+
+    if finish is not None and waiting:
+        answers = run_forked([functools.partial(trace_and_finish, k) for k in todo], on_result=deliver_finished)
+        traced = [timeline for timeline, _ in answers]
+    else:
+        traced = run_forked([functools.partial(trace_rank, k[0], k[1], device, tp, sp) for k in todo],
+                            on_result=compose_waiting if waiting else None)
     for index, (key, timeline) in enumerate(zip(todo, traced)):
         disk_cache.store("shallow_trace", _disk_key(key), timeline.to_dict())
         _remember(key, made[index] if index in made else ShallowTrace(timeline, key[1]))
