@@ -116,15 +116,23 @@ class Timeline:
         np.add.at(delta, free[freed], -nbytes[freed])
         return np.cumsum(delta[:-1])
 
+    def peak(self) -> tuple[int, int]:
+        """(:attr:`peak_event`, :attr:`peak_bytes`) from one live curve (each property makes its own)."""
+        if not self.num_events:
+            return 0, 0
+        live = self.live_bytes()
+        event = int(np.argmax(live))
+        return event, int(live[event])
+
     @property
     def peak_event(self) -> int:
         """The first event after which live bytes are highest."""
-        return int(np.argmax(self.live_bytes())) if self.num_events else 0
+        return self.peak()[0]
 
     @property
     def peak_bytes(self) -> int:
         """The highest point of :meth:`live_bytes` (0 for an empty step)."""
-        return int(self.live_bytes().max()) if self.num_events else 0
+        return self.peak()[1]
 
     def alive_at(self, event: int) -> np.ndarray:
         """Row indices of the allocations alive after ``event``."""

@@ -81,7 +81,7 @@ def step_svg(rank: RankPrediction, capacity: Sequence[tuple[str, int]], svg_id: 
     lanes_top = top + plot_h + 40
     flight_top = lanes_top + lane_h * (len(chunks) + 1) + 10
     height = flight_top + flight_h + 30
-    peak, event = rank.peak_bytes, tl.peak_event
+    peak, event = rank.peak_bytes, rank.peak_event
     shown = [(label, n) for label, n in capacity if n <= 1.6 * peak]
     unit, size = scale_unit(max([peak] + [n for _, n in shown]))
     ticks = nice_ticks(max([peak] + [n for _, n in shown]) * 1.05 / size, 6, cover=True)

@@ -1,4 +1,5 @@
-"""Faster fake-tensor cache hits for remat's traces (:func:`fast_cache_hits`).
+"""Faster fake-tensor cache hits for remat's traces (:func:`fast_cache_hits`; with the cache keys of
+:mod:`remat.memory.fake_keys`, :func:`fast_fake_mode`).
 
 NOTE [fast fake-tensor cache hits]: on a cache hit, FakeTensorMode makes the operator's output from the cached
 metadata (``FakeTensorMode._get_output_tensor_from_cache_entry``): an empty meta tensor of the cached shape and
@@ -21,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-from types import MethodType
 from typing import Any
 
 import torch
 from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
+
+from remat.memory.fake_keys import fast_cache_keys, override_fake_mode
 
 _TORCHS = FakeTensorMode._get_output_tensor_from_cache_entry
 _STRIDED = torch.strided
@@ -95,17 +97,15 @@ def _output_from_entry(mode: FakeTensorMode, state: Any, entry: Any, key: Any, f
     return out
 
 
-@contextlib.contextmanager
-def fast_cache_hits(mode: Any) -> Iterator[None]:
+def fast_cache_hits(mode: Any) -> contextlib.AbstractContextManager[None]:
     """Inside the block, fake mode ``mode`` makes its cache hits' outputs with :func:`_output_from_entry` (NOTE
-    [fast fake-tensor cache hits]); nothing changes when ``mode`` is not a FakeTensorMode, already has it, or
-    torch's FakeTensor is not the one it was written for."""
-    name = "_get_output_tensor_from_cache_entry"
-    if not isinstance(mode, FakeTensorMode) or name in vars(mode) or not supported():
+    [fast fake-tensor cache hits]), as :func:`~remat.memory.fake_keys.override_fake_mode` installs it."""
+    return override_fake_mode(mode, "_get_output_tensor_from_cache_entry", _output_from_entry, supported)
+
+
+@contextlib.contextmanager
+def fast_fake_mode(mode: Any) -> Iterator[None]:
+    """Inside the block, fake mode ``mode`` makes its cache keys (:func:`~remat.memory.fake_keys.fast_cache_keys`)
+    and its cache hits' outputs (:func:`fast_cache_hits`) the faster ways: what a remat recorder runs over."""
+    with fast_cache_keys(mode), fast_cache_hits(mode):
         yield
-        return
-    setattr(mode, name, MethodType(_output_from_entry, mode))
-    try:
-        yield
-    finally:
-        delattr(mode, name)

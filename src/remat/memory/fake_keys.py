@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import MethodType
 from typing import Any
 
@@ -89,15 +89,23 @@ def _append(mode: FakeTensorMode, result: list[object], args: Any, state: Any, i
 
 
 @contextlib.contextmanager
-def fast_cache_keys(mode: Any) -> Iterator[None]:
-    """Inside the block, fake mode ``mode`` makes its cache keys with :func:`_prep_args` (NOTE [fast fake-tensor
-    cache keys]); nothing changes when ``mode`` is not a FakeTensorMode, already has them, or torch's metadata is
-    not the one it was written for."""
-    if not SUPPORTED or not isinstance(mode, FakeTensorMode) or "_prep_args_for_hash" in vars(mode):
+def override_fake_mode(mode: Any, name: str, function: Callable[..., Any],
+                       supported: Callable[[], bool]) -> Iterator[None]:
+    """Inside the block, fake mode ``mode``'s method ``name`` is ``function`` bound to it (on that instance only:
+    every other fake mode of the process keeps torch's); nothing changes when ``mode`` is not a FakeTensorMode,
+    already has its own ``name`` (an outer block's), or ``supported()`` says torch is not the one ``function`` was
+    written against (asked last: only for a fake mode)."""
+    if not isinstance(mode, FakeTensorMode) or name in vars(mode) or not supported():
         yield
         return
-    mode._prep_args_for_hash = MethodType(_prep_args, mode)
+    setattr(mode, name, MethodType(function, mode))
     try:
         yield
     finally:
-        del mode._prep_args_for_hash
+        delattr(mode, name)
+
+
+def fast_cache_keys(mode: Any) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, fake mode ``mode`` makes its cache keys with :func:`_prep_args` (NOTE [fast fake-tensor
+    cache keys]), as :func:`override_fake_mode` installs it."""
+    return override_fake_mode(mode, "_prep_args_for_hash", _prep_args, lambda: SUPPORTED)

@@ -3,7 +3,6 @@ phase (forward, backward, recompute of a layer) that made it, and :func:`measure
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 import weakref
@@ -19,8 +18,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from remat.config import ModelConfig
 from remat.lazy_dynamo import import_for_steps
-from remat.memory.fake_hits import fast_cache_hits
-from remat.memory.fake_keys import fast_cache_keys
+from remat.memory.fake_hits import fast_fake_mode
 from remat.memory.kernels import UntranslatedObserver
 from remat.memory.step_checks import Batch, check_loss, check_real_step, check_reference_batch, check_step, loss_of
 from remat.memory.step_checks import MeasureError as MeasureError  # re-exported (remat.MeasureError)
@@ -325,10 +323,9 @@ class StepRecorder(TorchDispatchMode):
         if type(below) is UntranslatedObserver:
             self._observer = below
             _pop_mode()
-        fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-        self._fast_fake = contextlib.ExitStack()
-        self._fast_fake.enter_context(fast_cache_keys(fake_mode))  # NOTE [fast fake-tensor cache keys]
-        self._fast_fake.enter_context(fast_cache_hits(fake_mode))  # NOTE [fast fake-tensor cache hits]
+        # NOTE [fast fake-tensor cache keys], NOTE [fast fake-tensor cache hits]
+        self._fast_fake = fast_fake_mode(torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE))
+        self._fast_fake.__enter__()
         super().__enter__()
         self.active = True
         self._handles = [
@@ -344,7 +341,7 @@ class StepRecorder(TorchDispatchMode):
         for handle in self._handles:
             handle.remove()
         super().__exit__(*exc)
-        self._fast_fake.close()
+        self._fast_fake.__exit__(None, None, None)
         if self._observer is not None:  # back under the kernel profile's exit (see __enter__)
             _push_mode(self._observer)
             self._observer = None

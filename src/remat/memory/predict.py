@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -363,29 +363,31 @@ def prepare_shallow_traces(config: ModelConfig, policies: Iterable[Policy], *, d
     made: dict[int, ShallowTrace] = {}
     deliver = on_composed or (lambda *_: None)
 
+    def composed_from(key: tuple[Any, ...], shallow: ShallowTrace) -> Iterator[tuple[int, Timeline, float]]:
+        """(index, timeline, seconds) of each policy waiting for ``key``'s shallow trace, composed from it."""
+        for i in waiting.get(key, ()):
+            start = time.perf_counter()
+            composed = _composed(config, policies[i], kinds, lambda: shallow, device, tp, sp)
+            yield i, composed, time.perf_counter() - start
+
     def compose_waiting(index: int, timeline: Timeline) -> None:
         try:
             made[index] = ShallowTrace(timeline, todo[index][1])
         except CompositionError:  # raised below, as without on_composed
             return
-        for i in waiting.get(todo[index], ()):
-            start = time.perf_counter()
-            composed = _composed(config, policies[i], kinds, lambda: made[index], device, tp, sp)
-            deliver(i, composed, time.perf_counter() - start)
+        for i, composed, seconds in composed_from(todo[index], made[index]):
+            deliver(i, composed, seconds)
 
     def trace_and_finish(key: tuple[Any, ...]) -> tuple[Timeline, list[tuple[int, Any, float]]]:
         # in the worker: its policies composed and finished beside its trace (what comes back is small)
-        timeline, finished = trace_rank(key[0], key[1], device, tp, sp), []
+        timeline = trace_rank(key[0], key[1], device, tp, sp)
         try:
             shallow = ShallowTrace(timeline, key[1])
         except CompositionError:  # raised below, as without on_composed
-            return timeline, finished
-        for i in waiting.get(key, ()):
-            start = time.perf_counter()
-            composed = _composed(config, policies[i], kinds, lambda: shallow, device, tp, sp)
-            seconds = time.perf_counter() - start
-            finished.append((i, finish(i, composed, seconds), seconds))  # type: ignore[misc]
-        return timeline, finished
+            return timeline, []
+        assert finish is not None  # (only handed out with one)
+        return timeline, [(i, finish(i, composed, seconds), seconds)
+                          for i, composed, seconds in composed_from(key, shallow)]
 
     def deliver_finished(index: int, answer: tuple[Timeline, list[tuple[int, Any, float]]]) -> None:
         for i, result, seconds in answer[1]:

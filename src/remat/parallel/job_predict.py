@@ -141,8 +141,7 @@ class RankPrediction:
     # the timeline is complete when made: its peak and parts computed once (a report asks per row, table and sort)
     @functools.cached_property
     def peak(self) -> tuple[int, int]:  # (event, bytes) of the step's peak, from one live curve
-        live = self.timeline.live_bytes()
-        return (int(live.argmax()), int(live.max())) if len(live) else (0, 0)
+        return self.timeline.peak()
 
     peak_event = property(lambda self: self.peak[0])
     peak_bytes = property(lambda self: self.peak[1])

@@ -5,8 +5,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from remat.parallel.schedule import SAVED_CATEGORIES
 from remat.parallel.stages import parse_phase_detail
 from remat.timeline import Timeline
@@ -58,9 +56,7 @@ def describe_stage(tl: Timeline) -> str:
     """Fill ``meta['pipeline']['peak']`` (bytes, phase, the microbatches whose saved tensors are alive, what the
     runtime keeps of finished ones) and ``meta['why']`` (plain words) of a stage timeline; return the sentence."""
     info = tl.meta.setdefault("pipeline", {})
-    live = tl.live_bytes()  # once: peak_event, peak_bytes and peak_phase would each make it again
-    event = int(np.argmax(live)) if tl.num_events else 0
-    peak = int(live[event]) if tl.num_events else 0
+    event, peak = tl.peak()  # one live curve: peak_event, peak_bytes and peak_phase would each make it again
     flight, kept = in_flight_at(tl, event)
     parts = tl.breakdown(event)
     saved = sum(sum(v.values()) for v in flight.values())
