@@ -134,12 +134,21 @@ def load_dynamo() -> None:
         import torch._dynamo  # noqa: F401
 
 
-def import_for_steps() -> None:
-    """Import now what of ``torch._dynamo`` a recorded step would import on first use (Tensor.register_hook, a
-    tensor's fake conversion): all of it, or with the stand-in the submodules fake tracing reaches
+def import_for_steps(model: Any = None) -> None:
+    """Import now what a recorded step of ``model`` would import on first use (a checkpointed function's
+    ``torch._disable_dynamo``, a real tensor's fake conversion, ``torch.autograd.backward(tensors, grads)`` and a
+    fake mode's first cache miss): all of ``torch._dynamo``, or with the stand-in
+    ``torch.fx.experimental.symbolic_shapes`` (with sympy) and the submodules a conversion reaches
     (``torch._dynamo.source`` and what it imports). Imported inside a recorded step, module code would leave that
-    step's frames (and their tensors) in reference cycles."""
+    step's frames (and their tensors) in reference cycles.
+
+    With the stand-in, a model whose modules are all remat's or torch's own needs no ``torch._dynamo.source``: their
+    code makes no real tensor inside a step (``torch.tensor(...)`` under a fake mode is such a conversion; remat's
+    traces make their batches inside the fake mode too, :func:`remat.models.gpt.empty_batch`)."""
     if isinstance(sys.modules.get(NAME), _DeferredDynamo) and not _DeferredDynamo.loaded:
-        importlib.import_module(f"{NAME}.source")
+        import torch.fx.experimental.symbolic_shapes  # noqa: F401
+        if model is None or not all(type(m).__module__.partition(".")[0] in ("remat", "torch")
+                                    for m in model.modules()):
+            importlib.import_module(f"{NAME}.source")
     else:
         import torch._dynamo  # noqa: F401

@@ -1,5 +1,6 @@
 """The CLI's deferred torch._dynamo (remat.lazy_dynamo): tracing and measuring without the compiler give the same
-bytes, nothing is imported inside a recorded step, and compiling still works (the real package loads then)."""
+bytes, nothing is imported inside a recorded step, remat's own models import no torch._dynamo.source at all (their
+batches are made fake, nothing is converted), and compiling still works (the real package loads then)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import json
 import subprocess
 import sys
 
+import torch
+
+from remat.job import Job
 from remat.lazy_dynamo import defer_dynamo
+from remat.parallel.job_predict import predict_job
 
 SCRIPT = r"""
 import json, sys
@@ -24,22 +29,41 @@ config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_le
 model = build_model(config)
 apply(model, "full/uniform/1")
 seen, before = [], set()
-record, prepare = measure_module.record_step, measure_module.import_for_steps
-def prepared():  # what is imported from here until the step is recorded: nothing
-    prepare()
+enter, leave = measure_module.StepRecorder.__enter__, measure_module.StepRecorder.__exit__
+def entered(self):  # what any recorder (a step's, a pipeline chunk's) imports from here to its exit: nothing
+    out = enter(self)
+    before.clear()
     before.update(sys.modules)
-def watched(*args, **kwargs):
-    out = record(*args, **kwargs)
-    seen.extend(sorted(set(sys.modules) - before))
     return out
-measure_module.record_step, measure_module.import_for_steps = watched, prepared
+def left(self, *exc):
+    seen.extend(sorted(set(sys.modules) - before))
+    return leave(self, *exc)
+measure_module.StepRecorder.__enter__, measure_module.StepRecorder.__exit__ = entered, left
 measured = measure_module.measure(model, sample_batch(config))
 predicted = predict(config, "selective")
+from remat.job import Job
+from remat.parallel.job_predict import predict_job
+job = Job.build(config, precision="bf16", tp=2, sp=True, pp=2, num_microbatches=4, dp=2)
+job_peak = predict_job(job).worst.peak_bytes
+own_source = "torch._dynamo.source" in sys.modules
+
+class Doubled(torch.nn.Module):  # the user's code (__main__): torch.tensor under the fake mode converts a real tensor
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) * torch.tensor(2.0)
+        return x.sum()
+foreign = predict(Doubled, "full/uniform/1@non-reentrant", batch=lambda: (torch.ones(3, 4),))
+foreign_source = "torch._dynamo.source" in sys.modules
 compiler_loaded = "torch._dynamo.convert_frame" in sys.modules
 disabled = torch.compiler.disable(lambda x: x + 1)
 before_load = disabled(torch.ones(2)).tolist()
 compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.arange(3.0)).tolist()
 print(json.dumps({"measured": measured.nbytes, "predicted": predicted.nbytes, "imported_in_step": seen,
+                  "own_source": own_source, "job": job_peak, "foreign": foreign.nbytes,
+                  "foreign_source": foreign_source,
                   "compiler_loaded": compiler_loaded, "disabled": before_load,
                   "after_load": disabled(torch.ones(2)).tolist(),
                   "compiled": compiled, "optimize": hasattr(sys.modules["torch._dynamo"], "optimize")}))
@@ -60,10 +84,25 @@ def test_deferred_dynamo_traces_the_same_bytes_and_still_compiles():
     apply(model, "full/uniform/1")
     assert got["measured"] == measure(model, sample_batch(config)).nbytes
     assert got["predicted"] == predict(config, "selective").nbytes
-    assert got["imported_in_step"] == []
+    assert got["imported_in_step"] == []  # the user's model too: torch._dynamo.source was imported before its step
+    assert got["own_source"] is False and got["foreign_source"] is True
+    job = Job.build(config, precision="bf16", tp=2, sp=True, pp=2, num_microbatches=4, dp=2)
+    assert got["job"] == predict_job(job).worst.peak_bytes
+    assert got["foreign"] == predict(Doubled, "full/uniform/1@non-reentrant", batch=lambda: (torch.ones(3, 4),)).nbytes
     assert got["compiler_loaded"] is False  # measuring and predicting never loaded the compiler
     assert got["disabled"] == got["after_load"] == [2.0, 2.0]
     assert got["compiled"] == [1.0, 3.0, 5.0] and got["optimize"] is True
+
+
+class Doubled(torch.nn.Module):  # as SCRIPT's
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) * torch.tensor(2.0)
+        return x.sum()
 
 
 def test_the_real_package_is_left_alone():

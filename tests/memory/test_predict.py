@@ -172,6 +172,22 @@ def test_factory_model_with_batch_function() -> None:
     assert made.peak_bytes == given.peak_bytes and made.at_peak == given.at_peak
 
 
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
+def test_the_reference_batch_made_fake_is_the_sample_batch_converted(micro_batch_size: int) -> None:
+    """A config's trace makes its batch inside the fake mode (remat.models.gpt.empty_batch): every row (bytes,
+    category, module, allocation and free) and phase equal to converting the real sample batch. With one sequence a
+    microbatch, tokens and labels are contiguous slices sharing one storage; with three, two copies."""
+    config = ModelConfig(num_layers=2, seq_length=16, vocab_size=128, micro_batch_size=micro_batch_size)
+    made, converted = predict(config, "selective"), predict(config, "selective", batch=sample_batch(config))
+
+    def rows(t: Timeline) -> list[tuple[int, str, str, int, int]]:
+        return [(int(t.nbytes[i]), t.category[i], t.module[i], int(t.alloc_at[i]), int(t.free_at[i]))
+                for i in range(len(t.nbytes))]
+    assert rows(made) == rows(converted) and made.phases == converted.phases
+    batch = [int(n) for n, c in zip(made.nbytes, made.category) if c == "other"][:micro_batch_size // 2 + 1]
+    assert batch == ([8 * 17] if micro_batch_size == 1 else [8 * 3 * 16, 8 * 3 * 16])
+
+
 def test_factory_model_without_batch_is_refused() -> None:
     with pytest.raises(MeasureError, match="batch="):
         predict(TinyNet, "none")

@@ -315,6 +315,7 @@ class StepRecorder(TorchDispatchMode):
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def __enter__(self) -> StepRecorder:
+        import_for_steps(self.model)  # not inside the step: module code run there leaves its frames in reference cycles
         # NOTE [the kernel profile's observer, absorbed]: entered directly above the kernel profile's
         # UntranslatedObserver (a fake trace's usual stack), the recorder takes the observer off the mode stack for
         # the step and calls its observe() on each operator itself: the same notes, one Python dispatch per
@@ -401,7 +402,6 @@ def record_step(model: nn.Module, batch: Batch, *, optimizer: torch.optim.Optimi
     else:
         stack = find_layer_stack(model, layers)[1]
     model.zero_grad(set_to_none=True)
-    import_for_steps()  # not inside the step: module code run there leaves its frames in reference cycles
 
     recorder = StepRecorder(model, stack, block_bytes=block_bytes)
     # Python's cycle collector runs at moments that depend on how many Python objects were made, which differs

@@ -34,7 +34,7 @@ from remat.memory.fake_ops import cpu_fake_ops
 from remat.memory.kernels import kernel_trace, prepare_model, resolve_kernels, use_kernels
 from remat.memory.measure import Batch, MeasureError, check_step, record_step
 from remat.memory.trace_pool import run_forked
-from remat.models.gpt import build_model, sample_batch
+from remat.models.gpt import build_model, empty_batch
 from remat.models.tensor_parallel import SimulatedGroup, build_tp_model, check_tensor_parallel
 from remat.policy import Policy, PolicyError
 from remat.recompute.apply import apply
@@ -81,7 +81,7 @@ def predict(model: ModelSource, policy: Policy | str = "none", *, batch: Batch |
         policy: a :class:`~remat.policy.Policy` or its short form, applied with :func:`remat.recompute.apply`.
         batch: required with a factory: the model's inputs as real tensors (converted to fake ones of the same
             shape), or a zero-argument function called under the fake mode that makes them. With a config, the
-            reference batch :func:`~remat.models.gpt.sample_batch`.
+            reference batch's shapes (:func:`~remat.models.gpt.empty_batch`, made fake).
         optimizer: a factory ``params -> Optimizer`` (e.g. ``torch.optim.Adam``, or
             :func:`~remat.memory.optimizer.adam_steady_state` for a step after the first) whose ``step()`` becomes
             part of the step.
@@ -271,7 +271,7 @@ def trace_rank(config: ModelConfig, layout: RecomputeLayout, device: str = "cpu"
     if tp == 1 and not sp:
         timeline = trace(config, layout, device=device)
     else:
-        timeline = trace(rank_model_factory(config, tp, sp), layout, batch=sample_batch(config), device=device)
+        timeline = trace(rank_model_factory(config, tp, sp), layout, batch=lambda: empty_batch(config), device=device)
         timeline.meta["config"] = config.to_dict()
     timeline.meta.update({"tp": tp, "sp": sp})
     return timeline
@@ -469,7 +469,7 @@ def trace(model: ModelSource, policy: Policy | str, *, batch: Batch | Callable[[
         config = model
         factory: Callable[[], nn.Module] = lambda: build_model(config)
         if batch is None:
-            batch = sample_batch(config)  # a few KiB of token ids, made for real and then faked
+            batch = functools.partial(empty_batch, config)  # made inside the fake mode
     else:
         if isinstance(model, nn.Module) or not callable(model):
             hint = (f" (a {type(model).__name__} instance: pass the function that builds it, e.g. "

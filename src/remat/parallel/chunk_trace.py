@@ -27,7 +27,7 @@ from remat.memory.delayed_wgrad import delay_wgrads
 from remat.memory.kernels import kernel_trace, model_kernels, prepare_model
 from remat.memory.wgrad_fusion import keep_fused_inputs
 from remat.models.expert_parallel import simulated_expert_rank
-from remat.models.gpt import sample_batch
+from remat.models.gpt import empty_batch
 from remat.models.tensor_parallel import SimulatedGroup
 from remat.models.tp_stage import build_tp_stage_module, hidden_shape
 from remat.parallel.chunk_compose import MicrobatchStep, join_microbatches, microbatch_step
@@ -289,9 +289,8 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
     spec = ChunkSpec(index, index + (1 if last else 2), 0, layers)
     if layers:  # a chunk of no layers (only the embedding, or only the loss) has no layer to recompute
         policy.layer_groups(layers)  # refuses k > layers in the chunk, naming the depth
-    tokens, labels = sample_batch(config)
     # the kernel profile inside the fake mode and before the recorder (remat.memory.kernels.kernel_trace)
-    with FakeTensorMode(allow_non_fake_inputs=False) as fake, kernel_trace(kernels):
+    with FakeTensorMode(allow_non_fake_inputs=False), kernel_trace(kernels):
         module = (build_stage_module(config, spec) if tp == 1 and not sp else
                   build_tp_stage_module(config, spec, SimulatedGroup(tp), sp, seed=None))
         shape = hidden_shape(config, tp, sp)  # [b*s/tp, h] token shards under SP, else [b, s, h]
@@ -310,12 +309,10 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(_drop_grad)
         xs, ys, gs = [], [], []
+        tokens, labels = empty_batch(config)  # fake, made in the fake mode; both microbatches read the same
         for _ in range(2):
-            if first:
-                xs.append(fake.from_tensor(tokens))
-            else:
-                xs.append(torch.empty(*shape, dtype=config.torch_dtype).requires_grad_())
-            ys.append(fake.from_tensor(labels) if last else None)
+            xs.append(tokens if first else torch.empty(*shape, dtype=config.torch_dtype).requires_grad_())
+            ys.append(labels if last else None)
             gs.append(None if last else torch.empty(*shape, dtype=config.torch_dtype))
         recorder = PipelineRecorder(module, [module], block_bytes=CUDA_BLOCK if device == "cuda" else 1)
         bounds: list[int] = []

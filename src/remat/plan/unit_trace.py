@@ -17,7 +17,7 @@ from remat.config import ModelConfig
 from remat.memory.kernels import kernel_trace, prepare_model, resolve_kernels
 from remat.memory.measure import StepRecorder, record_step
 from remat.memory.predict import rank_model_factory
-from remat.models.gpt import sample_batch
+from remat.models.gpt import empty_batch
 from remat.recompute.apply import apply
 from remat.recompute.engines import in_backward
 from remat.recompute.operators import contraction
@@ -61,8 +61,7 @@ def marked_trace(config: ModelConfig, units: Sequence[Unit], *, device: str = "c
         first[at], last[at + unit.size - 1] = u, u
         at += unit.size
     marks = UnitMarks({}, {})
-    tokens, labels = sample_batch(cfg)
-    with FakeTensorMode(allow_non_fake_inputs=False) as fake, kernel_trace(resolve_kernels(None, device)) as kernels:
+    with FakeTensorMode(allow_non_fake_inputs=False), kernel_trace(resolve_kernels(None, device)) as kernels:
         model = rank_model_factory(cfg, tp, sp)()
         prepare_model(model, kernels.kernels)  # the active kernel profile (use_kernels), as remat.memory.predict's
         state = apply(model, plan)
@@ -94,7 +93,7 @@ def marked_trace(config: ModelConfig, units: Sequence[Unit], *, device: str = "c
         handles = [nn.modules.module.register_module_forward_pre_hook(pre),
                    nn.modules.module.register_module_forward_hook(post)]
         try:
-            batch = (fake.from_tensor(tokens), fake.from_tensor(labels))
+            batch = empty_batch(cfg)  # fake, made in the fake mode
             timeline, _ = record_step(model, batch, layers=state.layers,
                                       block_bytes=CUDA_BLOCK if device == "cuda" else 1)
         finally:
@@ -126,12 +125,11 @@ def watch_one_layer(config: ModelConfig, tp: int, sp: bool,
     """Run a fake forward of a one-layer model (one tensor-parallel rank) under ``watcher(model.layers[0])`` and
     return the watcher: how the plan space reads a layer's operators without running anything."""
     cfg = config.replace(num_layers=1)
-    tokens, labels = sample_batch(cfg)
-    with FakeTensorMode(allow_non_fake_inputs=False) as fake:
+    with FakeTensorMode(allow_non_fake_inputs=False):
         model = rank_model_factory(cfg, tp, sp)()
         mode = watcher(model.layers[0])
         with mode:
-            model(fake.from_tensor(tokens), fake.from_tensor(labels))
+            model(*empty_batch(cfg))
     return mode
 
 
