@@ -63,26 +63,20 @@ def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
         raise ValueError("--adam with --tp/--sp: Adam states are traced on one unsharded process only; drop one")
     early: dict[int, tuple[Timeline | None, float]] = {}  # composed while the other shallow traces were made
 
-    def kept(i: int, timeline: Timeline) -> Timeline | None:
-        return timeline if keep is None or keep(i) else None
+    def finished(i: int, timeline: Timeline, seconds: float) -> tuple[Timeline | None, Any]:
+        """Policy ``i``'s timeline as the result holds it, and what ``on_predicted`` receives: made in the process
+        that composed it (with ``summarize``, a worker's summary of a policy composed beside its trace)."""
+        kept = timeline if keep is None or keep(i) else None
+        return kept, timeline if summarize is None else summarize(i, timeline, seconds)
 
-    def predicted(i: int, timeline: Timeline, seconds: float) -> tuple[Timeline | None, float]:
+    def handed(i: int, made: tuple[Timeline | None, Any], seconds: float) -> tuple[Timeline | None, float]:
         """Policy ``i``'s entry of the result, its timeline (or summary) handed to ``on_predicted`` first."""
         if on_predicted is not None:
-            on_predicted(i, timeline if summarize is None else summarize(i, timeline, seconds), seconds)
-        return kept(i, timeline), seconds
-
-    def finished(i: int, timeline: Timeline, seconds: float) -> tuple[Timeline | None, Any]:
-        return kept(i, timeline), summarize(i, timeline, seconds)  # type: ignore[misc]  # where it is composed
+            on_predicted(i, made[1], seconds)
+        return made[0], seconds
 
     def composed_early(i: int, made: Any, seconds: float) -> None:
-        if summarize is None:
-            early[i] = predicted(i, made, seconds)
-            return
-        timeline, summary = made
-        if on_predicted is not None:
-            on_predicted(i, summary, seconds)
-        early[i] = timeline, seconds
+        early[i] = handed(i, made if summarize is not None else finished(i, made, seconds), seconds)
 
     if not adam:  # every shallow trace the compositions below need, made together (side by side on the cores)
         prepare_shallow_traces(config, policies, device=device, **parallel, on_composed=composed_early,
@@ -99,7 +93,8 @@ def predict_policies(config: ModelConfig, policies: Sequence[Policy], *, device:
             timeline = predict(config, policy, optimizer=adam_steady_state, device=device)
         else:
             timeline = predict_config(config, policy, device=device, **parallel)
-        out.append(predicted(i, timeline, time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        out.append(handed(i, finished(i, timeline, seconds), seconds))
     if progress is not None:
         progress(len(policies), len(policies), "")
     return out

@@ -271,7 +271,8 @@ def trace_rank(config: ModelConfig, layout: RecomputeLayout, device: str = "cpu"
     if tp == 1 and not sp:
         timeline = trace(config, layout, device=device)
     else:
-        timeline = trace(rank_model_factory(config, tp, sp), layout, batch=lambda: empty_batch(config), device=device)
+        timeline = trace(rank_model_factory(config, tp, sp), layout, batch=functools.partial(empty_batch, config),
+                         device=device)
         timeline.meta["config"] = config.to_dict()
     timeline.meta.update({"tp": tp, "sp": sp})
     return timeline

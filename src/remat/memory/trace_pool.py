@@ -235,11 +235,10 @@ def warm_up(dispatch: bool = False) -> None:
 
     ``dispatch``: the modules a fake dispatch imports on its first cache miss too (FakeTensorMode._dispatch_impl
     imports torch.fx.experimental.symbolic_shapes and with it sympy; torch's C++ argument parser imports
-    torch.distributed.tensor on a fake tensor's first view or copy): about 0.4 s
-    of a 2-core machine, paid here once instead of in each process forked after. Worth it where several rounds of
-    processes are forked (a job plan: CPU 6.3 -> 5.2 s, 0.91x the time); before one round of two workers it
-    lengthens the time (medians of 6: a DeepSeek-V3 predict 4.50 -> 4.79 s, the Megatron sweep 3.85 -> 4.09 s, the
-    CPU the same)."""
+    torch.distributed.tensor on a fake tensor's first view or copy): about 0.4 s of a 2-core machine, paid here once
+    instead of in each process forked after. Worth it where several rounds of processes are forked (a job plan: CPU
+    6.3 -> 5.2 s, 0.91x the time); before one round of two workers it lengthens the time (medians of 6: a
+    DeepSeek-V3 predict 4.50 -> 4.79 s, the Megatron sweep 3.85 -> 4.09 s, the CPU the same)."""
     import torch._dynamo  # noqa: F401
     from torch._subclasses.fake_tensor import FakeTensorMode
 
