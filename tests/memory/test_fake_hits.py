@@ -1,5 +1,6 @@
 """remat.memory.fake_hits: the outputs a fake mode makes from its cache with remat's function equal torch's, operator
-by operator, over whole traced steps (NOTE [fast fake-tensor cache hits])."""
+by operator, over whole traced steps (NOTE [fast fake-tensor cache hits]); the cache hits a recorder makes itself give
+the step the fake mode's dispatch gives (NOTE [fake cache hits without a dispatch])."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.config import ModelConfig
-from remat.memory.fake_hits import fast_cache_hits, supported
+from remat.memory.fake_hits import UNCACHED, answers_from_cache, cached_output, fast_cache_hits, supported
 from remat.memory.kernels import use_kernels
 from remat.memory.predict import predict, predict_config, trace
 
@@ -174,3 +175,84 @@ def test_unsafe_views_come_from_views_cache_entry(kernels):
         slow = trace(config, "selective/core_attn", kernels=kernels)
     assert bypasses["unsafe view"] > before + 10  # the step has them: run by the fake kernel each time
     assert fast.to_dict() == slow.to_dict()
+
+
+def _counters() -> tuple:
+    from torch.utils._stats import simple_call_counter
+
+    return (FakeTensorMode.cache_hits, FakeTensorMode.cache_misses, dict(FakeTensorMode.cache_bypasses),
+            simple_call_counter.get("FakeTensorMode.__torch_dispatch__", 0))
+
+
+def _delta(before: tuple, after: tuple) -> tuple:
+    bypasses = {k: after[2][k] - before[2].get(k, 0) for k in after[2] if after[2][k] != before[2].get(k, 0)}
+    return after[0] - before[0], after[1] - before[1], bypasses, after[3] - before[3]
+
+
+STEPS = [  # (config, policy, trace's arguments): dense TP/SP on CPU and CUDA kernels, full recompute, MoE experts
+    (ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=16,
+                 vocab_size=64, dtype="bf16", attention="sdpa", activation="swiglu"), "selective/core_attn",
+     {"tp": 2, "sp": True}),
+    (ModelConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=64),
+     "full/uniform/2", {"device": "cuda"}),
+    (ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=64, dtype="bf16",
+                 num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96, moe_grouped_gemm=True),
+     "selective/moe_act", {"device": "cuda"}),
+]
+
+
+@pytest.mark.parametrize("step", range(len(STEPS)))
+def test_cache_hits_made_by_the_recorder_give_the_dispatched_step(monkeypatch, step):
+    """NOTE [fake cache hits without a dispatch]: a step whose cache hits the recorder makes itself is the one the
+    fake mode's dispatch makes: every row, phase and FLOP; the fake mode's counters move the same way."""
+    import remat.memory.measure as measure
+
+    config, policy, where = STEPS[step]
+    made = []
+
+    def counted(mode, func, args, kwargs):
+        out = cached_output(mode, func, args, kwargs)
+        made.append(out is not UNCACHED)
+        return out
+
+    predict_config(config, policy, **where)  # the cache filled, for both runs below
+    monkeypatch.setattr(measure, "cached_output", counted)
+    before = _counters()
+    fast = predict_config(config, policy, **where)
+    fast_counts = _delta(before, _counters())
+    monkeypatch.setattr(measure, "answers_from_cache", lambda mode: False)
+    before = _counters()
+    dispatched = predict_config(config, policy, **where)
+    assert fast.to_dict() == dispatched.to_dict()
+    assert fast_counts == _delta(before, _counters())
+    assert sum(made) > 300 and sum(made) > 0.9 * len(made)  # the recorder made nearly every output
+
+
+def test_cached_output_answers_hits_only():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from remat.memory.fake_ops import GROUPED_MM
+
+    mode = FakeTensorMode()
+    mm = torch.ops.aten.mm.default
+    with mode:
+        x = torch.empty(3, 4)
+        y = torch.empty(4, 5)
+    fake_key = torch._C._TorchDispatchModeKey.FAKE
+    with mode:
+        previous = torch._C._unset_dispatch_mode(fake_key)  # as inside a recorder's dispatch: the mode set below
+        torch._C._set_dispatch_mode(mode)
+        assert cached_output(mode, mm, (x, torch.empty(4, 7)), {}) is UNCACHED  # a shape never dispatched: a miss
+        dispatched = mm(x, y)
+        hit = cached_output(mode, mm, (x, y), {})
+        assert torch._C._get_dispatch_mode(fake_key) is mode  # set again after the hit
+        assert cached_output(mode, torch.ops.prim.device.default, (x,), {}) is UNCACHED  # the mode's own handler
+        assert cached_output(mode, GROUPED_MM, (x, y), {}) is UNCACHED  # remat's own kernel (fake_ops)
+        torch._C._unset_dispatch_mode(fake_key)
+        if previous is not None:
+            torch._C._set_dispatch_mode(previous)
+    assert type(hit) is FakeTensor and hit is not dispatched
+    assert _described(hit) == _described(dispatched)
+    assert answers_from_cache(mode)
+    with torch._dynamo.config.patch(fake_tensor_cache_crosscheck_enabled=True):
+        assert not answers_from_cache(FakeTensorMode())  # torch's cross-check dispatches each hit again: left to it

@@ -15,20 +15,45 @@ constructor gives it (:func:`supported` checks their names against a tensor torc
 compares the two outputs, operator by operator, over whole traced steps (tests/memory/test_fake_hits.py): the
 attributes, dispatch keys, sizes, strides, offset, storage (shared with the input for a view) and autograd flags
 are equal.
+
+NOTE [fake cache hits without a dispatch]: an operator a recorder passes on reaches the fake mode below it through
+torch's dispatcher: the C++ argument parsing and Python fallback, two dynamo-disable wrappers, torch's call counter,
+``FakeTensorMode.__torch_dispatch__`` and ``dispatch`` (which enters ``no_dispatch`` for a debug log line), then
+``_cached_dispatch_impl``, which makes the cache key and, on a hit, the output from the entry. Around the key and
+the output that is about a third of a hit's time. Where the fake mode is alone below the recorder (a fake trace's
+usual stack: :func:`fake_mode_alone_below`), with its cache on and neither its cross-check nor its debug log
+(:func:`answers_from_cache`), the recorder makes the key and the hit's output itself with the mode's own methods
+(:func:`cached_output`): the same key, entry and output, made with the mode unset as during its dispatch, and the
+same counters (``cache_hits``, torch's call counter). Everything else (a miss, a bypass, an operator the mode
+answers another way: ``prim.device``, ``aten.size``, ..., :data:`remat.memory.fake_ops.OWN_KERNELS`) is dispatched
+as before, its key made again. A test traces steps both ways and compares them (tests/memory/test_fake_hits.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch._ops import OpOverload
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    _DISPATCH_HANDLE_DIRECTLY,
+    _DISPATCH_META_HANDLERS,
+    FakeTensor,
+    FakeTensorConfig,
+    FakeTensorMode,
+    _BypassDispatchCache,
+    _CacheKeyState,
+    _DispatchCacheValidEntry,
+)
+from torch._subclasses.fake_tensor import log as fake_log
+from torch.utils._stats import simple_call_counter
 
 from remat.memory.fake_keys import fast_cache_keys, override_fake_mode
+from remat.memory.fake_ops import OWN_KERNELS
 
 _TORCHS = FakeTensorMode._get_output_tensor_from_cache_entry
 _STRIDED = torch.strided
@@ -109,3 +134,48 @@ def fast_fake_mode(mode: Any) -> Iterator[None]:
     and its cache hits' outputs (:func:`fast_cache_hits`) the faster ways: what a remat recorder runs over."""
     with fast_cache_keys(mode), fast_cache_hits(mode):
         yield
+
+
+UNCACHED = object()  # what cached_output gives when the fake mode's own dispatch must make the output
+_FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
+_DISPATCH_COUNTER = FakeTensorMode.__torch_dispatch__.__qualname__  # what torch's count wrapper counts it as
+
+
+def fake_mode_alone_below(mode: FakeTensorMode) -> bool:
+    """Whether, inside a dispatch mode's ``__torch_dispatch__``, an operator called now reaches fake mode ``mode``
+    next, outside a fake kernel (no other dispatch mode between)."""
+    return (torch._C._len_torch_dispatch_stack() == 1 and not mode.in_kernel_invocation
+            and torch._C._get_dispatch_mode(_FAKE_KEY) is mode)
+
+
+def answers_from_cache(mode: FakeTensorMode) -> bool:
+    """Whether :func:`cached_output` may stand for ``mode``'s dispatch: its cache on, no cross-check, no debug log
+    (asked once a recorder, not once an operator)."""
+    return mode.cache_enabled and not mode.cache_crosscheck_enabled and not fake_log.isEnabledFor(logging.DEBUG)
+
+
+def cached_output(mode: FakeTensorMode, func: Any, args: Sequence[object], kwargs: dict[str, object]) -> Any:
+    """The output of ``func(*args, **kwargs)`` when its next dispatch is fake mode ``mode``'s
+    (:func:`fake_mode_alone_below`, :func:`answers_from_cache`) and that mode's cache holds it, made as its cache
+    hit makes it; :data:`UNCACHED` otherwise (a miss, a bypass, an operator the mode answers another way), where
+    the caller dispatches it (NOTE [fake cache hits without a dispatch])."""
+    if func in _DISPATCH_META_HANDLERS or func in _DISPATCH_HANDLE_DIRECTLY or func in OWN_KERNELS:
+        return UNCACHED
+    state = _CacheKeyState(mode.shape_env)
+    try:
+        key = mode._cache_key(state, func, args, kwargs)
+    except _BypassDispatchCache:  # counted by the dispatch that follows
+        return UNCACHED
+    if state.cache_on_shape_env():
+        return UNCACHED
+    entry = FakeTensorMode.cache.get(key)
+    if type(entry) is not _DispatchCacheValidEntry:
+        return UNCACHED
+    previous = torch._C._unset_dispatch_mode(_FAKE_KEY)  # as while the mode dispatches
+    try:
+        output = mode._output_from_cache_entry(state, entry, key, func, args)
+    finally:
+        torch._C._set_dispatch_mode(previous)
+    FakeTensorMode.cache_hits += 1
+    simple_call_counter[_DISPATCH_COUNTER] = simple_call_counter.get(_DISPATCH_COUNTER, 0) + 1
+    return output

@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from remat.config import ModelConfig
 from remat.lazy_dynamo import import_for_steps
-from remat.memory.fake_hits import fast_fake_mode
+from remat.memory.fake_hits import UNCACHED, answers_from_cache, cached_output, fake_mode_alone_below, fast_fake_mode
 from remat.memory.kernels import UntranslatedObserver
 from remat.memory.step_checks import Batch, check_loss, check_real_step, check_reference_batch, check_step, loss_of
 from remat.memory.step_checks import MeasureError as MeasureError  # re-exported (remat.MeasureError)
@@ -77,14 +77,6 @@ def _tensors_in(values: Any) -> Sequence[Any]:
     return leaves
 
 
-def _fake_mode_alone_below(tensor: FakeTensor) -> bool:
-    """Whether a mode's ``tensor.device`` query would reach ``tensor``'s own fake mode next, outside a fake kernel
-    (no other dispatch mode between): the fake mode then answers ``tensor.fake_device``."""
-    mode = tensor.fake_mode
-    return (torch._C._len_torch_dispatch_stack() == 1 and not mode.in_kernel_invocation
-            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is mode)
-
-
 for _name, _formula in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash_forward_flops),
                         ("_scaled_dot_product_flash_attention_for_cpu_backward", _cpu_flash_backward_flops)):
     if hasattr(torch.ops.aten, _name):
@@ -129,6 +121,7 @@ class StepRecorder(TorchDispatchMode):
         self._phase: Phase | None = None
         self._handles: list[Any] = []
         self._observer: UntranslatedObserver | None = None  # the kernel profile's, while it is absorbed
+        self._cache_below: FakeTensorMode | None = None  # the fake mode whose cache hits are made here
         # fine-grained activation offloading (remat.recompute.activation_offload): host bytes, apart from the timeline
         self.host_bytes = 0
         self.host_series: list[list[int]] = []  # [event, host bytes from that event on]
@@ -202,7 +195,7 @@ class StepRecorder(TorchDispatchMode):
         if func is _DEVICE_QUERY:  # tensor.device (most dispatches of a fake step): no output, no FLOPs
             tensor = args[0]
             self.track(tensor)
-            if type(tensor) is FakeTensor and _fake_mode_alone_below(tensor):
+            if type(tensor) is FakeTensor and fake_mode_alone_below(tensor.fake_mode):
                 return tensor.fake_device  # what the fake mode's handler answers, without a second dispatch
             return func(*args)
         if func is _LIFT_FRESH:  # torch.tensor(...): in a fake trace its fake copy stands for the real step's tensor
@@ -213,8 +206,15 @@ class StepRecorder(TorchDispatchMode):
         for leaf in _tensors_in(args) if not kwargs else tree_flatten((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor):  # storages made outside any operator (RNG states, ...)
                 self.track(leaf)
-        if func is _UNSAFE_VIEW and type(args[0]) is FakeTensor and _fake_mode_alone_below(args[0]):
-            out = _VIEW(*args, **kwargs)  # NOTE [unsafe views from view's cache entry]
+        fake = self._cache_below
+        if fake is not None and fake_mode_alone_below(fake):
+            unsafe_view = func is _UNSAFE_VIEW and type(args[0]) is FakeTensor and args[0].fake_mode is fake
+            asked = _VIEW if unsafe_view else func  # NOTE [unsafe views from view's cache entry]
+            out = cached_output(fake, asked, args, kwargs)  # NOTE [fake cache hits without a dispatch]
+            if out is UNCACHED:
+                out = asked(*args, **kwargs)
+        elif func is _UNSAFE_VIEW and type(args[0]) is FakeTensor and fake_mode_alone_below(args[0].fake_mode):
+            out = _VIEW(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
         if self._observer is not None:
@@ -319,14 +319,16 @@ class StepRecorder(TorchDispatchMode):
         # NOTE [the kernel profile's observer, absorbed]: entered directly above the kernel profile's
         # UntranslatedObserver (a fake trace's usual stack), the recorder takes the observer off the mode stack for
         # the step and calls its observe() on each operator itself: the same notes, one Python dispatch per
-        # operator instead of two, and tensor.device answered without a second mode (_fake_mode_alone_below)
+        # operator instead of two, and tensor.device answered without a second mode (fake_mode_alone_below)
         below = _get_current_dispatch_mode()
         if type(below) is UntranslatedObserver:
             self._observer = below
             _pop_mode()
         # NOTE [fast fake-tensor cache keys], NOTE [fast fake-tensor cache hits]
-        self._fast_fake = fast_fake_mode(torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE))
+        fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        self._fast_fake = fast_fake_mode(fake)
         self._fast_fake.__enter__()
+        self._cache_below = fake if isinstance(fake, FakeTensorMode) and answers_from_cache(fake) else None
         super().__enter__()
         self.active = True
         self._handles = [
@@ -338,6 +340,7 @@ class StepRecorder(TorchDispatchMode):
 
     def __exit__(self, *exc: Any) -> None:
         self.active = False
+        self._cache_below = None
         remove_observer(self)
         for handle in self._handles:
             handle.remove()
