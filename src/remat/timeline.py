@@ -108,13 +108,35 @@ class Timeline:
     def live_bytes(self) -> np.ndarray:
         """The live curve: an int64 array of length ``num_events`` whose entry t is the bytes alive after event t
         (the rows with ``alloc_at <= t`` and ``free_at`` -1 or ``> t``)."""
+        return self._live(*self._columns())
+
+    def _columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``nbytes``, ``alloc_at`` and ``free_at`` as int64 arrays."""
+        return (np.asarray(self.nbytes, dtype=np.int64), np.asarray(self.alloc_at, dtype=np.int64),
+                np.asarray(self.free_at, dtype=np.int64))
+
+    def _live(self, nbytes: np.ndarray, alloc: np.ndarray, free: np.ndarray) -> np.ndarray:
         delta = np.zeros(self.num_events + 1, dtype=np.int64)
-        nbytes = np.asarray(self.nbytes, dtype=np.int64)
-        np.add.at(delta, np.asarray(self.alloc_at, dtype=np.int64), nbytes)
-        free = np.asarray(self.free_at, dtype=np.int64)
+        np.add.at(delta, alloc, nbytes)
         freed = free >= 0
         np.add.at(delta, free[freed], -nbytes[freed])
         return np.cumsum(delta[:-1])
+
+    def _parts(self, rows: np.ndarray) -> dict[str, int]:
+        parts = dict.fromkeys(CATEGORIES, 0)
+        category, nbytes = self.category, self.nbytes
+        for row in rows.tolist():
+            parts[category[row]] += nbytes[row]
+        return parts
+
+    def peak_parts(self) -> tuple[int, dict[str, int]]:
+        """(:attr:`peak_event`, :attr:`at_peak`) from one conversion of the columns (a sweep asks it of every
+        policy's step)."""
+        if not self.num_events:
+            return 0, dict.fromkeys(CATEGORIES, 0)
+        nbytes, alloc, free = self._columns()
+        event = int(np.argmax(self._live(nbytes, alloc, free)))
+        return event, self._parts(np.nonzero((alloc <= event) & ((free < 0) | (free > event)))[0])
 
     def peak(self) -> tuple[int, int]:
         """(:attr:`peak_event`, :attr:`peak_bytes`) from one live curve (each property makes its own)."""
@@ -150,15 +172,12 @@ class Timeline:
             ``{category: bytes}`` for every category of :data:`CATEGORIES`, in that order (0 where none is
             alive); the values add up to ``live_bytes()[event]`` exactly.
         """
-        parts = dict.fromkeys(CATEGORIES, 0)
-        for row in self.alive_at(event):
-            parts[self.category[row]] += self.nbytes[row]
-        return parts
+        return self._parts(self.alive_at(event))
 
     @property
     def at_peak(self) -> dict[str, int]:
         """:meth:`breakdown` at :attr:`peak_event`: what the peak is made of; adds up to :attr:`peak_bytes`."""
-        return self.breakdown(self.peak_event)
+        return self.peak_parts()[1]
 
     @property
     def forward_end(self) -> int:

@@ -61,6 +61,16 @@ def test_breakdown_adds_up_to_the_live_bytes_at_every_event():
     assert tl.breakdown(2)["other"] == 8 and tl.breakdown(3)["other"] == 0  # freed at event 3
 
 
+def test_peak_parts_are_the_peak_event_and_its_breakdown():
+    tl = hand_made()
+    assert tl.peak_parts() == (5, tl.breakdown(5)) == (tl.peak_event, tl.at_peak)
+    assert sum(tl.peak_parts()[1].values()) == tl.peak_bytes == 256
+    tie = Timeline(nbytes=[10, 10], alloc_at=[0, 2], free_at=[1, -1], phase_index=[0, 0], module=["a", "b"],
+                   category=["other", "head_loss"], phases=[Phase(0, "forward", "")], num_events=3)
+    assert tie.peak_parts() == (0, {**dict.fromkeys(CATEGORIES, 0), "other": 10})  # the first of equal peaks
+    assert Timeline().peak_parts() == (0, dict.fromkeys(CATEGORIES, 0))
+
+
 def test_the_first_of_equal_peaks_is_the_peak():
     tl = Timeline(nbytes=[10, 10], alloc_at=[0, 2], free_at=[1, -1], phase_index=[0, 0],
                   module=["a", "b"], category=["other", "other"], phases=[Phase(0, "forward", "")], num_events=3)

@@ -24,9 +24,8 @@ def prediction_row(policy: Any, timeline: Any, seconds: float | None = None) -> 
     (matmul-style FLOPs as ``torch.utils.flop_counter`` counts them)."""
     flops = {k: int(v) for k, v in timeline.meta.get("flops", {}).items()}
     base = flops.get("forward", 0) + flops.get("backward", 0)
-    # the live curve once (a sweep makes a row per policy): what is alive at the peak adds up to the peak
-    peak_event = timeline.peak_event
-    at_peak = timeline.breakdown(peak_event)
+    # the columns converted once (a sweep makes a row per policy): what is alive at the peak adds up to the peak
+    peak_event, at_peak = timeline.peak_parts()
     row: dict[str, Any] = {
         "policy": str(policy),
         "peak_bytes": sum(at_peak.values()),
