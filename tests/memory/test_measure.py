@@ -444,6 +444,39 @@ def test_cpu_sdpa_flops_count_as_the_math_attention_does():
     assert sdpa["recompute"] == math_["recompute"] > 0
 
 
+def test_operator_flops_count_as_torchs_shape_wrapped_formulas(monkeypatch):
+    """remat.memory.measure.operator_flops calls torch's formulas on the shapes itself (no tree_map): every
+    operator of a traced step (matmuls, attention forward and backward, fake and real, TP/SP with CUDA kernels) gets
+    the count torch's wrapper gives, and so does an argument it leaves to torch (a torch.Size)."""
+    import remat.memory.measure as measure_module
+    from remat.memory.predict import predict_config
+
+    seen = []
+
+    def both(formula, args, kwargs, out):
+        ours = measure_module_flops(formula, args, kwargs, out)
+        seen.append((formula.__name__, ours, int(formula(*args, **kwargs, out_val=out))))
+        return ours
+
+    measure_module_flops = measure_module.operator_flops
+    monkeypatch.setattr(measure_module, "operator_flops", both)
+    config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=16,
+                         vocab_size=64, attention="sdpa", activation="swiglu")
+    predict_config(config, "selective/core_attn", tp=2, sp=True, device="cuda")
+    measure(build_model(SMALL), sample_batch(SMALL))  # math attention
+    cpu_sdpa = SMALL.replace(attention="sdpa")
+    measure(build_model(cpu_sdpa), sample_batch(cpu_sdpa))
+    assert {name for name, *_ in seen} == {"mm_flop", "addmm_flop", "bmm_flop", "sdpa_flop", "sdpa_backward_flop"}
+    assert all(ours == theirs for _, ours, theirs in seen), [s for s in seen if s[1] != s[2]][:3]
+    assert sum(ours for _, ours, _ in seen) > 0
+    mm = torch.utils.flop_counter.flop_registry[torch.ops.aten.mm]
+    a, b = torch.empty(3, 4), torch.empty(4, 5)
+    assert measure_module_flops(mm, (a, b), {}, torch.empty(3, 5)) == mm(a, b, out_val=torch.empty(3, 5)) == 120
+    assert measure_module_flops(mm, (a.shape, b), {}, None) == 120  # a torch.Size: torch's wrapper maps it
+    raw = lambda x, out_val=None: x.numel() + (out_val is None)  # noqa: E731  (not shape-wrapped: called as is)
+    assert measure_module_flops(raw, (a,), {}, None) == 13
+
+
 # ------------------------------------------------------------------------ steps that cannot be measured
 TINY = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=2,
                    vocab_size=64)

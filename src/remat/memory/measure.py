@@ -14,7 +14,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 from remat.config import ModelConfig
 from remat.lazy_dynamo import import_for_steps
@@ -75,6 +75,42 @@ def _tensors_in(values: Any) -> Sequence[Any]:
         else:
             return tree_flatten(values)[0]
     return leaves
+
+
+# torch's formulas take shapes: shape_wrapper maps every tensor of an operator's arguments and output to its shape
+# (a tree_map over them, about a twentieth of a trace's CPU); the formula itself is called on the shapes here
+_SHAPE_WRAPPED = shape_wrapper(lambda: 0).__code__
+
+
+class _NotPlain(Exception):
+    """An argument :func:`_shape_of` leaves to torch's tree_map."""
+
+
+def _shape_of(value: Any) -> Any:
+    """``tree_map(get_shape, value)`` of torch.utils.flop_counter for tensors, plain values and lists, tuples and
+    dicts of those; :class:`_NotPlain` for anything else."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind([_shape_of(v) for v in value])
+    if kind is dict:
+        return {k: _shape_of(v) for k, v in value.items()}
+    if kind in _PLAIN_ARGS:
+        return value
+    raise _NotPlain
+
+
+def operator_flops(formula: Callable[..., int], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """``formula(*args, **kwargs, out_val=out)`` (a :data:`FLOP_FORMULAS` entry); torch's shape-wrapped formulas
+    called on the shapes directly (:func:`_shape_of`), the same count."""
+    if getattr(formula, "__code__", None) is _SHAPE_WRAPPED:
+        try:
+            return int(formula.__wrapped__(*_shape_of(args), out_shape=_shape_of(out),  # type: ignore[attr-defined]
+                                           **_shape_of(kwargs)))
+        except _NotPlain:
+            pass
+    return int(formula(*args, **kwargs, out_val=out))
 
 
 for _name, _formula in (("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash_forward_flops),
@@ -203,7 +239,8 @@ class StepRecorder(TorchDispatchMode):
             self.track(out if type(out) is FakeTensor else args[0])
             return out
         kwargs = kwargs or {}
-        for leaf in _tensors_in(args) if not kwargs else tree_flatten((args, kwargs))[0]:
+        # (args, kwargs) in tree_flatten's order: the arguments, then the keyword values as the dict holds them
+        for leaf in _tensors_in(args) if not kwargs else (*_tensors_in(args), *_tensors_in(list(kwargs.values()))):
             if isinstance(leaf, torch.Tensor):  # storages made outside any operator (RNG states, ...)
                 self.track(leaf)
         fake = self._cache_below
@@ -221,7 +258,7 @@ class StepRecorder(TorchDispatchMode):
             self._observer.observe(func, args, out)
         packet = func.overloadpacket
         if packet in FLOP_FORMULAS:
-            self.phase_flops[-1] += int(FLOP_FORMULAS[packet](*args, **kwargs, out_val=out))
+            self.phase_flops[-1] += operator_flops(FLOP_FORMULAS[packet], args, kwargs, out)
         for leaf in (out,) if isinstance(out, torch.Tensor) else _tensors_in(out):
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from remat.config import ModelConfig
 from remat.memory import disk_cache
-from remat.memory.measure import FLOP_FORMULAS
+from remat.memory.measure import FLOP_FORMULAS, operator_flops
 from remat.models.collectives import in_collective
 from remat.plan.unit_trace import watch_one_layer
 from remat.recompute.plan_format import keep_ops_token
@@ -75,7 +75,7 @@ class _Lister(TorchDispatchMode):
         fresh = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in outs
                  if t.untyped_storage()._cdata not in inputs}
         packet = func.overloadpacket
-        flops = int(FLOP_FORMULAS[packet](*args, **kwargs, out_val=out)) if packet in FLOP_FORMULAS else 0
+        flops = operator_flops(FLOP_FORMULAS[packet], args, kwargs, out) if packet in FLOP_FORMULAS else 0
         mutable = func._schema.is_mutable
         if fresh:
             item = i
