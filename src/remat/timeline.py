@@ -47,6 +47,11 @@ class Phase:
         return f"{text} [{self.detail}]" if self.detail else text
 
 
+def _alive(alloc: np.ndarray, free: np.ndarray, event: int) -> np.ndarray:
+    """The rows allocated at or before ``event`` and not freed by it."""
+    return np.nonzero((alloc <= event) & ((free < 0) | (free > event)))[0]
+
+
 @dataclass
 class Timeline:
     """The memory of one training step: every allocation, when it was made and freed, and the phases of the step.
@@ -136,7 +141,7 @@ class Timeline:
             return 0, dict.fromkeys(CATEGORIES, 0)
         nbytes, alloc, free = self._columns()
         event = int(np.argmax(self._live(nbytes, alloc, free)))
-        return event, self._parts(np.nonzero((alloc <= event) & ((free < 0) | (free > event)))[0])
+        return event, self._parts(_alive(alloc, free, event))
 
     def peak(self) -> tuple[int, int]:
         """(:attr:`peak_event`, :attr:`peak_bytes`) from one live curve (each property makes its own)."""
@@ -158,9 +163,7 @@ class Timeline:
 
     def alive_at(self, event: int) -> np.ndarray:
         """Row indices of the allocations alive after ``event``."""
-        alloc = np.asarray(self.alloc_at, dtype=np.int64)
-        free = np.asarray(self.free_at, dtype=np.int64)
-        return np.nonzero((alloc <= event) & ((free < 0) | (free > event)))[0]
+        return _alive(np.asarray(self.alloc_at, dtype=np.int64), np.asarray(self.free_at, dtype=np.int64), event)
 
     def breakdown(self, event: int) -> dict[str, int]:
         """Bytes alive after ``event`` by category.
