@@ -137,6 +137,9 @@ def fast_fake_mode(mode: Any) -> Iterator[None]:
 
 
 UNCACHED = object()  # what cached_output gives when the fake mode's own dispatch must make the output
+# the operators the fake mode answers another way than from its cache (its handlers; remat's own kernels): one set,
+# one hash of the operator each
+_DISPATCHED = frozenset(_DISPATCH_META_HANDLERS) | frozenset(_DISPATCH_HANDLE_DIRECTLY) | OWN_KERNELS
 _FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
 _DISPATCH_COUNTER = FakeTensorMode.__torch_dispatch__.__qualname__  # what torch's count wrapper counts it as
 
@@ -159,7 +162,7 @@ def cached_output(mode: FakeTensorMode, func: Any, args: Sequence[object], kwarg
     (:func:`fake_mode_alone_below`, :func:`answers_from_cache`) and that mode's cache holds it, made as its cache
     hit makes it; :data:`UNCACHED` otherwise (a miss, a bypass, an operator the mode answers another way), where
     the caller dispatches it (NOTE [fake cache hits without a dispatch])."""
-    if func in _DISPATCH_META_HANDLERS or func in _DISPATCH_HANDLE_DIRECTLY or func in OWN_KERNELS:
+    if func in _DISPATCHED:
         return UNCACHED
     state = _CacheKeyState(mode.shape_env)
     try:
