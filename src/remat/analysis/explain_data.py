@@ -210,14 +210,14 @@ def head_loss_max(plain: Timeline) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------ rows
 def policy_row(policy: Policy, tl: Timeline, plain_flops: int, times: Sequence[float]) -> PolicyRow:
     """The :class:`PolicyRow` of one measured step; ``step_ratio`` is left None (it needs the plain step's time)."""
-    at_peak = tl.at_peak
+    event, at_peak = tl.peak_parts()  # once: peak_bytes, peak_phase and at_peak would each make the live curve
     stored = tl.breakdown(tl.forward_end)["group_inputs"]
     recompute = category_live(tl, "recompute")
     recompute_flops = int(tl.meta.get("flops", {}).get("recompute", 0))
     return PolicyRow(
         policy=str(policy),
-        peak_bytes=tl.peak_bytes,
-        peak_phase=tl.peak_phase.label,
+        peak_bytes=sum(at_peak.values()),
+        peak_phase=tl.phase_at(event).label,
         activations_at_peak=at_peak["saved_activations"] + at_peak["recompute"],
         group_inputs_at_peak=at_peak["group_inputs"],
         group_inputs_stored=stored,

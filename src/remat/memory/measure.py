@@ -243,17 +243,12 @@ class StepRecorder(TorchDispatchMode):
         for leaf in _tensors_in(args) if not kwargs else (*_tensors_in(args), *_tensors_in(list(kwargs.values()))):
             if isinstance(leaf, torch.Tensor):  # storages made outside any operator (RNG states, ...)
                 self.track(leaf)
+        unsafe_view = func is _UNSAFE_VIEW and type(args[0]) is FakeTensor and fake_mode_alone_below(args[0].fake_mode)
+        asked = _VIEW if unsafe_view else func  # NOTE [unsafe views from view's cache entry]
         fake = self._cache_below
-        if fake is not None and fake_mode_alone_below(fake):
-            unsafe_view = func is _UNSAFE_VIEW and type(args[0]) is FakeTensor and args[0].fake_mode is fake
-            asked = _VIEW if unsafe_view else func  # NOTE [unsafe views from view's cache entry]
-            out = cached_output(fake, asked, args, kwargs)  # NOTE [fake cache hits without a dispatch]
-            if out is UNCACHED:
-                out = asked(*args, **kwargs)
-        elif func is _UNSAFE_VIEW and type(args[0]) is FakeTensor and fake_mode_alone_below(args[0].fake_mode):
-            out = _VIEW(*args, **kwargs)
-        else:
-            out = func(*args, **kwargs)
+        out = cached_output(fake, asked, args, kwargs) if fake is not None and fake_mode_alone_below(fake) else UNCACHED
+        if out is UNCACHED:  # NOTE [fake cache hits without a dispatch]: a miss, or not the mode's cache to answer
+            out = asked(*args, **kwargs)
         if self._observer is not None:
             self._observer.observe(func, args, out)
         packet = func.overloadpacket

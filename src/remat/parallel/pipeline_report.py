@@ -56,9 +56,9 @@ def describe_stage(tl: Timeline) -> str:
     """Fill ``meta['pipeline']['peak']`` (bytes, phase, the microbatches whose saved tensors are alive, what the
     runtime keeps of finished ones) and ``meta['why']`` (plain words) of a stage timeline; return the sentence."""
     info = tl.meta.setdefault("pipeline", {})
-    event, peak = tl.peak()  # one live curve: peak_event, peak_bytes and peak_phase would each make it again
+    event, parts = tl.peak_parts()  # once: peak_event, peak_bytes and at_peak would each convert the columns again
+    peak = sum(parts.values())
     flight, kept = in_flight_at(tl, event)
-    parts = tl.breakdown(event)
     saved = sum(sum(v.values()) for v in flight.values())
     held = sum(kept.values())
     phase = tl.phase_at(event)

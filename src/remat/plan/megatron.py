@@ -161,7 +161,8 @@ class Predicted:
 
     @classmethod
     def of(cls, tl: Timeline) -> Predicted:
-        return cls(tl.peak_bytes, tl.peak_phase.label, dict(tl.at_peak),
+        event, parts = tl.peak_parts()  # once: peak_bytes, peak_phase and at_peak would each make the live curve
+        return cls(sum(parts.values()), tl.phase_at(event).label, parts,
                    {k: int(v) for k, v in tl.meta.get("flops", {}).items()})
 
 
