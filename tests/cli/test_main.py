@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import remat.cli
 from remat.cli import main
 from remat.cli.common import parse_policy_list
 from remat.policy import PolicyError
@@ -101,5 +102,42 @@ def test_only_the_console_script_freezes_the_collector_before_it_exits(monkeypat
     assert main(args) == 0 and gc.get_freeze_count() <= before  # called with arguments (a library, a test)
     before = gc.get_freeze_count()
     monkeypatch.setattr(sys, "argv", ["/venv/bin/remat", *args])  # what the console script runs, then exits
-    assert main() == 0
+    ended: list[int] = []
+    monkeypatch.setattr(remat.cli, "exit_now", ended.append)  # (the real one would end this test's process)
+    thresholds = gc.get_threshold()
+    try:
+        assert main() == 0 and ended == [0]  # the console script ends its process there (NOTE [the console's exit])
+        # the youngest generation is collected less often (NOTE [the collector and the imports])
+        assert gc.get_threshold() == (remat.cli.YOUNG_GENERATION_THRESHOLD, *thresholds[1:])
+    finally:
+        gc.set_threshold(*thresholds)
     assert gc.get_freeze_count() > before  # nothing it holds is collected again: exiting skips that
+
+
+EXIT_NOW = """
+import atexit, sys, threading
+from remat.cli import exit_now
+atexit.register(lambda: print("the exit handler ran", flush=True))
+print("x" * 200_000)  # more than a pipe's buffer: written out before the process ends
+if sys.argv[1] == "thread":
+    threading.Thread(target=lambda: print("the thread ran", flush=True), daemon=False).start()
+    threading.Thread(target=threading.Event().wait, args=(0.5,), daemon=True).start()
+exit_now(3)
+print("returned: the usual exit")
+"""
+
+
+@pytest.mark.parametrize("case", ["alone", "thread"])
+def test_the_console_exit_keeps_output_and_exit_handlers(case):
+    """exit_now ends the process with the code after flushing stdout and running atexit's handlers; with another
+    thread running it returns, and the process exits as usual (NOTE [the console's exit])."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", EXIT_NOW, case], capture_output=True, text=True, timeout=120)
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "x" * 200_000, proc.stderr
+    if case == "alone":
+        assert proc.returncode == 3 and lines[1:] == ["the exit handler ran"]
+    else:
+        assert proc.returncode == 0 and "returned: the usual exit" in lines and lines[-1] == "the exit handler ran"
