@@ -186,9 +186,12 @@ def test_idle_cores_measure_from_the_last_sample_instead_of_waiting(monkeypatch:
     monkeypatch.setattr(trace_pool.time, "sleep", slept.append)
     idle = trace_pool.idle_cores(window=0.05)
     assert slept == [] and idle is not None and 0 <= idle <= (os.cpu_count() or 1)
+    assert trace_pool.idle_cores(window=0.05) == idle and slept == []  # asked again at once: the answer just made
+    trace_pool.note_cpu()
     trace_pool.idle_cores(window=0.05)
-    assert slept == [0.05]  # the last sample was just taken: too recent, so it waits
+    assert slept == [0.05]  # a sample just taken, and no answer from it: too recent, so it waits
     monkeypatch.setattr(trace_pool, "MAX_SAMPLE_AGE", 0.0)  # too old: it waits too
+    real_sleep(0.06)
     trace_pool.idle_cores(window=0.01)
     assert slept == [0.05, 0.01]
     monkeypatch.setattr(trace_pool, "MAX_SAMPLE_AGE", 60.0)

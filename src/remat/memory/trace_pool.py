@@ -68,6 +68,9 @@ def idle_workers(window: float = 0.05) -> int:
 MAX_SAMPLE_AGE = 2.0
 # (monotonic time, total ticks, idle ticks, own CPU seconds, the process that took it, its ended children's CPU seconds)
 _SAMPLE: list[tuple[float, int, int, float, int, float]] = []
+# the last answer of idle_cores and the time of the sample it ended at (_SAMPLE's): the answer again to a call less
+# than ``window`` seconds after that sample (a job plan asked twice within a millisecond, the second waiting 50 ms)
+_ANSWER: list[tuple[float, float]] = []
 
 
 def note_cpu() -> None:
@@ -95,9 +98,13 @@ def idle_cores(window: float = 0.05) -> float | None:
     """Cores of the machine that stood idle, this process's own work counted as idle, from ``/proc/stat``'s
     counters: since the last sample (:func:`note_cpu`, or the last call) when it is ``window`` to
     :data:`MAX_SAMPLE_AGE` seconds old, else over the next ``window`` seconds (this process waiting meanwhile), the
-    work of its children that ended meanwhile counted as its own; None where /proc/stat is unreadable (not Linux)."""
+    work of its children that ended meanwhile counted as its own; the last call's answer again when it is less than
+    ``window`` seconds old; None where /proc/stat is unreadable (not Linux)."""
     first = _SAMPLE[0] if _SAMPLE and _SAMPLE[0][4] == os.getpid() else None
-    if first is None or not window <= time.monotonic() - first[0] <= MAX_SAMPLE_AGE:
+    age = None if first is None else time.monotonic() - first[0]
+    if first is not None and age is not None and age < window and _ANSWER and _ANSWER[0][0] == first[0]:
+        return _ANSWER[0][1]  # measured by the last call, just now
+    if age is None or not window <= age <= MAX_SAMPLE_AGE:
         first = _cpu_sample()
         time.sleep(window)
     second = _cpu_sample()
@@ -107,7 +114,8 @@ def idle_cores(window: float = 0.05) -> float | None:
     cores = os.cpu_count() or 1
     # the cores this process, and the children of it that have ended, kept busy meanwhile
     own = (second[3] - first[3] + second[5] - first[5]) / max(second[0] - first[0], 1e-9)
-    return float(min(cores, (second[2] - first[2]) / (second[1] - first[1]) * cores + own))
+    _ANSWER[:] = [(second[0], float(min(cores, (second[2] - first[2]) / (second[1] - first[1]) * cores + own)))]
+    return _ANSWER[0][1]
 
 
 def worker_timeout() -> float:

@@ -124,7 +124,7 @@ def add_moe_units(model: UnitModel, config: ModelConfig) -> UnitModel:
     sets = moe_mla_sets(config)
     own = [Unit("selective", 1, s) for s in sets if on_layer(s, model.config) == s]
     batches = [own[start:start + TRACE_BATCH] for start in range(0, len(own), TRACE_BATCH)]
-    workers = min(idle_workers(), len(batches))
+    workers = min(idle_workers(), len(batches)) if len(batches) > 1 else 1  # (asking idle_workers may take 50 ms)
     if workers > 1:  # side by side where cores stand idle: each batch's stack is traced alone (see above)
         for shapes in run_forked([_traced_batch(model, batch) for batch in batches], workers):
             model.shapes.update(shapes)
