@@ -144,6 +144,27 @@ def test_stages_searched_side_by_side_give_the_answer_of_one_process(middle, mon
     assert serial["stats"]["exact_predictions"] > 0
 
 
+@pytest.mark.parametrize("fraction", [0.5, 0.9])
+def test_what_a_plan_shows_is_one_prediction_per_stage_and_setting(peaks, fraction, monkeypatch):
+    # a worker sends back its own copy of a prediction made before it was forked (the stages' "nothing recomputed");
+    # the answer keeps this process's, so that the report's caching-allocator replays make each one once
+    from remat.plan.job_exact import ExactStages
+
+    keep, full = peaks
+    monkeypatch.setenv("REMAT_TRACE_WORKERS", "2")
+    result = plan_job(JOB, full + int((keep - full) * fraction))
+    shown: dict[tuple[int, str], object] = {}
+    for st in result.stages:
+        for choice in (st.extended, st.megatron):
+            if choice is not None:
+                key = ExactStages.key(st.stage, choice.layout)[0]
+                assert shown.setdefault(key, choice.prediction) is choice.prediction, key
+    for rank in result.uniform_ranks:
+        key = ExactStages.key(rank.stage, result.uniform)[0]
+        assert shown.setdefault(key, rank) is rank, key
+    assert any(key[1] == "none" for key in shown)  # a stage that fits with nothing recomputed is among them
+
+
 def test_the_screens_predictions_made_ahead_give_the_answer_of_one_process(middle, monkeypatch):
     # NOTE [stages side by side]: the predictions the Megatron screens (and the setting for every stage) will likely
     # ask for are made in workers beside the extended searches, each counted only when asked for

@@ -13,7 +13,7 @@ import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from remat.job import Job
@@ -88,6 +88,10 @@ class _StageModel:
     in_flight: int
     offset: int = 0
     kinds: tuple[Any, ...] = ()  # the kinds of the stage's layers (ModelConfigs), when it mixes dense and MoE
+    screen: tuple[Any, ...] = ()  # (engine, config, _screen_rows' answer): the offset is not in it
+    # the Megatron settings' figures that do not depend on the microbatches in flight, shared by the stages of one
+    # plan: stages of one layer kind and depth read the same (_screen_rows)
+    settings: dict[tuple[Any, ...], list[tuple[Any, ...]]] = field(default_factory=dict)
 
     @property
     def num_layers(self) -> int:
@@ -216,13 +220,14 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None, *,
                                        first_kind, options)
         kinds = stage_kinds(job, options, [st.stage for st, keep in zip(result.stages, keeps) if keep is not None])
         stage_models: list[_StageModel | None] = []
+        settings: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}  # shared by the stages (_screen_rows)
         for st, pred, keep in zip(result.stages, plain, keeps):
             if keep is None:  # no decoder layer (an embedding- or loss-only stage): recompute cannot lower it
                 stage_models.append(None)
                 _bare_stage(st, pred, budget_bytes)
                 continue
             sm = _StageModel(*kinds[stage_is_moe(config, job, st.stage)], st.chunk_layers, st.in_flight,
-                             kinds=stage_layer_kinds(config, job, st.stage))
+                             kinds=stage_layer_kinds(config, job, st.stage), settings=settings)
             sm.calibrate(keep, pred.peak_bytes)
             stage_models.append(sm)
         _search_stages(job, [(st, sm) for st, sm in zip(result.stages, stage_models) if sm is not None], exact,
@@ -322,7 +327,21 @@ def _search_stages(job: Job, searched: Sequence[tuple[JobStagePlan, _StageModel]
         exact.adopt(e_made)
         keep_shallow_chunks(m_chunks + e_chunks)  # for the Megatron setting of every stage, predicted here next
         st.tried = {**m_tried, **e_tried}  # the Megatron screen's entries first, as in one process
-        _choose(st, fitting)
+        # a worker sends back its own copy of a prediction made before it was forked: this process's is the same
+        # (ExactStages.adopt), and one object is replayed once (the report's caching-allocator figures)
+        st.megatron, st.megatron_without_offload = (_held(exact, st.stage, c)
+                                                    for c in (st.megatron, st.megatron_without_offload))
+        if st.policy is not None and st.prediction is not None:
+            st.prediction = exact.done.get(exact.key(st.stage, st.policy)[0], st.prediction)
+        _choose(st, [c for c in (_held(exact, st.stage, c) for c in fitting) if c is not None])
+
+
+def _held(exact: ExactStages, stage: int, choice: StageChoice | None) -> StageChoice | None:
+    """``choice`` with the prediction ``exact`` holds for its setting, when it holds one."""
+    if choice is None:
+        return None
+    pred = exact.done.get(exact.key(stage, choice.layout)[0])
+    return choice if pred is None or pred is choice.prediction else replace(choice, prediction=pred)
 
 
 # NOTE [tracing ahead]: when every stage does not fit with nothing recomputed, the stages' searches need the unit
@@ -384,16 +403,26 @@ def _bare_stage(st: JobStagePlan, pred: RankPrediction, budget: int) -> None:
 
 def _screen_rows(sm: _StageModel, engine: str, config: Any) -> tuple[int, list[tuple[Any, ...]]]:
     """The stage's slack and its Megatron screen's candidates in cost order: (cost, recomputed bytes, modelled peak,
-    policy, plan, bytes held beyond the rank at the modelled peak) each (NOTE [the Megatron screen of a stage])."""
+    policy, plan, bytes held beyond the rank at the modelled peak) each (NOTE [the Megatron screen of a stage]);
+    made once per stage (:func:`_screen_ahead` then :func:`_megatron_stage` read it)."""
+    if sm.screen[:2] == (engine, config):
+        return sm.screen[2]
     m, L = sm.model, sm.num_layers
-    rows = []
-    for policy in job_policies(L, engine, config, sm.cost, [m]):
-        plan = Plan.from_policy(policy, L)
-        units = plan.units()
-        rows.append((sm.plan_cost(plan), sum(m.shape(u).recompute_bytes for u in units), sm.modelled(units), policy,
-                     plan, m.beyond_rank(units)))
+    key = (id(m), id(sm.cost), sm.depths, engine, config)  # (the stages' models and costs live as long as the plan)
+    if key not in sm.settings:
+        figures = []
+        for policy in job_policies(L, engine, config, sm.cost, [m]):
+            plan = Plan.from_policy(policy, L)
+            units = plan.units()
+            figures.append((sm.plan_cost(plan), sum(m.shape(u).recompute_bytes for u in units), m.peak(units),
+                            sm.stored(units), policy, plan, m.beyond_rank(units)))
+        sm.settings[key] = figures
+    # modelled peak: the unit model's, and the stored bytes of each other microbatch in flight (_StageModel.modelled)
+    rows = [(cost, recomputed, peak + (sm.in_flight - 1) * stored, policy, plan, beyond)
+            for cost, recomputed, peak, stored, policy, plan, beyond in sm.settings[key]]
     rows.sort(key=lambda r: r[:3])
-    return m.held_beyond_rank(L), rows
+    sm.screen = (engine, config, (m.held_beyond_rank(L), rows))
+    return sm.screen[2]
 
 
 def _screen_ahead(sm: _StageModel, budget: int, engine: str, config: Any, known: Callable[[Plan], bool],
