@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 # Recorded steps pause the collector (remat.memory.measure), so when it runs changes no answer. A library user's
 # process is left as it is.
 YOUNG_GENERATION_THRESHOLD = 10_000
+
+
 @contextlib.contextmanager
 def console_imports() -> Iterator[None]:
     """What the console script sets up around its imports (a library user's process is left as it is): OpenMP's
@@ -84,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # command on a 2-core machine (medians of 6 of a Llama-3-70B CP2 predict, from main's return to the process's end:
 # 0.19 s, against 0.04 s without the teardown), none of it the command's. The console script instead flushes its
 # output, runs the exit handlers (atexit's: multiprocessing's, logging's, temporary folders' finalizers, a coverage
-# tool's) and ends the process with os._exit, as Instagram's servers skip the same teardown. Where another thread
+# tool's) and ends the process with os._exit. Where another thread
 # still runs (the teardown would wait for it), an output cannot be flushed (the usual exit reports it) or the
 # interpreter has no atexit._run_exitfuncs, it exits as usual.
 def exit_now(code: int) -> None:

@@ -101,10 +101,9 @@ def idle_cores(window: float = 0.05) -> float | None:
     work of its children that ended meanwhile counted as its own; the last call's answer again when it is less than
     ``window`` seconds old; None where /proc/stat is unreadable (not Linux)."""
     first = _SAMPLE[0] if _SAMPLE and _SAMPLE[0][4] == os.getpid() else None
-    age = None if first is None else time.monotonic() - first[0]
-    if first is not None and age is not None and age < window and _ANSWER and _ANSWER[0][0] == first[0]:
+    if first is not None and time.monotonic() - first[0] < window and _ANSWER and _ANSWER[0][0] == first[0]:
         return _ANSWER[0][1]  # measured by the last call, just now
-    if age is None or not window <= age <= MAX_SAMPLE_AGE:
+    if first is None or not window <= time.monotonic() - first[0] <= MAX_SAMPLE_AGE:
         first = _cpu_sample()
         time.sleep(window)
     second = _cpu_sample()
