@@ -183,6 +183,29 @@ def test_the_screens_predictions_made_ahead_give_the_answer_of_one_process(middl
     assert made  # predictions were made ahead, and the answer, its tried order and counts are one process's
 
 
+def test_alike_stages_predicted_ahead_give_the_answer_of_one_process(monkeypatch):
+    # NOTE [stages side by side]: the middle stages of PP=4 are alike; the worker that predicts the first of them
+    # ahead lays the others out too, and the answer is still one process's
+    from remat.plan.job_exact import ExactStages
+
+    job = Job.build(CONFIG.replace(num_layers=8), precision="bf16", pp=4, num_microbatches=4)
+    keep = predict_job(job).worst.peak_bytes
+    full = predict_job(job.replace(policy=Policy.parse("full/uniform/1"))).worst.peak_bytes
+    budget = full + (keep - full) // 3
+    monkeypatch.setenv("REMAT_TRACE_WORKERS", "1")
+    serial = _answer(plan_job(job, budget))
+    made: list[tuple[int, str]] = []
+    keep_ahead = ExactStages.keep_ahead
+    monkeypatch.setattr(ExactStages, "keep_ahead",
+                        lambda self, answers: made.extend(a[0][0] for a in answers) or keep_ahead(self, answers))
+    monkeypatch.setenv("REMAT_TRACE_WORKERS", "2")
+    forked = _answer(plan_job(job, budget))
+    assert forked == serial
+    assert [list(s["tried"]) for s in forked["stages"]] == [list(s["tried"]) for s in serial["stages"]]
+    alike = {setting for stage, setting in made if stage == 1} & {setting for stage, setting in made if stage == 2}
+    assert alike, made  # a setting of both middle stages was predicted ahead
+
+
 def test_tracing_ahead_while_the_unit_model_is_built_changes_no_answer(monkeypatch):
     # NOTE [tracing ahead]: the full/block stand-ins traced while the unit model is built leave the answer alone
     from remat.plan import job_exact, job_plan

@@ -88,9 +88,8 @@ class _StageModel:
     in_flight: int
     offset: int = 0
     kinds: tuple[Any, ...] = ()  # the kinds of the stage's layers (ModelConfigs), when it mixes dense and MoE
-    screen: tuple[Any, ...] = ()  # (engine, config, _screen_rows' answer): the offset is not in it
-    # the Megatron settings' figures that do not depend on the microbatches in flight, shared by the stages of one
-    # plan: stages of one layer kind and depth read the same (_screen_rows)
+    # the Megatron settings' figures that do not depend on the microbatches in flight or the offset, shared by the
+    # stages of one plan: stages of one layer kind and depth read the same (_screen_rows)
     settings: dict[tuple[Any, ...], list[tuple[Any, ...]]] = field(default_factory=dict)
 
     @property
@@ -250,8 +249,10 @@ def plan_job(job: Job, budget: int | str, options: PlanOptions | None = None, *,
 # offloading, a screen is its exact predictions, made one after the other: those it will likely make (the
 # candidates the lower bound lets through, up to the first the estimate says fits, at most MAX_AHEAD a stage), and
 # the costliest of those first fits on every stage (what the setting for every stage, remat.plan.job_uniform, then
-# likely predicts), are made by workers beside the extended searches instead, and the screens run here after them,
-# each prediction taken (kept, counted) only when asked for (ExactStages.keep_ahead): the same answers, on 2 cores.
+# likely predicts), are made by workers beside the extended searches instead (alike stages by the worker that
+# predicts the first of them, laid out from the shallow traces it made: ExactStages.groups), and the screens run here
+# after them, each prediction taken (kept, counted) only when asked for (ExactStages.keep_ahead): the same answers,
+# on 2 cores.
 MAX_AHEAD = 4
 
 
@@ -281,7 +282,9 @@ def _search_stages(job: Job, searched: Sequence[tuple[JobStagePlan, _StageModel]
             likely.append((sm.plan_cost(fit), fit.megatron_policy()[0]))
     if likely:  # the setting for every stage (remat.plan.job_uniform) is likely the costliest stage's own
         wanted += [(st.stage, max(likely, key=lambda c: c[0])[1]) for st, _ in searched]
-    ahead = [exact.ahead(stage, plan) for (stage, plan), _ in exact.groups(wanted)]
+    # each group of alike stages in one task: the others are laid out from the shallow traces its first makes
+    ahead = [_in_order([exact.ahead(*first), *(exact.ahead(*other) for other in others)])
+             for first, others in exact.groups(wanted)]
 
     def megatron(i: int) -> Callable[[], Any]:
         def task() -> Any:
@@ -309,7 +312,7 @@ def _search_stages(job: Job, searched: Sequence[tuple[JobStagePlan, _StageModel]
     screens = [] if ahead else [megatron(i) for i in range(n)]
     answers = run_forked([extended(i) for i in range(n)] + screens + ahead, min(workers, n + len(screens + ahead)))
     if ahead:  # the screens (here) find what the extended searches and the tasks ahead predicted
-        exact.keep_ahead(answers[n:])
+        exact.keep_ahead([answer for group in answers[n:] for answer in group])
         for *_, e_made, e_chunks in answers[:n]:
             exact.adopt(e_made)
             keep_shallow_chunks(e_chunks)
@@ -334,6 +337,11 @@ def _search_stages(job: Job, searched: Sequence[tuple[JobStagePlan, _StageModel]
         if st.policy is not None and st.prediction is not None:
             st.prediction = exact.done.get(exact.key(st.stage, st.policy)[0], st.prediction)
         _choose(st, [c for c in (_held(exact, st.stage, c) for c in fitting) if c is not None])
+
+
+def _in_order(tasks: Sequence[Callable[[], Any]]) -> Callable[[], list[Any]]:
+    """One task running ``tasks`` one after the other, its answer theirs in order."""
+    return lambda: [task() for task in tasks]
 
 
 def _held(exact: ExactStages, stage: int, choice: StageChoice | None) -> StageChoice | None:
@@ -404,9 +412,7 @@ def _bare_stage(st: JobStagePlan, pred: RankPrediction, budget: int) -> None:
 def _screen_rows(sm: _StageModel, engine: str, config: Any) -> tuple[int, list[tuple[Any, ...]]]:
     """The stage's slack and its Megatron screen's candidates in cost order: (cost, recomputed bytes, modelled peak,
     policy, plan, bytes held beyond the rank at the modelled peak) each (NOTE [the Megatron screen of a stage]);
-    made once per stage (:func:`_screen_ahead` then :func:`_megatron_stage` read it)."""
-    if sm.screen[:2] == (engine, config):
-        return sm.screen[2]
+    each setting's plan and figures made once for the stages of one layer kind and depth."""
     m, L = sm.model, sm.num_layers
     key = (id(m), id(sm.cost), sm.depths, engine, config)  # (the stages' models and costs live as long as the plan)
     if key not in sm.settings:
@@ -421,8 +427,7 @@ def _screen_rows(sm: _StageModel, engine: str, config: Any) -> tuple[int, list[t
     rows = [(cost, recomputed, peak + (sm.in_flight - 1) * stored, policy, plan, beyond)
             for cost, recomputed, peak, stored, policy, plan, beyond in sm.settings[key]]
     rows.sort(key=lambda r: r[:3])
-    sm.screen = (engine, config, (m.held_beyond_rank(L), rows))
-    return sm.screen[2]
+    return m.held_beyond_rank(L), rows
 
 
 def _screen_ahead(sm: _StageModel, budget: int, engine: str, config: Any, known: Callable[[Plan], bool],
