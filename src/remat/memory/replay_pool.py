@@ -19,7 +19,9 @@ from remat.memory.allocator import AllocatorConfig
 from remat.memory.reserved import reserved_figures, stored_figures
 from remat.memory.trace_pool import idle_workers, run_forked
 
-PARALLEL_REPLAY_ROWS = 150_000  # rows (about 0.25 s of replay) from which replays are worth another process
+# rows (about 0.17 s of replay on a 2-core machine) from which replays are worth another process: a job plan's 8
+# replays of 119k rows took 0.26-0.34 s here, 0.17-0.23 s in two forked workers
+PARALLEL_REPLAY_ROWS = 100_000
 
 
 class Replayed(Protocol):
