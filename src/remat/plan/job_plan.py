@@ -117,7 +117,11 @@ class _StageModel:
         return sum(self.model.shape(u).forward.net for u in units)
 
     def modelled(self, units: Sequence[Unit]) -> int:
-        return self.model.peak(units) + (self.in_flight - 1) * self.stored(units)
+        return self.in_flight_peak(self.model.peak(units), self.stored(units))
+
+    def in_flight_peak(self, peak: int, stored: int) -> int:
+        """The unit model's ``peak`` of a plan with the other microbatches in flight keeping its ``stored`` bytes."""
+        return peak + (self.in_flight - 1) * stored
 
     def estimate(self, units: Sequence[Unit]) -> int:
         return self.modelled(units) + self.offset
@@ -423,8 +427,7 @@ def _screen_rows(sm: _StageModel, engine: str, config: Any) -> tuple[int, list[t
             figures.append((sm.plan_cost(plan), sum(m.shape(u).recompute_bytes for u in units), m.peak(units),
                             sm.stored(units), policy, plan, m.beyond_rank(units)))
         sm.settings[key] = figures
-    # modelled peak: the unit model's, and the stored bytes of each other microbatch in flight (_StageModel.modelled)
-    rows = [(cost, recomputed, peak + (sm.in_flight - 1) * stored, policy, plan, beyond)
+    rows = [(cost, recomputed, sm.in_flight_peak(peak, stored), policy, plan, beyond)
             for cost, recomputed, peak, stored, policy, plan, beyond in sm.settings[key]]
     rows.sort(key=lambda r: r[:3])
     return m.held_beyond_rank(L), rows
