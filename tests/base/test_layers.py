@@ -19,7 +19,7 @@ LAYERS = {
     "remat.job": 0, "remat.job_flags": 0, "remat.job_experts": 0, "remat.version": 0, "remat.models": 0,
     "remat.job_pipeline": 0, "remat.job_loss": 0, "remat.job_model": 0, "remat.job_launch": 0, "remat.job_fsdp": 0,
     "remat.job_optimizer": 0, "remat.job_argv": 0, "remat.limits": 0, "remat.job_fp8": 0,
-    "remat.job_cuda_graphs": 0, "remat.lazy_dynamo": 0, "remat.config_routing": 0, "remat.job_tp_overlap": 0,
+    "remat.job_cuda_graphs": 0, "remat.lazy_torch": 0, "remat.config_routing": 0, "remat.job_tp_overlap": 0,
     "remat.job_input": 0, "remat.megatron_script": 0, "remat.files": 0, "remat.cache_state": 0,
     "remat.recompute": 1,
     "remat.memory": 2,

@@ -39,18 +39,18 @@ YOUNG_GENERATION_THRESHOLD = 10_000
 @contextlib.contextmanager
 def console_imports() -> Iterator[None]:
     """What the console script sets up around its imports (a library user's process is left as it is): OpenMP's
-    spin count, torch._dynamo deferred, the collector off while importing and what the imports made frozen after
-    (NOTE [the collector and the imports]). benchmarks/profile_cli.py imports the same way, to time a command as
-    the console runs it."""
+    spin count, torch._dynamo and the torch packages no command reads deferred (remat.lazy_torch), the collector off
+    while importing and what the imports made frozen after (NOTE [the collector and the imports]).
+    benchmarks/profile_cli.py imports the same way, to time a command as the console runs it."""
     if "OMP_WAIT_POLICY" not in os.environ:
         # read once, when torch loads libgomp: a waiting OpenMP thread spins 1,000 times before it sleeps (libgomp's
         # own count for threads outnumbering the CPUs; libgomp manual, GOMP_SPINCOUNT), not 300,000: beside another
         # busy process the spinning held the core it needed (remat explain's answer 31 s -> 22 s on 2 cores, and
         # 50 s -> 19 s beside a test run); alone the sleeps cost about 3 s of its 15
         os.environ.setdefault("GOMP_SPINCOUNT", "1000")
-    from remat.lazy_dynamo import defer_dynamo
+    from remat.lazy_torch import defer_torch
 
-    defer_dynamo()  # the whole compiler only for a command that compiles (remat.lazy_dynamo)
+    defer_torch()  # the whole compiler only for a command that compiles, and so on (remat.lazy_torch)
     gc.disable()
     try:
         yield

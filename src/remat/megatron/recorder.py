@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 
-from remat.lazy_dynamo import load_dynamo
+from remat.lazy_torch import load_dynamo
 from remat.megatron.compat import MegatronSettingError
 from remat.megatron.cpu_patches import replaced
 from remat.memory.measure import StepRecorder

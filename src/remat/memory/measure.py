@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 from remat.config import ModelConfig
-from remat.lazy_dynamo import import_for_steps
+from remat.lazy_torch import import_for_steps
 from remat.memory.fake_hits import UNCACHED, answers_from_cache, cached_output, fake_mode_alone_below, fast_fake_mode
 from remat.memory.kernels import UntranslatedObserver
 from remat.memory.step_checks import Batch, check_loss, check_real_step, check_reference_batch, check_step, loss_of

@@ -1,4 +1,4 @@
-"""The CLI's deferred torch._dynamo (remat.lazy_dynamo): tracing and measuring without the compiler give the same
+"""The CLI's deferred torch._dynamo (remat.lazy_torch): tracing and measuring without the compiler give the same
 bytes, nothing is imported inside a recorded step, remat's own models import no torch._dynamo.source at all (their
 batches are made fake, nothing is converted), and compiling still works (the real package loads then)."""
 
@@ -10,13 +10,14 @@ import sys
 
 import torch
 
+from remat.config import ModelConfig
 from remat.job import Job
-from remat.lazy_dynamo import defer_dynamo
+from remat.lazy_torch import defer_dynamo
 from remat.parallel.job_predict import predict_job
 
 SCRIPT = r"""
 import json, sys
-from remat.lazy_dynamo import defer_dynamo
+from remat.lazy_torch import defer_dynamo
 assert defer_dynamo()
 import torch
 from remat import apply
@@ -110,3 +111,57 @@ def test_the_real_package_is_left_alone():
 
     assert defer_dynamo() is False
     assert type(sys.modules["torch._dynamo"]).__name__ == "module"
+
+
+UNUSED_SCRIPT = r"""
+import json, sys
+from remat.lazy_torch import UNUSED, defer_torch, pending
+deferred = defer_torch()
+import torch
+from remat.config import ModelConfig
+from remat.job import Job
+from remat.parallel.job_predict import predict_job
+
+stand_ins = {name: type(sys.modules[name]).__name__ for name in UNUSED}
+bound = [torch.nn.intrinsic is sys.modules["torch.nn.intrinsic"],
+         torch.distributions is sys.modules["torch.distributions"]]
+config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+job = Job.build(config, precision="bf16", tp=2, sp=True, pp=2, num_microbatches=4, dp=2)
+job_peak = predict_job(job).worst.peak_bytes
+still = pending()
+inside = sorted(m for m in sys.modules if m.startswith(tuple(name + "." for name in UNUSED)))
+torch.manual_seed(0)
+sample = torch.distributions.Normal(torch.zeros(3), torch.ones(3)).sample().tolist()  # an attribute: the package runs
+from torch.masked.maskedtensor.core import is_masked_tensor  # a submodule of a package not run yet: it runs first
+masked = [is_masked_tensor(torch.ones(1)),
+          is_masked_tensor(torch.masked.as_masked_tensor(torch.ones(2), torch.ones(2) > 0))]
+from torch.profiler import ProfilerActivity
+quantized = torch.nn.quantized.Quantize.__module__
+print(json.dumps({"deferred": deferred, "stand_ins": stand_ins, "bound": bound, "inside": inside,
+                  "job": job_peak, "not_run_after_a_job": still, "sample": sample, "masked": masked,
+                  "activity": ProfilerActivity.CPU.name, "quantized": quantized,
+                  "missing": hasattr(torch.distributions, "no_such_name"), "pending_at_the_end": pending()}))
+"""
+
+
+def test_deferred_unused_packages_load_on_first_use_and_a_job_reads_none():
+    out = subprocess.run([sys.executable, "-c", UNUSED_SCRIPT], capture_output=True, text=True, timeout=300,
+                         check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    from remat.lazy_torch import NAME, UNUSED
+
+    assert got["deferred"] == [NAME, *UNUSED]
+    # stand-ins, each bound to its parent as an import binds a module
+    assert set(got["stand_ins"].values()) == {"_Deferred"} and got["bound"] == [True, True]
+    # a whole job's prediction reads none of them: their __init__ has not run, none of their submodules is imported
+    assert set(got["not_run_after_a_job"]) == {NAME, *UNUSED} and got["inside"] == []
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+    assert got["job"] == predict_job(Job.build(config, precision="bf16", tp=2, sp=True, pp=2, num_microbatches=4,
+                                               dp=2)).worst.peak_bytes
+    torch.manual_seed(0)
+    assert got["sample"] == torch.distributions.Normal(torch.zeros(3), torch.ones(3)).sample().tolist()
+    assert got["masked"] == [False, True] and got["activity"] == "CPU" and got["missing"] is False
+    assert got["quantized"] == torch.nn.quantized.Quantize.__module__
+    # each ran when first read (distributions, masked, profiler, nn.quantized), the others not yet
+    assert set(got["pending_at_the_end"]) == {NAME, "torch.quantization", "torch.nn.intrinsic", "torch.nn.qat",
+                                              "torch.nn.quantizable"}
