@@ -45,6 +45,9 @@ UNUSED = ("torch.distributions", "torch.masked", "torch.profiler", "torch.quanti
 
 # each stand-in handed out whose package's __init__ has not run yet: its name -> the package's own spec
 _PENDING: dict[str, importlib.machinery.ModuleSpec] = {}
+# what torch._compile._disable_dynamo asked to disable while the compiler was not loaded: its answer, ``fn`` itself,
+# is cached on ``fn`` as ``__dynamo_disable`` and dropped when the compiler loads (_load), so asked again then
+_UNDISABLED: list[Callable[..., Any]] = []
 
 
 class _Deferred(types.ModuleType):
@@ -81,6 +84,10 @@ def _load(module: types.ModuleType) -> None:
     except BaseException:
         _PENDING[module.__name__], module.__spec__ = real, stand_in  # half run: the next use tries again, raising it
         raise
+    if module.__name__ == NAME:
+        for fn in _UNDISABLED:  # (torch/_compile.py's inner asks for the real disabled fn on its next call)
+            vars(fn).pop("__dynamo_disable", None)
+        _UNDISABLED.clear()
 
 
 class _StandIn(importlib.abc.Loader):
@@ -162,9 +169,15 @@ def defer_dynamo() -> bool:
 
 def _deferred_disable(fn: Callable[..., Any] | None = None, recursive: bool = True,
                       **kwargs: Any) -> Callable[..., Any]:
-    """``torch._dynamo.disable`` while the compiler is not loaded: ``fn`` itself until it is."""
+    """``torch._dynamo.disable`` while the compiler is not loaded: ``fn`` itself until it is. torch's own
+    ``_disable_dynamo`` (``wrapping=False``, e.g. every dispatch mode's ``__torch_dispatch__``: once an operator) gets
+    ``fn`` as it is, asked again once the compiler loads; any other caller a wrapper that calls ``fn`` until then and
+    the real disabled ``fn`` after."""
     if fn is None:  # used as a decorator factory
         return functools.partial(_deferred_disable, recursive=recursive, **kwargs)
+    if kwargs.get("wrapping") is False and NAME in _PENDING and hasattr(fn, "__dict__"):
+        _UNDISABLED.append(fn)
+        return fn
     real: Callable[..., Any] | None = None
 
     @functools.wraps(fn)

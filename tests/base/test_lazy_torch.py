@@ -61,13 +61,19 @@ foreign_source = "torch._dynamo.source" in sys.modules
 compiler_loaded = "torch._dynamo.convert_frame" in sys.modules
 disabled = torch.compiler.disable(lambda x: x + 1)
 before_load = disabled(torch.ones(2)).tolist()
+def plus_two(x):
+    return x + 2
+inside = torch._disable_dynamo(plus_two)  # torch's own: every dispatch mode's __torch_dispatch__ goes through it
+inside_before = [inside(1), vars(plus_two).get("__dynamo_disable") is plus_two]  # fn itself, cached on fn
 compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.arange(3.0)).tolist()
 print(json.dumps({"measured": measured.nbytes, "predicted": predicted.nbytes, "imported_in_step": seen,
                   "own_source": own_source, "job": job_peak, "foreign": foreign.nbytes,
                   "foreign_source": foreign_source,
                   "compiler_loaded": compiler_loaded, "disabled": before_load,
                   "after_load": disabled(torch.ones(2)).tolist(),
-                  "compiled": compiled, "optimize": hasattr(sys.modules["torch._dynamo"], "optimize")}))
+                  "compiled": compiled, "optimize": hasattr(sys.modules["torch._dynamo"], "optimize"),
+                  "inside": [*inside_before, inside(1),  # once loaded: the real disabled fn, asked for again
+                             getattr(vars(plus_two).get("__dynamo_disable"), "_torchdynamo_disable", False)]}))
 """
 
 
@@ -93,6 +99,7 @@ def test_deferred_dynamo_traces_the_same_bytes_and_still_compiles():
     assert got["compiler_loaded"] is False  # measuring and predicting never loaded the compiler
     assert got["disabled"] == got["after_load"] == [2.0, 2.0]
     assert got["compiled"] == [1.0, 3.0, 5.0] and got["optimize"] is True
+    assert got["inside"] == [3, True, 3, True]
 
 
 class Doubled(torch.nn.Module):  # as SCRIPT's

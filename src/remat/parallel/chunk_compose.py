@@ -12,6 +12,8 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from remat.memory.compose import CompositionError
 from remat.parallel.stages import parse_phase_detail, phase_detail
 from remat.timeline import Phase, Timeline
@@ -87,6 +89,17 @@ def _forward_end(tl: Timeline) -> int:
     return next((p.start for p in tl.phases if p.kind in ("backward", "recompute")), tl.num_events)
 
 
+def _moved(events: np.ndarray, starts: tuple[int, int, int], shift: dict[tuple[int, int], int],
+           step: int) -> np.ndarray:
+    """Each of a composed step's ``events`` where the chunk trace has it: shifted as the span it falls in (the
+    step's setup, forward or backward, starting at ``starts``) is (``shift[(step, span start)]``)."""
+    span = np.searchsorted(np.asarray(starts[1:]), events, side="right")
+    moved = events.copy()
+    for i in np.unique(span).tolist():
+        moved[span == i] += shift[(step, starts[i])]
+    return moved
+
+
 def join_microbatches(steps: Sequence[Timeline], sources: Sequence[Sequence[int]], shallow: Timeline,
                       shallow_bounds: Sequence[int], shallow_rows: Sequence[Sequence[int]], kept: Sequence[int | None],
                       chunk: int) -> tuple[Timeline, list[int], list[int | None]]:
@@ -132,27 +145,24 @@ def join_microbatches(steps: Sequence[Timeline], sources: Sequence[Sequence[int]
         out.num_events += hi - lo
         bounds.append(out.num_events)
 
-    def new_event(step: Timeline, e: int) -> int:
-        lo = 0 if e < setup else (setup if e < (fa if step is a else fb) else (fa if step is a else fb))
-        return e + shift[(id(step), lo)]
-
-    row_of: list[dict[int, int]] = [{}, {}]
-    phase_starts = [p.start for p in out.phases]
+    phase_starts = np.asarray([p.start for p in out.phases], np.int64)
+    row_of = [np.full(len(a), -1, np.int64), np.full(len(b), -1, np.int64)]  # each step's row -> the chunk's row
     for step, lo, hi in spans:
         m = 0 if step is a else 1
-        for r in range(len(step)):
-            if not lo <= step.alloc_at[r] < hi:
-                continue
-            row_of[m][r] = len(out.nbytes)
-            alloc = new_event(step, step.alloc_at[r])
-            out.nbytes.append(step.nbytes[r])
-            out.alloc_at.append(alloc)
-            out.free_at.append(-1 if step.free_at[r] < 0 else new_event(step, step.free_at[r]))
-            out.phase_index.append(bisect.bisect_right(phase_starts, alloc) - 1)
-            out.module.append(step.module[r])
-            out.category.append(step.category[r])
-    for r in range(n_setup):  # microbatch 1's setup rows are microbatch 0's
-        row_of[1][r] = row_of[0][r]
+        starts = (0, setup, fa if step is a else fb)  # the step's setup, forward and backward
+        alloc, free = np.asarray(step.alloc_at, np.int64), np.asarray(step.free_at, np.int64)
+        rows = ((alloc >= lo) & (alloc < hi)).nonzero()[0]
+        row_of[m][rows] = np.arange(len(out.nbytes), len(out.nbytes) + len(rows))
+        new_alloc, new_free = _moved(alloc[rows], starts, shift, id(step)), free[rows]
+        new_free[new_free >= 0] = _moved(new_free[new_free >= 0], starts, shift, id(step))
+        out.alloc_at += new_alloc.tolist()
+        out.free_at += new_free.tolist()
+        out.phase_index += (np.searchsorted(phase_starts, new_alloc, side="right") - 1).tolist()
+        listed = rows.tolist()
+        out.nbytes += [step.nbytes[r] for r in listed]
+        out.module += [step.module[r] for r in listed]
+        out.category += [step.category[r] for r in listed]
+    row_of[1][:n_setup] = row_of[0][:n_setup]  # microbatch 1's setup rows are microbatch 0's
 
     # the kept outputs and input gradients, found through the rows each step copies
     deep_kept: list[int | None] = []
@@ -163,9 +173,9 @@ def join_microbatches(steps: Sequence[Timeline], sources: Sequence[Sequence[int]
             continue
         small = shallow_rows[m].index(row) if row in shallow_rows[m] else -1
         found = [r for r, src in enumerate(sources[m]) if src == small]
-        if small < 0 or len(found) != 1:
+        if small < 0 or len(found) != 1 or row_of[m][found[0]] < 0:
             raise CompositionError(f"the kept tensor of microbatch {m} is copied {len(found)} times in the deep chunk")
-        deep_kept.append(row_of[m][found[0]])
+        deep_kept.append(int(row_of[m][found[0]]))
     # what the shallow trace frees after its last backward (kept tensors only), in its order
     b1, end = shallow_bounds[4], shallow_bounds[5]
     end_phase = next((p for p in shallow.phases if p.start == b1), None)

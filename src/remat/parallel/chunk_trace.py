@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -269,7 +270,7 @@ def _laid_out(config: ModelConfig, kind: tuple[bool, bool, int], layout: Policy 
                                              [s.rows for s in steps], shallow.kept_rows, 0 if first else 1)
         n_inputs = sum(1 for e in shallow.timeline.alloc_at if e < shallow.bounds[0]) - len(shallow.params)
         n_params = sum(1 for e in tl.alloc_at if e < bounds[0]) - n_inputs
-        trace = _cut(config, kind, layout, tl, bounds, n_params, kept, tl.meta["phase_flops"])
+        trace = cut_chunk_trace(config, kind, layout, tl, bounds, n_params, kept, tl.meta["phase_flops"])
     except CompositionError:
         return None
     trace.batch_in_forward, trace.bounds, trace.kept_rows = shallow.batch_in_forward, tuple(bounds), tuple(kept)
@@ -349,8 +350,8 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
     tl = recorder.timeline
     tl.meta["phase_flops"] = recorder.phase_flops
     bounds.append(tl.num_events)
-    trace = _cut(config, kind, policy, tl, bounds, n_params, kept, recorder.phase_flops, recorder.host_events,
-                 recorder.offload_marks)
+    trace = cut_chunk_trace(config, kind, policy, tl, bounds, n_params, kept, recorder.phase_flops,
+                            recorder.host_events, recorder.offload_marks)
     trace.batch_in_forward, trace.bounds, trace.kept_rows = batch_in_forward, tuple(bounds), tuple(kept)
     if batch_in_forward and first:  # no token ids among the setup inputs: one microbatch's, made in its forward
         trace.input_bytes = round_up(tokens.nbytes, recorder.block_bytes)
@@ -362,25 +363,29 @@ def _drop_grad(param: torch.Tensor) -> None:
     param.grad = None
 
 
-def _cut(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, tl: Timeline, bounds: list[int],
-         n_params: int, kept: list[int | None], flops: list[int],
-         host_events: Sequence[tuple[int, int, str, int]] = (),
-         marks: Sequence[tuple[int, str, str, int, tuple[str, int] | None]] = ()) -> ChunkTrace:
-    """Cut a chunk trace into segments; check the frees (each segment frees only what its own microbatch made) and
-    that the host bytes fine-grained offloading moves (``host_events``, :class:`PipelineRecorder`) go out in a
-    microbatch's forward and come back in its backward."""
+def cut_chunk_trace(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, tl: Timeline,
+                    bounds: Sequence[int], n_params: int, kept: Sequence[int | None], flops: Sequence[int],
+                    host_events: Sequence[tuple[int, int, str, int]] = (),
+                    marks: Sequence[tuple[int, str, str, int, tuple[str, int] | None]] = ()) -> ChunkTrace:
+    """The :class:`ChunkTrace` of chunk trace ``tl`` (its first ``n_params`` rows the parameters, the next the
+    chunk's input; ``bounds`` as :attr:`ChunkTrace.bounds`; ``kept`` its rows of the outputs and input gradients of
+    microbatch 0 and 1, None where there is none; ``flops`` per phase), cut into segments.
+
+    Raises:
+        CompositionError: a segment frees what another microbatch made (each frees only what its own microbatch
+            made, a backward also its forward's), something but a kept tensor is made or freed after the last
+            backward, the two forwards differ, or the host bytes fine-grained offloading moves (``host_events``,
+            :class:`PipelineRecorder`) do not go out in a microbatch's forward and come back in its backward."""
     setup_end, f0, f1, b0, b1, end = bounds
-    rows_at: dict[int, tuple[bool, int]] = {}
-    for row in range(len(tl)):
-        rows_at[tl.alloc_at[row]] = (True, row)
-        if tl.free_at[row] >= 0:
-            rows_at[tl.free_at[row]] = (False, row)
-    owner: dict[int, tuple[int, int]] = {}  # row -> (segment index, ordinal); setup rows are segment -1
-    for row in range(len(tl)):
-        if tl.alloc_at[row] < setup_end:
-            owner[row] = (-1, row)
     spans = [(setup_end, f0), (f0, f1), (f1, b0), (b0, b1)]
+    names = ("forward", "forward", "backward", "backward")
     mb_of = [0, 1, 0, 1]  # forward 0, forward 1, backward 0, backward 1
+    # (as arrays: a chunk trace has tens of thousands of events, each one row's allocation or free)
+    alloc, free = np.asarray(tl.alloc_at, np.int64), np.asarray(tl.free_at, np.int64)
+    where = np.searchsorted(np.asarray([setup_end, f0, f1, b0, b1]), alloc, side="right") - 1  # -1: setup
+    by_alloc = np.argsort(alloc, kind="stable")
+    by_free = np.argsort(free, kind="stable")
+    ordinal = np.arange(len(alloc), dtype=np.int64)  # a setup row's ordinal is its row; a segment's, its place
     segments: list[TraceSegment] = []
     for index, (lo, hi) in enumerate(spans):
         seg = TraceSegment(num_events=hi - lo)
@@ -389,35 +394,34 @@ def _cut(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, tl: 
             if end_p > lo and phase.start < hi:
                 seg.phases.append((max(0, phase.start - lo), phase.kind, phase.region, phase.detail,
                                    flops[p] if phase.start >= lo else 0))
-        for event in range(lo, hi):
-            is_alloc, row = rows_at[event]
-            if is_alloc:
-                owner[row] = (index, len(seg.nbytes))
-                seg.nbytes.append(tl.nbytes[row])
-                seg.category.append(tl.category[row])
-                seg.module.append(tl.module[row])
-                seg.alloc_offsets.append(event - lo)
-                continue
-            where, ordinal = owner[row]
-            if where == index:
-                seg.frees.append((event - lo, "self", ordinal, tl.nbytes[row]))
-            elif index >= 2 and where == index - 2 and mb_of[where] == mb_of[index]:
-                seg.frees.append((event - lo, "F", ordinal, tl.nbytes[row]))
-            else:
-                name = ("setup" if where < 0 else ("forward", "forward", "backward", "backward")[where] +
-                        f" of microbatch {mb_of[where]}")
-                raise CompositionError(f"chunk trace {kind} under {policy}: a free in the "
-                                       f"{('forward', 'forward', 'backward', 'backward')[index]} of microbatch "
-                                       f"{mb_of[index]} releases a tensor of the {name}; a microbatch's steps can "
-                                       "only be copied when they free their own tensors")
+        made = by_alloc[where[by_alloc] == index]  # the rows it allocates, in order
+        ordinal[made] = np.arange(len(made))
+        rows = made.tolist()
+        seg.nbytes = [tl.nbytes[r] for r in rows]
+        seg.category = [tl.category[r] for r in rows]
+        seg.module = [tl.module[r] for r in rows]
+        seg.alloc_offsets = (alloc[made] - lo).tolist()
+        # each free releases a tensor of its own segment, or of the forward of its own microbatch (a backward's)
+        freed = by_free[(free[by_free] >= lo) & (free[by_free] < hi)]
+        own = where[freed] == index
+        bad = ~own & ~((index >= 2) & (where[freed] == index - 2))
+        if bad.any():
+            was = int(where[freed[bad.nonzero()[0][0]]])
+            name = "setup" if was < 0 else f"{names[was]} of microbatch {mb_of[was]}"
+            raise CompositionError(f"chunk trace {kind} under {policy}: a free in the {names[index]} of microbatch "
+                                   f"{mb_of[index]} releases a tensor of the {name}; a microbatch's steps can "
+                                   "only be copied when they free their own tensors")
+        seg.frees = list(zip((free[freed] - lo).tolist(), ["self" if o else "F" for o in own.tolist()],
+                             ordinal[freed].tolist(), [tl.nbytes[r] for r in freed.tolist()]))
         segments.append(seg)
     # what the step still holds at its end are the kept outputs / input gradients (released by the runtime)
-    for event in range(b1, end):
-        is_alloc, row = rows_at[event]
-        if is_alloc or row not in kept:
-            raise CompositionError(f"chunk trace {kind} under {policy}: {tl.module[row]} "
-                                   f"({tl.nbytes[row]} bytes) is {'made' if is_alloc else 'freed'} after the "
-                                   "last backward; only the kept outputs and input gradients should be")
+    late = sorted([(int(alloc[r]), True, r) for r in (alloc >= b1).nonzero()[0].tolist()] +
+                  [(int(free[r]), False, r) for r in (free >= b1).nonzero()[0].tolist() if r not in kept])
+    if late:
+        _, is_alloc, row = late[0]
+        raise CompositionError(f"chunk trace {kind} under {policy}: {tl.module[row]} "
+                               f"({tl.nbytes[row]} bytes) is {'made' if is_alloc else 'freed'} after the "
+                               "last backward; only the kept outputs and input gradients should be")
     forward0, forward1, backward0, backward1 = segments
     for event, delta, module, layer in host_events:
         # a host change recorded at event e holds from e on: it belongs to the segment whose events end at e - 1
@@ -438,7 +442,7 @@ def _cut(config: ModelConfig, kind: tuple[bool, bool, int], policy: Policy, tl: 
                                    "every byte its forward offloaded")
     for seg, row in ((forward0, kept[0]), (forward1, kept[1]), (backward0, kept[2]), (backward1, kept[3])):
         if row is not None:
-            seg.keep = owner[row][1]
+            seg.keep = int(ordinal[row])
     if forward0.signature() != forward1.signature():
         raise CompositionError(f"chunk trace {kind} under {policy}: the second microbatch's forward does not repeat "
                                "the first one's events, so forwards cannot be copied per microbatch")
