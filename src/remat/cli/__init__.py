@@ -40,7 +40,8 @@ YOUNG_GENERATION_THRESHOLD = 10_000
 def console_imports() -> Iterator[None]:
     """What the console script sets up around its imports (a library user's process is left as it is): OpenMP's
     spin count, torch._dynamo and the torch packages no command reads deferred (remat.lazy_torch), the collector off
-    while importing and what the imports made frozen after (NOTE [the collector and the imports]).
+    while importing and what the imports made frozen after (NOTE [the collector and the imports]), and torch's
+    lookup of dispatch rules in one call (NOTE [dispatch rules in one call]).
     benchmarks/profile_cli.py imports the same way, to time a command as the console runs it."""
     if "OMP_WAIT_POLICY" not in os.environ:
         # read once, when torch loads libgomp: a waiting OpenMP thread spins 1,000 times before it sleeps (libgomp's
@@ -54,6 +55,9 @@ def console_imports() -> Iterator[None]:
     gc.disable()
     try:
         yield
+        from remat.memory.dispatch_rules import fast_dispatch_rules
+
+        fast_dispatch_rules()  # before any operator is dispatched (NOTE [dispatch rules in one call])
     finally:
         gc.freeze()
         gc.set_threshold(YOUNG_GENERATION_THRESHOLD, *gc.get_threshold()[1:])

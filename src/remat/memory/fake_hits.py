@@ -78,23 +78,42 @@ def supported() -> bool:
     return frozenset(vars(made)) == frozenset({"_fake_device", "fake_mode", *_CLEARED})
 
 
+# each cache entry's output as _output_from_entry makes it, (sizes, strides, offset, dtype, requires_grad) or None
+# where torch's method makes it (entries are never changed; each is kept here too, so that its id names only it)
+_PLAIN: dict[int, tuple[Any, tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype, bool] | None]] = {}
+
+
+def _plain(entry: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype, bool] | None:
+    """What :func:`_output_from_entry` makes ``entry``'s output of: a new, strided, non-conjugate, non-negative
+    output of static sizes on a real device; None for any other (in-place outputs, constants, symbolic sizes)."""
+    found = _PLAIN.get(id(entry))
+    if found is not None and found[0] is entry:
+        return found[1]
+    metadata = entry.metadata
+    plain = None
+    if entry.inplace_idx is None and metadata is not None and not metadata.is_conj and not metadata.is_neg and \
+            metadata.layout is _STRIDED and type(metadata.storage_offset) is int and metadata.device.type != "meta" \
+            and all(type(n) is int for n in (*metadata.shape, *metadata.stride)):
+        plain = (tuple(metadata.shape), tuple(metadata.stride), metadata.storage_offset, metadata.dtype,
+                 metadata.requires_grad)
+    _PLAIN[id(entry)] = (entry, plain)
+    return plain
+
+
 def _output_from_entry(mode: FakeTensorMode, state: Any, entry: Any, key: Any, func: Any,
                        args: Sequence[object]) -> FakeTensor | None:
     """torch's ``FakeTensorMode._get_output_tensor_from_cache_entry``, the same output, without its generic
     construction (NOTE [fast fake-tensor cache hits])."""
-    metadata = entry.metadata
     # (torch's constructor records a traceback in debug mode, and FakeTensor.__init__ tracks tensors while exporting)
-    if entry.inplace_idx is not None or metadata is None or FakeTensorConfig.debug or _is_exporting() or \
-            mode.shape_env is not None or metadata.is_conj or \
-            metadata.is_neg or metadata.layout is not _STRIDED or type(metadata.storage_offset) is not int or \
-            metadata.device.type == "meta" or any(type(n) is not int for n in (*metadata.shape, *metadata.stride)):
+    plain = None if FakeTensorConfig.debug or _is_exporting() or mode.shape_env is not None else _plain(entry)
+    if plain is None:
         return _TORCHS(mode, state, entry, key, func, args)
     view = None
     if isinstance(func, OpOverload) and func.is_view:
         view = args[entry.view_idx]
         if type(view) is not FakeTensor:
             return _TORCHS(mode, state, entry, key, func, args)  # torch's raises its own error
-    shape, stride = tuple(metadata.shape), tuple(metadata.stride)
+    shape, stride, offset, dtype, requires_grad = plain
     # torch's in_kernel_invocation_manager, entered once for both kernels
     was_in_kernel = mode.in_kernel_invocation
     with torch._C._DisableTorchDispatch():
@@ -102,13 +121,13 @@ def _output_from_entry(mode: FakeTensorMode, state: Any, entry: Any, key: Any, f
         with torch._C._PreserveDispatchKeyGuard():
             _set_meta_in_tls(True)
             try:
-                empty = _empty_strided(shape, stride, dtype=metadata.dtype, layout=_STRIDED, device="meta",
-                                       requires_grad=metadata.requires_grad)
+                empty = _empty_strided(shape, stride, dtype=dtype, layout=_STRIDED, device="meta",
+                                       requires_grad=requires_grad)
                 if view is not None:  # a view shares its input's storage
-                    empty.set_(view.untyped_storage(), metadata.storage_offset, shape, stride)
+                    empty.set_(view.untyped_storage(), offset, shape, stride)
             finally:
                 mode.in_kernel_invocation = was_in_kernel
-    device = _normalize_device(metadata.device)
+    device = _normalize_device(entry.metadata.device)
     out = _make_subclass(FakeTensor, empty, empty.requires_grad, dispatch_device=True,
                          device_for_backend_keys=device)
     if not mode._allow_unsafe_data_ptr_access:
