@@ -518,10 +518,6 @@ class KernelTrace:
         return [u.message(self.kernels) for u in self.untranslated.values()]
 
 
-# the operators UntranslatedObserver never notes, whatever the profile and arguments (an ATen-level query first)
-_TRANSLATED: set[Any] = {_DEVICE_QUERY}
-
-
 class UntranslatedObserver(TorchDispatchMode):
     """Notes operators the profile cannot express (run under the fake mode, below the recorder).
 
@@ -535,20 +531,18 @@ class UntranslatedObserver(TorchDispatchMode):
 
     def observe(self, func: Any, args: tuple[Any, ...], out: Any) -> None:
         """Note ``func`` (called with positional ``args``, giving ``out``) if the profile cannot translate it."""
-        if func in _TRANSLATED:  # (tensor.device, most of a fake step's dispatches, among them)
+        if func is _DEVICE_QUERY:  # tensor.device, most of a fake step's dispatches: an ATen-level query
             return
         namespace = func.namespace
         if namespace not in ("aten", "prims", "prim"):
             self.record.note(str(func), "not an ATen operator: what its CUDA kernel keeps is unknown", out)
         elif func.overloadpacket.__name__ in CPU_ONLY_OPS:
             self.record.note(str(func), "a CPU-only kernel with no CUDA counterpart in the profile", out)
-        elif func.overloadpacket in (aten._softmax, aten._safe_softmax):
-            if (self.record.kernels == "te" and isinstance(out, torch.Tensor) and out.dim() == 4
-                    and out.shape[-1] == out.shape[-2] and args[0].dtype in HALF):
-                self.record.note(str(func), "attention made of separate operators, which TE would fuse; kept as "
-                                 "the composite keeps it", out)
-        else:  # an operator every profile translates, whatever its arguments: not asked about again
-            _TRANSLATED.add(func)
+        elif (self.record.kernels == "te" and func.overloadpacket in (aten._softmax, aten._safe_softmax)
+              and isinstance(out, torch.Tensor) and out.dim() == 4 and out.shape[-1] == out.shape[-2]
+              and args[0].dtype in HALF):
+            self.record.note(str(func), "attention made of separate operators, which TE would fuse; kept as the "
+                             "composite keeps it", out)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
