@@ -91,8 +91,8 @@ def _forward_end(tl: Timeline) -> int:
 
 def _moved(events: np.ndarray, starts: tuple[int, int, int], shift: dict[tuple[int, int], int],
            step: int) -> np.ndarray:
-    """Each of a composed step's ``events`` where the chunk trace has it: shifted as the span it falls in (the
-    step's setup, forward or backward, starting at ``starts``) is (``shift[(step, span start)]``)."""
+    """Each of a composed step's ``events`` where the chunk trace has it: moved by the shift of the span it falls in
+    (the step's setup, forward or backward, starting at ``starts``), ``shift[(step, span start)]``."""
     span = np.searchsorted(np.asarray(starts[1:]), events, side="right")
     moved = events.copy()
     for i in np.unique(span).tolist():
