@@ -1,6 +1,8 @@
-"""The CLI's deferred torch._dynamo (remat.lazy_torch): tracing and measuring without the compiler give the same
-bytes, nothing is imported inside a recorded step, remat's own models import no torch._dynamo.source at all (their
-batches are made fake, nothing is converted), and compiling still works (the real package loads then)."""
+"""The CLI's deferred torch parts (remat.lazy_torch). torch._dynamo: tracing and measuring without the compiler give
+the same bytes, nothing is imported inside a recorded step, remat's own models import no torch._dynamo.source at all
+(their batches are made fake, nothing is converted), and compiling still works (the real package loads then). The
+packages no command reads: stand-ins bound where torch binds them, none run by a job's prediction, each run on its
+first attribute read or submodule import."""
 
 from __future__ import annotations
 
