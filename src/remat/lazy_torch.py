@@ -75,7 +75,7 @@ class _DeferredDynamo(_Deferred):
 def _load(module: types.ModuleType) -> None:
     """Run the package's ``__init__`` into its stand-in ``module`` (a no-op once it has run)."""
     real = _PENDING.pop(module.__name__, None)  # first: the __init__'s own submodule imports must not load it again
-    if real is None or real.loader is None:
+    if real is None:
         return
     stand_in = module.__spec__
     module.__spec__, module.__loader__ = real, real.loader
@@ -160,11 +160,6 @@ def defer(names: Iterable[str]) -> list[str]:
 def defer_torch() -> list[str]:
     """The CLI's deferral: ``torch._dynamo`` and :data:`UNUSED` (:func:`defer`). torch itself is not imported here."""
     return defer((NAME, *UNUSED))
-
-
-def defer_dynamo() -> bool:
-    """Defer ``torch._dynamo`` alone (:func:`defer`); True unless the real package is imported already."""
-    return bool(defer((NAME,)))
 
 
 def _deferred_disable(fn: Callable[..., Any] | None = None, recursive: bool = True,

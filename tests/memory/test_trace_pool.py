@@ -147,8 +147,8 @@ def test_warm_up_for_dispatch_imports_what_a_first_fake_cache_miss_would_and_kee
 
     script = """
 import json, sys
-from remat.lazy_torch import defer_dynamo
-defer_dynamo()
+from remat.lazy_torch import NAME, defer
+defer([NAME])
 import torch
 from remat.memory.trace_pool import warm_up
 heavy = ("sympy", "torch.fx.experimental.symbolic_shapes", "torch.distributed.tensor")

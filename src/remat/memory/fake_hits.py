@@ -87,7 +87,7 @@ def _plain(entry: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, torch.dty
     """What :func:`_output_from_entry` makes ``entry``'s output of: a new, strided, non-conjugate, non-negative
     output of static sizes on a real device; None for any other (in-place outputs, constants, symbolic sizes)."""
     found = _PLAIN.get(id(entry))
-    if found is not None and found[0] is entry:
+    if found is not None:  # (the entry it was made for is alive, kept here: no other object has its id)
         return found[1]
     metadata = entry.metadata
     plain = None
