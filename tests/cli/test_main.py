@@ -121,7 +121,7 @@ atexit.register(lambda: print("the exit handler ran", flush=True))
 print("x" * 200_000)  # more than a pipe's buffer: written out before the process ends
 if sys.argv[1] == "thread":
     threading.Thread(target=lambda: print("the thread ran", flush=True), daemon=False).start()
-    threading.Thread(target=threading.Event().wait, args=(0.5,), daemon=True).start()
+    threading.Thread(target=threading.Event().wait, daemon=True).start()  # still running at exit_now, however late
 exit_now(3)
 print("returned: the usual exit")
 """
