@@ -15,7 +15,14 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.config import ModelConfig
-from remat.memory.fake_hits import UNCACHED, answers_from_cache, cached_output, fast_cache_hits, supported
+from remat.memory.fake_hits import (
+    UNCACHED,
+    answers_from_cache,
+    cached_output,
+    fake_tensor_mode,
+    fast_cache_hits,
+    supported,
+)
 from remat.memory.kernels import use_kernels
 from remat.memory.predict import predict, predict_config, trace
 
@@ -144,6 +151,23 @@ def test_installed_only_inside_and_only_on_fake_modes():
     with fast_cache_hits(None):  # no fake mode (a real step): nothing to do
         pass
     assert vars(FakeTensorMode)[NAME] is torchs  # the class (every other fake mode) untouched
+
+
+def test_a_traces_fake_mode_is_fast_from_its_start():
+    """fake_tensor_mode: the model's construction already makes its keys and hits the faster ways (the recorder's
+    own block, entered inside, keeps them); real tensors are refused; nothing is left on the mode after."""
+    real = torch.ones(2, 2)
+    with fake_tensor_mode() as mode:
+        assert isinstance(mode, FakeTensorMode)
+        assert {NAME, "_prep_args_for_hash"} <= set(vars(mode))
+        layer = torch.nn.Linear(4, 4)  # built in the mode: fake parameters, made through the fast methods
+        assert isinstance(layer.weight, FakeTensor) and layer.weight.fake_mode is mode
+        hits = FakeTensorMode.cache_hits
+        torch.nn.Linear(4, 4)  # the same construction again: cache hits
+        assert FakeTensorMode.cache_hits > hits
+        with pytest.raises(Exception, match="allow_non_fake_inputs"):
+            layer.weight + real
+    assert not {NAME, "_prep_args_for_hash"} & set(vars(mode))
 
 
 def test_a_fast_output_warns_on_its_data_pointer_as_torchs_do():

@@ -32,10 +32,10 @@ _FIELDS = ("dtype", "shape", "stride", "device", "layout", "memory_format", "sto
 SUPPORTED = tuple(f.name for f in dataclasses.fields(TensorMetadata)) == _FIELDS
 _TORCHS = FakeTensorMode._prep_args_for_hash
 _STRIDED = torch.strided
-# (sizes, strides) -> the memory format torch's key names for a strided tensor laid out so (None: not contiguous in
-# the format suggest_memory_format suggests)
-_FORMATS: dict[tuple[torch.Size, tuple[int, ...]], torch.memory_format | None] = {}
-_UNKNOWN = object()
+# (sizes, strides) -> what the key holds for a strided tensor laid out so, a function of them alone, worked out once
+# for each: its sizes and strides as torch flattens them (marker, length, then each as int and value), and the memory
+# format it names (None: not contiguous in the format suggest_memory_format suggests)
+_LAYOUTS: dict[tuple[torch.Size, tuple[int, ...]], tuple[tuple[object, ...], torch.memory_format | None]] = {}
 _SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
                       torch.memory_format})
 
@@ -65,20 +65,12 @@ def _append(mode: FakeTensorMode, result: list[object], args: Any, state: Any, i
         elif arg_kind is FakeTensor and arg.fake_mode is mode and arg.constant is None and \
                 arg.layout is _STRIDED and not arg._has_symbolic_sizes_strides:
             shape, stride = arg.shape, arg.stride()
-            memory_format = _FORMATS.get((shape, stride), _UNKNOWN)
-            if memory_format is _UNKNOWN:  # a function of the sizes and strides alone: worked out once for each
-                memory_format = suggest_memory_format(arg)
-                if not arg.is_contiguous(memory_format=memory_format):
-                    memory_format = None
-                _FORMATS[(shape, stride)] = memory_format
-            result += (arg.dtype, torch.Size, f"length_{len(shape)}")
-            for n in shape:
-                append(int)
-                append(n)
-            result += (tuple, f"length_{len(stride)}")
-            for n in stride:
-                append(int)
-                append(n)
+            layout = _LAYOUTS.get((shape, stride))
+            if layout is None:
+                layout = _LAYOUTS[(shape, stride)] = _layout(arg, shape, stride)
+            sizes_and_strides, memory_format = layout
+            append(arg.dtype)
+            result += sizes_and_strides
             result += (arg.device, _STRIDED, memory_format, arg.storage_offset(), arg.untyped_storage().nbytes(),
                        arg.requires_grad, arg.is_quantized, arg.is_conj(), arg.is_neg(), arg.is_inference(),
                        arg.is_sparse, None, None, None)
@@ -86,6 +78,21 @@ def _append(mode: FakeTensorMode, result: list[object], args: Any, state: Any, i
             _prep_args(mode, result, arg, state, id_hashed)
         else:  # anything else (raising torch's bypasses too), one argument: an iterator adds no list markers
             _TORCHS(mode, result, iter((arg,)), state, id_hashed)
+
+
+def _layout(arg: FakeTensor, shape: torch.Size, stride: tuple[int, ...]) -> tuple[tuple[object, ...],
+                                                                             torch.memory_format | None]:
+    """``_LAYOUTS``'s entry for a strided tensor of these sizes and strides."""
+    memory_format = suggest_memory_format(arg)
+    if not arg.is_contiguous(memory_format=memory_format):
+        memory_format = None
+    values: list[object] = [torch.Size, f"length_{len(shape)}"]
+    for n in shape:
+        values += (int, n)
+    values += (tuple, f"length_{len(stride)}")
+    for n in stride:
+        values += (int, n)
+    return tuple(values), memory_format
 
 
 @contextlib.contextmanager

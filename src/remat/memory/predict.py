@@ -30,6 +30,7 @@ from remat.memory.compose import (
     shallow_stand_ins_of_kinds,
 )
 from remat.memory.disk_cache import cached_timeline
+from remat.memory.fake_hits import fake_tensor_mode
 from remat.memory.fake_ops import cpu_fake_ops
 from remat.memory.kernels import kernel_trace, prepare_model, resolve_kernels, use_kernels
 from remat.memory.measure import Batch, MeasureError, check_step, record_step
@@ -483,7 +484,7 @@ def trace(model: ModelSource, policy: Policy | str, *, batch: Batch | Callable[[
             raise MeasureError("predict(factory, ...) needs batch=: the model's inputs (real tensors, or a function "
                                "that makes them)")
     profile = resolve_kernels(kernels, device)  # remat.memory.kernels: the CUDA/TE kernels' saved tensors
-    with FakeTensorMode(allow_non_fake_inputs=False) as fake_mode, kernel_trace(profile) as kernel_record, \
+    with fake_tensor_mode() as fake_mode, kernel_trace(profile) as kernel_record, \
             cpu_fake_ops(fake_mode):  # torch._grouped_mm as its CPU kernel runs (remat.memory.fake_ops)
         module = factory()
         if not isinstance(module, nn.Module):

@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat.config import ModelConfig
 from remat.memory.compose import (
@@ -25,6 +24,7 @@ from remat.memory.compose import (
     shallow_stand_ins_of_kinds,
 )
 from remat.memory.delayed_wgrad import delay_wgrads
+from remat.memory.fake_hits import fake_tensor_mode
 from remat.memory.kernels import kernel_trace, model_kernels, prepare_model
 from remat.memory.wgrad_fusion import keep_fused_inputs
 from remat.models.expert_parallel import simulated_expert_rank
@@ -291,7 +291,7 @@ def _trace_chunk(config: ModelConfig, kind: tuple[bool, bool, int], policy: Poli
     if layers:  # a chunk of no layers (only the embedding, or only the loss) has no layer to recompute
         policy.layer_groups(layers)  # refuses k > layers in the chunk, naming the depth
     # the kernel profile inside the fake mode and before the recorder (remat.memory.kernels.kernel_trace)
-    with FakeTensorMode(allow_non_fake_inputs=False), kernel_trace(kernels):
+    with fake_tensor_mode(), kernel_trace(kernels):
         module = (build_stage_module(config, spec) if tp == 1 and not sp else
                   build_tp_stage_module(config, spec, SimulatedGroup(tp), sp, seed=None))
         shape = hidden_shape(config, tp, sp)  # [b*s/tp, h] token shards under SP, else [b, s, h]

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from remat.config import ModelConfig
+from remat.memory.fake_hits import fake_tensor_mode
 from remat.memory.kernels import kernel_trace, prepare_model, resolve_kernels
 from remat.memory.measure import StepRecorder, record_step
 from remat.memory.predict import rank_model_factory
@@ -61,7 +61,7 @@ def marked_trace(config: ModelConfig, units: Sequence[Unit], *, device: str = "c
         first[at], last[at + unit.size - 1] = u, u
         at += unit.size
     marks = UnitMarks({}, {})
-    with FakeTensorMode(allow_non_fake_inputs=False), kernel_trace(resolve_kernels(None, device)) as kernels:
+    with fake_tensor_mode(), kernel_trace(resolve_kernels(None, device)) as kernels:
         model = rank_model_factory(cfg, tp, sp)()
         prepare_model(model, kernels.kernels)  # the active kernel profile (use_kernels), as remat.memory.predict's
         state = apply(model, plan)
@@ -125,7 +125,7 @@ def watch_one_layer(config: ModelConfig, tp: int, sp: bool,
     """Run a fake forward of a one-layer model (one tensor-parallel rank) under ``watcher(model.layers[0])`` and
     return the watcher: how the plan space reads a layer's operators without running anything."""
     cfg = config.replace(num_layers=1)
-    with FakeTensorMode(allow_non_fake_inputs=False):
+    with fake_tensor_mode():
         model = rank_model_factory(cfg, tp, sp)()
         mode = watcher(model.layers[0])
         with mode:
