@@ -48,6 +48,7 @@ from torch._subclasses.fake_tensor import (
     _BypassDispatchCache,
     _CacheKeyState,
     _DispatchCacheValidEntry,
+    _is_indexed_device_type,
 )
 from torch._subclasses.fake_tensor import log as fake_log
 from torch.utils._stats import simple_call_counter
@@ -78,14 +79,18 @@ def supported() -> bool:
     return frozenset(vars(made)) == frozenset({"_fake_device", "fake_mode", *_CLEARED})
 
 
-# each cache entry's output as _output_from_entry makes it, (sizes, strides, offset, dtype, requires_grad) or None
-# where torch's method makes it (entries are never changed; each is kept here too, so that its id names only it)
-_PLAIN: dict[int, tuple[Any, tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype, bool] | None]] = {}
+# each cache entry's output as _output_from_entry makes it, (sizes, strides, offset, dtype, requires_grad, device) or
+# None where torch's method makes it (entries are never changed; each is kept here too, so that its id names only it)
+_Plain = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype, bool, torch.device | None]
+_PLAIN: dict[int, tuple[Any, _Plain | None]] = {}
 
 
-def _plain(entry: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype, bool] | None:
+def _plain(entry: Any) -> _Plain | None:
     """What :func:`_output_from_entry` makes ``entry``'s output of: a new, strided, non-conjugate, non-negative
-    output of static sizes on a real device; None for any other (in-place outputs, constants, symbolic sizes)."""
+    output of static sizes on a real device; None for any other (in-place outputs, constants, symbolic sizes). Its
+    device is the one FakeTensor's constructor normalises the entry's to, where that is a function of the entry alone:
+    a device with an index, or of a kind without indices (first normalised here, which initialises a GPU's context as
+    torch's does); None where it is the current device of its kind, asked each time."""
     found = _PLAIN.get(id(entry))
     if found is not None:  # (the entry it was made for is alive, kept here: no other object has its id)
         return found[1]
@@ -94,8 +99,10 @@ def _plain(entry: Any) -> tuple[tuple[int, ...], tuple[int, ...], int, torch.dty
     if entry.inplace_idx is None and metadata is not None and not metadata.is_conj and not metadata.is_neg and \
             metadata.layout is _STRIDED and type(metadata.storage_offset) is int and metadata.device.type != "meta" \
             and all(type(n) is int for n in (*metadata.shape, *metadata.stride)):
+        device = metadata.device
+        fixed = device.index is not None or not _is_indexed_device_type(device.type)
         plain = (tuple(metadata.shape), tuple(metadata.stride), metadata.storage_offset, metadata.dtype,
-                 metadata.requires_grad)
+                 metadata.requires_grad, _normalize_device(device) if fixed else None)
     _PLAIN[id(entry)] = (entry, plain)
     return plain
 
@@ -113,7 +120,7 @@ def _output_from_entry(mode: FakeTensorMode, state: Any, entry: Any, key: Any, f
         view = args[entry.view_idx]
         if type(view) is not FakeTensor:
             return _TORCHS(mode, state, entry, key, func, args)  # torch's raises its own error
-    shape, stride, offset, dtype, requires_grad = plain
+    shape, stride, offset, dtype, requires_grad, device = plain
     # torch's in_kernel_invocation_manager, entered once for both kernels
     was_in_kernel = mode.in_kernel_invocation
     with torch._C._DisableTorchDispatch():
@@ -127,7 +134,8 @@ def _output_from_entry(mode: FakeTensorMode, state: Any, entry: Any, key: Any, f
                     empty.set_(view.untyped_storage(), offset, shape, stride)
             finally:
                 mode.in_kernel_invocation = was_in_kernel
-    device = _normalize_device(entry.metadata.device)
+    if device is None:
+        device = _normalize_device(entry.metadata.device)
     out = _make_subclass(FakeTensor, empty, empty.requires_grad, dispatch_device=True,
                          device_for_backend_keys=device)
     if not mode._allow_unsafe_data_ptr_access:
