@@ -64,8 +64,11 @@ def idle_workers(window: float = 0.05) -> int:
 # again from zero). The children of this process that ended over the span (a round of forked workers) count as its
 # own work: the cores they kept busy are free now, and a span measured across their work had counted them taken (a
 # job plan's last replays ran on one core after its search's workers ended: 0.34-0.46 s for its 11 replays,
-# 0.24-0.28 s on two, side by side in one process).
-MAX_SAMPLE_AGE = 2.0
+# 0.24-0.28 s on two, side by side in one process). A job plan (Llama-3-70B, TP8 PP4) first asks 1.4-1.6 s after the
+# command line's sample where `import torch` takes 1.2 s, and over 2 s where the machine is slower: up to 5 s old,
+# the sample spares a slower machine the wait too, and a span of a few seconds still tells what load the command
+# meets.
+MAX_SAMPLE_AGE = 5.0
 # (monotonic time, total ticks, idle ticks, own CPU seconds, the process that took it, its ended children's CPU seconds)
 _SAMPLE: list[tuple[float, int, int, float, int, float]] = []
 # the last answer of idle_cores and the time of the sample it ended at (_SAMPLE's): the answer again to a call less
