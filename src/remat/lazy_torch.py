@@ -9,8 +9,8 @@ Fake-tensor tracing touches ``torch._dynamo`` three ways, none of which needs th
 
 Yet ``import torch._dynamo.config`` first runs the package's ``__init__``, which imports the whole compiler (about
 1.3 s of a 2-core machine's 2-3 s start). And ``import torch`` itself runs the ``__init__`` of probability
-distributions, masked tensors, the profiler and quantization with its ``torch.nn`` aliases: about 170 modules, 0.06-0.1
-s of CPU, for packages no command reads.
+distributions, masked tensors, the profiler, quantization with its ``torch.nn`` aliases and the data loaders
+(``torch.utils.data``): about 150 modules, 0.1 s of CPU, for packages no command reads.
 
 :func:`defer_torch` makes the first import of each such package a stand-in module (a meta-path finder hands it out;
 the import binds it to its parent as usual). The package's ``__init__`` has not run: any attribute read on the stand-in
@@ -41,7 +41,7 @@ LIGHT = frozenset({"config", "source", "utils", "bytecode_analysis", "bytecode_t
 # the packages torch/__init__.py imports that no remat command reads (none of remat's modules imports them; a command
 # that reaches one, e.g. through a user's model, loads it then)
 UNUSED = ("torch.distributions", "torch.masked", "torch.profiler", "torch.quantization", "torch.nn.intrinsic",
-          "torch.nn.qat", "torch.nn.quantizable", "torch.nn.quantized")
+          "torch.nn.qat", "torch.nn.quantizable", "torch.nn.quantized", "torch.utils.data")
 
 # each stand-in handed out whose package's __init__ has not run yet: its name -> the package's own spec
 _PENDING: dict[str, importlib.machinery.ModuleSpec] = {}

@@ -133,7 +133,7 @@ from remat.parallel.job_predict import predict_job
 
 stand_ins = {name: type(sys.modules[name]).__name__ for name in UNUSED}
 bound = [torch.nn.intrinsic is sys.modules["torch.nn.intrinsic"],
-         torch.distributions is sys.modules["torch.distributions"]]
+         torch.distributions is sys.modules["torch.distributions"], torch.utils.data is sys.modules["torch.utils.data"]]
 config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 job = Job.build(config, precision="bf16", tp=2, sp=True, pp=2, num_microbatches=4, dp=2)
 job_peak = predict_job(job).worst.peak_bytes
@@ -146,10 +146,12 @@ masked = [is_masked_tensor(torch.ones(1)),
           is_masked_tensor(torch.masked.as_masked_tensor(torch.ones(2), torch.ones(2) > 0))]
 from torch.profiler import ProfilerActivity
 quantized = torch.nn.quantized.Quantize.__module__
+batches = [b.tolist() for b in torch.utils.data.DataLoader(list(range(5)), batch_size=2)]
 print(json.dumps({"deferred": deferred, "stand_ins": stand_ins, "bound": bound, "inside": inside,
                   "job": job_peak, "not_run_after_a_job": still, "sample": sample, "masked": masked,
                   "activity": ProfilerActivity.CPU.name, "quantized": quantized,
-                  "missing": hasattr(torch.distributions, "no_such_name"), "pending_at_the_end": pending()}))
+                  "batches": batches, "missing": hasattr(torch.distributions, "no_such_name"),
+                  "pending_at_the_end": pending()}))
 """
 
 
@@ -159,7 +161,7 @@ def test_deferred_unused_packages_load_on_first_use_and_a_job_reads_none():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["deferred"] == [NAME, *UNUSED]
     # stand-ins, each bound to its parent as an import binds a module
-    assert set(got["stand_ins"].values()) == {"_Deferred"} and got["bound"] == [True, True]
+    assert set(got["stand_ins"].values()) == {"_Deferred"} and got["bound"] == [True, True, True]
     # a whole job's prediction reads none of them: their __init__ has not run, none of their submodules is imported
     assert set(got["not_run_after_a_job"]) == {NAME, *UNUSED} and got["inside"] == []
     config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -169,6 +171,7 @@ def test_deferred_unused_packages_load_on_first_use_and_a_job_reads_none():
     assert got["sample"] == torch.distributions.Normal(torch.zeros(3), torch.ones(3)).sample().tolist()
     assert got["masked"] == [False, True] and got["activity"] == "CPU" and got["missing"] is False
     assert got["quantized"] == torch.nn.quantized.Quantize.__module__
-    # each ran when first read (distributions, masked, profiler, nn.quantized), the others not yet
+    assert got["batches"] == [[0, 1], [2, 3], [4]]
+    # each ran when first read (distributions, masked, profiler, nn.quantized, utils.data), the others not yet
     assert set(got["pending_at_the_end"]) == {NAME, "torch.quantization", "torch.nn.intrinsic", "torch.nn.qat",
                                               "torch.nn.quantizable"}
