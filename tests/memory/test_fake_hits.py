@@ -165,6 +165,11 @@ def test_a_traces_fake_mode_is_fast_from_its_start():
         hits = FakeTensorMode.cache_hits
         torch.nn.Linear(4, 4)  # the same construction again: cache hits
         assert FakeTensorMode.cache_hits > hits
+        on_gpu = torch.empty(3, 4, device="cuda")  # (a fake device: no GPU needed)
+        hits = FakeTensorMode.cache_hits
+        outputs = [on_gpu + 1 for _ in range(3)]  # hits after the first: the entry's device, normalised once
+        assert FakeTensorMode.cache_hits >= hits + 2
+        assert [o.device for o in outputs] == [on_gpu.device] * 3 == [torch.device("cuda", 0)] * 3
         with pytest.raises(Exception, match="allow_non_fake_inputs"):
             layer.weight + real
     assert not {NAME, "_prep_args_for_hash"} & set(vars(mode))
